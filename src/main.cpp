@@ -1,0 +1,2 @@
+#include <cstdio>
+int main() { std::puts("moesrv"); return 0; }
