@@ -1,0 +1,31 @@
+// The inference interface the server, CLI and tools program against. Backends (CPU, CUDA, hybrid) implement it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moesrv {
+
+// Per-sequence state: the KV cache (and any recurrent state) after `length()` tokens.
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  virtual int64_t length() const = 0;
+  virtual void truncate(int64_t n) = 0;                      // keep the first n tokens
+  virtual std::unique_ptr<SequenceState> clone() const = 0;  // deep copy (prefix cache snapshots)
+  virtual size_t bytes() const = 0;                          // memory held
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string name() const = 0;   // model id served on /v1/models
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_context() const = 0;
+  virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
+  // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
+  virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) = 0;
+};
+
+}  // namespace moesrv
