@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moesrv: run large Mixture-of-Experts models on a home machine"};
   app.require_subcommand(1);
   moesrv::cli::add_generate_command(app);
+  moesrv::cli::add_lock_verify_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -5,5 +5,6 @@
 namespace moesrv::cli {
 
 void add_generate_command(CLI::App& app);
+void add_lock_verify_commands(CLI::App& app);  // lock, verify
 
 }  // namespace moesrv::cli
