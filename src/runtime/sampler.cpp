@@ -1,0 +1,60 @@
+#include "runtime/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace moesrv {
+
+int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
+  int32_t best = -1;
+  float best_v = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (allowed && !(*allowed)[i]) continue;
+    if (best < 0 || logits[i] > best_v) best = int32_t(i), best_v = logits[i];
+  }
+  return best;
+}
+
+Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed ? *params.seed : std::random_device{}()) {}
+
+int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
+  if (allowed && allowed->size() != logits.size()) allowed = nullptr;
+  int32_t best = argmax(logits, allowed);
+  if (best < 0) return argmax(logits);  // mask excluded everything: ignore it rather than emit garbage
+  if (params_.temperature <= 0.0f || params_.top_k == 1) return best;
+
+  candidates_.clear();
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (allowed && !(*allowed)[i]) continue;
+    if (std::isfinite(logits[i])) candidates_.emplace_back(logits[i], int32_t(i));
+  }
+  if (candidates_.empty()) return best;
+  auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first; };
+  size_t keep = candidates_.size();
+  if (params_.top_k > 0 && size_t(params_.top_k) < keep) {
+    keep = size_t(params_.top_k);
+    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
+    candidates_.resize(keep);
+  } else {
+    std::sort(candidates_.begin(), candidates_.end(), by_logit);
+  }
+  // Softmax at temperature over the kept candidates (sorted, so max is first).
+  float inv_t = 1.0f / params_.temperature, max_logit = candidates_[0].first;
+  double total = 0;
+  for (auto& c : candidates_) total += (c.first = std::exp((c.first - max_logit) * inv_t));
+  if (params_.top_p < 1.0f && params_.top_p > 0.0f) {
+    double cum = 0, limit = params_.top_p * total;
+    size_t n = 0;
+    while (n < candidates_.size() && cum < limit) cum += candidates_[n++].first;
+    candidates_.resize(std::max<size_t>(n, 1));
+    total = cum > 0 ? cum : candidates_[0].first;
+  }
+  double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
+  for (auto& c : candidates_) {
+    if ((r -= c.first) <= 0) return c.second;
+  }
+  return candidates_.back().second;
+}
+
+}  // namespace moesrv

@@ -1,0 +1,35 @@
+// Next-token sampling: greedy at temperature 0, otherwise temperature / top-k / top-p with a seeded RNG.
+// An optional mask (1 = allowed) restricts the candidates, e.g. for constrained tool-call decoding.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace moesrv {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0: greedy
+  float top_p = 1.0f;        // nucleus mass kept, (0, 1]
+  int top_k = 0;             // 0: all tokens
+  std::optional<uint64_t> seed;  // unset: random
+};
+
+class Sampler {
+ public:
+  explicit Sampler(SamplingParams params);
+  // Picks a token from `logits`; `allowed` (same size as logits, non-zero = allowed) filters first.
+  // Falls back to the unmasked argmax if the mask allows nothing.
+  int32_t sample(std::span<const float> logits, const std::vector<uint8_t>* allowed = nullptr);
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> candidates_;  // reused scratch
+};
+
+int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowed = nullptr);
+
+}  // namespace moesrv

@@ -1,0 +1,29 @@
+// What the server needs from a tokenizer + chat template, as one small interface so the HTTP layer can be
+// tested with scripted doubles and backed by the real tokenizer in production (see tokenizer_codec.h).
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moesrv {
+
+class ChatCodec {
+ public:
+  virtual ~ChatCodec() = default;
+  virtual int64_t vocab_size() const = 0;
+  // Text -> ids; special-token text (e.g. "<|user|>") maps to the special ids.
+  virtual std::vector<int32_t> encode(const std::string& text) const = 0;
+  // The raw bytes a token stands for (may be a partial UTF-8 sequence); special tokens give their text.
+  virtual std::string token_bytes(int32_t id) const = 0;
+  virtual bool is_special(int32_t id) const = 0;
+  virtual std::optional<int32_t> special_id(const std::string& text) const = 0;
+  // Tokens that end an assistant turn (EOS, <|user|>, <|observation|>, ...).
+  virtual std::vector<int32_t> end_of_turn_ids() const = 0;
+  // Renders a conversation to the prompt text (messages already normalised, tool_call arguments as objects).
+  virtual std::string render_chat(const nlohmann::json& messages, const nlohmann::json& tools,
+                                  const nlohmann::json& template_kwargs) const = 0;
+};
+
+}  // namespace moesrv

@@ -1,0 +1,58 @@
+// Parsing and validation of OpenAI request bodies. Unknown fields are ignored; known fields with the wrong
+// type or value raise ApiError 400 naming the parameter.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/sampler.h"
+
+namespace moesrv {
+
+// One function tool: its name and, per declared property, whether values are free text (JSON type string
+// or unknown) or must be JSON of the declared type.
+struct ToolSpec {
+  std::string name;
+  struct Property {
+    std::string name;
+    std::string json_type;  // "string", "integer", "number", "boolean", "object", "array", "null" or "" (any)
+    bool is_text() const { return json_type.empty() || json_type == "string"; }
+  };
+  std::vector<Property> properties;
+  std::vector<std::string> required;
+  const Property* property(const std::string& key) const;
+};
+
+enum class ToolChoice { kAuto, kNone, kRequired, kNamed };
+
+struct GenerationOptions {
+  SamplingParams sampling;
+  std::optional<int64_t> max_tokens;
+  std::vector<std::string> stop;
+  bool stream = false, include_usage = false;
+};
+
+struct ChatRequest {
+  nlohmann::json messages;  // normalised: content is a string, tool_call arguments are objects
+  nlohmann::json tools = nlohmann::json::array();  // as sent (OpenAI tool objects)
+  std::vector<ToolSpec> tool_specs;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  std::string tool_choice_name;  // kNamed
+  nlohmann::json template_kwargs = nlohmann::json::object();
+  GenerationOptions gen;
+};
+
+struct CompletionRequest {
+  std::optional<std::string> prompt_text;
+  std::vector<int32_t> prompt_ids;  // when the prompt was given as token ids
+  GenerationOptions gen;
+};
+
+ChatRequest parse_chat_request(const nlohmann::json& body);
+CompletionRequest parse_completion_request(const nlohmann::json& body);
+std::vector<ToolSpec> parse_tools(const nlohmann::json& tools);  // throws ApiError on invalid schemas
+
+}  // namespace moesrv

@@ -1,0 +1,84 @@
+#include "server/generator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "util/error.h"
+
+namespace moesrv {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
+GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<int32_t>& prompt,
+                          int64_t max_new_tokens, Sampler& sampler, DecodeHooks& hooks, GeneratorConfig config) {
+  MOESRV_CHECK(!prompt.empty(), "empty prompt");
+  GenerationResult r;
+  r.prompt_tokens = int64_t(prompt.size());
+  std::unique_ptr<SequenceState> seq;
+  if (cache) {
+    auto hit = cache->acquire(prompt, r.prompt_tokens - 1);
+    seq = std::move(hit.state);
+    r.cached_tokens = hit.reused;
+  }
+  if (!seq) seq = engine.new_sequence(), r.cached_tokens = 0;
+  std::vector<int32_t> seq_tokens(prompt.begin(), prompt.begin() + r.cached_tokens);  // what `seq` holds
+
+  // Hands the state back to the cache however the generation ends, unless an engine call failed midway.
+  bool state_valid = true;
+  struct Return {
+    PrefixCache* cache;
+    std::unique_ptr<SequenceState>& seq;
+    std::vector<int32_t>& tokens;
+    bool& valid;
+    ~Return() {
+      if (cache && valid && seq && int64_t(tokens.size()) == seq->length()) cache->insert(std::move(tokens), std::move(seq));
+    }
+  } give_back{cache, seq, seq_tokens, state_valid};
+
+  auto forward = [&](const std::vector<int32_t>& toks) {
+    state_valid = false;
+    auto logits = engine.forward(*seq, toks);
+    state_valid = true;
+    seq_tokens.insert(seq_tokens.end(), toks.begin(), toks.end());
+    return logits;
+  };
+
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> logits;
+  int64_t total = r.prompt_tokens - r.cached_tokens;
+  for (int64_t done = 0; done < total;) {
+    int64_t n = std::min(config.prefill_chunk, total - done);
+    auto begin = prompt.begin() + r.cached_tokens + done;
+    logits = forward(std::vector<int32_t>(begin, begin + n));
+    done += n;
+    if (done < total && !hooks.on_prefill_progress(done, total)) {
+      r.finish = GenerationResult::Finish::kCancelled;
+      r.prefill_seconds = seconds_since(t0);
+      return r;
+    }
+  }
+  r.prefill_seconds = seconds_since(t0);
+
+  auto t1 = std::chrono::steady_clock::now();
+  r.finish = GenerationResult::Finish::kLength;
+  while (r.completion_tokens < max_new_tokens) {
+    int32_t tok;
+    if (auto forced = hooks.forced_token()) tok = *forced;
+    else tok = sampler.sample(logits, hooks.allowed_tokens());
+    ++r.completion_tokens;
+    if (!hooks.on_token(tok)) {
+      r.finish = GenerationResult::Finish::kStopped;
+      break;
+    }
+    if (r.completion_tokens == max_new_tokens || seq->length() + 1 >= engine.max_context()) break;
+    logits = forward({tok});
+  }
+  r.decode_seconds = seconds_since(t1);
+  return r;
+}
+
+}  // namespace moesrv

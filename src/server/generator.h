@@ -1,0 +1,43 @@
+// The decode loop shared by the chat and completion endpoints: prefix-cache lookup, chunked prefill,
+// sample/force/mask per step via hooks, and the final state handed back to the prefix cache.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "runtime/engine.h"
+#include "runtime/prefix_cache.h"
+#include "runtime/sampler.h"
+
+namespace moesrv {
+
+class DecodeHooks {
+ public:
+  virtual ~DecodeHooks() = default;
+  // A token to emit without sampling (e.g. "</think>" when the reasoning budget is spent).
+  virtual std::optional<int32_t> forced_token() { return std::nullopt; }
+  // Allowed-token mask for the next sample (nullptr: unconstrained).
+  virtual const std::vector<uint8_t>* allowed_tokens() { return nullptr; }
+  // Called for each generated token; return false to stop (end of turn, stop string, client gone).
+  virtual bool on_token(int32_t id) = 0;
+  // Called between prefill chunks; return false to abandon (client gone). Default: calls prefill_ping.
+  virtual bool on_prefill_progress(int64_t done, int64_t total) { return prefill_ping ? prefill_ping() : true; }
+  std::function<bool()> prefill_ping;
+};
+
+struct GenerationResult {
+  enum class Finish { kStopped, kLength, kCancelled } finish = Finish::kStopped;
+  int64_t prompt_tokens = 0, cached_tokens = 0, completion_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+struct GeneratorConfig {
+  int64_t prefill_chunk = 512;  // tokens per forward call during prefill (cancellation granularity)
+};
+
+// Runs one generation. `max_new_tokens` bounds the generated tokens (forced ones included).
+GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<int32_t>& prompt,
+                          int64_t max_new_tokens, Sampler& sampler, DecodeHooks& hooks, GeneratorConfig config = {});
+
+}  // namespace moesrv

@@ -1,0 +1,363 @@
+#include "server/http_server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <ctime>
+#include <thread>
+
+#include "runtime/prefix_cache.h"
+#include "runtime/scheduler.h"
+#include "server/api_error.h"
+#include "server/chat_request.h"
+#include "server/chat_turn_decoder.h"
+#include "server/metrics.h"
+#include "server/openai_shapes.h"
+#include "server/reasoning_store.h"
+#include "server/text_decoder.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+using nlohmann::json;
+
+namespace {
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+json parse_body(const httplib::Request& req) {
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) throw bad_request("We could not parse the JSON body of your request.", "", "invalid_json");
+  if (!body.is_object()) throw bad_request("The request body must be a JSON object.", "", "invalid_json");
+  return body;
+}
+
+// Strings written to an SSE stream; false once the client is gone.
+struct SseWriter {
+  httplib::DataSink& sink;
+  bool ok = true;
+  bool write(const std::string& s) {
+    if (ok) ok = sink.write(s.data(), s.size());
+    return ok;
+  }
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Engine& engine;
+  const ChatCodec& codec;
+  ServerOptions opt;
+  httplib::Server http;
+  Scheduler scheduler;
+  std::unique_ptr<PrefixCache> cache;
+  ServerMetrics metrics;
+  ReasoningStore reasoning;
+  VocabText vocab;
+  GlmMarkers markers;
+  std::string model;
+  int64_t ctx;
+  std::thread thread;
+
+  Impl(Engine& e, const ChatCodec& c, ServerOptions o)
+      : engine(e), codec(c), opt(std::move(o)),
+        scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000))),
+        vocab(c), markers(GlmMarkers::from(c)) {
+    if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
+    model = opt.served_name.empty() ? engine.name() : opt.served_name;
+    ctx = opt.ctx > 0 ? std::min(opt.ctx, engine.max_context()) : engine.max_context();
+    routes();
+  }
+
+  template <class F>
+  httplib::Server::Handler guarded(F f) {
+    return [this, f](const httplib::Request& req, httplib::Response& res) {
+      try {
+        f(req, res);
+      } catch (const ApiError& e) {
+        fail(res, e);
+      } catch (const std::exception& e) {
+        fail(res, ApiError(500, e.what(), "server_error"));
+      }
+    };
+  }
+
+  void fail(httplib::Response& res, const ApiError& e) {
+    ++metrics.errors;
+    send_json(res, e.status, e.to_json());
+  }
+
+  std::unique_ptr<Scheduler::Slot> admit() {
+    std::unique_ptr<Scheduler::Slot> slot;
+    switch (scheduler.acquire(slot)) {
+      case Scheduler::Admission::kGranted: return slot;
+      case Scheduler::Admission::kQueueFull:
+        ++metrics.rejected_queue_full;
+        throw ApiError(429, "The server is busy: too many requests are queued. Retry later.", "rate_limit_error", "", "queue_full");
+      case Scheduler::Admission::kTimedOut:
+        ++metrics.rejected_timeout;
+        throw ApiError(503, "Timed out waiting for the model to become free. Retry later.", "server_error", "", "queue_timeout");
+    }
+    return slot;
+  }
+
+  openai::ResponseHeader header(const char* prefix) { return {openai::random_id(prefix), model, int64_t(std::time(nullptr))}; }
+
+  int64_t budget_new_tokens(int64_t prompt_len, const GenerationOptions& g) {
+    if (prompt_len >= ctx)
+      throw bad_request(fmt::format("This model's maximum context length is {} tokens. However, your messages resulted in {} tokens.",
+                                    ctx, prompt_len), "messages", "context_length_exceeded");
+    int64_t room = ctx - prompt_len;
+    return g.max_tokens ? std::min(*g.max_tokens, room) : room;
+  }
+
+  void account(const GenerationResult& r, int64_t reasoning_tokens) {
+    metrics.prompt_tokens += uint64_t(r.prompt_tokens);
+    metrics.completion_tokens += uint64_t(r.completion_tokens);
+    metrics.cached_tokens += uint64_t(r.cached_tokens);
+    metrics.reasoning_tokens += uint64_t(reasoning_tokens);
+    if (r.finish == GenerationResult::Finish::kCancelled) ++metrics.cancelled;
+    metrics.record_timing(uint64_t(r.prompt_tokens - r.cached_tokens), r.prefill_seconds, uint64_t(r.completion_tokens),
+                          r.decode_seconds);
+  }
+
+  // ---- /v1/chat/completions ----
+  struct ChatJob {
+    ChatRequest req;
+    std::vector<int32_t> prompt;
+    int64_t max_new = 0;
+    bool start_in_reasoning = false;
+    std::unique_ptr<Scheduler::Slot> slot;
+    openai::ResponseHeader head;
+  };
+
+  struct ChatOutcome {
+    GenerationResult gen;
+    std::string finish_reason;
+    openai::Usage usage;
+    bool cancelled = false;
+  };
+
+  ChatOutcome run_chat(ChatJob& job, ChatTurnDecoder& dec) {
+    Sampler sampler(job.req.gen.sampling);
+    ChatOutcome out;
+    out.gen = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
+    dec.finish();
+    out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
+    if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
+    const auto& calls = dec.parser().tool_calls();
+    out.finish_reason = !calls.empty() && !dec.stop_hit() ? "tool_calls"
+                        : out.gen.finish == GenerationResult::Finish::kLength && !dec.stop_hit() ? "length" : "stop";
+    out.usage = {out.gen.prompt_tokens, out.gen.completion_tokens, out.gen.cached_tokens, dec.reasoning_tokens()};
+    account(out.gen, dec.reasoning_tokens());
+    if (dec.budget_forced()) ++metrics.reasoning_budget_forced;
+    if (!calls.empty()) reasoning.remember(dec.content(), calls, dec.parser().reasoning());
+    return out;
+  }
+
+  ChatTurnConfig turn_config(const ChatJob& job) {
+    return {opt.reasoning_budget, opt.strict_tools, job.start_in_reasoning};
+  }
+
+  void handle_chat(const httplib::Request& http_req, httplib::Response& res) {
+    ++metrics.requests;
+    auto job = std::make_shared<ChatJob>();
+    job->req = parse_chat_request(parse_body(http_req));
+    metrics.reasoning_reattached += uint64_t(reasoning.reattach(job->req.messages, opt.reattach_turns));
+    json tools = job->req.tool_choice == ToolChoice::kNone ? json::array() : job->req.tools;
+    std::string text;
+    try {
+      text = codec.render_chat(job->req.messages, tools, job->req.template_kwargs);
+    } catch (const std::exception& e) {
+      throw bad_request(std::string("could not apply the chat template: ") + e.what(), "messages");
+    }
+    job->prompt = codec.encode(text);
+    if (job->prompt.empty()) throw bad_request("the prompt is empty", "messages");
+    job->max_new = budget_new_tokens(int64_t(job->prompt.size()), job->req.gen);
+    job->start_in_reasoning = markers.think_open >= 0 && job->prompt.back() == markers.think_open;
+    job->head = header("chatcmpl-");
+    job->slot = admit();
+
+    if (!job->req.gen.stream) {
+      ChatTurnDecoder dec(codec, vocab, job->req, turn_config(*job), [](const ChatDelta&) { return true; });
+      ChatOutcome out = run_chat(*job, dec);
+      json msg = openai::chat_message(dec.content(), dec.parser().reasoning(), dec.parser().tool_calls());
+      send_json(res, 200, openai::chat_completion(job->head, msg, out.finish_reason, out.usage));
+      return;
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider("text/event-stream", [this, job](size_t, httplib::DataSink& sink) {
+      bool ok = stream_chat(*job, sink);
+      job->slot.reset();  // free the engine before the connection is torn down
+      return ok;
+    });
+  }
+
+  bool stream_chat(ChatJob& job, httplib::DataSink& sink) {
+    SseWriter w{sink};
+    bool usage_field = job.req.gen.include_usage;
+    w.write(openai::sse(openai::chat_chunk(job.head, {{"role", "assistant"}, {"content", ""}}, nullptr, usage_field)));
+    ChatTurnDecoder dec(codec, vocab, job.req, turn_config(job), [&](const ChatDelta& d) {
+      return w.write(openai::sse(openai::chat_chunk(job.head, openai::chat_delta(d), nullptr, usage_field)));
+    });
+    dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
+    try {
+      ChatOutcome out = run_chat(job, dec);
+      if (out.cancelled || !w.ok) return false;
+      w.write(openai::sse(openai::chat_chunk(job.head, json::object(), out.finish_reason, usage_field)));
+      if (usage_field) {
+        json last = openai::chat_chunk(job.head, json::object(), nullptr, true);
+        last["choices"] = json::array();
+        last["usage"] = out.usage.to_json();
+        w.write(openai::sse(last));
+      }
+    } catch (const std::exception& e) {
+      ++metrics.errors;
+      w.write(openai::sse(ApiError(500, e.what(), "server_error").to_json()));
+    }
+    w.write("data: [DONE]\n\n");
+    if (w.ok) sink.done();
+    return w.ok;
+  }
+
+  // ---- /v1/completions ----
+  struct TextJob {
+    CompletionRequest req;
+    std::vector<int32_t> prompt;
+    int64_t max_new = 0;
+    std::unique_ptr<Scheduler::Slot> slot;
+    openai::ResponseHeader head;
+  };
+
+  openai::Usage run_text(TextJob& job, TextDecoder& dec, std::string& finish_reason) {
+    Sampler sampler(job.req.gen.sampling);
+    GenerationResult r = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
+    dec.finish();
+    if (dec.cancelled()) r.finish = GenerationResult::Finish::kCancelled;
+    finish_reason = r.finish == GenerationResult::Finish::kLength && !dec.stop_hit() ? "length" : "stop";
+    account(r, 0);
+    return {r.prompt_tokens, r.completion_tokens, r.cached_tokens, 0};
+  }
+
+  void handle_completion(const httplib::Request& http_req, httplib::Response& res) {
+    ++metrics.requests;
+    auto job = std::make_shared<TextJob>();
+    job->req = parse_completion_request(parse_body(http_req));
+    if (job->req.prompt_text) {
+      job->prompt = codec.encode(*job->req.prompt_text);
+    } else {
+      job->prompt = job->req.prompt_ids;
+      for (int32_t t : job->prompt)
+        if (t >= engine.vocab_size()) throw bad_request(fmt::format("token id {} is out of range", t), "prompt");
+    }
+    if (job->prompt.empty()) throw bad_request("the prompt is empty", "prompt");
+    job->max_new = budget_new_tokens(int64_t(job->prompt.size()), job->req.gen);
+    if (!job->req.gen.max_tokens) job->max_new = std::min<int64_t>(job->max_new, 16);  // OpenAI default
+    job->head = header("cmpl-");
+    job->slot = admit();
+
+    if (!job->req.gen.stream) {
+      TextDecoder dec(codec, job->req.gen.stop, [](const std::string&) { return true; });
+      std::string finish;
+      openai::Usage u = run_text(*job, dec, finish);
+      send_json(res, 200, openai::text_completion(job->head, openai::text_choice(dec.text(), finish), u.to_json()));
+      return;
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider("text/event-stream", [this, job](size_t, httplib::DataSink& sink) {
+      SseWriter w{sink};
+      bool usage_field = job->req.gen.include_usage;
+      TextDecoder dec(codec, job->req.gen.stop, [&](const std::string& s) {
+        return w.write(openai::sse(openai::text_completion(job->head, openai::text_choice(s, nullptr), json())));
+      });
+      dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
+      try {
+        std::string finish;
+        openai::Usage u = run_text(*job, dec, finish);
+        if (dec.cancelled() || !w.ok) return job->slot.reset(), false;
+        w.write(openai::sse(openai::text_completion(job->head, openai::text_choice("", finish), nullptr)));
+        if (usage_field) {
+          json last = openai::text_completion(job->head, json(), u.to_json());
+          last["choices"] = json::array();
+          w.write(openai::sse(last));
+        }
+      } catch (const std::exception& e) {
+        ++metrics.errors;
+        w.write(openai::sse(ApiError(500, e.what(), "server_error").to_json()));
+      }
+      job->slot.reset();
+      w.write("data: [DONE]\n\n");
+      if (w.ok) sink.done();
+      return w.ok;
+    });
+  }
+
+  json model_object() const {
+    return {{"id", model}, {"object", "model"}, {"created", 0}, {"owned_by", "moesrv"}, {"max_model_len", ctx}};
+  }
+
+  void routes() {
+    http.Post("/v1/chat/completions", guarded([this](auto& q, auto& r) { handle_chat(q, r); }));
+    http.Post("/v1/completions", guarded([this](auto& q, auto& r) { handle_completion(q, r); }));
+    http.Post("/chat/completions", guarded([this](auto& q, auto& r) { handle_chat(q, r); }));
+    http.Get("/v1/models", guarded([this](auto&, auto& r) {
+      send_json(r, 200, {{"object", "list"}, {"data", json::array({model_object()})}});
+    }));
+    http.Get(R"(/v1/models/(.+))", guarded([this](auto& q, auto& r) {
+      if (q.matches[1] != model) throw ApiError(404, fmt::format("The model '{}' does not exist", q.matches[1].str()), "invalid_request_error", "model", "model_not_found");
+      send_json(r, 200, model_object());
+    }));
+    http.Get("/health", guarded([this](auto&, auto& r) {
+      send_json(r, 200, {{"status", "ok"}, {"model", model}, {"busy", scheduler.busy()}, {"queued", scheduler.waiting()}});
+    }));
+    http.Get("/metrics", guarded([this](auto&, auto& r) {
+      ServerMetrics::Gauges g{scheduler.waiting(), scheduler.busy(), cache ? cache->bytes() : 0, cache ? cache->entries() : 0};
+      r.set_content(metrics.render(g), "text/plain; version=0.0.4");
+    }));
+    http.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
+      if (!r.body.empty()) return;
+      ApiError e(r.status, r.status == 404 ? fmt::format("Unknown endpoint {} {}", q.method, q.path) : "request failed",
+                 "invalid_request_error", "", r.status == 404 ? "unknown_url" : "");
+      r.set_content(e.to_json().dump(), "application/json");
+    });
+    // Every waiting request holds a worker thread; leave room for /health and /metrics on top.
+    size_t threads = opt.queue_max + 8;
+    http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    http.set_payload_max_length(64u << 20);
+  }
+};
+
+HttpServer::HttpServer(Engine& engine, const ChatCodec& codec, ServerOptions options)
+    : impl_(std::make_unique<Impl>(engine, codec, std::move(options))) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+int HttpServer::start() {
+  int port = impl_->opt.port;
+  if (port == 0) {
+    port = impl_->http.bind_to_any_port(impl_->opt.host);
+    MOESRV_CHECK(port > 0, "cannot bind to {}", impl_->opt.host);
+  } else {
+    MOESRV_CHECK(impl_->http.bind_to_port(impl_->opt.host, port), "cannot listen on {}:{}", impl_->opt.host, port);
+  }
+  impl_->thread = std::thread([this] { impl_->http.listen_after_bind(); });
+  for (int i = 0; i < 5000 && !impl_->http.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  MOESRV_CHECK(impl_->http.is_running(), "the HTTP server did not start");
+  return port;
+}
+
+void HttpServer::wait() {
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+void HttpServer::stop() {
+  if (!impl_) return;
+  impl_->http.stop();
+  wait();
+}
+
+}  // namespace moesrv

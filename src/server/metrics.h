@@ -1,0 +1,31 @@
+// Server counters, rendered in the Prometheus text exposition format on /metrics.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace moesrv {
+
+struct ServerMetrics {
+  std::atomic<uint64_t> requests{0}, errors{0}, rejected_queue_full{0}, rejected_timeout{0}, cancelled{0};
+  std::atomic<uint64_t> prompt_tokens{0}, completion_tokens{0}, cached_tokens{0}, reasoning_tokens{0};
+  std::atomic<uint64_t> reasoning_budget_forced{0}, reasoning_reattached{0};
+
+  void record_timing(uint64_t prefill_tokens, double prefill_s, uint64_t decode_tokens, double decode_s);
+
+  struct Gauges {
+    size_t queue_depth = 0;
+    bool busy = false;
+    size_t prefix_cache_bytes = 0, prefix_cache_entries = 0;
+  };
+  std::string render(const Gauges& g) const;
+
+ private:
+  mutable std::mutex mu_;
+  double prefill_seconds_ = 0, decode_seconds_ = 0;
+  uint64_t prefill_tokens_ = 0, decode_tokens_ = 0;
+  double last_prefill_tps_ = 0, last_decode_tps_ = 0;
+};
+
+}  // namespace moesrv
