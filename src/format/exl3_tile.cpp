@@ -1,0 +1,61 @@
+#include "format/exl3_tile.h"
+
+#include <cstring>
+
+namespace moesrv {
+
+namespace {
+
+constexpr auto make_pos_table() {
+  struct T { uint8_t v[256]; } t{};
+  for (int i = 0; i < 256; ++i) t.v[i] = uint8_t(exl3_tile_pos(i));
+  return t;
+}
+constexpr auto kPos = make_pos_table();
+
+inline uint32_t word(const uint16_t* tile, int i) { return uint32_t(tile[2 * i]) | uint32_t(tile[2 * i + 1]) << 16; }
+
+}  // namespace
+
+void exl3_tile_states(const uint16_t* tile, int K, uint16_t states[256]) {
+  const int nw = 8 * K;
+  // ext = [last word, words..., first word] so that a 16-bit window may start up to 32 bits before bit 0
+  // and end past the last bit without wrapping arithmetic.
+  uint32_t ext[8 * kExl3MaxK + 2];
+  ext[0] = word(tile, nw - 1);
+  for (int i = 0; i < nw; ++i) ext[i + 1] = word(tile, i);
+  ext[nw + 1] = word(tile, 0);
+  for (int t = 0; t < 256; ++t) {
+    int s = t * K + K - 16 + 32;  // window start in ext bits (MSB-first)
+    int i = s >> 5, sh = s & 31;
+    uint64_t v = uint64_t(ext[i]) << 32 | ext[i + 1];
+    states[t] = uint16_t(v >> (48 - sh));
+  }
+}
+
+bool exl3_pack_tile(const uint16_t states[256], int K, uint16_t* tile) {
+  const uint32_t mask = (1u << (16 - K)) - 1;
+  for (int t = 0; t < 256; ++t)
+    if (uint32_t(states[t] >> K) != (states[(t + 255) & 255] & mask)) return false;
+  uint32_t words[8 * kExl3MaxK] = {};
+  for (int t = 0; t < 256; ++t) {
+    uint32_t v = states[t] & ((1u << K) - 1);
+    for (int b = 0; b < K; ++b) {  // bit b of v (MSB first) goes to stream bit t*K + b
+      int pos = t * K + b;
+      if (v >> (K - 1 - b) & 1) words[pos >> 5] |= 1u << (31 - (pos & 31));
+    }
+  }
+  for (int i = 0; i < 8 * K; ++i) {
+    tile[2 * i] = uint16_t(words[i]);
+    tile[2 * i + 1] = uint16_t(words[i] >> 16);
+  }
+  return true;
+}
+
+void exl3_decode_tile(const uint16_t* tile, int K, const float* table, float out[256]) {
+  uint16_t st[256];
+  exl3_tile_states(tile, K, st);
+  for (int t = 0; t < 256; ++t) out[kPos.v[t]] = table[st[t]];
+}
+
+}  // namespace moesrv
