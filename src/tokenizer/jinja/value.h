@@ -1,0 +1,97 @@
+// Runtime values of the Jinja interpreter, with Python-like semantics (arrays and objects are
+// shared references, objects keep insertion order, str()/repr()/json.dumps formatting).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moesrv::jinja {
+
+class Value;
+using Array = std::vector<Value>;
+using KwArgs = std::vector<std::pair<std::string, Value>>;
+using Function = std::function<Value(std::vector<Value>& args, KwArgs& kwargs)>;
+
+struct Object {
+  std::vector<std::pair<std::string, Value>> items;
+  const Value* find(const std::string& key) const;
+  void set(const std::string& key, Value v);
+};
+
+class Value {
+ public:
+  enum class Type { Undefined, None, Bool, Int, Float, String, Array, Object, Function };
+
+  Value() = default;  // undefined
+  static Value none() { Value v; v.type_ = Type::None; return v; }
+  Value(bool b) : type_(Type::Bool), i_(b) {}
+  Value(int v) : type_(Type::Int), i_(v) {}
+  Value(int64_t v) : type_(Type::Int), i_(v) {}
+  Value(double v) : type_(Type::Float), f_(v) {}
+  Value(std::string s) : type_(Type::String), s_(std::make_shared<std::string>(std::move(s))) {}
+  Value(const char* s) : Value(std::string(s)) {}
+  Value(Array a) : type_(Type::Array), arr_(std::make_shared<Array>(std::move(a))) {}
+  Value(Object o) : type_(Type::Object), obj_(std::make_shared<Object>(std::move(o))) {}
+  Value(Function f) : type_(Type::Function), fn_(std::make_shared<Function>(std::move(f))) {}
+  static Value from_json(const nlohmann::ordered_json& j);
+
+  Type type() const { return type_; }
+  bool is_undefined() const { return type_ == Type::Undefined; }
+  bool is_none() const { return type_ == Type::None; }
+  bool is_bool() const { return type_ == Type::Bool; }
+  bool is_int() const { return type_ == Type::Int; }
+  bool is_number() const { return type_ == Type::Int || type_ == Type::Float; }
+  bool is_string() const { return type_ == Type::String; }
+  bool is_array() const { return type_ == Type::Array; }
+  bool is_object() const { return type_ == Type::Object; }
+  bool is_function() const { return type_ == Type::Function; }
+
+  bool as_bool() const { return i_ != 0; }
+  int64_t as_int() const;  // ints, bools, floats (truncated)
+  double as_double() const;
+  const std::string& str() const { return *s_; }
+  Array& array() const { return *arr_; }
+  Object& object() const { return *obj_; }
+  const Function& function() const { return *fn_; }
+
+  bool truthy() const;
+  // Python str(): what {{ value }} prints.
+  std::string to_str() const;
+  // Python repr() (used inside containers).
+  std::string repr() const;
+  // json.dumps(value, ensure_ascii, indent, separators=(item_sep, key_sep), sort_keys).
+  std::string to_json(int indent = -1, bool ensure_ascii = false, const std::string& item_sep = ", ",
+                      const std::string& key_sep = ": ", bool sort_keys = false) const;
+  std::string type_name() const;
+
+  // Attribute / item access; undefined when missing.
+  Value get(const std::string& key) const;
+  Value get(const Value& key) const;
+  // Elements of an iterable (array items, object keys, string characters).
+  Array iterate() const;
+  int64_t length() const;
+
+  friend bool operator==(const Value& a, const Value& b);
+  friend bool operator!=(const Value& a, const Value& b) { return !(a == b); }
+  // Ordering for numbers and strings; throws on other types.
+  static int compare(const Value& a, const Value& b);
+
+ private:
+  Type type_ = Type::Undefined;
+  int64_t i_ = 0;
+  double f_ = 0;
+  std::shared_ptr<std::string> s_;
+  std::shared_ptr<Array> arr_;
+  std::shared_ptr<Object> obj_;
+  std::shared_ptr<Function> fn_;
+};
+
+// Splits a UTF-8 string into code points (each as its own UTF-8 string).
+std::vector<std::string> utf8_chars(const std::string& s);
+
+}  // namespace moesrv::jinja

@@ -1,0 +1,110 @@
+// Chat template tests: our Jinja interpreter vs. the real Qwen3 / DeepSeek-V3 templates rendered by
+// @huggingface/jinja (tests/fixtures/chat_expected.json, from tests/fixtures/gen_chat_fixtures.mjs),
+// plus hand-checked expectations for interpreter features.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "tokenizer/chat_template.h"
+#include "tokenizer/jinja/template.h"
+#include "util/error.h"
+
+using namespace moesrv;
+using ojson = nlohmann::ordered_json;
+
+namespace {
+
+std::string render(const std::string& src, const ojson& ctx = ojson::object()) { return jinja::Template(src).render(ctx); }
+
+nlohmann::json read_json(const std::string& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace
+
+TEST(ChatTemplate, MatchesReferenceRenders) {
+  std::string root = MOESRV_SOURCE_DIR;
+  std::ifstream f(root + "/tests/fixtures/chat_expected.json");
+  ojson fixtures = ojson::parse(f);
+  for (const char* model : {"qwen3", "deepseek_v3"}) {
+    std::string cfg_path = root + "/third_party/tokenizers/tokenizer-" + model + "/tokenizer_config.json";
+    if (!std::filesystem::exists(cfg_path)) GTEST_SKIP() << "run scripts/fetch_tokenizers.sh first";
+    ChatTemplate tmpl = ChatTemplate::from_config(read_json(cfg_path));
+    int n = 0;
+    for (const auto& c : fixtures[model]) {
+      ChatRequest req;
+      req.messages = c["messages"];
+      req.tools = c["tools"];
+      req.add_generation_prompt = c["add_generation_prompt"];
+      req.kwargs = c["kwargs"];
+      EXPECT_EQ(tmpl.render(req), c["expected"].get<std::string>())
+          << model << " " << c["name"] << " gen=" << req.add_generation_prompt << " " << req.kwargs.dump();
+      ++n;
+    }
+    EXPECT_GE(n, 12);
+  }
+}
+
+TEST(Jinja, WhitespaceControlAndBlocks) {
+  // trim_blocks + lstrip_blocks like transformers' environment.
+  EXPECT_EQ(render("{% if true %}\n  a\n{% endif %}\nb"), "  a\nb");
+  EXPECT_EQ(render("  {% if true %}x{% endif %}"), "x");
+  EXPECT_EQ(render("a  {%- if true -%}  b  {%- endif %}"), "ab");
+  EXPECT_EQ(render("{{ 'x' }}\n"), "x");
+  EXPECT_EQ(render("a{# comment #}b"), "ab");
+  EXPECT_EQ(render("{% raw %}{{ not parsed }}{% endraw %}"), "{{ not parsed }}");
+}
+
+TEST(Jinja, LoopsNamespacesAndScopes) {
+  EXPECT_EQ(render("{% for x in [1,2,3] %}{{ loop.index }}{{ x }}{% if not loop.last %},{% endif %}{% endfor %}"),
+            "11,22,33");
+  EXPECT_EQ(render("{% set ns = namespace(n=0) %}{% for x in range(5) %}{% set ns.n = ns.n + x %}{% endfor %}{{ ns.n }}"),
+            "10");
+  EXPECT_EQ(render("{% set n = 1 %}{% for x in [1] %}{% set n = 2 %}{% endfor %}{{ n }}"), "1");
+  EXPECT_EQ(render("{% for k, v in {'a': 1, 'b': 2}.items() %}{{ k }}={{ v }};{% endfor %}"), "a=1;b=2;");
+  EXPECT_EQ(render("{% for x in [] %}a{% else %}empty{% endfor %}"), "empty");
+  EXPECT_EQ(render("{% for x in [1,2,3,4] if x is even %}{{ x }}{{ loop.length }}{% endfor %}"), "2242");
+  EXPECT_EQ(render("{% for x in [1,2,3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% endfor %}"), "1");
+  EXPECT_EQ(render("{% for x in [1,2,3] %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}{% endfor %}"), "13");
+  EXPECT_EQ(render("{% for m in msgs[::-1] %}{{ m }}{% endfor %}", ojson{{"msgs", {1, 2, 3}}}), "321");
+}
+
+TEST(Jinja, MacrosFiltersTests) {
+  EXPECT_EQ(render("{% macro f(a, b='x') %}[{{ a }}{{ b }}]{% endmacro %}{{ f(1) }}{{ f(2, b='y') }}"), "[1x][2y]");
+  EXPECT_EQ(render("{{ {'b': 1, 'a': [true, none, 'é']} | tojson }}"), R"({"b": 1, "a": [true, null, "é"]})");
+  EXPECT_EQ(render("{{ {'a': 1} | tojson(indent=2) }}"), "{\n  \"a\": 1\n}");
+  EXPECT_EQ(render("{{ '  x ' | trim }}|{{ [1,2] | length }}|{{ 'abc' | upper }}"), "x|2|ABC");
+  ojson ctx = {{"items", {{{"n", "a"}, {"on", true}}, {{"n", "b"}, {"on", false}}, {{"n", "c"}, {"on", true}}}}};
+  EXPECT_EQ(render("{{ items | selectattr('on') | map(attribute='n') | join(',') }}", ctx), "a,c");
+  EXPECT_EQ(render("{{ items | rejectattr('on') | map(attribute='n') | list }}", ctx), "['b']");
+  EXPECT_EQ(render("{{ items | selectattr('n', 'equalto', 'b') | list | length }}", ctx), "1");
+  EXPECT_EQ(render("{{ x is defined }}{{ y is not defined }}{{ 's' is string }}{{ 1 is string }}{{ none is none }}",
+                   ojson{{"x", 1}}),
+            "TrueTrueTrueFalseTrue");
+  EXPECT_EQ(render("{{ undefined_var | default('d') }}"), "d");
+}
+
+TEST(Jinja, StringMethodsAndOperators) {
+  EXPECT_EQ(render("{{ 'a<b>c'.split('<')[-1] }}"), "b>c");
+  EXPECT_EQ(render("{{ '\\n\\nx\\n'.strip('\\n') }}|{{ 'xxhixx'.lstrip('x') }}|{{ 'hi  '.rstrip() }}"), "x|hixx|hi");
+  EXPECT_EQ(render("{{ 'hello'.startswith('he') }}{{ 'hello'.endswith(('x', 'lo')) }}"), "TrueTrue");
+  EXPECT_EQ(render("{{ 'abcdef'[1:3] }}{{ 'abcdef'[-2:] }}{{ [1,2,3][1:] }}"), "bcef[2, 3]");
+  EXPECT_EQ(render("{{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ 7 / 2 }} {{ 2 ** 10 }} {{ 'a' ~ 1 }}"), "3 -4 1 3.5 1024 a1");
+  EXPECT_EQ(render("{{ 'x' if 1 > 2 else 'y' }}{{ 'b' in 'abc' }}{{ 3 not in [1, 2] }}"), "yTrueTrue");
+  EXPECT_EQ(render("{{ 'a' + 'b' * 2 }}{{ [1] + [2] }}{{ 1.0 }}{{ true }}{{ none }}"), "abb[1, 2]1.0TrueNone");
+  EXPECT_EQ(render("{{ d.get('a') }}{{ d.get('z', 5) }}{{ d['a'] }}{{ d.a }}", ojson{{"d", {{"a", 1}}}}), "1511");
+}
+
+TEST(Jinja, Errors) {
+  EXPECT_THROW(render("{{ raise_exception('bad role') }}"), Error);
+  EXPECT_THROW(render("{% if %}"), Error);
+  EXPECT_THROW(render("{% for x in y %}"), Error);
+  EXPECT_THROW(render("{{ x | nosuchfilter }}"), Error);
+  try {
+    render("{{ raise_exception('Only user and assistant roles') }}");
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Only user and assistant roles"), std::string::npos);
+  }
+}
