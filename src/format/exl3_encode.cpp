@@ -176,6 +176,13 @@ float search_scale(const std::vector<float>& wr, int64_t kp, int64_t np, const E
   return best;
 }
 
+double codebook_rms(Exl3Codebook cb) {
+  const float* t = exl3_codebook_table(cb);
+  double sq = 0;
+  for (int s = 0; s < 65536; ++s) sq += double(t[s]) * t[s];
+  return std::sqrt(sq / 65536.0);
+}
+
 std::vector<float> from_f16(const std::vector<uint16_t>& h) {
   std::vector<float> f(h.size());
   for (size_t i = 0; i < h.size(); ++i) f[i] = f16_to_f32(h[i]);
@@ -235,8 +242,14 @@ Exl3Encoded exl3_encode(const float* w, int64_t out_features, int64_t in_feature
       for (int64_t i = 0; i < kp; ++i) wr[size_t(i * np + o)] = col[size_t(i)];
     }
   }
-  float g = opt.scale_search ? search_scale(wr, kp, np, opt) : 1.0f;
+  // Rows now have exllamav3's RMS 1.2437 (3INST's codebook RMS); match the chosen codebook's RMS, then refine.
+  float g = float(codebook_rms(opt.codebook) / kCodebookRms);
   for (auto& v : wr) v *= g;
+  if (opt.scale_search) {
+    float g2 = search_scale(wr, kp, np, opt);
+    for (auto& v : wr) v *= g2;
+    g *= g2;
+  }
 
   Exl3Encoded enc;
   enc.in_features = in_features;
