@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   moesrv::cli::add_generate_command(app);
   moesrv::cli::add_lock_verify_commands(app);
   moesrv::cli::add_repair_index_command(app);
+  moesrv::cli::add_download_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
