@@ -1,0 +1,45 @@
+// Dense SwiGLU MLP and the routed mixture of experts (tokens grouped per expert, plus shared experts).
+#include <algorithm>
+
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/linear.h"
+#include "backend/cpu/ops.h"
+#include "model/router.h"
+
+namespace moesrv::cpu {
+
+void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out) {
+  const int64_t inter = w.gate->out_features();
+  std::vector<float> g(size_t(S * inter)), u(size_t(S * inter));
+  w.gate->forward(x, S, g.data());
+  w.up->forward(x, S, u.data());
+  silu_mul(g.data(), u.data(), S * inter, g.data());
+  w.down->forward(g.data(), S, out);
+}
+
+void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts;
+  std::vector<float> logits(size_t(S * E));
+  gemm_f32(x, S, w.router.data(), E, D, logits.data());
+  // Group the batch's tokens by expert so each expert's weights are read once.
+  std::vector<std::vector<std::pair<int64_t, float>>> assigned(static_cast<size_t>(E));
+  for (int64_t s = 0; s < S; ++s) {
+    RoutedExperts r = route_token(logits.data() + s * E, w.router_bias.data(), c);
+    for (size_t i = 0; i < r.ids.size(); ++i) assigned[size_t(r.ids[i])].push_back({s, r.weights[i]});
+  }
+  if (w.shared) mlp_forward(*w.shared, x, S, out);
+  else std::fill(out, out + S * D, 0.0f);
+  std::vector<float> xs, ys;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& toks = assigned[size_t(e)];
+    if (toks.empty()) continue;
+    const int64_t n = int64_t(toks.size());
+    xs.resize(size_t(n * D));
+    ys.resize(size_t(n * D));
+    for (int64_t i = 0; i < n; ++i) std::copy(x + toks[size_t(i)].first * D, x + (toks[size_t(i)].first + 1) * D, xs.begin() + i * D);
+    mlp_forward(w.experts[size_t(e)], xs.data(), n, ys.data());
+    for (int64_t i = 0; i < n; ++i) axpy(toks[size_t(i)].second, ys.data() + i * D, D, out + toks[size_t(i)].first * D);
+  }
+}
+
+}  // namespace moesrv::cpu
