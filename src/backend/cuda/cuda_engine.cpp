@@ -1,0 +1,303 @@
+// CUDA engine: sequences (device KV caches), the layer loop, chunked prefill and the decode CUDA graph.
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include "backend/cuda/cuda_engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cuda/engine_internal.h"
+
+namespace moesrv {
+
+using namespace moesrv::cuda;
+
+namespace {
+
+// One sequence's caches on the device, max_ctx tokens each, allocated against the engine's budget.
+class CudaSequence : public SequenceState {
+ public:
+  CudaSequence(const CudaEngine::Impl& e) : owner(&e) {
+    const ModelConfig& c = e.c;
+    const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
+    layers.resize(size_t(c.num_layers));
+    table.resize(size_t(c.num_layers));
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      auto& L = layers[size_t(l)];
+      L.kv = DeviceBuffer(e.budget, T * size_t(e.kv_row) * elem, "KV cache");
+      if (e.opt.kv_q8) L.kv_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
+      if (e.v_row) {
+        L.v = DeviceBuffer(e.budget, T * size_t(e.v_row) * elem, "KV cache");
+        if (e.opt.kv_q8) L.v_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
+      }
+      if (c.dsa) L.index_k = DeviceBuffer(e.budget, T * size_t(c.index_head_dim) * 2, "indexer key cache");
+      table[size_t(l)] = {L.kv.as<void>(), L.kv_scale.as<float>(), L.v.as<void>(), L.v_scale.as<float>(),
+                          L.index_k.as<uint16_t>()};
+    }
+  }
+  int64_t length() const override { return length_; }
+  void truncate(int64_t n) override {
+    if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
+    length_ = n;  // later positions are overwritten by the next forward
+  }
+  std::unique_ptr<SequenceState> clone() const override {
+    auto s = std::make_unique<CudaSequence>(*owner);
+    MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
+    const size_t T = size_t(owner->max_ctx), n = size_t(length_);
+    auto copy = [&](const DeviceBuffer& from, DeviceBuffer& to) {
+      if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpy(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice));
+    };
+    for (size_t l = 0; l < layers.size(); ++l) {
+      copy(layers[l].kv, s->layers[l].kv);
+      copy(layers[l].kv_scale, s->layers[l].kv_scale);
+      copy(layers[l].v, s->layers[l].v);
+      copy(layers[l].v_scale, s->layers[l].v_scale);
+      copy(layers[l].index_k, s->layers[l].index_k);
+    }
+    s->length_ = length_;
+    return s;
+  }
+  size_t bytes() const override {
+    size_t b = 0;
+    for (const auto& L : layers) b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes();
+    return b;
+  }
+
+  struct Layer {
+    DeviceBuffer kv, kv_scale, v, v_scale, index_k;
+  };
+  const CudaEngine::Impl* owner;
+  std::vector<Layer> layers;
+  std::vector<DeviceLayerCache> table;
+  int64_t length_ = 0;
+};
+
+}  // namespace
+
+void CudaEngine::Impl::gemm_bf16(const uint16_t* w, int64_t out, int64_t in, const uint16_t* xb, int64_t n, float* y) {
+  const float alpha = 1.0f, beta = 0.0f;
+  MOESRV_CUBLAS_OK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(n), int(in), &alpha, w, CUDA_R_16BF,
+                                int(in), xb, CUDA_R_16BF, int(in), &beta, y, CUDA_R_32F, int(out), CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+}
+
+void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, float* y) {
+  to_bf16(x, n * l.in, s.xb.as<uint16_t>(), stream);
+  gemm_bf16(l.w.as<uint16_t>(), l.out, l.in, s.xb.as<uint16_t>(), n, y);
+  if (l.bias.bytes()) add_bias(y, l.bias.as<float>(), int(n), int(l.out), stream);
+}
+
+void CudaEngine::Impl::mlp(const DevMlp& m, const float* x, int64_t n, float* y) {
+  linear(m.gate_up, x, n, s.gu.as<float>());
+  silu_mul(s.gu.as<float>(), int(n), int(m.inter), s.act.as<float>(), stream);
+  linear(m.down, s.act.as<float>(), n, y);
+}
+
+void CudaEngine::Impl::dsa_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
+  const int nh = int(c.index_n_heads), d = int(c.index_head_dim);
+  const bool inter = c.index_rope_layout == RopeLayout::Interleaved;
+  float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ihw = s.ihw.as<float>();
+  linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
+  linear(ix.wk, s.h.as<float>(), S, ik);
+  linear(ix.weights_proj, s.h.as<float>(), S, ihw);
+  layer_norm(ik, ix.k_norm.w.as<float>(), ix.k_norm.b.as<float>(), int(S), d, 1e-6f, ik, stream);
+  rope(ik, int(S), 1, d, d, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  cache_write(ik, d, int(S), d, layer_cache(l), CacheField::IndexK, false, d_pos0.as<int32_t>(), stream);
+  rope(iq, int(S), nh, int64_t(nh) * d, d, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  for (int64_t s0 = 0; s0 < S; s0 += dsa_rows)
+    dsa_topk(iq, ihw, layer_cache(l), int(s0), int(std::min(dsa_rows, S - s0)), nh, d, int(c.index_topk),
+             d_pos0.as<int32_t>(), max_ctx, s.dsa_scores.as<float>(), s.sel.as<int32_t>(), stream);
+}
+
+void CudaEngine::Impl::attention_mla(int64_t l, int64_t S) {
+  const DevAttention& a = layers[size_t(l)].attn;
+  const int H = int(c.num_heads), dn = int(c.qk_nope_dim), dr = int(c.qk_rope_dim), r = int(c.kv_lora_rank);
+  const int qk = dn + dr, dv = int(c.v_head_dim), lat = r + dr;
+  const bool inter = c.rope.layout == RopeLayout::Interleaved;
+  float *q = s.q.as<float>(), *kv = s.kv.as<float>(), *h = s.h.as<float>();
+  if (a.q_a.out) {
+    linear(a.q_a, h, S, s.q_lat.as<float>());
+    rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
+             s.q_lat.as<float>(), c.q_lora_rank, stream);
+    linear(a.q_b, s.q_lat.as<float>(), S, q);
+  } else {
+    linear(a.q, h, S, q);
+  }
+  linear(a.kv_a, h, S, kv);
+  rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+  rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+  if (a.indexer) dsa_indexer(*a.indexer, l, S);
+  rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
+    const int n = int(std::min(attn_rows, S - s0));
+    const int32_t* pos = d_pos0.as<int32_t>();
+    if (s0 > 0) {
+      offset_position(d_pos0.as<int32_t>(), int(s0), d_slice_pos.as<int32_t>(), stream);
+      pos = d_slice_pos.as<int32_t>();
+    }
+    mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
+    AttentionArgs args;
+    args.q = s.qcat.as<float>();
+    args.S = n;
+    args.H = H;
+    args.q_dim = lat;
+    args.v_dim = r;
+    args.mla = true;
+    args.q8 = opt.kv_q8;
+    args.lc = layer_cache(l);
+    if (c.dsa) {
+      args.selection = s.sel.as<int32_t>() + s0 * c.index_topk;
+      args.sel_k = int(c.index_topk);
+    }
+    args.pos0 = pos;
+    args.scale = float(c.softmax_scale);
+    args.out = s.olat.as<float>();
+    attention(args, stream);
+    mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
+  }
+  linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
+}
+
+void CudaEngine::Impl::attention_gqa(int64_t l, int64_t S) {
+  const DevAttention& a = layers[size_t(l)].attn;
+  const int H = int(c.num_heads), KV = int(c.num_kv_heads), hd = int(c.head_dim);
+  float *q = s.q.as<float>(), *k = s.k.as<float>(), *v = s.v.as<float>(), *h = s.h.as<float>();
+  linear(a.gq, h, S, q);
+  linear(a.gk, h, S, k);
+  linear(a.gv, h, S, v);
+  if (c.qk_norm) {
+    rms_norm(q, hd, a.q_norm.w.as<float>(), int(S) * H, hd, float(c.rms_eps), q, hd, stream);
+    rms_norm(k, hd, a.k_norm.w.as<float>(), int(S) * KV, hd, float(c.rms_eps), k, hd, stream);
+  }
+  const bool inter = c.rope.layout == RopeLayout::Interleaved;
+  rope(q, int(S), H, int64_t(H) * hd, hd, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  rope(k, int(S), KV, int64_t(KV) * hd, hd, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  cache_write(k, int64_t(KV) * hd, int(S), KV * hd, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+  cache_write(v, int64_t(KV) * hd, int(S), KV * hd, layer_cache(l), CacheField::V, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+  AttentionArgs args;
+  args.q = q;
+  args.S = int(S);
+  args.H = H;
+  args.q_dim = hd;
+  args.v_dim = hd;
+  args.kv_heads = KV;
+  args.q8 = opt.kv_q8;
+  args.lc = layer_cache(l);
+  args.pos0 = d_pos0.as<int32_t>();
+  args.scale = float(c.softmax_scale);
+  args.out = s.attn_out.as<float>();
+  attention(args, stream);
+  linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
+}
+
+// Embedding through the final norm for S tokens at device positions; leaves normalised rows in s.h.
+void CudaEngine::Impl::run_layers(int64_t S) {
+  const int D = int(c.hidden_size);
+  const float eps = float(c.rms_eps);
+  float *x = s.x.as<float>(), *h = s.h.as<float>(), *y = s.y.as<float>();
+  embed_gather(embed.as<uint16_t>(), d_tokens.as<int32_t>(), int(S), D, x, stream);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    DevLayer& L = layers[size_t(l)];
+    add_rms_norm(x, l == 0 ? nullptr : y, L.input_norm.w.as<float>(), int(S), D, eps, h, stream);
+    if (c.attention == AttentionKind::MLA) attention_mla(l, S);
+    else attention_gqa(l, S);
+    add_rms_norm(x, y, L.post_norm.w.as<float>(), int(S), D, eps, h, stream);
+    if (L.moe) moe(l, S);
+    else mlp(*L.mlp, h, S, y);
+  }
+  add_rms_norm(x, y, final_norm.w.as<float>(), int(S), D, eps, h, stream);
+}
+
+void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
+  const int64_t V = c.vocab_size;
+  for (int64_t r = 0; r < n; r += lm_rows) {
+    const int64_t m = std::min(lm_rows, n - r);
+    linear(lm_head, s.h.as<float>() + (row0 + r) * c.hidden_size, m, s.logits.as<float>());
+    MOESRV_CUDA_OK(cudaMemcpyAsync(h_logits.as<float>(), s.logits.as<float>(), size_t(m * V) * 4, cudaMemcpyDeviceToHost, stream));
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+    std::memcpy(host_out + r * V, h_logits.as<float>(), size_t(m * V) * 4);
+  }
+}
+
+bool CudaEngine::Impl::graph_ok() const {
+  if (!use_graph) return false;
+  for (const auto& L : layers)
+    if (L.moe && !L.moe->all_vram) return false;
+  return true;
+}
+
+CudaEngine::CudaEngine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt)
+    : impl_(std::make_unique<Impl>(std::move(pkg), opt)) {}
+CudaEngine::~CudaEngine() = default;
+
+std::string CudaEngine::name() const { return impl_->name; }
+int64_t CudaEngine::vocab_size() const { return impl_->c.vocab_size; }
+int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
+std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
+void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
+const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const { return impl_->placement; }
+CudaEngineStats CudaEngine::stats() const {
+  CudaEngineStats st = impl_->stats;
+  st.vram_used = impl_->budget->used();
+  return st;
+}
+
+std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
+  Impl& m = *impl_;
+  auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
+  if (!seq || seq->owner != impl_.get()) fail("forward: sequence state was not created by this engine");
+  const int64_t S = int64_t(tokens.size()), V = m.c.vocab_size, pos0 = seq->length();
+  if (S == 0) fail("forward: no tokens");
+  if (pos0 + S > m.max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, m.max_ctx);
+  for (int32_t t : tokens)
+    if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
+  std::vector<float> logits(size_t((all_logits ? S : 1) * V));
+  std::memcpy(m.h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
+                                 seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
+  for (int64_t c0 = 0; c0 < S; c0 += m.rows) {
+    const int64_t n = std::min(m.rows, S - c0);
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
+    *m.h_pos0.as<int32_t>() = int32_t(pos0 + c0);
+    std::memcpy(m.h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
+    MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
+    if (n == 1 && m.graph_ok()) {
+      if (!m.graph) {
+        cudaGraph_t g = nullptr;
+        MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
+        try {
+          m.run_layers(1);
+          m.linear(m.lm_head, m.s.h.as<float>(), 1, m.s.logits.as<float>());
+        } catch (...) {
+          cudaStreamEndCapture(m.stream, &g);
+          if (g) cudaGraphDestroy(g);
+          throw;
+        }
+        MOESRV_CUDA_OK(cudaStreamEndCapture(m.stream, &g));
+        MOESRV_CUDA_OK(cudaGraphInstantiate(&m.graph, g, 0));
+        cudaGraphDestroy(g);
+        ++m.stats.graph_captures;
+      }
+      MOESRV_CUDA_OK(cudaGraphLaunch(m.graph, m.stream));
+      ++m.stats.graph_replays;
+      MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>(), size_t(V) * 4, cudaMemcpyDeviceToHost, m.stream));
+      MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+      std::memcpy(logits.data() + (all_logits ? c0 * V : 0), m.h_logits.as<float>(), size_t(V) * 4);
+    } else {
+      m.run_layers(n);
+      if (all_logits) m.lm_head_rows(0, n, logits.data() + c0 * V);
+      else if (c0 + n == S) m.lm_head_rows(n - 1, 1, logits.data());
+    }
+    seq->length_ = pos0 + c0 + n;
+  }
+  MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+  return logits;
+}
+
+std::unique_ptr<Engine> make_cuda_engine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt) {
+  return std::make_unique<CudaEngine>(std::move(pkg), opt);
+}
+
+}  // namespace moesrv
+#endif  // MOESRV_HAS_CUDA

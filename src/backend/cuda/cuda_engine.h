@@ -1,0 +1,72 @@
+// The CUDA inference engine: every dense op on the GPU (bf16 weights, fp32 accumulation), routed experts
+// in VRAM, in a per-layer LRU VRAM cache fed from pinned host memory, or on the CPU (hybrid).
+// Plain C++ header (no CUDA types) so CPU-only code can include it; the engine exists only in CUDA builds.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "format/package.h"
+#include "runtime/engine.h"
+
+namespace moesrv {
+
+// True when this build has the CUDA backend and a CUDA device is visible (always false in CPU builds).
+bool cuda_available();
+
+// Where one routed expert's weights live and run.
+enum class ExpertPlacement : uint8_t {
+  Vram,   // resident on the GPU
+  Cache,  // pinned host memory, copied into a per-layer LRU VRAM cache on use
+  Cpu,    // computed on the host from the stored weights, overlapped with GPU work
+};
+
+struct CudaEngineOptions {
+  std::string served_name;
+  int device = 0;
+  int64_t max_ctx = 0;           // tokens per sequence the KV cache holds; 0: min(max_position, 32768)
+  int64_t prefill_chunk = 8192;  // tokens per prefill pass
+  bool use_graph = true;         // replay single-token decode from one CUDA graph
+  bool kv_q8 = false;            // attention cache as int8 with a per-token scale (else bf16)
+  double vram_budget_gib = 0;    // 0: the device's free memory; every allocation is accounted against it
+  // [layer][expert] placement; empty: plan automatically (VRAM while the budget allows, then CPU).
+  std::vector<std::vector<ExpertPlacement>> placement;
+  int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
+  int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for
+};
+
+// Counters for tests and benchmarks.
+struct CudaEngineStats {
+  int64_t graph_replays = 0, graph_captures = 0;
+  int64_t cache_hits = 0, cache_misses = 0;
+  int64_t cpu_expert_tokens = 0;
+  size_t vram_used = 0, vram_budget = 0;
+};
+
+class CudaEngine : public Engine {
+ public:
+  CudaEngine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt);
+  ~CudaEngine() override;
+
+  std::string name() const override;
+  int64_t vocab_size() const override;
+  int64_t max_context() const override;
+  std::unique_ptr<SequenceState> new_sequence() const override;
+  std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
+
+  CudaEngineStats stats() const;
+  void set_use_graph(bool on);
+  // The placement in effect (after automatic planning).
+  const std::vector<std::vector<ExpertPlacement>>& placement() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Defined only in CUDA builds (MOESRV_HAS_CUDA); check cuda_available() first.
+std::unique_ptr<Engine> make_cuda_engine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt);
+
+}  // namespace moesrv

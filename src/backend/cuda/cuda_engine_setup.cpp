@@ -1,0 +1,419 @@
+// CUDA engine setup: budgeted device memory, weight upload (bf16), expert placement planning, scratch.
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cuda/engine_internal.h"
+#include "model/rope.h"
+
+namespace moesrv::cuda {
+
+void* DeviceBudget::alloc(size_t bytes, const char* what) {
+  std::lock_guard lk(mu_);
+  if (used_ + bytes > limit_)
+    fail("VRAM budget exceeded: {} needs {:.1f} MiB, {:.1f} of {:.1f} MiB in use", what, double(bytes) / 1048576.0,
+         double(used_) / 1048576.0, double(limit_) / 1048576.0);
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (e != cudaSuccess) fail("cudaMalloc of {} bytes for {} failed: {}", bytes, what, cudaGetErrorString(e));
+  used_ += bytes;
+  return p;
+}
+
+void DeviceBudget::release(void* p, size_t bytes) {
+  std::lock_guard lk(mu_);
+  cudaFree(p);
+  used_ -= bytes;
+}
+
+DeviceBuffer::DeviceBuffer(std::shared_ptr<DeviceBudget> b, size_t bytes, const char* what)
+    : budget_(std::move(b)), bytes_(bytes) {
+  ptr_ = budget_->alloc(bytes, what);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    budget_ = std::move(o.budget_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::reset() {
+  if (ptr_) budget_->release(ptr_, bytes_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {
+  MOESRV_CUDA_OK(cudaHostAlloc(&ptr_, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+}
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) cudaFreeHost(ptr_);
+}
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFreeHost(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+  }
+  return *this;
+}
+
+uint16_t f32_to_bf16_host(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+void append_bf16_rows(const Linear& l, std::vector<uint16_t>& out) {
+  const int64_t in = l.in_features(), block = std::max<int64_t>(1, (int64_t(16) << 20) / std::max<int64_t>(in, 1));
+  std::vector<float> tmp;
+  for (int64_t r = 0; r < l.out_features(); r += block) {
+    const int64_t e = std::min(l.out_features(), r + block);
+    tmp.resize(size_t((e - r) * in));
+    l.dequant_rows(r, e, tmp.data());
+    for (float v : tmp) out.push_back(f32_to_bf16_host(v));
+  }
+}
+
+}  // namespace moesrv::cuda
+
+namespace moesrv {
+
+using namespace moesrv::cuda;
+
+namespace {
+
+template <typename T>
+DeviceBuffer upload(const std::shared_ptr<DeviceBudget>& b, const std::vector<T>& v, const char* what) {
+  DeviceBuffer d(b, v.size() * sizeof(T), what);
+  MOESRV_CUDA_OK(cudaMemcpy(d.as<void>(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<uint16_t> to_bf16_vec(const std::vector<float>& v) {
+  std::vector<uint16_t> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = f32_to_bf16_host(v[i]);
+  return o;
+}
+
+DevLinear upload_linear(const std::shared_ptr<DeviceBudget>& b, std::initializer_list<const Linear*> parts,
+                        const char* what) {
+  DevLinear d;
+  std::vector<uint16_t> w;
+  std::vector<float> bias;
+  for (const Linear* l : parts) {
+    d.in = l->in_features();
+    d.out += l->out_features();
+    append_bf16_rows(*l, w);
+    if (!l->bias().empty()) bias.insert(bias.end(), l->bias().begin(), l->bias().end());
+  }
+  d.w = upload(b, w, what);
+  if (!bias.empty()) d.bias = upload(b, bias, what);
+  return d;
+}
+
+DevNorm upload_norm(const std::shared_ptr<DeviceBudget>& b, const NormWeights& n) {
+  DevNorm d;
+  d.w = upload(b, n.weight, "norm");
+  if (!n.bias.empty()) d.b = upload(b, n.bias, "norm bias");
+  return d;
+}
+
+DevMlp upload_mlp(const std::shared_ptr<DeviceBudget>& b, const MlpWeights& m, const char* what) {
+  DevMlp d;
+  d.gate_up = upload_linear(b, {m.gate.get(), m.up.get()}, what);
+  d.down = upload_linear(b, {m.down.get()}, what);
+  d.inter = m.gate->out_features();
+  return d;
+}
+
+std::vector<uint16_t> expert_block(const MlpWeights& m) {
+  std::vector<uint16_t> w;
+  append_bf16_rows(*m.gate, w);
+  append_bf16_rows(*m.up, w);
+  append_bf16_rows(*m.down, w);
+  return w;
+}
+
+}  // namespace
+
+CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o)
+    : opt(o), weights(ModelWeights::load(pkg)), c(weights->config), name(o.served_name), use_graph(o.use_graph) {
+  if (name.empty()) name = pkg->dir().substr(pkg->dir().find_last_of('/') + 1);
+  MOESRV_CUDA_OK(cudaSetDevice(opt.device));
+  size_t free_b = 0, total_b = 0;
+  MOESRV_CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+  size_t limit = opt.vram_budget_gib > 0 ? size_t(opt.vram_budget_gib * double(1ull << 30)) : free_b - std::min<size_t>(free_b, 512ull << 20);
+  budget = std::make_shared<DeviceBudget>(limit);
+  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  MOESRV_CUBLAS_OK(cublasCreate(&cublas));
+  MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
+  cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
+  MOESRV_CUBLAS_OK(cublasSetWorkspace(cublas, cublas_workspace.as<void>(), cublas_workspace.bytes()));
+
+  max_ctx = opt.max_ctx > 0 ? std::min(opt.max_ctx, c.max_position) : std::min<int64_t>(c.max_position, 32768);
+  rows = std::max<int64_t>(1, std::min(opt.prefill_chunk, max_ctx));
+  const int64_t elem = opt.kv_q8 ? 1 : 2;
+  if (c.attention == AttentionKind::MLA) {
+    kv_row = c.kv_lora_rank + c.qk_rope_dim;
+    v_row = 0;
+  } else {
+    kv_row = v_row = c.num_kv_heads * c.head_dim;
+  }
+  const int64_t per_token = (kv_row + v_row) * elem + (opt.kv_q8 ? (v_row ? 8 : 4) : 0) + (c.dsa ? c.index_head_dim * 2 : 0);
+  seq_bytes = size_t(per_token * max_ctx * c.num_layers);
+
+  upload_weights();
+  allocate_scratch();
+  plan_experts(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
+  stats.vram_budget = budget->limit();
+}
+
+CudaEngine::Impl::~Impl() {
+  if (stream) cudaStreamSynchronize(stream);
+  if (graph) cudaGraphExecDestroy(graph);
+  for (auto& L : layers)
+    if (L.moe)
+      for (auto& s : L.moe->slots) {
+        if (s.ready) cudaEventDestroy(s.ready);
+        if (s.free) cudaEventDestroy(s.free);
+      }
+  if (cublas) cublasDestroy(cublas);
+  if (copy_stream) cudaStreamDestroy(copy_stream);
+  if (stream) cudaStreamDestroy(stream);
+}
+
+void CudaEngine::Impl::upload_weights() {
+  const ModelWeights& W = *weights;
+  {
+    std::vector<float> tmp;
+    std::vector<uint16_t> e;
+    const int64_t D = c.hidden_size, block = 4096;
+    e.reserve(size_t(c.vocab_size * D));
+    for (int64_t r = 0; r < c.vocab_size; r += block) {
+      const int64_t n = std::min(block, c.vocab_size - r);
+      tmp.resize(size_t(n * D));
+      W.embed->rows_to_f32(r, r + n, tmp.data());
+      for (float v : tmp) e.push_back(f32_to_bf16_host(v));
+    }
+    embed = upload(budget, e, "embedding");
+  }
+  // cos/sin per position with the attention factor, computed exactly like Rope::apply.
+  {
+    const int64_t half = c.rope.dim / 2;
+    const Rope table(c.rope);
+    std::vector<float> cs(size_t(max_ctx * half * 2));
+    const float af = float(c.rope.attention_factor);
+    for (int64_t p = 0; p < max_ctx; ++p)
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = float(p) * table.inv_freq()[size_t(i)];
+        cs[size_t((p * half + i) * 2)] = std::cos(angle) * af;
+        cs[size_t((p * half + i) * 2 + 1)] = std::sin(angle) * af;
+      }
+    if (cs.empty()) cs.push_back(0.0f);
+    cos_sin = upload(budget, cs, "rope table");
+  }
+  final_norm = upload_norm(budget, W.final_norm);
+  lm_head = upload_linear(budget, {W.lm_head.get()}, "lm_head");
+  layers.resize(size_t(c.num_layers));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& L = W.layers[size_t(l)];
+    DevLayer& d = layers[size_t(l)];
+    d.input_norm = upload_norm(budget, L.input_norm);
+    d.post_norm = upload_norm(budget, L.post_attention_norm);
+    DevAttention& a = d.attn;
+    if (L.mla) {
+      const MlaWeights& m = *L.mla;
+      if (m.q_a) {
+        a.q_a = upload_linear(budget, {m.q_a.get()}, "q_a_proj");
+        a.q_b = upload_linear(budget, {m.q_b.get()}, "q_b_proj");
+        a.q_a_norm = upload_norm(budget, m.q_a_norm);
+      } else {
+        a.q = upload_linear(budget, {m.q.get()}, "q_proj");
+      }
+      a.kv_a = upload_linear(budget, {m.kv_a.get()}, "kv_a_proj");
+      a.kv_a_norm = upload_norm(budget, m.kv_a_norm);
+      a.o = upload_linear(budget, {m.o.get()}, "o_proj");
+      a.w_uk = upload(budget, to_bf16_vec(m.w_uk), "w_uk");
+      a.w_uv = upload(budget, to_bf16_vec(m.w_uv), "w_uv");
+      if (m.indexer) {
+        DevIndexer ix;
+        ix.wq_b = upload_linear(budget, {m.indexer->wq_b.get()}, "indexer wq_b");
+        ix.wk = upload_linear(budget, {m.indexer->wk.get()}, "indexer wk");
+        ix.weights_proj = upload_linear(budget, {m.indexer->weights_proj.get()}, "indexer weights_proj");
+        ix.k_norm = upload_norm(budget, m.indexer->k_norm);
+        a.indexer = std::move(ix);
+      }
+    } else {
+      const GqaWeights& g = *L.gqa;
+      a.gq = upload_linear(budget, {g.q.get()}, "q_proj");
+      a.gk = upload_linear(budget, {g.k.get()}, "k_proj");
+      a.gv = upload_linear(budget, {g.v.get()}, "v_proj");
+      a.o = upload_linear(budget, {g.o.get()}, "o_proj");
+      if (c.qk_norm) {
+        a.q_norm = upload_norm(budget, g.q_norm);
+        a.k_norm = upload_norm(budget, g.k_norm);
+      }
+    }
+    if (L.mlp) d.mlp = upload_mlp(budget, *L.mlp, "mlp");
+    if (L.moe) {
+      DevMoe m;
+      m.router = upload(budget, L.moe->router, "router");
+      m.router_bias = upload(budget, L.moe->router_bias, "router bias");
+      if (L.moe->shared) m.shared = upload_mlp(budget, *L.moe->shared, "shared expert");
+      d.moe = std::move(m);
+    }
+  }
+}
+
+// Places routed experts: the caller's map where given, else VRAM while the budget (less `reserve_bytes` for
+// KV caches) allows and the CPU after that. Then uploads them.
+void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
+  const int64_t E = c.n_routed_experts, D = c.hidden_size, I = c.moe_intermediate_size;
+  const size_t expert_bytes = size_t(3 * I * D) * 2;
+  if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
+    fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
+  placement.assign(size_t(c.num_layers), {});
+  size_t planned = budget->used() + reserve_bytes;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (!layers[size_t(l)].moe) continue;
+    auto& p = placement[size_t(l)];
+    if (!opt.placement.empty() && !opt.placement[size_t(l)].empty()) {
+      p = opt.placement[size_t(l)];
+      if (int64_t(p.size()) != E) fail("placement of layer {} has {} experts, the model {}", l, p.size(), E);
+      continue;
+    }
+    p.assign(size_t(E), ExpertPlacement::Cpu);
+    for (int64_t e = 0; e < E; ++e)
+      if (planned + expert_bytes <= budget->limit()) {
+        p[size_t(e)] = ExpertPlacement::Vram;
+        planned += expert_bytes;
+      }
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (layers[size_t(l)].moe) upload_moe(l);
+}
+
+void CudaEngine::Impl::upload_moe(int64_t l) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  const MoeWeights& hw = *weights->layers[size_t(l)].moe;
+  const int64_t E = c.n_routed_experts, D = c.hidden_size, I = c.moe_intermediate_size;
+  m.placement = placement[size_t(l)];
+  m.vram.resize(size_t(E));
+  m.pinned.resize(size_t(E));
+  m.slot_of.assign(size_t(E), -1);
+  m.h_gate_up.assign(size_t(E), nullptr);
+  m.h_down.assign(size_t(E), nullptr);
+  int64_t cached = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertPlacement p = m.placement[size_t(e)];
+    m.all_vram &= p == ExpertPlacement::Vram;
+    if (p == ExpertPlacement::Cpu) continue;
+    std::vector<uint16_t> block = expert_block(hw.experts[size_t(e)]);
+    if (p == ExpertPlacement::Vram) {
+      m.vram[size_t(e)] = upload(budget, block, "routed expert");
+      m.h_gate_up[size_t(e)] = m.vram[size_t(e)].as<uint16_t>();
+      m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
+    } else {
+      m.pinned[size_t(e)] = PinnedBuffer(block.size() * 2);
+      std::memcpy(m.pinned[size_t(e)].as<void>(), block.data(), block.size() * 2);
+      ++cached;
+    }
+  }
+  m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
+  m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
+  const int64_t n_slots = std::min<int64_t>(cached, std::max(1, opt.cache_slots));
+  for (int64_t i = 0; i < n_slots; ++i) {
+    CacheSlot s;
+    s.mem = DeviceBuffer(budget, size_t(3 * I * D) * 2, "expert cache slot");
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming));
+    MOESRV_CUDA_OK(cudaEventRecord(s.free, stream));
+    m.slots.push_back(std::move(s));
+  }
+}
+
+void CudaEngine::Impl::allocate_scratch() {
+  const int64_t R = rows, D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
+  const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
+  int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
+                             c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts)});
+  s.x = f32(R * D, "hidden");
+  s.h = f32(R * D, "hidden");
+  s.y = f32(R * D, "hidden");
+  s.xb = DeviceBuffer(budget, size_t(R * max_in) * 2, "bf16 input");
+  constexpr int64_t kSliceFloats = int64_t(64) << 20;
+  if (c.attention == AttentionKind::MLA) {
+    const int64_t lat = c.kv_lora_rank + c.qk_rope_dim;
+    attn_rows = std::clamp<int64_t>(kSliceFloats / (H * lat), 1, R);
+    s.q_lat = f32(R * c.q_lora_rank, "q latent");
+    s.q = f32(R * H * c.qk_head_dim(), "q");
+    s.kv = f32(R * lat, "kv");
+    s.qcat = f32(attn_rows * H * lat, "absorbed q");
+    s.olat = f32(attn_rows * H * c.kv_lora_rank, "latent out");
+    s.attn_out = f32(R * H * c.v_head_dim, "attention out");
+    if (c.dsa) {
+      dsa_rows = std::clamp<int64_t>(kSliceFloats / max_ctx, 1, R);
+      s.iq = f32(R * c.index_n_heads * c.index_head_dim, "indexer q");
+      s.ik = f32(R * c.index_head_dim, "indexer k");
+      s.ihw = f32(R * c.index_n_heads, "indexer weights");
+      s.sel = DeviceBuffer(budget, size_t(R * c.index_topk) * 4, "dsa selection");
+      s.dsa_scores = f32(dsa_rows * max_ctx, "dsa scores");
+    }
+  } else {
+    attn_rows = R;
+    s.q = f32(R * H * c.head_dim, "q");
+    s.k = f32(R * c.num_kv_heads * c.head_dim, "k");
+    s.v = f32(R * c.num_kv_heads * c.head_dim, "v");
+    s.attn_out = f32(R * H * c.head_dim, "attention out");
+  }
+  const int64_t inter = std::max(c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts));
+  s.gu = f32(R * 2 * inter, "mlp gate/up");
+  s.act = f32(R * inter, "mlp act");
+  if (c.n_routed_experts > 0) {
+    const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
+    moe_rows = std::clamp<int64_t>((int64_t(16) << 20) / (k * std::max(D, 2 * I)), 8, R);
+    const int64_t M = moe_rows * k;
+    s.logits_r = f32(R * E, "router logits");
+    s.ids = DeviceBuffer(budget, size_t(R * k) * 4, "expert ids");
+    s.w = f32(R * k, "expert weights");
+    s.mgu = f32(M * 2 * I, "expert gate/up");
+    s.mact = f32(M * I, "expert act");
+    s.mactb = DeviceBuffer(budget, size_t(M * I) * 2, "expert act bf16");
+    s.ysorted = f32(M * D, "expert out");
+    s.xs = DeviceBuffer(budget, size_t(M * D) * 2, "expert in");
+    s.rowmap = DeviceBuffer(budget, size_t(M) * 4, "expert rowmap");
+    s.sorted_tok = DeviceBuffer(budget, size_t(M) * 4, "expert rows");
+    s.extra = f32(moe_rows * D, "cpu expert out");
+    h_ids = PinnedBuffer(size_t(M) * 4);
+    h_w = PinnedBuffer(size_t(M) * 4);
+    h_h = PinnedBuffer(size_t(moe_rows * D) * 4);
+    h_extra = PinnedBuffer(size_t(moe_rows * D) * 4);
+    h_rowmap = PinnedBuffer(size_t(M) * 4);
+    h_sorted_tok = PinnedBuffer(size_t(M) * 4);
+  }
+  lm_rows = std::clamp<int64_t>(kSliceFloats / V, 1, R);
+  s.logits = f32(lm_rows * V, "logits");
+  h_logits = PinnedBuffer(size_t(lm_rows * V) * 4);
+  d_pos0 = DeviceBuffer(budget, 4, "position");
+  d_slice_pos = DeviceBuffer(budget, 4, "position");
+  d_tokens = DeviceBuffer(budget, size_t(R) * 4, "tokens");
+  d_layer_cache = DeviceBuffer(budget, size_t(c.num_layers) * sizeof(DeviceLayerCache), "cache table");
+  h_pos0 = PinnedBuffer(4);
+  h_tokens = PinnedBuffer(size_t(R) * 4);
+  h_layer_cache = PinnedBuffer(size_t(c.num_layers) * sizeof(DeviceLayerCache));
+}
+
+}  // namespace moesrv
+#endif  // MOESRV_HAS_CUDA

@@ -1,0 +1,188 @@
+// Embedding, normalisation, rotary, activation, conversion and cache-store kernels.
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace moesrv::cuda {
+
+namespace {
+
+__global__ void embed_kernel(const uint16_t* table, const int32_t* ids, int D, float* out) {
+  const uint16_t* row = table + int64_t(ids[blockIdx.x]) * D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) out[int64_t(blockIdx.x) * D + i] = bf16_to_f32(row[i]);
+}
+
+__global__ void rms_norm_kernel(const float* x, int64_t xs, const float* w, int d, float eps, float* y, int64_t ys) {
+  const float* xr = x + blockIdx.x * xs;
+  float* yr = y + blockIdx.x * ys;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss);
+  const float inv = rsqrtf(ss / float(d) + eps);
+  for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = xr[i] * inv * (w ? w[i] : 1.0f);
+}
+
+__global__ void add_rms_norm_kernel(float* x, const float* add, const float* w, int d, float eps, float* y) {
+  float* xr = x + int64_t(blockIdx.x) * d;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float v = xr[i] + (add ? add[int64_t(blockIdx.x) * d + i] : 0.0f);
+    xr[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const float inv = rsqrtf(ss / float(d) + eps);
+  for (int i = threadIdx.x; i < d; i += blockDim.x) y[int64_t(blockIdx.x) * d + i] = xr[i] * inv * w[i];
+}
+
+__global__ void layer_norm_kernel(const float* x, const float* w, const float* b, int d, float eps, float* y) {
+  const float* xr = x + int64_t(blockIdx.x) * d;
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) s += xr[i];
+  const float mean = block_sum(s) / float(d);
+  float v = 0.0f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+  const float inv = rsqrtf(block_sum(v) / float(d) + eps);
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    y[int64_t(blockIdx.x) * d + i] = (xr[i] - mean) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+}
+
+__global__ void rope_kernel(float* x, int heads, int64_t tok_stride, int head_stride, int offset, int dim,
+                            bool interleaved, const float* cos_sin, const int32_t* pos0) {
+  const int s = blockIdx.x, half = dim / 2;
+  const float* cs = cos_sin + int64_t(*pos0 + s) * dim;  // [half][2]
+  for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+    const int h = idx / half, i = idx % half;
+    float* base = x + s * tok_stride + int64_t(h) * head_stride + offset;
+    float* a = interleaved ? base + 2 * i : base + i;
+    float* b = interleaved ? base + 2 * i + 1 : base + i + half;
+    const float c = cs[2 * i], sn = cs[2 * i + 1], x0 = *a, x1 = *b;
+    *a = x0 * c - x1 * sn;
+    *b = x1 * c + x0 * sn;
+  }
+}
+
+__global__ void silu_mul_kernel(const float* gu, int64_t n, int I, float* out) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / I, i = idx % I;
+    const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
+    out[idx] = g / (1.0f + expf(-g)) * u;
+  }
+}
+
+__global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = f32_to_bf16(x[i]);
+}
+
+__global__ void add_bias_kernel(float* y, const float* b, int64_t n, int cols) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] += b[i % cols];
+}
+
+__global__ void gather_rows_kernel(const float* x, const int32_t* rows, int D, uint16_t* out) {
+  const float* src = x + int64_t(rows[blockIdx.x]) * D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) out[int64_t(blockIdx.x) * D + i] = f32_to_bf16(src[i]);
+}
+
+__global__ void cache_write_kernel(const float* src, int64_t src_stride, int row_len, const DeviceLayerCache* lc,
+                                   CacheField field, bool q8, const int32_t* pos0) {
+  const float* x = src + blockIdx.x * src_stride;
+  const int64_t t = *pos0 + blockIdx.x;
+  if (field == CacheField::IndexK) {
+    for (int i = threadIdx.x; i < row_len; i += blockDim.x) lc->index_k[t * row_len + i] = f32_to_bf16(x[i]);
+    return;
+  }
+  void* base = field == CacheField::Kv ? lc->kv : lc->v;
+  if (!q8) {
+    uint16_t* dst = static_cast<uint16_t*>(base) + t * row_len;
+    for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = f32_to_bf16(x[i]);
+    return;
+  }
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < row_len; i += blockDim.x) m = fmaxf(m, fabsf(x[i]));
+  __shared__ float part[32];
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = 0.0f;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) m = fmaxf(m, part[i]);
+  const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+  int8_t* dst = static_cast<int8_t*>(base) + t * row_len;
+  for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = int8_t(__float2int_rn(x[i] / scale));
+  if (threadIdx.x == 0) (field == CacheField::Kv ? lc->kv_scale : lc->v_scale)[t] = scale;
+}
+
+__global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* out) { *out = *pos0 + add; }
+
+int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); }
+
+}  // namespace
+
+void offset_position(const int32_t* pos0, int add, int32_t* out, cudaStream_t st) {
+  offset_position_kernel<<<1, 1, 0, st>>>(pos0, add, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void embed_gather(const uint16_t* table, const int32_t* ids, int S, int D, float* out, cudaStream_t st) {
+  embed_kernel<<<S, 256, 0, st>>>(table, ids, D, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void rms_norm(const float* x, int64_t x_stride, const float* w, int rows, int d, float eps, float* y,
+              int64_t y_stride, cudaStream_t st) {
+  if (rows == 0) return;
+  rms_norm_kernel<<<rows, 256, 0, st>>>(x, x_stride, w, d, eps, y, y_stride);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void add_rms_norm(float* x, const float* add, const float* w, int rows, int d, float eps, float* y, cudaStream_t st) {
+  add_rms_norm_kernel<<<rows, 256, 0, st>>>(x, add, w, d, eps, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void layer_norm(const float* x, const float* w, const float* b, int rows, int d, float eps, float* y, cudaStream_t st) {
+  layer_norm_kernel<<<rows, 128, 0, st>>>(x, w, b, d, eps, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void rope(float* x, int S, int heads, int64_t tok_stride, int head_stride, int offset, int dim, bool interleaved,
+          const float* cos_sin, const int32_t* pos0, cudaStream_t st) {
+  if (dim == 0 || S == 0) return;
+  rope_kernel<<<S, 128, 0, st>>>(x, heads, tok_stride, head_stride, offset, dim, interleaved, cos_sin, pos0);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st) {
+  const int64_t n = int64_t(rows) * I;
+  if (n == 0) return;
+  silu_mul_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st) {
+  if (n == 0) return;
+  to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st) {
+  const int64_t n = int64_t(rows) * cols;
+  if (n == 0) return;
+  add_bias_kernel<<<grid_for(n), 256, 0, st>>>(y, b, n, cols);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_t* out, cudaStream_t st) {
+  if (n == 0) return;
+  gather_rows_kernel<<<n, 256, 0, st>>>(x, rows, D, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void cache_write(const float* src, int64_t src_stride, int S, int row_len, const DeviceLayerCache* lc,
+                 CacheField field, bool q8, const int32_t* pos0, cudaStream_t st) {
+  if (S == 0) return;
+  cache_write_kernel<<<S, 256, 0, st>>>(src, src_stride, row_len, lc, field, q8, pos0);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moesrv::cuda

@@ -1,0 +1,208 @@
+// Internals of the CUDA engine shared by its .cpp files (CUDA builds only): budgeted device memory,
+// uploaded weights, scratch, and the engine state.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "backend/cuda/cuda_engine.h"
+#include "backend/cuda/kernels.h"
+#include "model/weights.h"
+#include "util/error.h"
+
+namespace moesrv::cuda {
+
+#define MOESRV_CUDA_OK(expr)                                                                          \
+  do {                                                                                                \
+    cudaError_t err_ = (expr);                                                                        \
+    if (err_ != cudaSuccess) ::moesrv::fail("CUDA error in {}: {}", #expr, cudaGetErrorString(err_)); \
+  } while (0)
+#define MOESRV_CUBLAS_OK(expr)                                                              \
+  do {                                                                                      \
+    cublasStatus_t st_ = (expr);                                                            \
+    if (st_ != CUBLAS_STATUS_SUCCESS) ::moesrv::fail("cuBLAS error {} in {}", int(st_), #expr); \
+  } while (0)
+
+// Every device allocation goes through here and counts against the VRAM budget.
+class DeviceBudget {
+ public:
+  explicit DeviceBudget(size_t limit) : limit_(limit) {}
+  void* alloc(size_t bytes, const char* what);
+  void release(void* p, size_t bytes);
+  size_t used() const { return used_; }
+  size_t limit() const { return limit_; }
+  size_t left() const { return used_ >= limit_ ? 0 : limit_ - used_; }
+
+ private:
+  std::mutex mu_;
+  size_t limit_, used_ = 0;
+};
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(std::shared_ptr<DeviceBudget> b, size_t bytes, const char* what);
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  void reset();
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<DeviceBudget> budget_;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Pinned host memory (cudaHostAlloc), freed on destruction.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+uint16_t f32_to_bf16_host(float f);
+// W rows of a stored linear (any format) as bf16, appended to `out`.
+void append_bf16_rows(const Linear& l, std::vector<uint16_t>& out);
+
+struct DevLinear {  // bf16 weight [out][in], optional fp32 bias
+  DeviceBuffer w, bias;
+  int64_t in = 0, out = 0;
+};
+struct DevNorm {
+  DeviceBuffer w, b;
+};
+struct DevMlp {  // gate and up fused: [2I][D]
+  DevLinear gate_up, down;
+  int64_t inter = 0;
+};
+struct DevIndexer {
+  DevLinear wq_b, wk, weights_proj;
+  DevNorm k_norm;
+};
+struct DevAttention {
+  DevLinear q_a, q_b, q, kv_a, o;  // MLA (q only without q_lora)
+  DevNorm q_a_norm, kv_a_norm;
+  DeviceBuffer w_uk, w_uv;  // bf16 [H][dn][r], [H][dv][r]
+  std::optional<DevIndexer> indexer;
+  DevLinear gq, gk, gv;  // GQA (o shared with MLA's)
+  DevNorm q_norm, k_norm;
+};
+
+// Routed experts of one MoE layer with their placement. Expert weights are one block: gate|up [2I][D], down [D][I].
+struct CacheSlot {
+  DeviceBuffer mem;
+  int expert = -1;
+  uint64_t last_use = 0;
+  cudaEvent_t ready = nullptr, free = nullptr;  // copy finished / last compute use finished
+};
+struct DevMoe {
+  DeviceBuffer router, router_bias;  // fp32 [E][D], [E]
+  std::optional<DevMlp> shared;
+  std::vector<ExpertPlacement> placement;
+  std::vector<DeviceBuffer> vram;         // per expert, empty unless Vram
+  DeviceBuffer gate_up_ptrs, down_ptrs;   // device pointer tables [E] (Vram experts; others null)
+  std::vector<const uint16_t*> h_gate_up, h_down;
+  bool all_vram = true;
+  std::vector<PinnedBuffer> pinned;       // per expert, Cache placement only
+  std::vector<CacheSlot> slots;
+  std::vector<int> slot_of;               // expert -> slot or -1
+  uint64_t clock = 0;
+};
+
+struct DevLayer {
+  DevNorm input_norm, post_norm;
+  DevAttention attn;
+  std::optional<DevMlp> mlp;
+  std::optional<DevMoe> moe;
+};
+
+}  // namespace moesrv::cuda
+
+namespace moesrv {
+
+struct CudaEngine::Impl {
+  CudaEngineOptions opt;
+  std::unique_ptr<ModelWeights> weights;  // host weights: CPU experts and upload source
+  ModelConfig c;
+  std::string name;
+  std::shared_ptr<cuda::DeviceBudget> budget;
+  cudaStream_t stream = nullptr, copy_stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cuda::DeviceBuffer cublas_workspace;
+
+  cuda::DeviceBuffer embed, cos_sin;
+  cuda::DevNorm final_norm;
+  cuda::DevLinear lm_head;
+  std::vector<cuda::DevLayer> layers;
+  std::vector<std::vector<ExpertPlacement>> placement;
+
+  // Geometry.
+  int64_t max_ctx = 0, rows = 0;        // rows: tokens per pass (prefill chunk)
+  int64_t attn_rows = 0, moe_rows = 0, dsa_rows = 0, lm_rows = 0;
+  int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
+  size_t seq_bytes = 0;                 // device bytes of one sequence's caches
+
+  // Per-pass device state: positions, tokens, the current sequence's cache table.
+  cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache;
+  cuda::PinnedBuffer h_pos0, h_tokens, h_layer_cache;
+  // Scratch.
+  struct Scratch {
+    cuda::DeviceBuffer x, h, y, xb;                             // residual, normed, layer output, bf16 input
+    cuda::DeviceBuffer q_lat, q, kv, qcat, olat, attn_out;      // attention
+    cuda::DeviceBuffer k, v;                                    // GQA keys/values of the pass
+    cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
+    cuda::DeviceBuffer gu, act;                                 // dense MLP
+    cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
+    cuda::DeviceBuffer logits;                                  // [lm_rows][V]
+  } s;
+  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_logits;
+
+  // Decode graph (one token, all experts in VRAM).
+  cudaGraphExec_t graph = nullptr;
+  bool use_graph = true;
+  CudaEngineStats stats;
+
+  Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o);
+  ~Impl();
+
+  // Setup (cuda_engine_setup.cpp).
+  void upload_weights();
+  void plan_experts(size_t reserve_bytes);
+  void upload_moe(int64_t layer);
+  void allocate_scratch();
+
+  // Ops.
+  void linear(const cuda::DevLinear& l, const float* x, int64_t n, float* y);
+  void gemm_bf16(const uint16_t* w, int64_t out, int64_t in, const uint16_t* xb, int64_t n, float* y);
+  void mlp(const cuda::DevMlp& m, const float* x, int64_t n, float* y);
+  void attention_mla(int64_t l, int64_t S);
+  void attention_gqa(int64_t l, int64_t S);
+  void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
+  void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
+  void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
+  const uint16_t* expert_weights(cuda::DevMoe& m, int e);  // Vram or cache slot (loads on a miss)
+  void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
+  void lm_head_rows(int64_t row0, int64_t n, float* host_out);
+  bool graph_ok() const;
+  const cuda::DeviceLayerCache* layer_cache(int64_t l) const {
+    return d_layer_cache.as<cuda::DeviceLayerCache>() + l;
+  }
+};
+
+}  // namespace moesrv

@@ -1,0 +1,154 @@
+// The MoE layer on the GPU and its expert-execution seam. Routing always runs on the device. Small batches
+// whose experts are all in VRAM run as grouped GEMVs with no host involvement (CUDA-graph safe). Otherwise
+// the routing comes back to the host, which plans per placement: VRAM experts and LRU-cached experts
+// (copied from pinned memory on the copy stream, ordered by events) run as cuBLAS GEMMs over their tokens
+// in expert order, while CPU experts run on the host thread pool from the stored weights, overlapped with
+// the GPU work; their weighted sum is uploaded and added in the final combine.
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/ops.h"
+#include "backend/cuda/engine_internal.h"
+
+namespace moesrv {
+
+using namespace moesrv::cuda;
+
+void CudaEngine::Impl::moe(int64_t l, int64_t S) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.experts_per_token, I = c.moe_intermediate_size;
+  float *h = s.h.as<float>(), *y = s.y.as<float>();
+  const float one = 1.0f, zero = 0.0f;
+  // Router logits in fp32 (expert choice is sensitive to rounding).
+  MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, m.router.as<float>(),
+                               int(D), h, int(D), &zero, s.logits_r.as<float>(), int(E)));
+  RouterArgs ra;
+  ra.E = int(E);
+  ra.groups = int(c.n_group);
+  ra.topk_groups = int(c.topk_group);
+  ra.k = int(k);
+  ra.norm_topk = c.norm_topk_prob;
+  ra.scaling = float(c.routed_scaling_factor);
+  route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+  if (m.shared) mlp(*m.shared, h, S, y);
+  else MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
+  if (m.all_vram && S <= 8) {
+    moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
+             m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream);
+    moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
+    return;
+  }
+  for (int64_t s0 = 0; s0 < S; s0 += moe_rows) moe_hybrid(l, s0, std::min(moe_rows, S - s0));
+}
+
+const uint16_t* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
+  if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.h_gate_up[size_t(e)];
+  ++m.clock;
+  int slot = m.slot_of[size_t(e)];
+  if (slot >= 0) {
+    ++stats.cache_hits;
+  } else {
+    ++stats.cache_misses;
+    slot = 0;
+    for (int i = 1; i < int(m.slots.size()); ++i)
+      if (m.slots[size_t(i)].last_use < m.slots[size_t(slot)].last_use) slot = i;
+    CacheSlot& cs = m.slots[size_t(slot)];
+    if (cs.expert >= 0) m.slot_of[size_t(cs.expert)] = -1;
+    // Overwrite only after the GPU finished with the evicted expert; compute waits for the copy below.
+    MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
+    MOESRV_CUDA_OK(cudaMemcpyAsync(cs.mem.as<void>(), m.pinned[size_t(e)].as<void>(), cs.mem.bytes(),
+                                   cudaMemcpyHostToDevice, copy_stream));
+    MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+    cs.expert = e;
+    m.slot_of[size_t(e)] = slot;
+  }
+  CacheSlot& cs = m.slots[size_t(slot)];
+  cs.last_use = m.clock;
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, cs.ready, 0));
+  return cs.mem.as<uint16_t>();
+}
+
+// Tokens [s0, s0 + n) of the pass: s.h rows in, s.y rows accumulated (the shared expert is already there).
+void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  const MoeWeights& hw = *weights->layers[size_t(l)].moe;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.experts_per_token, I = c.moe_intermediate_size;
+  const float* h = s.h.as<float>() + s0 * D;
+  float* y = s.y.as<float>() + s0 * D;
+  const int32_t* d_ids = s.ids.as<int32_t>() + s0 * k;
+  const float* d_w = s.w.as<float>() + s0 * k;
+  bool any_cpu = false;
+  for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
+  MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(h_w.as<void>(), d_w, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
+  if (any_cpu) MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
+  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+
+  // Plan: entries (token, slot) grouped by expert; GPU experts get consecutive rows of the sorted buffers.
+  const int32_t* ids = h_ids.as<int32_t>();
+  std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));
+  for (int64_t i = 0; i < n * k; ++i) by_expert[size_t(ids[i])].push_back(int32_t(i));
+  int32_t* rowmap = h_rowmap.as<int32_t>();
+  int32_t* sorted_tok = h_sorted_tok.as<int32_t>();
+  std::vector<std::pair<int, int32_t>> gpu_runs;  // (expert, first row)
+  std::vector<int> cpu_experts;
+  int32_t rows = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& entries = by_expert[size_t(e)];
+    if (entries.empty()) continue;
+    if (m.placement[size_t(e)] == ExpertPlacement::Cpu) {
+      cpu_experts.push_back(int(e));
+      for (int32_t i : entries) rowmap[i] = -1;
+      continue;
+    }
+    gpu_runs.push_back({int(e), rows});
+    for (int32_t i : entries) {
+      rowmap[i] = rows;
+      sorted_tok[rows++] = i / int32_t(k);
+    }
+  }
+  MOESRV_CUDA_OK(cudaMemcpyAsync(s.rowmap.as<void>(), rowmap, size_t(n * k) * 4, cudaMemcpyHostToDevice, stream));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows) * 4, cudaMemcpyHostToDevice, stream));
+  gather_rows_bf16(h, s.sorted_tok.as<int32_t>(), rows, int(D), s.xs.as<uint16_t>(), stream);
+  for (size_t r = 0; r < gpu_runs.size(); ++r) {
+    const int e = gpu_runs[r].first;
+    const int64_t row0 = gpu_runs[r].second, cnt = int64_t(by_expert[size_t(e)].size());
+    const uint16_t* w = expert_weights(m, e);
+    float* gu = s.mgu.as<float>() + row0 * 2 * I;
+    gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + row0 * D, cnt, gu);
+    silu_mul(gu, int(cnt), int(I), s.mact.as<float>() + row0 * I, stream);
+    to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
+    gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
+    if (m.placement[size_t(e)] == ExpertPlacement::Cache)
+      MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(m.slot_of[size_t(e)])].free, stream));
+  }
+  // CPU experts while the GPU works through the queue above.
+  const float* extra = nullptr;
+  if (!cpu_experts.empty()) {
+    float* out = h_extra.as<float>();
+    std::fill(out, out + n * D, 0.0f);
+    const float* hh = h_h.as<float>();
+    const float* wts = h_w.as<float>();
+    std::vector<float> xs, ys;
+    for (int e : cpu_experts) {
+      const auto& entries = by_expert[size_t(e)];
+      const int64_t cnt = int64_t(entries.size());
+      xs.resize(size_t(cnt * D));
+      ys.resize(size_t(cnt * D));
+      for (int64_t i = 0; i < cnt; ++i)
+        std::memcpy(xs.data() + i * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
+      cpu::mlp_forward(hw.experts[size_t(e)], xs.data(), cnt, ys.data());
+      for (int64_t i = 0; i < cnt; ++i)
+        cpu::axpy(wts[entries[size_t(i)]], ys.data() + i * D, D, out + (entries[size_t(i)] / k) * D);
+      stats.cpu_expert_tokens += cnt;
+    }
+    MOESRV_CUDA_OK(cudaMemcpyAsync(s.extra.as<void>(), out, size_t(n * D) * 4, cudaMemcpyHostToDevice, stream));
+    extra = s.extra.as<float>();
+  }
+  moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, extra, int(n), int(k), int(D), stream);
+}
+
+}  // namespace moesrv
+#endif  // MOESRV_HAS_CUDA

@@ -1,0 +1,90 @@
+// Launch wrappers of the engine's CUDA kernels (bf16 weights as uint16_t bits, fp32 activations).
+// Position-dependent kernels read the first new position from device memory (`pos0`) and the KV cache
+// pointers from a device-side DeviceLayerCache, so a captured decode graph serves every step and sequence.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moesrv::cuda {
+
+// One layer's cache of the current sequence, in device memory. kv: MLA [T][r+dr] (latent | roped key) or
+// GQA keys [T][KV*hd]; v: GQA values; bf16, or int8 with a per-token fp32 scale when q8.
+struct DeviceLayerCache {
+  void* kv = nullptr;
+  float* kv_scale = nullptr;
+  void* v = nullptr;
+  float* v_scale = nullptr;
+  uint16_t* index_k = nullptr;  // DSA indexer keys [T][index_head_dim], bf16
+};
+enum class CacheField { Kv, V, IndexK };
+
+// out = *pos0 + add (positions of a later slice of the batch, kept on the device).
+void offset_position(const int32_t* pos0, int add, int32_t* out, cudaStream_t st);
+void embed_gather(const uint16_t* table, const int32_t* ids, int S, int D, float* out, cudaStream_t st);
+// y = x / rms(x) * w over `rows` rows of length d; rows are `x_stride`/`y_stride` apart (x and y may alias).
+void rms_norm(const float* x, int64_t x_stride, const float* w, int rows, int d, float eps, float* y,
+              int64_t y_stride, cudaStream_t st);
+// x += add (when add != null), then y = rms_norm(x) * w.
+void add_rms_norm(float* x, const float* add, const float* w, int rows, int d, float eps, float* y, cudaStream_t st);
+void layer_norm(const float* x, const float* w, const float* b, int rows, int d, float eps, float* y, cudaStream_t st);
+// Rotates `dim` values at `offset` inside each of `heads` heads (head_stride apart) of token rows
+// (tok_stride apart), position pos0 + row. cos_sin: [max_ctx][dim/2][2] with the attention factor applied.
+void rope(float* x, int S, int heads, int64_t tok_stride, int head_stride, int offset, int dim, bool interleaved,
+          const float* cos_sin, const int32_t* pos0, cudaStream_t st);
+// gu rows are [gate(I) | up(I)]; out[r][i] = silu(gate) * up.
+void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st);
+void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
+void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st);
+// out[i] = bf16(x[rows[i]]) for i < n (D values per row).
+void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_t* out, cudaStream_t st);
+// Stores S token rows of `row_len` values (src rows src_stride apart) into the cache at positions pos0 + s.
+void cache_write(const float* src, int64_t src_stride, int S, int row_len, const DeviceLayerCache* lc,
+                 CacheField field, bool q8, const int32_t* pos0, cudaStream_t st);
+
+// MLA: qcat[s][h] = [W_uk[h]^T q_nope | q_rope] (the query in latent space), w_uk [H][dn][r].
+void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st);
+// out[s][h*dv + i] = W_uv[h][i] . o_lat[s][h], w_uv [H][dv][r].
+void mla_output(const float* o_lat, const uint16_t* w_uv, int S, int H, int dv, int r, float* out, cudaStream_t st);
+
+// Causal attention of S queries (H heads, rows q_dim apart) over the cache, online softmax in key tiles.
+// MLA: keys are whole cache rows (r+dr), values their first r values, every head shares them.
+// GQA: keys/values are kv-head slices of width q_dim. selection (DSA, optional): [S][sel_k] key positions,
+// -1 padded. out: [S][H][v_dim].
+struct AttentionArgs {
+  const float* q = nullptr;
+  int S = 0, H = 0, q_dim = 0, v_dim = 0, kv_heads = 1;
+  bool mla = false, q8 = false;
+  const DeviceLayerCache* lc = nullptr;
+  const int32_t* selection = nullptr;
+  int sel_k = 0;
+  const int32_t* pos0 = nullptr;
+  float scale = 1.0f;
+  float* out = nullptr;
+};
+void attention(const AttentionArgs& a, cudaStream_t st);
+
+// DSA lightning indexer top-k for queries [s_begin, s_begin + n): scores over cached keys with ReLU heads,
+// exact top-min(K, pos+1), ties to the lower position, written in ascending position order, -1 padded.
+// q: [S][nh][d] (roped), hw: [S][nh] head weights; scratch: n * max_ctx floats.
+void dsa_topk(const float* q, const float* hw, const DeviceLayerCache* lc, int s_begin, int n, int nh, int d, int K,
+              const int32_t* pos0, int64_t max_ctx, float* scratch, int32_t* sel, cudaStream_t st);
+
+// Sigmoid router with correction bias and group-limited top-k, one block per token.
+struct RouterArgs {
+  int E = 0, groups = 1, topk_groups = 1, k = 0;
+  bool norm_topk = true;
+  float scaling = 1.0f;
+};
+void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
+           cudaStream_t st);
+
+// Grouped expert GEMVs for small batches, experts picked on the device: entry i = token i / k, expert ids[i].
+// gate_up[e]: [2I][D] bf16, down[e]: [D][I] bf16 (device pointer tables). act: [S*k][I], y: [S*k][D].
+void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
+              const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st);
+// out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j]] (rowmap -1: skipped; rowmap null: identity) + extra[s].
+void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
+                 int k, int D, cudaStream_t st);
+
+}  // namespace moesrv::cuda

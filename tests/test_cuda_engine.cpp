@@ -1,0 +1,294 @@
+// CUDA engine vs the CPU reference engine on the hf-tiny models; skipped without CUDA or a device.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "backend/cpu/cpu_engine.h"
+#include "backend/cuda/cuda_engine.h"
+#include "format/safetensors.h"
+#include "util/error.h"
+
+namespace moesrv {
+namespace {
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device"
+
+std::string tiny(const std::string& model) {
+  const char* dir = std::getenv("MOESRV_TESTDATA_DIR");
+  return std::string(dir ? dir : MOESRV_TESTDATA) + "/hf-tiny/" + model;
+}
+
+std::vector<int32_t> ids(const std::string& model, const char* name) {
+  auto f = SafetensorsFile::open(tiny(model) + "/reference.safetensors");
+  std::vector<int32_t> v;
+  for (float x : f->find(name)->to_f32()) v.push_back(int32_t(x));
+  return v;
+}
+
+double rel_row_error(const float* a, const float* ref, int64_t n) {
+  double norm = 0, maxdiff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    norm += double(ref[i]) * ref[i];
+    maxdiff = std::max(maxdiff, std::abs(double(a[i]) - ref[i]));
+  }
+  return maxdiff / std::sqrt(norm);
+}
+
+int32_t argmax(const float* v, int64_t n) {
+  int32_t b = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] > v[b]) b = int32_t(i);
+  return b;
+}
+
+// Fraction of rows within `tol` (relative to the reference row norm); the worst row error in `worst`.
+double rows_within(const std::vector<float>& a, const std::vector<float>& ref, int64_t V, double tol, double* worst) {
+  const int64_t rows = int64_t(ref.size()) / V;
+  int64_t ok = 0;
+  *worst = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    double e = rel_row_error(a.data() + r * V, ref.data() + r * V, V);
+    *worst = std::max(*worst, e);
+    ok += e <= tol;
+  }
+  return double(ok) / double(rows);
+}
+
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+
+constexpr double kBf16Tolerance = 1e-2;
+
+std::unique_ptr<CudaEngine> gpu(const std::string& model, CudaEngineOptions opt = {}) {
+  return std::make_unique<CudaEngine>(ModelPackage::open(tiny(model)), opt);
+}
+
+bool is_dsa(const std::string& m) { return m == "glm_moe_dsa"; }
+
+class CudaVsCpu : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaVsCpu, PrefillLogitsMatchCpu) {
+  SKIP_WITHOUT_CUDA();
+  auto cpu = CpuEngine::open(tiny(GetParam()));
+  auto g = gpu(GetParam());
+  auto prompt = ids(GetParam(), "gen_ids");
+  auto cs = cpu->new_sequence();
+  auto gs = g->new_sequence();
+  auto ref = cpu->forward(*cs, prompt, true);
+  auto out = g->forward(*gs, prompt, true);
+  ASSERT_EQ(out.size(), ref.size());
+  double worst = 0;
+  double frac = rows_within(out, ref, g->vocab_size(), kBf16Tolerance, &worst);
+  std::printf("[ info ] %s: %zu rows, worst rel error %.2e, %.0f%% within %.0e\n", GetParam().c_str(),
+              prompt.size(), worst, frac * 100, kBf16Tolerance);
+  // DSA: a near-tied indexer score may select differently in bf16 than in fp32 (and the CPU's tie rule differs).
+  EXPECT_GE(frac, is_dsa(GetParam()) ? 0.75 : 1.0);
+}
+
+TEST_P(CudaVsCpu, GreedyDecodeMatchesCpu) {
+  SKIP_WITHOUT_CUDA();
+  auto cpu = CpuEngine::open(tiny(GetParam()));
+  auto g = gpu(GetParam());
+  auto all = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40);
+  auto cs = cpu->new_sequence();
+  auto gs = g->new_sequence();
+  auto cl = cpu->forward(*cs, prompt);
+  auto gl = g->forward(*gs, prompt);
+  int same = 0;
+  double worst = 0;
+  for (int step = 0; step < 16; ++step) {
+    const int32_t a = argmax(cl.data(), cpu->vocab_size()), b = argmax(gl.data(), g->vocab_size());
+    worst = std::max(worst, rel_row_error(gl.data(), cl.data(), g->vocab_size()));
+    same += a == b;
+    if (!is_dsa(GetParam())) ASSERT_EQ(a, b) << "step " << step;
+    cl = cpu->forward(*cs, {a});
+    gl = g->forward(*gs, {a});  // both continue from the CPU's token
+  }
+  std::printf("[ info ] %s: %d/16 greedy tokens equal, worst decode rel error %.2e, graph replays %ld\n",
+              GetParam().c_str(), same, worst, long(g->stats().graph_replays));
+  if (!is_dsa(GetParam())) EXPECT_LE(worst, kBf16Tolerance);
+  EXPECT_GT(g->stats().graph_replays, 0);
+}
+
+TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
+  SKIP_WITHOUT_CUDA();
+  auto g = gpu(GetParam());
+  auto all = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 20);
+  auto a = g->new_sequence();
+  auto b = g->new_sequence();
+  g->forward(*a, prompt);
+  g->forward(*b, prompt);
+  for (int i = 20; i < 30; ++i) {
+    g->set_use_graph(true);
+    auto la = g->forward(*a, {all[size_t(i)]});
+    g->set_use_graph(false);
+    auto lb = g->forward(*b, {all[size_t(i)]});
+    EXPECT_LE(rel_row_error(la.data(), lb.data(), g->vocab_size()), 1e-5) << "step " << i;
+  }
+  EXPECT_EQ(g->stats().graph_captures, 1);
+}
+
+TEST_P(CudaVsCpu, TruncateAndCloneReplay) {
+  SKIP_WITHOUT_CUDA();
+  auto g = gpu(GetParam());
+  auto in = ids(GetParam(), "input_ids");
+  auto seq = g->new_sequence();
+  std::vector<int32_t> a(in.begin(), in.begin() + 20), b(in.begin() + 20, in.begin() + 30);
+  g->forward(*seq, a);
+  auto snap = seq->clone();
+  EXPECT_EQ(snap->length(), 20);
+  auto first = g->forward(*seq, b);
+  seq->truncate(20);
+  auto again = g->forward(*seq, b);
+  auto from_clone = g->forward(*snap, b);
+  EXPECT_EQ(first, again);
+  EXPECT_EQ(first, from_clone);
+}
+
+TEST_P(CudaVsCpu, ChunkedPrefillMatchesOnePass) {
+  SKIP_WITHOUT_CUDA();
+  CudaEngineOptions small;
+  small.prefill_chunk = 7;
+  auto g1 = gpu(GetParam());
+  auto g2 = gpu(GetParam(), small);
+  auto in = ids(GetParam(), "gen_ids");
+  auto s1 = g1->new_sequence();
+  auto s2 = g2->new_sequence();
+  auto l1 = g1->forward(*s1, in, true);
+  auto l2 = g2->forward(*s2, in, true);
+  double worst = 0;
+  EXPECT_GE(rows_within(l2, l1, g1->vocab_size(), 1e-4, &worst), is_dsa(GetParam()) ? 0.9 : 1.0) << worst;
+}
+
+TEST_P(CudaVsCpu, Q8CacheStaysClose) {
+  SKIP_WITHOUT_CUDA();
+  CudaEngineOptions q8;
+  q8.kv_q8 = true;
+  auto cpu = CpuEngine::open(tiny(GetParam()));
+  auto g = gpu(GetParam(), q8);
+  auto in = ids(GetParam(), "input_ids");
+  auto cs = cpu->new_sequence();
+  auto gs = g->new_sequence();
+  auto ref = cpu->forward(*cs, in, true);
+  auto out = g->forward(*gs, in, true);
+  double worst = 0;
+  double frac = rows_within(out, ref, g->vocab_size(), 5e-2, &worst);
+  std::printf("[ info ] %s q8 cache: worst rel error %.2e\n", GetParam().c_str(), worst);
+  EXPECT_GE(frac, is_dsa(GetParam()) ? 0.75 : 1.0);
+}
+
+// Every routed expert on the CPU, all behind a 2-slot LRU cache (evictions every layer), or a mix: the
+// logits must equal the all-VRAM engine's up to bf16-vs-fp32 expert arithmetic.
+TEST_P(CudaVsCpu, HybridPlacementsMatchAllVram) {
+  SKIP_WITHOUT_CUDA();
+  auto ref_engine = gpu(GetParam());
+  auto in = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
+  auto run = [&](CudaEngine& e) {
+    auto seq = e.new_sequence();
+    std::vector<float> out = e.forward(*seq, prompt, true);
+    for (int32_t t : steps) {
+      auto l = e.forward(*seq, {t});
+      out.insert(out.end(), l.begin(), l.end());
+    }
+    return out;
+  };
+  const auto ref = run(*ref_engine);
+  const auto& base = ref_engine->placement();
+  struct Case {
+    const char* name;
+    ExpertPlacement (*pick)(size_t e);
+    double tol;
+  };
+  const Case cases[] = {
+      {"all-cpu", [](size_t) { return ExpertPlacement::Cpu; }, kBf16Tolerance},
+      {"all-cache", [](size_t) { return ExpertPlacement::Cache; }, 1e-5},
+      {"mixed", [](size_t e) { return ExpertPlacement(e % 3); }, kBf16Tolerance},
+  };
+  for (const Case& cs : cases) {
+    CudaEngineOptions opt;
+    opt.cache_slots = 2;
+    opt.placement = base;
+    for (auto& layer : opt.placement)
+      for (size_t e = 0; e < layer.size(); ++e) layer[e] = cs.pick(e);
+    auto e = gpu(GetParam(), opt);
+    const auto out = run(*e);
+    double worst = 0;
+    double frac = rows_within(out, ref, e->vocab_size(), cs.tol, &worst);
+    auto st = e->stats();
+    std::printf("[ info ] %s %s: worst rel error %.2e, cache hits %ld misses %ld, cpu expert tokens %ld\n",
+                GetParam().c_str(), cs.name, worst, long(st.cache_hits), long(st.cache_misses), long(st.cpu_expert_tokens));
+    EXPECT_GE(frac, is_dsa(GetParam()) ? 0.75 : 1.0) << cs.name;
+    if (std::string(cs.name) != "all-cpu") EXPECT_GT(st.cache_misses, 2) << cs.name;
+    if (std::string(cs.name) != "all-cache") EXPECT_GT(st.cpu_expert_tokens, 0) << cs.name;
+    EXPECT_EQ(st.graph_replays, 0) << "hybrid decode must not use the all-VRAM graph";
+  }
+}
+
+TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
+  SKIP_WITHOUT_CUDA();
+  CudaEngineOptions tiny_budget;
+  tiny_budget.vram_budget_gib = 1.0 / 1024;  // 1 MiB: not even the dense weights fit
+  EXPECT_THROW(gpu(GetParam(), tiny_budget), Error);
+  // A budget that fits the dense part and a few experts: the plan puts the rest on the CPU.
+  auto full = gpu(GetParam());
+  const double used = double(full->stats().vram_used), seq = double(full->new_sequence()->bytes());
+  CudaEngineOptions part;
+  part.vram_budget_gib = (used - 0.5 * (used - seq) * 0.5) / double(1ull << 30);
+  part.max_ctx = full->max_context();
+  try {
+    auto e = gpu(GetParam(), part);
+    int cpu = 0, vram = 0;
+    for (auto& l : e->placement())
+      for (auto p : l) (p == ExpertPlacement::Cpu ? cpu : vram)++;
+    std::printf("[ info ] %s budget %.1f MiB: %d experts in VRAM, %d on the CPU\n", GetParam().c_str(),
+                part.vram_budget_gib * 1024, vram, cpu);
+    EXPECT_GT(cpu, 0);
+    auto seq = e->new_sequence();
+    auto in = ids(GetParam(), "input_ids");
+    EXPECT_EQ(e->forward(*seq, in).size(), size_t(e->vocab_size()));
+    EXPECT_LE(e->stats().vram_used, e->stats().vram_budget);
+  } catch (const Error& err) {
+    ADD_FAILURE() << err.what();
+  }
+}
+
+// Decode throughput on hf-tiny (latency-bound: launches, not bandwidth).
+TEST_P(CudaVsCpu, DecodeThroughput) {
+  SKIP_WITHOUT_CUDA();
+  auto in = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(in.begin(), in.begin() + 40);
+  for (bool graph : {true, false}) {
+    auto g = gpu(GetParam());
+    g->set_use_graph(graph);
+    auto seq = g->new_sequence();
+    auto l = g->forward(*seq, prompt);
+    for (int i = 0; i < 8; ++i) l = g->forward(*seq, {argmax(l.data(), g->vocab_size())});
+    const int steps = 256;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) l = g->forward(*seq, {argmax(l.data(), g->vocab_size())});
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("[ perf ] %s decode %s: %.0f tok/s (%.1f us/token)\n", GetParam().c_str(), graph ? "graph" : "eager",
+                steps / sec, sec / steps * 1e6);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HfTiny, CudaVsCpu,
+                         ::testing::Values("deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa"));
+
+#else
+
+TEST(CudaEngine, SkippedWithoutCudaBuild) {
+  EXPECT_FALSE(cuda_available());
+  GTEST_SKIP() << "built without MOESRV_CUDA";
+}
+
+#endif
+
+}  // namespace
+}  // namespace moesrv
