@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   moesrv::cli::add_lock_verify_commands(app);
   moesrv::cli::add_repair_index_command(app);
   moesrv::cli::add_download_command(app);
+  moesrv::cli::add_serve_command(app);
+  moesrv::cli::add_preflight_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

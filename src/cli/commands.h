@@ -8,5 +8,7 @@ void add_generate_command(CLI::App& app);
 void add_lock_verify_commands(CLI::App& app);  // lock, verify
 void add_repair_index_command(CLI::App& app);
 void add_download_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
+void add_preflight_command(CLI::App& app);
 
 }  // namespace moesrv::cli
