@@ -1,0 +1,306 @@
+// EXL3 CUDA checks and benchmark. Checks: codebooks bit-exact vs the CPU decoder, fp16 dequant bit-exact vs
+// the CPU tile decoder, GEMV/GEMM vs the CPU Exl3Linear (K=1..8, all codebooks). Bench: device copy
+// bandwidth, bf16 cuBLAS GEMV and EXL3 GEMV on expert-sized shapes (CUDA-graph replays over rotating
+// weight copies so L2 does not hold them). Usage: exl3_cuda_bench [--quick]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/exl3_linear.h"
+#include "backend/cuda/exl3_cuda.h"
+#include "format/exl3_codebook.h"
+#include "format/exl3_tile.h"
+#include "util/numeric.h"
+
+using namespace moesrv;
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+#define CB_CK(x)                                                                    \
+  do {                                                                              \
+    if ((x) != CUBLAS_STATUS_SUCCESS) {                                             \
+      std::fprintf(stderr, "cuBLAS error at %s:%d (%s)\n", __FILE__, __LINE__, #x); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+namespace {
+
+int g_failures = 0;
+void check(bool ok, const std::string& what) {
+  std::printf("%-70s %s\n", what.c_str(), ok ? "ok" : "FAIL");
+  if (!ok) ++g_failures;
+}
+
+struct HostWeights {  // random but valid EXL3 weights: any bit pattern is a valid tail-biting trellis
+  std::vector<uint16_t> trellis;
+  Exl3Weights w;
+};
+
+std::unique_ptr<HostWeights> random_weights(int64_t in, int64_t out, int K, Exl3Codebook cb, uint32_t seed) {
+  auto h = std::make_unique<HostWeights>();
+  std::mt19937 rng(seed);
+  h->trellis.resize(size_t(in / 16) * size_t(out / 16) * 16 * K);
+  for (auto& v : h->trellis) v = uint16_t(rng());
+  std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+  auto scales = [&](int64_t n) {
+    std::vector<float> s(static_cast<size_t>(n));
+    for (auto& v : s) v = f16_to_f32(f32_to_f16(ud(rng) * ((rng() & 1) ? -1.f : 1.f)));
+    return s;
+  };
+  h->w.K = K;
+  h->w.codebook = cb;
+  h->w.in_pad = in;
+  h->w.out_pad = out;
+  h->w.trellis = h->trellis.data();
+  h->w.suh = scales(in);
+  h->w.svh = scales(out);
+  return h;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// GPU forward vs CPU Exl3Linear; returns relative L2 error. Output is poisoned first.
+double gpu_vs_cpu(Exl3CudaLinear& g, const Exl3Weights& w, int n, bool gemm) {
+  auto x = randn(size_t(n) * w.in_pad, uint32_t(n * 7 + w.K));
+  std::vector<float> yc(size_t(n) * w.out_pad), yg(yc.size());
+  Exl3Linear cpu(w, {}, w.in_pad, w.out_pad);
+  cpu.forward(x.data(), n, yc.data());
+  float *dx, *dy;
+  CK(cudaMalloc(&dx, x.size() * 4));
+  CK(cudaMalloc(&dy, yg.size() * 4));
+  CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(dy, 0xff, yg.size() * 4));  // NaN poison
+  if (gemm) g.forward_gemm(dx, n, dy);
+  else g.forward_gemv(dx, n, dy);
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpy(yg.data(), dy, yg.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaFree(dx));
+  CK(cudaFree(dy));
+  return rel_l2(yg, yc);
+}
+
+void correctness(bool quick) {
+  for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1}) {
+    std::vector<uint16_t> gpu(65536);
+    exl3_cuda_decode_codebook(cb, gpu.data());
+    int bad = 0;
+    for (uint32_t s = 0; s < 65536; ++s) bad += gpu[s] != exl3_decode_state_f16(s, cb);
+    check(bad == 0, "codebook " + std::string(exl3_codebook_name(cb)) + ": 65536 states bit-exact vs CPU (" +
+                        std::to_string(bad) + " differ)");
+  }
+  const int64_t in = 256, out = 384;
+  for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1})
+    for (int K = 1; K <= 8; ++K) {
+      if (quick && K != 2 && K != 4) continue;
+      auto h = random_weights(in, out, K, cb, uint32_t(K * 131 + int(cb)));
+      Exl3CudaLinear g(h->w);
+      // dequant bit-exact
+      std::vector<float> cpu(size_t(in * out));
+      exl3_decode_rotated(h->w, 0, out, cpu.data());
+      uint16_t* d;
+      CK(cudaMalloc(&d, size_t(in * out) * 2));
+      g.dequant_rotated_f16(d);
+      std::vector<uint16_t> gw(size_t(in * out));
+      CK(cudaMemcpy(gw.data(), d, gw.size() * 2, cudaMemcpyDeviceToHost));
+      CK(cudaFree(d));
+      int bad = 0;
+      for (size_t i = 0; i < gw.size(); ++i) bad += f16_to_f32(gw[i]) != cpu[i];
+      std::string tag = "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb));
+      check(bad == 0, tag + ": fp16 dequant bit-exact vs CPU tiles");
+      double e1 = gpu_vs_cpu(g, h->w, 1, false), e3 = gpu_vs_cpu(g, h->w, 3, false), e8 = gpu_vs_cpu(g, h->w, 8, false);
+      double eg = gpu_vs_cpu(g, h->w, 37, true);
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s: GEMV n=1/3/8 rel err %.1e/%.1e/%.1e, GEMM n=37 %.1e", tag.c_str(), e1, e3, e8, eg);
+      check(e1 < 1e-5 && e3 < 1e-5 && e8 < 1e-5 && eg < 3e-3, buf);
+    }
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() { CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b)); }
+  ~Timer() { cudaEventDestroy(a); cudaEventDestroy(b); }
+};
+
+// Captures `calls` invocations of fn(i) into a graph, replays it `reps` times; returns median us per call.
+template <typename Fn>
+double time_graph(cudaStream_t s, int calls, int reps, Fn&& fn) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < calls; ++i) fn(i);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaGraphLaunch(exec, s));  // warm-up
+  CK(cudaStreamSynchronize(s));
+  Timer t;
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    CK(cudaEventRecord(t.a, s));
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(t.b, s));
+    CK(cudaEventSynchronize(t.b));
+    float v;
+    CK(cudaEventElapsedTime(&v, t.a, t.b));
+    ms.push_back(v);
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  return ms[ms.size() / 2] * 1000.0 / calls;
+}
+
+double copy_bandwidth_gbs(cudaStream_t s) {
+  size_t bytes = size_t(1) << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  double us = time_graph(s, 4, 5, [&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); });
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * bytes / (us * 1e-6) / 1e9;
+}
+
+void bench(bool quick) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  double copy_gbs = copy_bandwidth_gbs(s);
+  std::printf("\ndevice copy bandwidth (read+write): %.0f GB/s\n", copy_gbs);
+  cublasHandle_t blas;
+  CB_CK(cublasCreate(&blas));
+  CB_CK(cublasSetStream(blas, s));
+  struct Shape { int64_t in, out; const char* what; };
+  std::vector<Shape> shapes = {{2048, 6144, "in 2048 -> out 6144 (expert up/gate-like)"},
+                               {6144, 2048, "in 6144 -> out 2048 (expert down-like)"},
+                               {7168, 18432, "in 7168 -> out 18432 (dense MLP)"}};
+  const size_t rotate_bytes = size_t(768) << 20;  // rotate over >= 768 MiB of weights (L2 is 60 MB)
+  std::printf("\n%-42s %4s %2s %6s %10s %10s %8s\n", "shape", "kind", "n", "K", "us/call", "GB/s", "vs copy");
+  for (const auto& sh : shapes) {
+    float *dx, *dy;
+    CK(cudaMalloc(&dx, size_t(8) * sh.in * 4));
+    CK(cudaMalloc(&dy, size_t(8) * sh.out * 4));
+    auto xh = randn(size_t(8) * sh.in, 1);
+    CK(cudaMemcpy(dx, xh.data(), xh.size() * 4, cudaMemcpyHostToDevice));
+    // bf16 cuBLAS reference: y (out x n) = W (out x in, row-major = col-major in x out, op T) . x
+    {
+      size_t wbytes = size_t(sh.in) * sh.out * 2;
+      int copies = int(std::clamp<size_t>(rotate_bytes / wbytes, 2, 64));
+      std::vector<__nv_bfloat16*> ws(static_cast<size_t>(copies));
+      for (auto& w : ws) {
+        CK(cudaMalloc(&w, wbytes));
+        CK(cudaMemset(w, 0x3c, wbytes));  // ~0.0115 everywhere: finite, not zero
+      }
+      __nv_bfloat16* xb;
+      CK(cudaMalloc(&xb, size_t(8) * sh.in * 2));
+      CK(cudaMemset(xb, 0x3c, size_t(8) * sh.in * 2));
+      for (int n : {1, 8}) {
+        const float one = 1.f, zero = 0.f;
+        CB_CK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(sh.out), n, int(sh.in), &one, ws[0], CUDA_R_16BF,
+                           int(sh.in), xb, CUDA_R_16BF, int(sh.in), &zero, dy, CUDA_R_32F, int(sh.out),
+                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));  // warm-up outside the graph capture
+        CK(cudaStreamSynchronize(s));
+        double us = time_graph(s, copies * 4, 7, [&](int i) {
+          CB_CK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(sh.out), n, int(sh.in), &one, ws[size_t(i % copies)],
+                             CUDA_R_16BF, int(sh.in), xb, CUDA_R_16BF, int(sh.in), &zero, dy, CUDA_R_32F, int(sh.out),
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        });
+        double gbs = wbytes / (us * 1e-6) / 1e9;
+        std::printf("%-42s %4s %2d %6s %10.2f %10.0f %7.0f%%\n", sh.what, "bf16", n, "-", us, gbs, 100 * gbs / copy_gbs);
+      }
+      for (auto w : ws) CK(cudaFree(w));
+      CK(cudaFree(xb));
+    }
+    for (int K : {2, 3, 4, 5, 6}) {
+      if (quick && K != 4) continue;
+      for (auto cb : {Exl3Codebook::Mul1, Exl3Codebook::Inst3}) {
+        if (cb == Exl3Codebook::Inst3 && K != 4) continue;
+        auto h = random_weights(sh.in, sh.out, K, cb, uint32_t(K));
+        size_t tbytes = h->w.trellis_bytes();
+        int copies = int(std::clamp<size_t>(rotate_bytes / tbytes, 2, 96));
+        std::vector<std::unique_ptr<Exl3CudaLinear>> gs;
+        for (int c = 0; c < copies; ++c) gs.push_back(std::make_unique<Exl3CudaLinear>(h->w));
+        for (int n : {1, 4, 8}) {
+          for (auto& g : gs) g->forward_gemv(dx, n, dy, s);  // allocate workspaces outside capture
+          CK(cudaStreamSynchronize(s));
+          double us = time_graph(s, copies * 2, 7, [&](int i) { gs[size_t(i % copies)]->forward_gemv(dx, n, dy, s); });
+          double gbs = tbytes / (us * 1e-6) / 1e9;
+          std::string kind = std::string(exl3_codebook_name(cb));
+          std::printf("%-42s %4s %2d %6d %10.2f %10.0f %7.0f%%\n", sh.what, kind.c_str(), n, K, us, gbs, 100 * gbs / copy_gbs);
+        }
+      }
+    }
+    CK(cudaFree(dx));
+    CK(cudaFree(dy));
+  }
+  // GEMM path (prefill): dequant + cuBLAS, one shape
+  {
+    auto h = random_weights(2048, 6144, 4, Exl3Codebook::Mul1, 5);
+    Exl3CudaLinear g(h->w);
+    for (int n : {64, 512}) {
+      float *dx, *dy;
+      CK(cudaMalloc(&dx, size_t(n) * 2048 * 4));
+      CK(cudaMalloc(&dy, size_t(n) * 6144 * 4));
+      CK(cudaMemset(dx, 0, size_t(n) * 2048 * 4));
+      g.forward_gemm(dx, n, dy, s);
+      CK(cudaStreamSynchronize(s));
+      double us = time_graph(s, 8, 7, [&](int) { g.forward_gemm(dx, n, dy, s); });
+      std::printf("GEMM path in 2048 -> out 6144, K=4 mul1, n=%3d: %8.2f us/call (%.1f TFLOP/s)\n", n, us,
+                  2.0 * n * 2048 * 6144 / (us * 1e-6) / 1e12);
+      CK(cudaFree(dx));
+      CK(cudaFree(dy));
+    }
+  }
+  CB_CK(cublasDestroy(blas));
+  CK(cudaStreamDestroy(s));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  cudaDeviceProp p;
+  CK(cudaGetDeviceProperties(&p, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB, cc %d.%d\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20, p.major,
+              p.minor);
+  try {
+    correctness(quick);
+    bench(quick);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  std::printf("\n%s (%d check failures)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
+  return g_failures ? 1 : 0;
+}

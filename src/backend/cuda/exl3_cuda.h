@@ -1,0 +1,43 @@
+// EXL3 linear layers on an NVIDIA GPU. Plain C++ API: device pointers are typed host pointers, streams are
+// passed as void* (a cudaStream_t; nullptr = default stream). Shapes are the stored, 128-padded ones.
+// CUDA failures throw std::runtime_error. Two paths: GEMV (batch 1..8) decoding 16x16 trellis tiles on the fly, one warp per tile of a 16-column
+// strip with split-K; and GEMM (any batch) that dequantizes W_hat to fp16 and calls cuBLAS.
+// Both run y = (((x ⊙ suh)·H)·W_hat)·H ⊙ svh with the Hadamard steps as warp-shuffle butterflies.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "format/exl3_weights.h"
+
+namespace moesrv {
+
+class Exl3CudaLinear {
+ public:
+  static constexpr int kMaxGemvBatch = 8;
+
+  explicit Exl3CudaLinear(const Exl3Weights& w);  // uploads trellis, suh, svh to the current device
+  ~Exl3CudaLinear();
+  Exl3CudaLinear(const Exl3CudaLinear&) = delete;
+  Exl3CudaLinear& operator=(const Exl3CudaLinear&) = delete;
+
+  int64_t in_pad() const;
+  int64_t out_pad() const;
+  int K() const;
+  size_t trellis_bytes() const;
+
+  // d_x [n][in_pad] fp32 -> d_y [n][out_pad] fp32 (device). GEMV for n <= 8, else GEMM.
+  void forward(const float* d_x, int n, float* d_y, void* stream = nullptr);
+  void forward_gemv(const float* d_x, int n, float* d_y, void* stream = nullptr);  // n in 1..8
+  void forward_gemm(const float* d_x, int n, float* d_y, void* stream = nullptr);  // fp16 operands, fp32 accumulate
+  // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.
+  void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Decodes all 65536 states of a codebook on the device; host_out receives fp16 bits (bit-exactness checks).
+void exl3_cuda_decode_codebook(Exl3Codebook cb, uint16_t* host_out);
+
+}  // namespace moesrv
