@@ -73,6 +73,20 @@ std::shared_ptr<ModelPackage> ModelPackage::open(const std::string& dir) {
   return p;
 }
 
+std::shared_ptr<ModelPackage> ModelPackage::from_memory(json config, std::vector<TensorView> tensors,
+                                                       std::shared_ptr<const void> owner, std::string dir) {
+  auto p = std::make_shared<ModelPackage>();
+  p->dir_ = std::move(dir);
+  p->config_ = std::move(config);
+  p->memory_owner_ = std::move(owner);
+  for (auto& t : tensors) {
+    std::string name = t.name;
+    if (!p->memory_tensors_.emplace(name, std::move(t)).second) fail("{}: tensor {} given twice", p->dir_, name);
+  }
+  for (const auto& [name, t] : p->memory_tensors_) p->tensors_[name] = &t;
+  return p;
+}
+
 const TensorView* ModelPackage::find(const std::string& name) const {
   auto it = tensors_.find(name);
   return it == tensors_.end() ? nullptr : it->second;

@@ -16,6 +16,9 @@ class ModelPackage {
   // Opens and validates every shard the index names. Tensors present in a shard but absent from the index
   // are recorded in unindexed() (see index_repair.h); they are NOT silently served.
   static std::shared_ptr<ModelPackage> open(const std::string& dir);
+  // A package over in-memory tensors (synthetic models, tests); `owner` keeps the tensors' bytes alive.
+  static std::shared_ptr<ModelPackage> from_memory(nlohmann::json config, std::vector<TensorView> tensors,
+                                                   std::shared_ptr<const void> owner, std::string dir = "<memory>");
 
   const std::string& dir() const { return dir_; }
   const nlohmann::json& config() const { return config_; }
@@ -38,6 +41,8 @@ class ModelPackage {
   std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;  // file name -> shard
   std::map<std::string, const TensorView*> tensors_;
   std::map<std::string, std::string> unindexed_;
+  std::map<std::string, TensorView> memory_tensors_;  // from_memory() only
+  std::shared_ptr<const void> memory_owner_;
 };
 
 nlohmann::json read_json_file(const std::string& path);

@@ -1,0 +1,345 @@
+#include "runtime/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include "backend/cpu/cpu_engine.h"
+#include "runtime/cpu_expert_pool.h"
+#include "runtime/placement.h"
+#include "runtime/usage_stats.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+template <typename F>
+double best_of(int reps, F&& f) {
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    f();
+    best = std::min(best, since(t0));
+  }
+  return best;
+}
+
+// Host-side calibration: what the CPU path actually achieves on this machine.
+struct Calibration {
+  double memcpy_gbps = 0;
+  double expert_1tok_s = 0, expert_gemv_gbps = 0;  // one routed expert, one token
+  int64_t gemm_tokens = 0;
+  double expert_gemm_s = 0, cpu_gflops = 0;         // one routed expert, gemm_tokens tokens
+  double head_s = 0;                                // lm_head for one row
+};
+
+Calibration calibrate(const ModelWeights& w, const ModelFootprint& fp) {
+  Calibration cal;
+  cal.memcpy_gbps = measure_memcpy_gbps();
+  const ModelConfig& c = w.config;
+  const int64_t D = c.hidden_size;
+  std::vector<float> x(size_t(64 * D), 0.01f), out(size_t(64 * D), 0.0f), logits(size_t(c.vocab_size));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i * 7919 % 201) - 100) * 1e-3f;
+  cal.head_s = best_of(3, [&] { w.lm_head->forward(x.data(), 1, logits.data()); });
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    if (!w.layers[l].moe) continue;
+    const MoeWeights& moe = *w.layers[l].moe;
+    const int64_t n_gemv = std::min<int64_t>(8, int64_t(moe.experts.size()));
+    std::vector<CpuExpertJob> jobs;
+    for (int64_t e = 0; e < n_gemv; ++e) jobs.push_back({&moe.experts[size_t(e)], {0}, {1.0f}});
+    CpuExpertPool::run(jobs, x.data(), D, out.data());  // warm-up
+    cal.expert_1tok_s = best_of(3, [&] { CpuExpertPool::run(jobs, x.data(), D, out.data()); }) / double(n_gemv);
+    cal.expert_gemv_gbps = double(fp.expert_bytes[l]) / cal.expert_1tok_s / 1e9;
+    cal.gemm_tokens = 64;
+    CpuExpertJob big{&moe.experts[0], {}, {}};
+    for (int32_t t = 0; t < 64; ++t) big.tokens.push_back(t), big.weights.push_back(1.0f);
+    cal.expert_gemm_s = best_of(2, [&] { CpuExpertPool::run({big}, x.data(), D, out.data()); });
+    cal.cpu_gflops = 2 * fp.expert_params[l] * 64 / cal.expert_gemm_s / 1e9;
+    break;
+  }
+  return cal;
+}
+
+struct Measured {
+  int64_t context = 0;
+  double ttft_s = 0, decode_s = 0;  // decode: seconds per token
+};
+
+std::vector<int32_t> prompt_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (auto& v : t) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    v = int32_t((s >> 33) % uint64_t(vocab));
+  }
+  return t;
+}
+
+Measured measure_engine(Engine& engine, int64_t context, int64_t decode_tokens) {
+  Measured m;
+  m.context = context;
+  auto seq = engine.new_sequence();
+  auto prompt = prompt_tokens(context, engine.vocab_size(), uint64_t(context));
+  auto t0 = Clock::now();
+  auto logits = engine.forward(*seq, prompt);
+  m.ttft_s = since(t0);
+  t0 = Clock::now();
+  for (int64_t i = 0; i < decode_tokens; ++i) {
+    int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    logits = engine.forward(*seq, {next});
+  }
+  m.decode_s = decode_tokens > 0 ? since(t0) / double(decode_tokens) : 0;
+  return m;
+}
+
+// The config of the projected model: `full_layers` layers, the first `dense` of them dense.
+json full_config(json cfg, const BenchOptions& opt) {
+  if (opt.full_layers > 0) {
+    cfg["num_hidden_layers"] = opt.full_layers;
+    cfg.erase("mlp_layer_types");
+    cfg.erase("indexer_types");
+    cfg.erase("layer_types");
+  }
+  if (opt.full_dense_layers >= 0) {
+    cfg.erase("mlp_layer_types");
+    cfg["first_k_dense_replace"] = opt.full_dense_layers;
+  }
+  return cfg;
+}
+
+// Skewed synthetic routing (Zipf exponent s, a different random hot set per layer) to model real traffic.
+UsageStats zipf_usage(const ModelConfig& c, double s, uint64_t seed) {
+  UsageStats u(c.num_layers, c.n_routed_experts, c.experts_per_token);
+  const int64_t E = c.n_routed_experts;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    std::vector<int32_t> perm(static_cast<size_t>(E));
+    for (int32_t e = 0; e < E; ++e) perm[size_t(e)] = e;
+    uint64_t r = seed ^ (uint64_t(l) * 0x9e3779b97f4a7c15ull);
+    for (int64_t i = E - 1; i > 0; --i) {
+      r = r * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(perm[size_t(i)], perm[size_t((r >> 33) % uint64_t(i + 1))]);
+    }
+    // Expected counts over 10^4 tokens, scaled so each token selects k experts.
+    double norm = 0;
+    for (int64_t i = 0; i < E; ++i) norm += std::pow(double(i + 1), -s);
+    std::vector<int32_t> ids;
+    for (int64_t i = 0; i < E; ++i) {
+      int64_t n = int64_t(std::llround(1e4 * double(c.experts_per_token) * std::pow(double(i + 1), -s) / norm));
+      ids.assign(size_t(std::min<int64_t>(n, 10000)), perm[size_t(i)]);
+      if (!ids.empty()) u.record(l, ids);
+    }
+  }
+  // record() counted one "token" per call; reset token totals to the 10^4 modelled tokens.
+  json j = u.to_json();
+  for (auto& L : j["layers"]) L["tokens"] = 1e4;
+  return UsageStats::from_json(j);
+}
+
+struct Projection {
+  std::string placement;
+  int64_t context = 0;
+  PlacementPlan decode_plan;
+  double ttft_s = 0, decode_s = 0, floor_s = 0, hit_rate = 0;
+};
+
+double floor_seconds(const StepEstimate& e, const CostModel& m) {
+  return std::max({e.hbm_bytes / (m.hbm_gbps * 1e9), e.pcie_bytes / (m.pcie_gbps * 1e9), e.host_bytes / (m.host_mem_gbps * 1e9)});
+}
+
+Projection project(const std::string& name, const ModelConfig& c, const ModelFootprint& fp, PlacementRequest req,
+                   int64_t context, int64_t chunk, const UsageStats* usage) {
+  Projection p;
+  p.placement = name;
+  p.context = context;
+  req.context = context;
+  req.step_tokens = 1;
+  p.decode_plan = plan_placement(c, fp, req, usage);
+  StepEstimate d = estimate_step(c, fp, p.decode_plan, req.cost, 1, context, usage);
+  p.decode_s = d.seconds;
+  p.floor_s = floor_seconds(d, req.cost);
+  req.step_tokens = chunk;
+  PlacementPlan prefill = plan_placement(c, fp, req, usage);
+  for (int64_t done = 0; done < context; done += chunk) {
+    int64_t n = std::min(chunk, context - done);
+    p.ttft_s += estimate_step(c, fp, prefill, req.cost, n, done + n, usage).seconds;
+  }
+  double hits = 0;
+  int64_t moe = 0;
+  for (const auto& L : p.decode_plan.layers)
+    if (!L.home.empty()) hits += L.hit_rate, ++moe;
+  p.hit_rate = moe ? hits / double(moe) : 1;
+  return p;
+}
+
+std::string fmt_rate(double per_s) { return per_s >= 100 ? fmt::format("{:.0f}", per_s) : fmt::format("{:.2f}", per_s); }
+
+}  // namespace
+
+double measure_memcpy_gbps(size_t bytes, int reps) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  double t = best_of(reps, [&] { std::memcpy(b.data(), a.data(), bytes); });
+  return double(bytes) / t / 1e9;
+}
+
+BenchResult run_bench(const BenchOptions& opt) {
+  auto t_load = Clock::now();
+  std::shared_ptr<ModelPackage> pkg;
+  std::string model_name;
+  if (opt.model_dir.empty()) {
+    json cfg = opt.synthetic_config.is_null() ? glm5_config(1) : opt.synthetic_config;
+    pkg = make_synthetic_model(cfg, opt.synthetic);
+    model_name = fmt::format("synthetic {} ({} layer(s), hidden {})", cfg.value("model_type", "?"),
+                             cfg.value("num_hidden_layers", 0), cfg.value("hidden_size", 0));
+  } else {
+    pkg = ModelPackage::open(opt.model_dir);
+    model_name = std::filesystem::path(opt.model_dir).filename().string();
+  }
+  // The CPU engine is the one backend of this build; a CUDA engine plugs in here once it exists.
+  CpuEngine engine(pkg, "bench");
+  const double load_s = since(t_load);
+  const ModelConfig& c = engine.config();
+  const ModelFootprint fp = footprint_from_weights(engine.weights());
+  const Calibration cal = calibrate(engine.weights(), fp);
+
+  // Measured: the engine end to end, then per-layer costs extrapolated to the full layer count.
+  const int64_t full_layers = opt.full_layers > 0 ? opt.full_layers : c.num_layers;
+  std::vector<Measured> measured;
+  if (opt.measure_engine)
+    for (int64_t ctx : opt.contexts) measured.push_back(measure_engine(engine, ctx, opt.decode_tokens));
+  auto extrapolate = [&](double total, double head) {
+    return head + std::max(0.0, total - head) / double(c.num_layers) * double(full_layers);
+  };
+  // Physical floor of the CPU decode: every byte a token touches, read once at memcpy speed.
+  auto cpu_decode_bytes = [&](int64_t ctx, int64_t layers) {
+    double b = double(fp.head_bytes), per_layer = 0;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      per_layer += double(fp.dense_bytes[size_t(l)]) + double(c.experts_per_token) * double(fp.expert_bytes[size_t(l)]);
+      per_layer += double(c.kv_elements_per_token_layer()) * 4 * double(c.dsa ? std::min<int64_t>(ctx, c.index_topk) : ctx);
+    }
+    return b + per_layer / double(c.num_layers) * double(layers);
+  };
+
+  // Projected: the full model under three placements, cost model calibrated by this run.
+  const json full_cfg_json = full_config(pkg->config(), opt);
+  const ModelConfig fc = ModelConfig::from_json(full_cfg_json);
+  int64_t moe_layer = 0;
+  while (moe_layer < c.num_layers && !c.layer_is_moe[size_t(moe_layer)]) ++moe_layer;
+  double loaded_expert_bits = moe_layer < c.num_layers && fp.expert_params[size_t(moe_layer)] > 0
+                                  ? 8.0 * double(fp.expert_bytes[size_t(moe_layer)]) / fp.expert_params[size_t(moe_layer)]
+                                  : 16;
+  const double expert_bits = opt.expert_bits > 0 ? opt.expert_bits : loaded_expert_bits;
+  const double dense_bits = opt.dense_bits > 0 ? opt.dense_bits : 16;
+  const ModelFootprint ffp = footprint_from_config(fc, expert_bits, dense_bits);
+  std::optional<UsageStats> usage;
+  std::string usage_source = "uniform routing";
+  if (!opt.usage_path.empty()) {
+    usage = UsageStats::load(opt.usage_path, fc.num_layers, fc.n_routed_experts);
+    if (!usage) fail("{}: no usable expert usage for {} layers x {} experts", opt.usage_path, fc.num_layers, fc.n_routed_experts);
+    usage_source = opt.usage_path;
+  } else if (opt.usage_zipf > 0) {
+    usage = zipf_usage(fc, opt.usage_zipf, opt.synthetic.seed);
+    usage_source = fmt::format("synthetic Zipf s={}", opt.usage_zipf);
+  } else if (!opt.model_dir.empty()) {
+    usage = UsageStats::load(UsageStats::default_path(opt.model_dir), fc.num_layers, fc.n_routed_experts);
+    if (usage) usage_source = UsageStats::default_path(opt.model_dir);
+  }
+  const UsageStats* up = usage ? &*usage : nullptr;
+  PlacementRequest base;
+  base.workspace_bytes = uint64_t(opt.workspace_gib * double(kGiB));
+  base.cost.hbm_gbps = opt.hbm_gbps;
+  base.cost.pcie_gbps = opt.pcie_gbps;
+  base.cost.gpu_tflops = opt.gpu_tflops;
+  base.cost.host_mem_gbps = opt.host_mem_gbps > 0 ? opt.host_mem_gbps : cal.expert_gemv_gbps;
+  base.cost.cpu_gflops = opt.cpu_gflops > 0 ? opt.cpu_gflops : cal.cpu_gflops;
+  base.slot_policy = up ? SlotPolicy::Entropy : SlotPolicy::Equal;
+  std::vector<Projection> proj;
+  for (int64_t ctx : opt.model_contexts) {
+    PlacementRequest all = base, hybrid = base, cpu_experts = base;
+    all.vram_budget = uint64_t(1) << 62;
+    hybrid.vram_budget = uint64_t(opt.vram_budget_gib * double(kGiB));
+    cpu_experts.vram_budget = ffp.dense_total() + kv_cache_bytes(fc, ctx) + base.workspace_bytes;  // no expert slots
+    proj.push_back(project("all-in-VRAM", fc, ffp, all, ctx, opt.prefill_chunk, up));
+    proj.push_back(project(fmt::format("hybrid {:g} GiB", opt.vram_budget_gib), fc, ffp, hybrid, ctx, opt.prefill_chunk, up));
+    proj.push_back(project("baseline: GPU dense, CPU experts", fc, ffp, cpu_experts, ctx, opt.prefill_chunk, up));
+  }
+
+  // Report.
+  BenchResult r;
+  json& j = r.json;
+  j["model"] = model_name;
+  j["layers_measured"] = c.num_layers;
+  j["full_layers"] = full_layers;
+  j["load_s"] = load_s;
+  j["calibration"] = {{"memcpy_gbps", cal.memcpy_gbps}, {"expert_bytes", fp.expert_bytes[size_t(std::min(moe_layer, c.num_layers - 1))]},
+                      {"expert_1tok_s", cal.expert_1tok_s}, {"expert_gemv_gbps", cal.expert_gemv_gbps},
+                      {"gemm_tokens", cal.gemm_tokens}, {"expert_gemm_s", cal.expert_gemm_s},
+                      {"cpu_gflops", cal.cpu_gflops}, {"lm_head_s", cal.head_s}};
+  j["cost_model"] = base.cost.to_json();
+  j["projection"] = {{"expert_bits", expert_bits}, {"dense_bits", dense_bits}, {"usage", usage_source},
+                     {"dense_gib", double(ffp.dense_total()) / kGiB}, {"experts_gib", double(ffp.experts_total(fc)) / kGiB}};
+  std::string& md = r.markdown;
+  md += fmt::format("### moesrv bench: {}\n\n", model_name);
+  md += fmt::format("Host calibration (measured): memcpy {:.1f} GB/s; one routed expert ({:.1f} MB) on the CPU: {:.2f} ms "
+                    "for 1 token = {:.1f} GB/s, {:.1f} ms for {} tokens = {:.0f} GFLOP/s; lm_head {:.1f} ms/token.\n\n",
+                    cal.memcpy_gbps, double(j["calibration"]["expert_bytes"].get<uint64_t>()) / 1e6, 1e3 * cal.expert_1tok_s,
+                    cal.expert_gemv_gbps, 1e3 * cal.expert_gemm_s, cal.gemm_tokens, cal.cpu_gflops, 1e3 * cal.head_s);
+  if (!measured.empty()) {
+    md += fmt::format("**Measured** (CPU engine, {} layer(s); full = per-layer cost x {} layers + lm_head; floor = bytes a "
+                      "decode token reads / memcpy bandwidth)\n\n", c.num_layers, full_layers);
+    md += "| context | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full prefill tok/s | full decode tok/s | full decode floor tok/s |\n";
+    md += "|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    json mj = json::array();
+    for (const Measured& m : measured) {
+      double full_ttft = extrapolate(m.ttft_s, cal.head_s), full_dec = extrapolate(m.decode_s, cal.head_s);
+      double floor_s = cpu_decode_bytes(m.context, full_layers) / (cal.memcpy_gbps * 1e9);
+      md += fmt::format("| {} | {:.3f} | {} | {} | {:.2f} | {} | {} | {} |\n", m.context, m.ttft_s,
+                        fmt_rate(double(m.context) / m.ttft_s), m.decode_s > 0 ? fmt_rate(1 / m.decode_s) : "-", full_ttft,
+                        fmt_rate(double(m.context) / full_ttft), full_dec > 0 ? fmt_rate(1 / full_dec) : "-", fmt_rate(1 / floor_s));
+      mj.push_back({{"context", m.context}, {"ttft_s", m.ttft_s}, {"prefill_tps", double(m.context) / m.ttft_s},
+                    {"decode_tps", m.decode_s > 0 ? 1 / m.decode_s : 0.0}, {"full_ttft_s", full_ttft},
+                    {"full_decode_tps", full_dec > 0 ? 1 / full_dec : 0.0}, {"full_decode_floor_tps", 1 / floor_s}});
+    }
+    j["measured"] = mj;
+    md += "\n";
+  }
+  md += fmt::format("**Projected** (cost model; {} layers, experts {:.2f} bits, dense {:.2f} bits: dense {:.1f} GiB, experts "
+                    "{:.1f} GiB; {}; HBM {:g} GB/s, PCIe {:g} GB/s, GPU {:g} TFLOP/s from flags; CPU numbers from the "
+                    "calibration above; prefill in {}-token chunks; floor = max over HBM/PCIe/host of bytes moved / bandwidth)\n\n",
+                    fc.num_layers, expert_bits, dense_bits, double(ffp.dense_total()) / kGiB, double(ffp.experts_total(fc)) / kGiB,
+                    usage_source, opt.hbm_gbps, opt.pcie_gbps, opt.gpu_tflops, opt.prefill_chunk);
+  md += "| context | placement | VRAM GiB | VRAM hit rate | TTFT s | prefill tok/s | decode tok/s | decode floor tok/s | decode vs baseline |\n";
+  md += "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  json pj = json::array();
+  for (size_t i = 0; i < proj.size(); ++i) {
+    const Projection& p = proj[i];
+    const Projection& baseline = proj[i - i % 3 + 2];
+    const bool fits = p.decode_plan.fits;
+    std::string vram = fmt::format("{:.1f}{}", double(p.decode_plan.vram_total()) / kGiB, fits ? "" : " (over budget)");
+    md += fmt::format("| {} | {} | {} | {:.1f}% | {:.1f} | {} | {} | {} | {:.2f}x |\n", p.context, p.placement, vram,
+                      100 * p.hit_rate, p.ttft_s, fmt_rate(double(p.context) / p.ttft_s), fmt_rate(1 / p.decode_s),
+                      fmt_rate(1 / p.floor_s), baseline.decode_s / p.decode_s);
+    pj.push_back({{"context", p.context}, {"placement", p.placement}, {"fits", fits}, {"note", p.decode_plan.note},
+                  {"vram_bytes", p.decode_plan.vram_total()}, {"hit_rate", p.hit_rate}, {"ttft_s", p.ttft_s},
+                  {"prefill_tps", double(p.context) / p.ttft_s}, {"decode_tps", 1 / p.decode_s},
+                  {"decode_floor_tps", 1 / p.floor_s}, {"decode_vs_baseline", baseline.decode_s / p.decode_s}});
+  }
+  j["projected"] = pj;
+  for (const Projection& p : proj)
+    if (p.placement.rfind("hybrid", 0) == 0) {
+      j["hybrid_plan"] = p.decode_plan.to_json();
+      j["hybrid_plan_summary"] = p.decode_plan.summary();
+      break;
+    }
+  return r;
+}
+
+}  // namespace moesrv

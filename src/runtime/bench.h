@@ -1,0 +1,45 @@
+// `bench`: measures the engine on a model (synthetic by default) at several contexts, calibrates the cost model
+// on this host (memcpy, CPU expert GEMV/GEMM), and projects placements to the full layer count: all experts in
+// VRAM, hybrid (VRAM budget, LRU + CPU/PCIe split) and a GPU-dense + all-CPU-experts baseline, each next to the
+// physical floor (bytes moved per token / bandwidth). Measured and modeled numbers are labelled as such.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/synthetic_model.h"
+
+namespace moesrv {
+
+struct BenchOptions {
+  std::string model_dir;             // empty: synthetic model from synthetic_config
+  nlohmann::json synthetic_config;   // default: glm5_config(1)
+  SyntheticOptions synthetic{1, 0.02f, 16};
+  std::vector<int64_t> contexts = {512, 2048};        // measured on the engine
+  std::vector<int64_t> model_contexts = {8192, 32768, 131072};  // projected
+  int64_t decode_tokens = 4;
+  int64_t full_layers = 78;          // layers of the projected model (0: the model's own)
+  int64_t full_dense_layers = 3;     // leading dense layers of the projected model (-1: keep the config's)
+  double vram_budget_gib = 22;
+  double hbm_gbps = 1000, pcie_gbps = 25, gpu_tflops = 150;  // device numbers (flags until the GPU run measures)
+  double host_mem_gbps = 0, cpu_gflops = 0;                   // 0: measured here
+  int64_t prefill_chunk = 2048;
+  double workspace_gib = 1;
+  double expert_bits = 0, dense_bits = 0;  // storage of the projected model (0: as loaded / 16)
+  double usage_zipf = 0;                  // > 0 and no usage file: model skewed routing with this Zipf exponent
+  std::string usage_path;            // expert usage for pinning (default: the model's, if any)
+  bool measure_engine = true;
+};
+
+struct BenchResult {
+  nlohmann::json json;
+  std::string markdown;
+};
+
+BenchResult run_bench(const BenchOptions& opt);
+
+// Host memcpy bandwidth (bytes copied per second / 1e9) over `bytes`-sized buffers.
+double measure_memcpy_gbps(size_t bytes = size_t(256) << 20, int reps = 5);
+
+}  // namespace moesrv

@@ -1,0 +1,74 @@
+// Per-layer LRU of routed experts over a fixed number of VRAM slots. Pure bookkeeping: it hands out slot
+// indices; the GPU engine maps (layer, slot) to device buffers. Pinned experts hold their slot forever.
+// Thread-safe for a decode thread (lookup/retain/release) racing a copy thread (admit); one mutex per layer.
+#pragma once
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace moesrv {
+
+struct ExpertCacheStats {
+  uint64_t hits = 0, misses = 0, evictions = 0, admissions = 0;
+  double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
+};
+
+struct Admission {
+  int32_t slot = -1;
+  int32_t evicted = -1;  // expert that lost the slot, -1 when the slot was free
+};
+
+class ExpertCache {
+ public:
+  // slots_per_layer[l] VRAM slots for layer l (0: nothing cached), `experts` routed experts per layer.
+  ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t experts);
+
+  int32_t layers() const { return int32_t(layers_.size()); }
+  int32_t slots(int32_t layer) const { return layer_(layer).slots; }
+
+  // Puts `expert` in a free slot for good (start-up). Throws when the layer has no free slot.
+  int32_t pin(int32_t layer, int32_t expert);
+  // Hit: the expert's slot (marked most recently used). Miss: nullopt. Counts either.
+  std::optional<int32_t> lookup(int32_t layer, int32_t expert);
+  // Like lookup but without touching LRU order or statistics.
+  std::optional<int32_t> peek(int32_t layer, int32_t expert) const;
+  // Gives `expert` a slot: a free one, else the least recently used unpinned, unretained one (evicted).
+  // nullopt when every slot is pinned or retained; an expert already present keeps its slot (evicted = -1).
+  std::optional<Admission> admit(int32_t layer, int32_t expert);
+  // While retained (e.g. a kernel reads it), an expert's slot is never chosen as a victim.
+  void retain(int32_t layer, int32_t expert);
+  void release(int32_t layer, int32_t expert);
+
+  bool is_pinned(int32_t layer, int32_t expert) const;
+  // Experts from least to most recently used (unpinned only): for tests and debugging.
+  std::vector<int32_t> lru_order(int32_t layer) const;
+
+  ExpertCacheStats stats(int32_t layer) const;
+  ExpertCacheStats total_stats() const;
+  void reset_stats();
+
+ private:
+  struct Layer {
+    int32_t slots = 0;
+    std::vector<int32_t> slot_of;                  // [experts] -> slot or -1
+    std::vector<int32_t> expert_in;                // [slots] -> expert or -1
+    std::vector<uint8_t> pinned;                   // [experts]
+    std::vector<int32_t> retained;                 // [experts] retain count
+    std::list<int32_t> lru;                        // unpinned resident experts, front = least recent
+    std::vector<std::list<int32_t>::iterator> pos;  // [experts] position in lru
+    std::vector<int32_t> free_slots;
+    ExpertCacheStats stats;
+    mutable std::mutex mu;
+  };
+  Layer& layer_(int32_t l);
+  const Layer& layer_(int32_t l) const;
+  void check_expert(int32_t e) const;
+
+  int32_t experts_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+};
+
+}  // namespace moesrv

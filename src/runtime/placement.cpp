@@ -1,0 +1,445 @@
+#include "runtime/placement.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "model/weights.h"
+#include "runtime/usage_stats.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+using json = nlohmann::json;
+
+const char* home_name(ExpertHome h) {
+  switch (h) {
+    case ExpertHome::Pinned: return "pinned";
+    case ExpertHome::Cached: return "cached";
+    case ExpertHome::Fetch: return "fetch";
+    default: return "cpu";
+  }
+}
+
+uint64_t ModelFootprint::dense_total() const {
+  return std::accumulate(dense_bytes.begin(), dense_bytes.end(), head_bytes);
+}
+
+uint64_t ModelFootprint::experts_total(const ModelConfig& c) const {
+  uint64_t t = 0;
+  for (uint64_t b : expert_bytes) t += b * uint64_t(c.n_routed_experts);
+  return t;
+}
+
+namespace {
+
+uint64_t to_bytes(double params, double bits) { return uint64_t(std::ceil(params * bits / 8.0)); }
+
+double attention_params(const ModelConfig& c, int64_t layer) {
+  const double D = double(c.hidden_size), H = double(c.num_heads);
+  if (c.attention == AttentionKind::GQA) {
+    const double hd = double(c.head_dim);
+    return D * H * hd * 2 + 2 * D * double(c.num_kv_heads) * hd;
+  }
+  double p = 0;
+  if (c.q_lora_rank > 0) p += D * c.q_lora_rank + c.q_lora_rank + double(c.q_lora_rank) * H * c.qk_head_dim();
+  else p += D * H * c.qk_head_dim();
+  p += D * (c.kv_lora_rank + c.qk_rope_dim) + c.kv_lora_rank;
+  p += double(c.kv_lora_rank) * H * (c.qk_nope_dim + c.v_head_dim) + H * c.v_head_dim * D;
+  if (c.dsa && c.layer_has_indexer[size_t(layer)])
+    p += double(c.q_lora_rank) * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + D * c.index_n_heads +
+         2.0 * c.index_head_dim;
+  return p;
+}
+
+}  // namespace
+
+ModelFootprint footprint_from_config(const ModelConfig& c, double expert_bits, double dense_bits) {
+  ModelFootprint f;
+  const double D = double(c.hidden_size);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    double dense = attention_params(c, l) + 2 * D, expert = 0;
+    if (c.layer_is_moe[size_t(l)]) {
+      expert = 3 * D * c.moe_intermediate_size;
+      dense += double(c.n_routed_experts) * (D + 1) + 3 * D * c.moe_intermediate_size * c.n_shared_experts;
+    } else {
+      dense += 3 * D * c.intermediate_size;
+    }
+    f.dense_params.push_back(dense);
+    f.dense_bytes.push_back(to_bytes(dense, dense_bits));
+    f.expert_params.push_back(expert);
+    f.expert_bytes.push_back(to_bytes(expert, expert_bits));
+  }
+  f.head_params = D * c.vocab_size + D;
+  f.head_bytes = to_bytes(f.head_params, dense_bits);
+  f.embed_bytes = c.tie_embeddings ? 0 : to_bytes(D * c.vocab_size, dense_bits);
+  return f;
+}
+
+ModelFootprint footprint_from_weights(const ModelWeights& w) {
+  ModelFootprint f;
+  auto add = [](const Linear* l, uint64_t& bytes, double& params) {
+    if (!l) return;
+    bytes += l->stored_bytes();
+    params += double(l->in_features()) * double(l->out_features());
+  };
+  auto add_mlp = [&](const MlpWeights& m, uint64_t& bytes, double& params) {
+    add(m.gate.get(), bytes, params), add(m.up.get(), bytes, params), add(m.down.get(), bytes, params);
+  };
+  auto add_norm = [](const NormWeights& n, uint64_t& bytes, double& params) {
+    bytes += (n.weight.size() + n.bias.size()) * sizeof(float);
+    params += double(n.weight.size() + n.bias.size());
+  };
+  for (const LayerWeights& L : w.layers) {
+    uint64_t db = 0, eb = 0;
+    double dp = 0, ep = 0;
+    add_norm(L.input_norm, db, dp), add_norm(L.post_attention_norm, db, dp);
+    if (L.mla) {
+      const MlaWeights& a = *L.mla;
+      for (const Linear* l : {a.q_a.get(), a.q_b.get(), a.q.get(), a.kv_a.get(), a.kv_b.get(), a.o.get()}) add(l, db, dp);
+      add_norm(a.q_a_norm, db, dp), add_norm(a.kv_a_norm, db, dp);
+      if (a.indexer) {
+        add(a.indexer->wq_b.get(), db, dp), add(a.indexer->wk.get(), db, dp), add(a.indexer->weights_proj.get(), db, dp);
+        add_norm(a.indexer->k_norm, db, dp);
+      }
+    } else if (L.gqa) {
+      for (const Linear* l : {L.gqa->q.get(), L.gqa->k.get(), L.gqa->v.get(), L.gqa->o.get()}) add(l, db, dp);
+    }
+    if (L.mlp) add_mlp(*L.mlp, db, dp);
+    if (L.moe) {
+      db += (L.moe->router.size() + L.moe->router_bias.size()) * sizeof(float);
+      dp += double(L.moe->router.size() + L.moe->router_bias.size());
+      if (L.moe->shared) add_mlp(*L.moe->shared, db, dp);
+      if (!L.moe->experts.empty()) add_mlp(L.moe->experts[0], eb, ep);
+    }
+    f.dense_bytes.push_back(db), f.dense_params.push_back(dp);
+    f.expert_bytes.push_back(eb), f.expert_params.push_back(ep);
+  }
+  add(w.lm_head.get(), f.head_bytes, f.head_params);
+  add_norm(w.final_norm, f.head_bytes, f.head_params);
+  f.embed_bytes = w.embed ? w.embed->nbytes : 0;
+  return f;
+}
+
+uint64_t kv_cache_bytes(const ModelConfig& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
+  uint64_t per_token = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    per_token += uint64_t(c.attention == AttentionKind::MLA ? c.kv_lora_rank + c.qk_rope_dim
+                                                            : 2 * c.num_kv_heads * c.head_dim) * uint64_t(kv_elem_bytes);
+    if (c.dsa && c.layer_has_indexer[size_t(l)]) per_token += uint64_t(c.index_head_dim) * uint64_t(index_elem_bytes);
+  }
+  return per_token * uint64_t(std::max<int64_t>(context, 0));
+}
+
+double CostModel::cpu_s(uint64_t bytes, double params, double tokens) const {
+  if (tokens <= 0) return 0;
+  return std::max(double(bytes) / (host_mem_gbps * 1e9), 2 * params * tokens / (cpu_gflops * 1e9));
+}
+
+double CostModel::gpu_s(uint64_t bytes, double params, double tokens) const {
+  if (tokens <= 0) return 0;
+  return std::max(double(bytes) / (hbm_gbps * 1e9), 2 * params * tokens / (gpu_tflops * 1e12));
+}
+
+json CostModel::to_json() const {
+  return json{{"pcie_gbps", pcie_gbps}, {"host_mem_gbps", host_mem_gbps}, {"hbm_gbps", hbm_gbps},
+              {"cpu_gflops", cpu_gflops}, {"gpu_tflops", gpu_tflops}};
+}
+
+int64_t LayerPlacement::count(ExpertHome h) const { return std::count(home.begin(), home.end(), h); }
+
+std::vector<int32_t> PlacementPlan::slots_per_layer() const {
+  std::vector<int32_t> s;
+  for (const auto& L : layers) s.push_back(int32_t(L.slots));
+  return s;
+}
+
+bool PlacementPlan::prefer_fetch(int64_t layer, int64_t tokens) const {
+  const LayerPlacement& L = layers.at(size_t(layer));
+  return L.fetch_min_tokens > 0 && tokens >= L.fetch_min_tokens;
+}
+
+namespace {
+
+// Per-step odds that a token batch of T touches an expert chosen with per-token probability p, and the tokens
+// it then carries.
+struct StepUse {
+  double hit, tokens;
+};
+StepUse step_use(double p, int64_t T) {
+  p = std::clamp(p, 0.0, 1.0);
+  double h = 1 - std::pow(1 - p, double(T));
+  return {h, h > 0 ? double(T) * p / h : 1.0};
+}
+
+std::vector<double> layer_probability(const ModelConfig& c, const UsageStats* usage, int64_t l) {
+  if (usage && l < usage->layers() && usage->experts() == c.n_routed_experts) return usage->selection_probability(l);
+  return std::vector<double>(size_t(c.n_routed_experts), double(c.experts_per_token) / double(c.n_routed_experts));
+}
+
+bool has_usage(const ModelConfig& c, const UsageStats* usage, int64_t l) {
+  return usage && l < usage->layers() && usage->experts() == c.n_routed_experts && !usage->empty(l);
+}
+
+// Slots per MoE layer for `budget` bytes: proportional to weight[l] (water-filled at E), then leftovers greedily.
+std::vector<int64_t> allocate_slots(const std::vector<double>& weight, const std::vector<uint64_t>& bytes, int64_t E,
+                                    uint64_t budget) {
+  const size_t n = weight.size();
+  std::vector<int64_t> slots(n, 0);
+  std::vector<bool> capped(n, false);
+  double remaining = double(budget);
+  for (bool changed = true; changed;) {
+    changed = false;
+    double denom = 0;
+    for (size_t l = 0; l < n; ++l)
+      if (!capped[l] && bytes[l] > 0) denom += weight[l] * double(bytes[l]);
+    if (denom <= 0) break;
+    for (size_t l = 0; l < n; ++l) {
+      if (capped[l] || bytes[l] == 0) continue;
+      if (remaining * weight[l] / denom >= double(E)) {
+        capped[l] = changed = true;
+        slots[l] = E;
+        remaining -= double(E) * double(bytes[l]);
+      }
+    }
+    if (!changed)
+      for (size_t l = 0; l < n; ++l)
+        if (!capped[l] && bytes[l] > 0) slots[l] = int64_t(std::floor(remaining * weight[l] / denom));
+  }
+  uint64_t used = 0;
+  for (size_t l = 0; l < n; ++l) used += uint64_t(slots[l]) * bytes[l];
+  for (;;) {  // hand leftover bytes out one slot at a time, to the layer with the largest weight per slot
+    size_t best = n;
+    for (size_t l = 0; l < n; ++l)
+      if (bytes[l] > 0 && slots[l] < E && used + bytes[l] <= budget &&
+          (best == n || weight[l] / double(slots[l] + 1) > weight[best] / double(slots[best] + 1)))
+        best = l;
+    if (best == n) break;
+    ++slots[best];
+    used += bytes[best];
+  }
+  return slots;
+}
+
+// Smallest token count at which fetching a cold expert beats computing it on the CPU (0: never).
+int64_t fetch_threshold(const CostModel& m, uint64_t bytes, double params) {
+  auto fetch_wins = [&](int64_t n) { return m.fetch_s(bytes) + m.gpu_s(bytes, params, double(n)) <= m.cpu_s(bytes, params, double(n)); };
+  int64_t hi = 1;
+  while (!fetch_wins(hi)) {
+    if (hi >= (int64_t(1) << 24)) return 0;
+    hi *= 2;
+  }
+  int64_t lo = hi / 2;  // fetch loses at lo (or lo == 0)
+  while (hi - lo > 1) {
+    int64_t mid = (lo + hi) / 2;
+    (fetch_wins(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
+void place_layer(const ModelConfig& c, const ModelFootprint& fp, const PlacementRequest& req, const UsageStats* usage,
+                 int64_t l, bool all_in_vram, LayerPlacement& L) {
+  const int64_t E = c.n_routed_experts, T = std::max<int64_t>(1, req.step_tokens);
+  const uint64_t b = fp.expert_bytes[size_t(l)];
+  const double params = fp.expert_params[size_t(l)];
+  const CostModel& m = req.cost;
+  std::vector<double> p = layer_probability(c, usage, l);
+  std::vector<int32_t> order(static_cast<size_t>(E));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t z) { return p[size_t(a)] > p[size_t(z)]; });
+  L.home.assign(size_t(E), ExpertHome::Cpu);
+  L.fetch_min_tokens = fetch_threshold(m, b, params);
+  if (all_in_vram) {
+    L.slots = L.pinned = E;
+    std::fill(L.home.begin(), L.home.end(), ExpertHome::Pinned);
+    L.hit_rate = 1;
+    return;
+  }
+  L.pinned = has_usage(c, usage, l) ? int64_t(std::floor(req.pin_fraction * double(L.slots))) : 0;
+  double resident_p = 0;
+  for (int64_t i = 0; i < L.slots; ++i) {
+    L.home[size_t(order[size_t(i)])] = i < L.pinned ? ExpertHome::Pinned : ExpertHome::Cached;
+    resident_p += p[size_t(order[size_t(i)])];
+  }
+  const double total_p = std::accumulate(p.begin(), p.end(), 0.0);
+  L.hit_rate = total_p > 0 ? resident_p / total_p : 0;
+  // Cold experts: the CPU and the PCIe link work concurrently, so split them to minimise the slower path.
+  // Experts with more tokens per hit (CPU cost grows with tokens, a fetch does not) go to PCIe first.
+  struct Cold {
+    int32_t id;
+    double fetch, cpu, ratio;
+  };
+  std::vector<Cold> cold;
+  for (int64_t i = L.slots; i < E; ++i) {
+    int32_t e = order[size_t(i)];
+    StepUse u = step_use(p[size_t(e)], T);
+    double f = u.hit * (m.fetch_s(b) + m.gpu_s(b, params, u.tokens)), cp = u.hit * m.cpu_s(b, params, u.tokens);
+    cold.push_back({e, f, cp, f > 0 ? cp / f : 0});
+  }
+  std::stable_sort(cold.begin(), cold.end(), [](const Cold& a, const Cold& z) { return a.ratio > z.ratio; });
+  const bool can_fetch = L.slots > L.pinned;  // fetched experts land in an LRU slot
+  double cpu_total = 0;
+  for (const Cold& x : cold) cpu_total += x.cpu;
+  size_t best_k = 0;
+  double fetch_sum = 0, cpu_rest = cpu_total, best = cpu_total, best_sum = cpu_total;
+  for (size_t k = 1; can_fetch && k <= cold.size(); ++k) {
+    fetch_sum += cold[k - 1].fetch;
+    cpu_rest -= cold[k - 1].cpu;
+    double worst = std::max(fetch_sum, cpu_rest), sum = fetch_sum + cpu_rest;
+    if (worst < best - 1e-15 || (worst <= best + 1e-15 && sum < best_sum)) best = worst, best_sum = sum, best_k = k;
+  }
+  for (size_t i = 0; i < cold.size(); ++i) {
+    L.home[size_t(cold[i].id)] = i < best_k ? ExpertHome::Fetch : ExpertHome::Cpu;
+    (i < best_k ? L.cold_fetch_s : L.cold_cpu_s) += i < best_k ? cold[i].fetch : cold[i].cpu;
+  }
+}
+
+}  // namespace
+
+PlacementPlan plan_placement(const ModelConfig& c, const ModelFootprint& fp, const PlacementRequest& req,
+                             const UsageStats* usage) {
+  if (int64_t(fp.expert_bytes.size()) != c.num_layers || int64_t(fp.dense_bytes.size()) != c.num_layers)
+    fail("placement: footprint has {} layers, the model {}", fp.expert_bytes.size(), c.num_layers);
+  PlacementPlan plan;
+  plan.context = req.context;
+  plan.step_tokens = req.step_tokens;
+  plan.vram_budget = req.vram_budget;
+  plan.vram_dense = fp.dense_total();
+  plan.vram_kv = kv_cache_bytes(c, req.context, req.kv_elem_bytes, req.index_elem_bytes);
+  plan.vram_workspace = req.workspace_bytes;
+  plan.host_bytes = fp.experts_total(c) + fp.embed_bytes;
+  const uint64_t fixed = plan.vram_dense + plan.vram_kv + plan.vram_workspace;
+  uint64_t expert_budget = 0;
+  if (fixed > req.vram_budget) {
+    plan.fits = false;
+    plan.note = fmt::format("dense weights + KV cache ({} tokens) + workspace need {:.2f} GiB, over the {:.2f} GiB budget",
+                            req.context, double(fixed) / kGiB, double(req.vram_budget) / kGiB);
+  } else {
+    expert_budget = req.vram_budget - fixed;
+  }
+  const int64_t E = c.n_routed_experts;
+  plan.all_experts_in_vram = plan.fits && fp.experts_total(c) <= expert_budget;
+  std::vector<double> weight(size_t(c.num_layers), 0.0);
+  std::vector<uint64_t> bytes(size_t(c.num_layers), 0);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (!c.layer_is_moe[size_t(l)]) continue;
+    bytes[size_t(l)] = fp.expert_bytes[size_t(l)];
+    bool entropy = req.slot_policy == SlotPolicy::Entropy && has_usage(c, usage, l);
+    weight[size_t(l)] = entropy ? std::exp(usage->entropy(l)) : double(E);
+  }
+  std::vector<int64_t> slots = plan.all_experts_in_vram ? std::vector<int64_t>(size_t(c.num_layers), E)
+                                                        : allocate_slots(weight, bytes, E, expert_budget);
+  plan.layers.resize(size_t(c.num_layers));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (!c.layer_is_moe[size_t(l)]) continue;
+    LayerPlacement& L = plan.layers[size_t(l)];
+    L.slots = slots[size_t(l)];
+    place_layer(c, fp, req, usage, l, plan.all_experts_in_vram, L);
+    plan.vram_experts += uint64_t(L.slots) * fp.expert_bytes[size_t(l)];
+  }
+  return plan;
+}
+
+std::string PlacementPlan::summary() const {
+  auto gib = [](uint64_t b) { return double(b) / kGiB; };
+  std::string s = fmt::format("placement: context {} tokens, step {} token(s), VRAM budget {:.2f} GiB{}\n", context,
+                              step_tokens, gib(vram_budget), fits ? "" : " (DOES NOT FIT: " + note + ")");
+  s += fmt::format("  VRAM: dense {:.2f} + KV {:.2f} + workspace {:.2f} + experts {:.2f} = {:.2f} GiB; host RAM {:.2f} GiB\n",
+                   gib(vram_dense), gib(vram_kv), gib(vram_workspace), gib(vram_experts), gib(vram_total()), gib(host_bytes));
+  if (all_experts_in_vram) return s + "  every routed expert is pinned in VRAM\n";
+  s += "  layer  slots pinned cached  fetch    cpu  hit-rate  fetch>=tok  cold ms (pcie | cpu)\n";
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerPlacement& L = layers[l];
+    if (L.home.empty()) continue;
+    s += fmt::format("  {:5d} {:6d} {:6d} {:6d} {:6d} {:6d} {:8.1f}%  {:>10}  {:.3f} | {:.3f}\n", l, L.slots, L.pinned,
+                     L.count(ExpertHome::Cached), L.count(ExpertHome::Fetch), L.count(ExpertHome::Cpu), 100 * L.hit_rate,
+                     L.fetch_min_tokens > 0 ? std::to_string(L.fetch_min_tokens) : "never", 1e3 * L.cold_fetch_s,
+                     1e3 * L.cold_cpu_s);
+  }
+  return s;
+}
+
+json PlacementPlan::to_json() const {
+  json layers_j = json::array();
+  for (const LayerPlacement& L : layers) {
+    std::string homes;
+    for (ExpertHome h : L.home) homes += "PCFU"[int(h)];  // Pinned Cached Fetch cpU
+    layers_j.push_back(json{{"slots", L.slots}, {"pinned", L.pinned}, {"homes", homes}, {"hit_rate", L.hit_rate},
+                            {"cold_fetch_s", L.cold_fetch_s}, {"cold_cpu_s", L.cold_cpu_s},
+                            {"fetch_min_tokens", L.fetch_min_tokens}});
+  }
+  return json{{"fits", fits}, {"note", note}, {"context", context}, {"step_tokens", step_tokens},
+              {"vram_budget", vram_budget}, {"vram", {{"dense", vram_dense}, {"kv", vram_kv}, {"workspace", vram_workspace},
+                                                     {"experts", vram_experts}, {"total", vram_total()}}},
+              {"host_bytes", host_bytes}, {"all_experts_in_vram", all_experts_in_vram},
+              {"homes_legend", "P=pinned C=cached F=fetch U=cpu"}, {"layers", layers_j}};
+}
+
+json StepEstimate::to_json() const {
+  return json{{"seconds", seconds}, {"gpu_s", gpu_s}, {"cold_s", cold_s}, {"hbm_bytes", hbm_bytes},
+              {"pcie_bytes", pcie_bytes}, {"host_bytes", host_bytes}};
+}
+
+StepEstimate estimate_step(const ModelConfig& c, const ModelFootprint& fp, const PlacementPlan& plan,
+                           const CostModel& m, int64_t tokens, int64_t context, const UsageStats* usage) {
+  StepEstimate est;
+  const double T = double(std::max<int64_t>(1, tokens));
+  const double ctx = double(std::max<int64_t>(1, context));
+  const double selected = c.dsa ? std::min(ctx, double(c.index_topk)) : ctx;
+  const double H = double(c.num_heads);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    // Attention: one pass over the keys it reads per step (shared by the step's tokens), FLOPs per token.
+    double kv_read = 0, attn_flops = 0;
+    if (c.attention == AttentionKind::MLA) {
+      kv_read = selected * double(c.kv_lora_rank + c.qk_rope_dim) * 2;
+      attn_flops = T * selected * H * (4.0 * c.kv_lora_rank + 2.0 * c.qk_rope_dim);
+    } else {
+      kv_read = selected * 4.0 * double(c.num_kv_heads * c.head_dim);
+      attn_flops = T * selected * H * 4.0 * c.head_dim;
+    }
+    if (c.dsa) {
+      kv_read += ctx * double(c.index_head_dim) * 2;
+      attn_flops += T * ctx * double(c.index_n_heads * c.index_head_dim) * 2;
+    }
+    const double dense_bytes = double(fp.dense_bytes[size_t(l)]) + kv_read;
+    double gpu = std::max(dense_bytes / (m.hbm_gbps * 1e9), (2 * fp.dense_params[size_t(l)] * T + attn_flops) / (m.gpu_tflops * 1e12));
+    est.hbm_bytes += dense_bytes;
+    double gpu_experts = 0, fetch = 0, cpu = 0;
+    const LayerPlacement& L = plan.layers.at(size_t(l));
+    if (!L.home.empty()) {
+      const uint64_t b = fp.expert_bytes[size_t(l)];
+      const double params = fp.expert_params[size_t(l)];
+      std::vector<double> p = layer_probability(c, usage, l);
+      for (size_t e = 0; e < L.home.size(); ++e) {
+        StepUse u = step_use(p[e], int64_t(T));
+        switch (L.home[e]) {
+          case ExpertHome::Pinned: case ExpertHome::Cached:
+            gpu_experts += u.hit * m.gpu_s(b, params, u.tokens);
+            est.hbm_bytes += u.hit * double(b);
+            break;
+          case ExpertHome::Fetch:
+            fetch += u.hit * (m.fetch_s(b) + m.gpu_s(b, params, u.tokens));
+            est.pcie_bytes += u.hit * double(b);
+            break;
+          case ExpertHome::Cpu:
+            cpu += u.hit * m.cpu_s(b, params, u.tokens);
+            est.host_bytes += u.hit * double(b);
+            break;
+        }
+      }
+    }
+    const double cold = std::max(fetch, cpu);
+    est.gpu_s += gpu + gpu_experts;
+    est.cold_s += cold;
+    est.seconds += gpu + std::max(gpu_experts, cold);
+  }
+  const double head = m.gpu_s(fp.head_bytes, fp.head_params, 1);
+  est.gpu_s += head;
+  est.seconds += head;
+  est.hbm_bytes += double(fp.head_bytes);
+  return est;
+}
+
+}  // namespace moesrv

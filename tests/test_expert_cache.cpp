@@ -1,0 +1,135 @@
+// ExpertCache: LRU order, pinned experts never evicted, retained experts protected, stats, thread safety.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "runtime/expert_cache.h"
+#include "util/error.h"
+
+namespace moesrv {
+namespace {
+
+TEST(ExpertCache, EvictsLeastRecentlyUsed) {
+  ExpertCache c({3}, 16);
+  for (int e : {0, 1, 2}) {
+    auto a = c.admit(0, e);
+    ASSERT_TRUE(a);
+    EXPECT_EQ(a->evicted, -1);
+  }
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{0, 1, 2}));
+  ASSERT_TRUE(c.lookup(0, 0));  // 0 becomes most recent
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{1, 2, 0}));
+  const int32_t slot_of_1 = *c.peek(0, 1);
+  auto a = c.admit(0, 3);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 1);
+  EXPECT_EQ(a->slot, slot_of_1);  // the victim's slot is reused
+  EXPECT_FALSE(c.lookup(0, 1));
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{2, 0, 3}));
+  auto again = c.admit(0, 0);  // already resident: same slot, nothing evicted
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->evicted, -1);
+  EXPECT_EQ(again->slot, *c.peek(0, 0));
+  ExpertCacheStats s = c.stats(0);
+  EXPECT_EQ(s.hits, 1u);
+  EXPECT_EQ(s.misses, 1u);
+  EXPECT_EQ(s.evictions, 1u);
+  EXPECT_EQ(s.admissions, 4u);
+  EXPECT_DOUBLE_EQ(s.hit_rate(), 0.5);
+}
+
+TEST(ExpertCache, PinnedNeverEvicted) {
+  ExpertCache c({4, 2}, 32);
+  const int32_t p0 = c.pin(0, 7), p1 = c.pin(0, 9);
+  EXPECT_NE(p0, p1);
+  EXPECT_TRUE(c.is_pinned(0, 7));
+  for (int e = 10; e < 32; ++e) {
+    auto a = c.admit(0, e);
+    ASSERT_TRUE(a);
+    EXPECT_NE(a->evicted, 7);
+    EXPECT_NE(a->evicted, 9);
+    EXPECT_NE(a->slot, p0);
+    EXPECT_NE(a->slot, p1);
+  }
+  EXPECT_EQ(c.lookup(0, 7), p0);
+  EXPECT_EQ(c.lookup(0, 9), p1);
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{30, 31}));  // only unpinned experts cycle
+  // A layer whose slots are all pinned admits nothing.
+  c.pin(1, 0), c.pin(1, 1);
+  EXPECT_FALSE(c.admit(1, 2));
+  EXPECT_THROW(c.pin(1, 3), Error);
+  // Pinning a resident LRU expert keeps its slot and removes it from the LRU.
+  ExpertCache d({2}, 8);
+  const int32_t s = d.admit(0, 5)->slot;
+  EXPECT_EQ(d.pin(0, 5), s);
+  EXPECT_TRUE(d.lru_order(0).empty());
+}
+
+TEST(ExpertCache, RetainedExpertsAreNotVictims) {
+  ExpertCache c({2}, 8);
+  c.admit(0, 0), c.admit(0, 1);
+  c.retain(0, 0);  // LRU victim would be 0
+  auto a = c.admit(0, 2);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 1);
+  c.retain(0, 2);
+  EXPECT_FALSE(c.admit(0, 3));  // everything retained
+  c.release(0, 0);
+  EXPECT_EQ(c.admit(0, 3)->evicted, 0);
+  EXPECT_THROW(c.release(0, 0), Error);
+  EXPECT_THROW(c.retain(0, 5), Error);  // not resident
+}
+
+TEST(ExpertCache, ZeroSlotsAndRangeChecks) {
+  ExpertCache c({0, 1}, 4);
+  EXPECT_FALSE(c.lookup(0, 1));
+  EXPECT_FALSE(c.admit(0, 1));
+  EXPECT_THROW(c.lookup(2, 0), Error);
+  EXPECT_THROW(c.lookup(0, 4), Error);
+  EXPECT_THROW(ExpertCache({5}, 4), Error);
+}
+
+// A decode thread (lookup/retain/release) against a copy thread (admit): slots stay a consistent bijection.
+TEST(ExpertCache, DecodeAndCopyThreads) {
+  constexpr int32_t kLayers = 4, kExperts = 64, kSlots = 8;
+  ExpertCache c(std::vector<int32_t>(kLayers, kSlots), kExperts);
+  for (int32_t l = 0; l < kLayers; ++l) c.pin(l, 0);
+  std::atomic<bool> stop{false};
+  std::thread copier([&] {
+    uint32_t r = 1;
+    while (!stop) {
+      r = r * 1664525u + 1013904223u;
+      c.admit(int32_t(r % kLayers), int32_t(1 + (r >> 8) % (kExperts - 1)));
+    }
+  });
+  uint32_t r = 7;
+  for (int i = 0; i < 200000; ++i) {
+    r = r * 1103515245u + 12345u;
+    const int32_t l = int32_t(r % kLayers), e = int32_t((r >> 8) % kExperts);
+    if (auto s = c.lookup(l, e)) {
+      c.retain(l, e);
+      EXPECT_EQ(c.peek(l, e), s);  // retained: the copy thread cannot take the slot
+      c.release(l, e);
+    }
+  }
+  stop = true;
+  copier.join();
+  for (int32_t l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(c.lookup(l, 0));  // pinned survived
+    std::set<int32_t> slots;
+    int resident = 0;
+    for (int32_t e = 0; e < kExperts; ++e)
+      if (auto s = c.peek(l, e)) {
+        ++resident;
+        EXPECT_TRUE(slots.insert(*s).second) << "slot " << *s << " holds two experts";
+        EXPECT_LT(*s, kSlots);
+      }
+    EXPECT_EQ(resident, kSlots);
+  }
+  EXPECT_GT(c.total_stats().hits, 0u);
+}
+
+}  // namespace
+}  // namespace moesrv

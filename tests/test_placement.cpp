@@ -1,0 +1,202 @@
+// Placement: budgets respected, slot policies, pinning by usage, the CPU/PCIe split of cold experts.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "model/weights.h"
+#include "runtime/placement.h"
+#include "runtime/synthetic_model.h"
+#include "runtime/usage_stats.h"
+
+namespace moesrv {
+namespace {
+
+ModelConfig glm5(int64_t layers, int64_t dense_layers = 3) {
+  auto j = glm5_config(layers);
+  j["first_k_dense_replace"] = dense_layers;
+  return ModelConfig::from_json(j);
+}
+
+int64_t sum_homes(const LayerPlacement& L) {
+  return L.count(ExpertHome::Pinned) + L.count(ExpertHome::Cached) + L.count(ExpertHome::Fetch) + L.count(ExpertHome::Cpu);
+}
+
+TEST(Placement, KvCacheBytesMlaPlusIndexer) {
+  ModelConfig c = glm5(2, 0);
+  // (512 + 64) * 2 bytes latent + rope key, 128 * 2 bytes indexer key, per token per layer.
+  EXPECT_EQ(kv_cache_bytes(c, 1000), uint64_t(2 * 1000 * (576 * 2 + 128 * 2)));
+  EXPECT_EQ(kv_cache_bytes(c, 1000, 2, 1), uint64_t(2 * 1000 * (576 * 2 + 128)));
+}
+
+TEST(Placement, FootprintMatchesLoadedWeights) {
+  auto cfg = tiny_moe_config(2);
+  auto w = ModelWeights::load(make_synthetic_model(cfg));
+  ModelFootprint a = footprint_from_config(w->config), b = footprint_from_weights(*w);
+  ASSERT_EQ(a.expert_bytes.size(), 2u);
+  for (size_t l = 0; l < 2; ++l) {
+    EXPECT_EQ(a.expert_bytes[l], b.expert_bytes[l]);
+    EXPECT_DOUBLE_EQ(a.expert_params[l], b.expert_params[l]);
+    EXPECT_DOUBLE_EQ(a.dense_params[l], b.dense_params[l]);
+    // Norms and the router are fp32 once loaded, bf16 in the config estimate.
+    EXPECT_NEAR(double(a.dense_bytes[l]), double(b.dense_bytes[l]), 0.1 * double(b.dense_bytes[l]));
+  }
+  EXPECT_NEAR(double(a.head_bytes), double(b.head_bytes), 0.01 * double(b.head_bytes));
+}
+
+TEST(Placement, HybridRespectsBudgetWithEqualSlots) {
+  ModelConfig c = glm5(78);
+  ModelFootprint fp = footprint_from_config(c, /*expert_bits=*/2.0, /*dense_bits=*/4.0);
+  PlacementRequest req;
+  req.vram_budget = 22 * kGiB;
+  req.context = 32768;
+  PlacementPlan plan = plan_placement(c, fp, req);
+  ASSERT_TRUE(plan.fits) << plan.note;
+  EXPECT_FALSE(plan.all_experts_in_vram);
+  EXPECT_LE(plan.vram_total(), req.vram_budget);
+  EXPECT_GT(plan.vram_experts, 0u);
+  // The leftover is smaller than one more slot.
+  EXPECT_LT(req.vram_budget - plan.vram_total(), fp.expert_bytes[3]);
+  int64_t lo = 1 << 30, hi = 0;
+  for (int64_t l = 0; l < 78; ++l) {
+    const LayerPlacement& L = plan.layers[size_t(l)];
+    if (l < 3) {
+      EXPECT_TRUE(L.home.empty());
+      continue;
+    }
+    EXPECT_EQ(sum_homes(L), 256);
+    EXPECT_EQ(L.pinned, 0);  // nothing pinned without usage statistics
+    EXPECT_EQ(L.count(ExpertHome::Cached), L.slots);
+    lo = std::min(lo, L.slots), hi = std::max(hi, L.slots);
+  }
+  EXPECT_LE(hi - lo, 1);
+  EXPECT_GT(lo, 0);
+  EXPECT_EQ(plan.slots_per_layer().size(), 78u);
+  EXPECT_NE(plan.summary().find("hit-rate"), std::string::npos);
+  auto j = plan.to_json();
+  EXPECT_EQ(j["layers"][5]["homes"].get<std::string>().size(), 256u);
+}
+
+TEST(Placement, AllInVramAndTooSmall) {
+  ModelConfig c = ModelConfig::from_json(tiny_moe_config(2));
+  ModelFootprint fp = footprint_from_config(c);
+  PlacementRequest req;
+  req.vram_budget = 4 * kGiB;
+  PlacementPlan plan = plan_placement(c, fp, req);
+  EXPECT_TRUE(plan.all_experts_in_vram);
+  for (const auto& L : plan.layers) EXPECT_EQ(L.count(ExpertHome::Pinned), c.n_routed_experts);
+  EXPECT_EQ(plan.vram_experts, fp.experts_total(c));
+
+  req.vram_budget = kGiB / 2;  // less than the workspace alone
+  PlacementPlan tight = plan_placement(c, fp, req);
+  EXPECT_FALSE(tight.fits);
+  EXPECT_FALSE(tight.note.empty());
+  for (const auto& L : tight.layers) {
+    EXPECT_EQ(L.slots, 0);
+    EXPECT_EQ(L.count(ExpertHome::Cpu), c.n_routed_experts);  // no slot to fetch into
+  }
+}
+
+UsageStats skewed_usage(const ModelConfig& c, int64_t concentrated_layer) {
+  UsageStats u(c.num_layers, c.n_routed_experts, c.experts_per_token);
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    for (int t = 0; t < 400; ++t) {
+      std::vector<int32_t> ids;
+      for (int32_t k = 0; k < c.experts_per_token; ++k)
+        ids.push_back(l == concentrated_layer ? int32_t((t % 3 == 0 ? t * 7 + k * 13 : k * 5 + 40) % c.n_routed_experts)
+                                              : int32_t((t * 8 + k) % c.n_routed_experts));
+      u.record(l, ids);
+    }
+  return u;
+}
+
+TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
+  ModelConfig c = glm5(6, 0);
+  ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
+  UsageStats usage = skewed_usage(c, /*concentrated_layer=*/2);
+  PlacementRequest req;
+  req.context = 4096;
+  req.vram_budget = fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 6 * 64 * fp.expert_bytes[0];
+  req.slot_policy = SlotPolicy::Entropy;
+  PlacementPlan plan = plan_placement(c, fp, req, &usage);
+  ASSERT_TRUE(plan.fits);
+  EXPECT_LE(plan.vram_total(), req.vram_budget);
+  EXPECT_LT(plan.layers[2].slots, plan.layers[0].slots);  // a concentrated layer needs fewer slots
+  EXPECT_GT(plan.layers[2].hit_rate, plan.layers[0].hit_rate);
+  for (int64_t l = 0; l < 6; ++l) {
+    const LayerPlacement& L = plan.layers[size_t(l)];
+    EXPECT_EQ(L.pinned, int64_t(std::floor(req.pin_fraction * double(L.slots))));
+    // The pinned experts are the hottest ones.
+    auto hot = usage.hottest(l, size_t(L.pinned));
+    for (int32_t e : hot) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
+    double min_pinned = 1e30, max_cold = 0;
+    for (int32_t e = 0; e < 256; ++e) {
+      if (L.home[size_t(e)] == ExpertHome::Pinned) min_pinned = std::min(min_pinned, usage.count(l, e));
+      if (L.home[size_t(e)] == ExpertHome::Fetch || L.home[size_t(e)] == ExpertHome::Cpu) max_cold = std::max(max_cold, usage.count(l, e));
+    }
+    EXPECT_GE(min_pinned, max_cold);
+  }
+  req.slot_policy = SlotPolicy::Equal;
+  PlacementPlan equal = plan_placement(c, fp, req, &usage);
+  EXPECT_EQ(equal.layers[2].slots, equal.layers[0].slots);
+}
+
+TEST(Placement, ColdSplitFollowsCostModel) {
+  ModelConfig c = glm5(4, 0);
+  ModelFootprint fp = footprint_from_config(c, 4.0, 4.0);
+  PlacementRequest req;
+  req.context = 8192;
+  req.vram_budget = fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 4 * 32 * fp.expert_bytes[0];
+  req.cost.pcie_gbps = 25;
+  req.cost.host_mem_gbps = 60;
+  req.cost.cpu_gflops = 400;
+  // Decode, batch 1: the CPU is faster per expert, but PCIe runs concurrently, so both paths get work and
+  // finish close together.
+  PlacementPlan decode = plan_placement(c, fp, req);
+  const LayerPlacement& d = decode.layers[1];
+  EXPECT_GT(d.count(ExpertHome::Cpu), d.count(ExpertHome::Fetch));
+  EXPECT_GT(d.count(ExpertHome::Fetch), 0);
+  EXPECT_NEAR(d.cold_fetch_s, d.cold_cpu_s, 0.1 * std::max(d.cold_fetch_s, d.cold_cpu_s));
+  // One-token CPU work beats a fetch, many-token work does not.
+  EXPECT_GT(d.fetch_min_tokens, 1);
+  EXPECT_FALSE(decode.prefer_fetch(1, 1));
+  EXPECT_TRUE(decode.prefer_fetch(1, d.fetch_min_tokens));
+  EXPECT_FALSE(decode.prefer_fetch(1, d.fetch_min_tokens - 1));
+  // Prefill chunks: every cold expert carries many tokens, so fetching wins (bounded by PCIe vs CPU balance).
+  req.step_tokens = 2048;
+  PlacementPlan prefill = plan_placement(c, fp, req);
+  const LayerPlacement& p = prefill.layers[1];
+  EXPECT_GT(p.count(ExpertHome::Fetch), p.count(ExpertHome::Cpu));
+  // A slow link flips decode to the CPU entirely when the CPU alone is faster than the balanced split.
+  req.step_tokens = 1;
+  req.cost.pcie_gbps = 0.01;
+  PlacementPlan slow = plan_placement(c, fp, req);
+  EXPECT_EQ(slow.layers[1].count(ExpertHome::Fetch), 0);
+}
+
+TEST(Placement, EstimatesImproveWithVram) {
+  ModelConfig c = glm5(78);
+  ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
+  PlacementRequest req;
+  req.context = 8192;
+  req.cost.pcie_gbps = 25, req.cost.host_mem_gbps = 60, req.cost.hbm_gbps = 1000;
+  req.vram_budget = fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes;  // no expert slots
+  PlacementPlan baseline = plan_placement(c, fp, req);
+  req.vram_budget = 22 * kGiB;
+  PlacementPlan hybrid = plan_placement(c, fp, req);
+  req.vram_budget = uint64_t(1) << 62;
+  PlacementPlan all = plan_placement(c, fp, req);
+  auto t = [&](const PlacementPlan& p) { return estimate_step(c, fp, p, req.cost, 1, req.context).seconds; };
+  EXPECT_GT(t(baseline), t(hybrid));
+  EXPECT_GT(t(hybrid), t(all));
+  StepEstimate e = estimate_step(c, fp, all, req.cost, 1, req.context);
+  EXPECT_EQ(e.pcie_bytes, 0);
+  EXPECT_EQ(e.host_bytes, 0);
+  // Dense weights, the KV rows attention reads (DSA: top-2048 latents + every indexer key), and 8 experts per
+  // token per MoE layer, all from VRAM.
+  const double kv_read = 78.0 * (2048 * 576 * 2 + 8192 * 128 * 2);
+  EXPECT_NEAR(e.hbm_bytes - double(fp.dense_total()) - kv_read, 75.0 * 8 * double(fp.expert_bytes[3]), 1e-6 * e.hbm_bytes);
+}
+
+}  // namespace
+}  // namespace moesrv
