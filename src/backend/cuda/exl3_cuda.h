@@ -2,7 +2,7 @@
 // passed as void* (a cudaStream_t; nullptr = default stream). Shapes are the stored, 128-padded ones.
 // CUDA failures throw std::runtime_error. Two paths: GEMV (batch 1..8) decoding 16x16 trellis tiles on the fly, one warp per tile of a 16-column
 // strip with split-K; and GEMM (any batch) that dequantizes W_hat to fp16 and calls cuBLAS.
-// Both run y = (((x ⊙ suh)·H)·W_hat)·H ⊙ svh with the Hadamard steps as warp-shuffle butterflies.
+// GEMV accumulates in fp32 (activations fp16 in the tensor-core variant). Both run y = (((x ⊙ suh)·H)·W_hat)·H ⊙ svh with the Hadamard steps as warp-shuffle butterflies.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -29,6 +29,10 @@ class Exl3CudaLinear {
   void forward(const float* d_x, int n, float* d_y, void* stream = nullptr);
   void forward_gemv(const float* d_x, int n, float* d_y, void* stream = nullptr);  // n in 1..8
   void forward_gemm(const float* d_x, int n, float* d_y, void* stream = nullptr);  // fp16 operands, fp32 accumulate
+  // GEMV inner product: TensorCore (default: fp16 activations in m16n8k16 mma, fp32 accumulate) or Fp32
+  // (fp32 activations and FMAs: matches the CPU to ~1e-7, slower for batch > 1).
+  enum class GemvKernel { TensorCore, Fp32 };
+  void set_gemv_kernel(GemvKernel k);
   // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.
   void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr) const;
 

@@ -51,24 +51,52 @@ __global__ void codebook_kernel(uint16_t* out) {
   if (s < 65536) out[s] = __half_as_ushort(decode_state<CB>(s));
 }
 
-// Where lane `lane`'s 8 states sit in a tile's 8K words: state i = bits >> sh[i] of (w[i0] : w[i1]).
+// Where lane `lane`'s 8 states sit in a tile's 8K words. For K <= 4 the lane's 7K+16 bits fit one 64-bit
+// window (w[j0] : w[j1]); otherwise state i = bits >> sh[i] of (w[i0[i]] : w[i1[i]]).
 template <int K>
 struct LanePos {
-  int i0[8], i1[8], sh[8];
+  static constexpr bool kOneWindow = K <= 4;
+  int i0[kOneWindow ? 1 : 8], i1[kOneWindow ? 1 : 8], sh[8];
   __device__ __forceinline__ explicit LanePos(int lane) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       int b0 = (8 * lane + i) * K + K - 16 + 256 * K;  // window start, kept positive for the wrap
-      i0[i] = (b0 >> 5) % (8 * K);
-      i1[i] = (i0[i] + 1) % (8 * K);
-      sh[i] = 48 - (b0 & 31);
+      if constexpr (kOneWindow) {
+        int w0 = (8 * lane * K + K - 16 + 256 * K);
+        i0[0] = (w0 >> 5) % (8 * K);
+        i1[0] = (i0[0] + 1) % (8 * K);
+        sh[i] = 48 - (w0 & 31) - i * K;
+      } else {
+        i0[i] = (b0 >> 5) % (8 * K);
+        i1[i] = (i0[i] + 1) % (8 * K);
+        sh[i] = 48 - (b0 & 31);
+      }
     }
   }
-  __device__ __forceinline__ uint32_t state(const uint32_t* w, int i) const {
-    uint64_t v = (uint64_t(w[i0[i]]) << 32) | w[i1[i]];
-    return uint32_t(v >> sh[i]) & 0xFFFF;
+  __device__ __forceinline__ void states(const uint32_t* w, uint32_t st[8]) const {
+    if constexpr (kOneWindow) {
+      uint64_t v = (uint64_t(w[i0[0]]) << 32) | w[i1[0]];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st[i] = uint32_t(v >> sh[i]) & 0xFFFF;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st[i] = uint32_t(((uint64_t(w[i0[i]]) << 32) | w[i1[i]]) >> sh[i]) & 0xFFFF;
+    }
   }
 };
+
+__device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
+  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+}
+
+// D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulate)
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 // ---- 128-point Hadamard: lane holds elements 4*lane..4*lane+3 of a block ----
 __device__ __forceinline__ void hadamard128_lane(float4& v, int lane) {
@@ -176,9 +204,11 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_kernel(const uint4* __re
       int kt = base + u * kGemvWarps;
       if (kt < kt1) {
         const uint32_t* tw = wsw + u * kWords;
+        uint32_t st[8];
+        pos.states(tw, st);
         float w[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __half2float(decode_state<CB>(pos.state(tw, i)));
+        for (int i = 0; i < 8; ++i) w[i] = __half2float(decode_state<CB>(st[i]));
         const float* xk = xs + (kt - kt0) * 16;
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
@@ -219,6 +249,82 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_kernel(const uint4* __re
   }
 }
 
+// Same work split as gemv_kernel, but the lane's 8 decoded fp16 values are exactly its B fragments of two
+// m16n8k16 tensor-core products (columns c0 and c0+8), with the batch rows (<= 8, fp16) as the A operand's M.
+template <int K, int CB>
+__global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(const uint4* __restrict__ trellis,
+                                                                    const float* __restrict__ xh, int in_pad, int nb,
+                                                                    int tiles_k, int tiles_n, int tiles_per_block,
+                                                                    float* __restrict__ yr, int out_pad) {
+  constexpr int kWords = 8 * K, kChunks = 2 * K;
+  constexpr int kLoads = (kGemvUnroll * kChunks + 31) / 32;
+  extern __shared__ __align__(16) float smem[];
+  const int xs_stride = tiles_per_block * 16;
+  half* xs = reinterpret_cast<half*>(smem);                                       // [8][xs_stride]
+  uint32_t* ws = reinterpret_cast<uint32_t*>(xs + 8 * xs_stride);                 // [warps][unroll][kWords]
+  float* red = reinterpret_cast<float*>(ws + kGemvWarps * kGemvUnroll * kWords);  // [warps][8][16]
+
+  const int nt = blockIdx.x, kt0 = blockIdx.y * tiles_per_block;
+  const int kt1 = min(tiles_k, kt0 + tiles_per_block), span = (kt1 - kt0) * 16;
+  for (int i = threadIdx.x; i < 8 * span; i += blockDim.x) {
+    int b = i / span, k = i - b * span;
+    xs[b * xs_stride + k] = b < nb ? __float2half_rn(xh[size_t(b) * in_pad + kt0 * 16 + k]) : __float2half_rn(0.f);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tid = lane & 3;  // fragment row group (= batch row) and thread-in-group
+  uint32_t* wsw = ws + warp * kGemvUnroll * kWords;
+  const LanePos<K> pos(lane);
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+
+  for (int base = kt0 + warp; base < kt1; base += kGemvWarps * kGemvUnroll) {
+    uint4 regs[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      int c = lane + 32 * j, u = c / kChunks, kt = base + u * kGemvWarps;
+      if (c < kGemvUnroll * kChunks && kt < kt1)
+        regs[j] = __ldg(trellis + (size_t(kt) * tiles_n + nt) * kChunks + (c - u * kChunks));
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      int c = lane + 32 * j;
+      if (c < kGemvUnroll * kChunks) reinterpret_cast<uint4*>(wsw)[c] = regs[j];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      int kt = base + u * kGemvWarps;
+      if (kt < kt1) {
+        uint32_t st[8];
+        pos.states(wsw + u * kWords, st);
+        half h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = decode_state<CB>(st[i]);
+        const half* xk = xs + g * xs_stride + (kt - kt0) * 16 + 2 * tid;
+        uint32_t a0 = *reinterpret_cast<const uint32_t*>(xk), a2 = *reinterpret_cast<const uint32_t*>(xk + 8);
+        mma_16816(d0, a0, 0u, a2, 0u, pack_half2(h[0], h[1]), pack_half2(h[2], h[3]));
+        mma_16816(d1, a0, 0u, a2, 0u, pack_half2(h[4], h[5]), pack_half2(h[6], h[7]));
+      }
+    }
+    __syncwarp();
+  }
+  // d*[0..1]: batch row g, columns 2*tid, 2*tid+1 (d1: +8); d*[2..3] are the unused rows g+8
+  float* r = red + (warp * 8 + g) * 16 + 2 * tid;
+  r[0] = d0[0];
+  r[1] = d0[1];
+  r[8] = d1[0];
+  r[9] = d1[1];
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * 16; i += blockDim.x) {
+    int b = i >> 4, c = i & 15;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) sum += red[(w * 8 + b) * 16 + c];
+    atomicAdd(yr + size_t(b) * out_pad + nt * 16 + c, sum);
+  }
+}
+
 // ---- dequant: W_hat fp16 row-major [in_pad][out_pad]; one warp per tile ----
 template <int K, int CB>
 __global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, half* __restrict__ out, int out_pad) {
@@ -233,8 +339,10 @@ __global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, h
   const LanePos<K> pos(lane);
   const int r0 = (lane & 3) * 2, c0 = lane >> 2;
   const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
+  uint32_t st[8];
+  pos.states(ws[warp], st);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) tile[warp][rows[i & 3]][c0 + (i >= 4 ? 8 : 0)] = decode_state<CB>(pos.state(ws[warp], i));
+  for (int i = 0; i < 8; ++i) tile[warp][rows[i & 3]][c0 + (i >= 4 ? 8 : 0)] = decode_state<CB>(st[i]);
   __syncwarp();
   int r = lane >> 1, h = lane & 1;  // each lane stores 8 halves (16 bytes) of one row
   *reinterpret_cast<uint4*>(out + size_t(kt * 16 + r) * out_pad + nt * 16 + h * 8) =
@@ -246,6 +354,8 @@ using DequantFn = void (*)(const uint4*, int, half*, int);
 
 #define EXL3_K_TABLE(fn, cb) {&fn<1, cb>, &fn<2, cb>, &fn<3, cb>, &fn<4, cb>, &fn<5, cb>, &fn<6, cb>, &fn<7, cb>, &fn<8, cb>}
 const GemvFn kGemv[3][8] = {EXL3_K_TABLE(gemv_kernel, 0), EXL3_K_TABLE(gemv_kernel, 1), EXL3_K_TABLE(gemv_kernel, 2)};
+const GemvFn kGemvMma[3][8] = {EXL3_K_TABLE(gemv_mma_kernel, 0), EXL3_K_TABLE(gemv_mma_kernel, 1),
+                               EXL3_K_TABLE(gemv_mma_kernel, 2)};
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
 #undef EXL3_K_TABLE
@@ -272,6 +382,7 @@ struct DeviceBuffer {
 
 struct Exl3CudaLinear::Impl {
   int K = 0, cb = 0;
+  Exl3CudaLinear::GemvKernel gemv_kernel = Exl3CudaLinear::GemvKernel::TensorCore;
   int64_t in_pad = 0, out_pad = 0;
   DeviceBuffer<uint4> trellis;
   DeviceBuffer<half> suh, svh;
@@ -311,6 +422,8 @@ int64_t Exl3CudaLinear::out_pad() const { return impl_->out_pad; }
 int Exl3CudaLinear::K() const { return impl_->K; }
 size_t Exl3CudaLinear::trellis_bytes() const { return size_t(impl_->in_pad / 16) * size_t(impl_->out_pad / 16) * 32 * impl_->K; }
 
+void Exl3CudaLinear::set_gemv_kernel(GemvKernel k) { impl_->gemv_kernel = k; }
+
 void Exl3CudaLinear::forward(const float* d_x, int n, float* d_y, void* stream) {
   if (n <= kMaxGemvBatch) forward_gemv(d_x, n, d_y, stream);
   else forward_gemm(d_x, n, d_y, stream);
@@ -338,9 +451,11 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   int tpb = (tk + ksplit - 1) / ksplit;
   if (tpb > kMaxTilesPerBlock) tpb = kMaxTilesPerBlock;
   ksplit = (tk + tpb - 1) / tpb;
-  size_t smem = size_t(n) * tpb * 16 * sizeof(float) + size_t(kGemvWarps) * kGemvUnroll * 8 * m.K * 4 +
-                size_t(kGemvWarps) * 8 * 16 * sizeof(float);
-  kGemv[m.cb][m.K - 1]<<<dim3(tn, ksplit), kGemvWarps * 32, smem, s>>>(m.trellis.p, m.xh.p, in, n, tk, tn, tpb, m.yr.p, out);
+  const bool tc = m.gemv_kernel == GemvKernel::TensorCore;
+  size_t smem = (tc ? size_t(8) * tpb * 16 * sizeof(half) : size_t(n) * tpb * 16 * sizeof(float)) +
+                size_t(kGemvWarps) * kGemvUnroll * 8 * m.K * 4 + size_t(kGemvWarps) * 8 * 16 * sizeof(float);
+  (tc ? kGemvMma : kGemv)[m.cb][m.K - 1]<<<dim3(tn, ksplit), kGemvWarps * 32, smem, s>>>(m.trellis.p, m.xh.p, in, n, tk,
+                                                                                         tn, tpb, m.yr.p, out);
   EXL3_CUDA_CHECK(cudaGetLastError());
   had_out_kernel<<<dim3((out / 128 + 3) / 4, n), 128, 0, s>>>(m.yr.p, m.svh.p, out, d_y);
   EXL3_CUDA_CHECK(cudaGetLastError());
