@@ -383,7 +383,7 @@ void CudaEngine::Impl::allocate_scratch() {
   s.act = f32(R * inter, "mlp act");
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
-    moe_rows = std::clamp<int64_t>((int64_t(16) << 20) / (k * std::max(D, 2 * I)), 8, R);
+    moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
     const int64_t M = moe_rows * k;
     s.logits_r = f32(R * E, "router logits");
     s.ids = DeviceBuffer(budget, size_t(R * k) * 4, "expert ids");
