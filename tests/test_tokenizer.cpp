@@ -3,7 +3,7 @@
 // port of the Hugging Face tokenizers (@lenml/tokenizers) via tests/fixtures/gen_tokenizer_fixtures.js.
 #include <gtest/gtest.h>
 
-#include <chrono>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 
@@ -45,7 +45,7 @@ class RealTokenizer : public ::testing::TestWithParam<std::string> {
 TEST_P(RealTokenizer, MatchesReferenceIds) {
   const Tokenizer& tok = tokenizer(GetParam());
   auto cases = fixtures()[GetParam()];
-  ASSERT_GT(cases.size(), 20u);
+  ASSERT_GT(cases.size(), 300u);
   for (const auto& c : cases) {
     std::string text = c["text"];
     auto expected = c["ids"].get<std::vector<int32_t>>();
@@ -55,17 +55,24 @@ TEST_P(RealTokenizer, MatchesReferenceIds) {
 
 TEST_P(RealTokenizer, DecodeRoundTrips) {
   const Tokenizer& tok = tokenizer(GetParam());
-  for (const auto& c : fixtures()[GetParam()]) {
+  auto cases = fixtures()[GetParam()];
+  int nfc_changed = 0;
+  for (const auto& c : cases) {
     std::string text = c["text"];
-    if (text.find("\u0301") != std::string::npos && GetParam() == "qwen3") continue;  // NFC changes it
-    EXPECT_EQ(tok.decode(tok.encode(text)), text);
-    EXPECT_EQ(tok.decode(tok.encode(text, false)), text);
+    // Qwen normalizes to NFC, so decoding gives the NFC form.
+    std::string expected = GetParam() == "qwen3" ? nfc_normalize(text) : text;
+    nfc_changed += expected != text;
+    EXPECT_EQ(tok.decode(tok.encode(text)), expected);
+  }
+  if (GetParam() == "qwen3") {
+    EXPECT_GT(nfc_changed, 3);
   }
 }
 
 TEST_P(RealTokenizer, StreamDecoderMatchesDecode) {
   const Tokenizer& tok = tokenizer(GetParam());
-  for (const auto& c : fixtures()[GetParam()]) {
+  auto cases = fixtures()[GetParam()];
+  for (const auto& c : cases) {
     std::string text = c["text"];
     auto ids = tok.encode(text);
     StreamDecoder sd(tok);
@@ -87,9 +94,9 @@ TEST_P(RealTokenizer, LongPromptIsFast) {
   std::string text;
   while (text.size() < 1'200'000) text += unit + std::to_string(text.size()) + " ";
   text += std::string(20000, ' ') + "x" + std::string(20000, 'a');  // pathological runs
-  auto t0 = std::chrono::steady_clock::now();
+  std::clock_t c0 = std::clock();  // CPU time: robust to a busy machine
   auto ids = tok.encode(text);
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double secs = double(std::clock() - c0) / CLOCKS_PER_SEC;
   EXPECT_GT(ids.size(), 256'000u);
   EXPECT_LT(secs, 5.0) << ids.size() << " tokens";
   EXPECT_EQ(tok.decode(ids), text);

@@ -2,6 +2,9 @@
 
 #include <filesystem>
 #include <fstream>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "tokenizer/byte_level.h"
 #include "tokenizer/nfc.h"
@@ -66,7 +69,13 @@ Tokenizer Tokenizer::load(const std::string& json_path, const std::string& confi
     auto sibling = std::filesystem::path(json_path).parent_path() / "tokenizer_config.json";
     if (std::filesystem::exists(sibling)) cfg = sibling.string();
   }
-  return from_json(read_json(json_path), cfg.empty() ? nlohmann::json::object() : read_json(cfg));
+  Tokenizer t = from_json(read_json(json_path), cfg.empty() ? nlohmann::json::object() : read_json(cfg));
+#ifdef __GLIBC__
+  // The parsed tokenizer.json leaves millions of freed small blocks; consolidate them now instead
+  // of stalling the first encode() call (glibc merges them lazily on the next large allocation).
+  malloc_trim(0);
+#endif
+  return t;
 }
 
 Tokenizer Tokenizer::from_json(const nlohmann::json& j, nlohmann::json config) {
