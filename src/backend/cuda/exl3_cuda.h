@@ -29,9 +29,10 @@ class Exl3CudaLinear {
   void forward(const float* d_x, int n, float* d_y, void* stream = nullptr);
   void forward_gemv(const float* d_x, int n, float* d_y, void* stream = nullptr);  // n in 1..8
   void forward_gemm(const float* d_x, int n, float* d_y, void* stream = nullptr);  // fp16 operands, fp32 accumulate
-  // GEMV inner product: TensorCore (default: fp16 activations in m16n8k16 mma, fp32 accumulate) or Fp32
-  // (fp32 activations and FMAs: matches the CPU to ~1e-7, slower for batch > 1).
-  enum class GemvKernel { TensorCore, Fp32 };
+  // GEMV inner product: TensorCore (fp16 activations in m16n8k16 mma, fp32 accumulate; cost flat in batch),
+  // Fp32 (fp32 activations and FMAs: matches the CPU to ~1e-7; fastest at batch 1), or Auto (default:
+  // Fp32 for n == 1, TensorCore for n >= 2; see docs/perf-exl3.md).
+  enum class GemvKernel { Auto, TensorCore, Fp32 };
   void set_gemv_kernel(GemvKernel k);
   // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.
   void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr) const;

@@ -45,6 +45,26 @@ __device__ __forceinline__ half decode_state(uint32_t s) {
   }
 }
 
+// Two states at once, packed as half2 (low = s0): the paired fp16 op rounds each half exactly like decode_state.
+template <int CB>
+__device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
+  if constexpr (CB == 2) {
+    uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    uint32_t h = __byte_perm(a, b, 0x5410);
+    half2 r = __hfma2(*reinterpret_cast<half2*>(&h), __half2half2(__ushort_as_half((unsigned short)0x1eee)),
+                      __half2half2(__ushort_as_half((unsigned short)0xc931)));
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    uint32_t x0 = CB == 0 ? s0 * 89226354u + 64248484u : s0 * 0xCBAC1FEDu;
+    uint32_t x1 = CB == 0 ? s1 * 89226354u + 64248484u : s1 * 0xCBAC1FEDu;
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    uint32_t lo = __byte_perm(x0, x1, 0x5410), hi = __byte_perm(x0, x1, 0x7632);
+    half2 r = __hadd2(*reinterpret_cast<half2*>(&lo), *reinterpret_cast<half2*>(&hi));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+}
+
 template <int CB>
 __global__ void codebook_kernel(uint16_t* out) {
   uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
@@ -84,10 +104,6 @@ struct LanePos {
     }
   }
 };
-
-__device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
-  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
-}
 
 // D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulate)
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -298,13 +314,10 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(const uint4* 
       if (kt < kt1) {
         uint32_t st[8];
         pos.states(wsw + u * kWords, st);
-        half h[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = decode_state<CB>(st[i]);
         const half* xk = xs + g * xs_stride + (kt - kt0) * 16 + 2 * tid;
         uint32_t a0 = *reinterpret_cast<const uint32_t*>(xk), a2 = *reinterpret_cast<const uint32_t*>(xk + 8);
-        mma_16816(d0, a0, 0u, a2, 0u, pack_half2(h[0], h[1]), pack_half2(h[2], h[3]));
-        mma_16816(d1, a0, 0u, a2, 0u, pack_half2(h[4], h[5]), pack_half2(h[6], h[7]));
+        mma_16816(d0, a0, 0u, a2, 0u, decode_state2<CB>(st[0], st[1]), decode_state2<CB>(st[2], st[3]));
+        mma_16816(d1, a0, 0u, a2, 0u, decode_state2<CB>(st[4], st[5]), decode_state2<CB>(st[6], st[7]));
       }
     }
     __syncwarp();
@@ -382,7 +395,7 @@ struct DeviceBuffer {
 
 struct Exl3CudaLinear::Impl {
   int K = 0, cb = 0;
-  Exl3CudaLinear::GemvKernel gemv_kernel = Exl3CudaLinear::GemvKernel::TensorCore;
+  Exl3CudaLinear::GemvKernel gemv_kernel = Exl3CudaLinear::GemvKernel::Auto;
   int64_t in_pad = 0, out_pad = 0;
   DeviceBuffer<uint4> trellis;
   DeviceBuffer<half> suh, svh;
@@ -451,7 +464,7 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   int tpb = (tk + ksplit - 1) / ksplit;
   if (tpb > kMaxTilesPerBlock) tpb = kMaxTilesPerBlock;
   ksplit = (tk + tpb - 1) / tpb;
-  const bool tc = m.gemv_kernel == GemvKernel::TensorCore;
+  const bool tc = m.gemv_kernel == GemvKernel::TensorCore || (m.gemv_kernel == GemvKernel::Auto && n >= 2);
   size_t smem = (tc ? size_t(8) * tpb * 16 * sizeof(half) : size_t(n) * tpb * 16 * sizeof(float)) +
                 size_t(kGemvWarps) * kGemvUnroll * 8 * m.K * 4 + size_t(kGemvWarps) * 8 * 16 * sizeof(float);
   (tc ? kGemvMma : kGemv)[m.cb][m.K - 1]<<<dim3(tn, ksplit), kGemvWarps * 32, smem, s>>>(m.trellis.p, m.xh.p, in, n, tk,
