@@ -18,10 +18,19 @@ namespace {
 // reference's own choice depends on its sort internals).
 bool select_top(std::vector<std::pair<float, int64_t>>& ranked, int64_t k, int64_t n_valid, std::vector<int32_t>& out) {
   auto greater = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) { return x.first > y.first; };
-  if (k * 64 <= int64_t(ranked.size()))
-    std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(), greater);
-  else
+  // PyTorch keeps a heap of k when k * 64 <= n, else runs nth_element over the whole row.
+  if (k * 64 <= int64_t(ranked.size())) {
+    std::make_heap(ranked.begin(), ranked.begin() + k, greater);
+    for (size_t i = size_t(k); i < ranked.size(); ++i)
+      if (greater(ranked[i], ranked[0])) {
+        auto v = ranked[i];
+        std::pop_heap(ranked.begin(), ranked.begin() + k, greater);
+        ranked[size_t(k - 1)] = v;
+        std::push_heap(ranked.begin(), ranked.begin() + k, greater);
+      }
+  } else {
     std::nth_element(ranked.begin(), ranked.begin() + k - 1, ranked.end(), greater);
+  }
   out.clear();
   float kth = ranked[size_t(k - 1)].first;
   for (int64_t i = 0; i < k; ++i) {
