@@ -22,8 +22,8 @@ class ChatCodec {
   // Tokens that end an assistant turn (EOS, <|user|>, <|observation|>, ...).
   virtual std::vector<int32_t> end_of_turn_ids() const = 0;
   // Renders a conversation to the prompt text (messages already normalised, tool_call arguments as objects).
-  virtual std::string render_chat(const nlohmann::json& messages, const nlohmann::json& tools,
-                                  const nlohmann::json& template_kwargs) const = 0;
+  virtual std::string render_chat(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                                  const nlohmann::ordered_json& template_kwargs) const = 0;
 };
 
 }  // namespace moesrv

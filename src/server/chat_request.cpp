@@ -6,7 +6,7 @@
 
 namespace moesrv {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 const ToolSpec::Property* ToolSpec::property(const std::string& key) const {
   for (auto& p : properties)
@@ -192,9 +192,9 @@ std::vector<ToolSpec> parse_tools(const json& tools) {
   return specs;
 }
 
-ChatRequest parse_chat_request(const json& body) {
+ChatCompletionRequest parse_chat_request(const json& body) {
   if (!body.is_object()) throw bad_request("request body must be a JSON object");
-  ChatRequest r;
+  ChatCompletionRequest r;
   r.messages = normalise_messages(field(body, "messages"));
   r.gen = parse_generation(body);
   if (auto* tools = field(body, "tools")) {

@@ -35,13 +35,13 @@ struct GenerationOptions {
   bool stream = false, include_usage = false;
 };
 
-struct ChatRequest {
-  nlohmann::json messages;  // normalised: content is a string, tool_call arguments are objects
-  nlohmann::json tools = nlohmann::json::array();  // as sent (OpenAI tool objects)
+struct ChatCompletionRequest {
+  nlohmann::ordered_json messages;  // normalised (key order kept: it is what the model saw): content is a string, tool_call arguments are objects
+  nlohmann::ordered_json tools = nlohmann::ordered_json::array();  // as sent (OpenAI tool objects)
   std::vector<ToolSpec> tool_specs;
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_name;  // kNamed
-  nlohmann::json template_kwargs = nlohmann::json::object();
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
   GenerationOptions gen;
 };
 
@@ -51,8 +51,8 @@ struct CompletionRequest {
   GenerationOptions gen;
 };
 
-ChatRequest parse_chat_request(const nlohmann::json& body);
-CompletionRequest parse_completion_request(const nlohmann::json& body);
-std::vector<ToolSpec> parse_tools(const nlohmann::json& tools);  // throws ApiError on invalid schemas
+ChatCompletionRequest parse_chat_request(const nlohmann::ordered_json& body);
+CompletionRequest parse_completion_request(const nlohmann::ordered_json& body);
+std::vector<ToolSpec> parse_tools(const nlohmann::ordered_json& tools);  // throws ApiError on invalid schemas
 
 }  // namespace moesrv

@@ -4,7 +4,7 @@
 
 namespace moesrv {
 
-ChatTurnDecoder::ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab, const ChatRequest& req,
+ChatTurnDecoder::ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab, const ChatCompletionRequest& req,
                                  ChatTurnConfig cfg, Sink sink)
     : codec_(codec), vocab_(vocab), req_(req), cfg_(cfg), sink_(std::move(sink)),
       parser_(codec, &req.tool_specs, cfg.start_in_reasoning), m_(GlmMarkers::from(codec)),

@@ -25,7 +25,7 @@ struct ChatTurnConfig {
 class ChatTurnDecoder : public DecodeHooks {
  public:
   using Sink = std::function<bool(const ChatDelta&)>;
-  ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab, const ChatRequest& req, ChatTurnConfig cfg, Sink sink);
+  ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab, const ChatCompletionRequest& req, ChatTurnConfig cfg, Sink sink);
 
   std::optional<int32_t> forced_token() override;
   const std::vector<uint8_t>* allowed_tokens() override;
@@ -43,7 +43,7 @@ class ChatTurnDecoder : public DecodeHooks {
   bool emit(ChatDelta d);
   const ChatCodec& codec_;
   const VocabText& vocab_;
-  const ChatRequest& req_;
+  const ChatCompletionRequest& req_;
   ChatTurnConfig cfg_;
   Sink sink_;
   GlmOutputParser parser_;

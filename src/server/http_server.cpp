@@ -28,8 +28,8 @@ void send_json(httplib::Response& res, int status, const json& body) {
   res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
 }
 
-json parse_body(const httplib::Request& req) {
-  json body = json::parse(req.body, nullptr, false);
+nlohmann::ordered_json parse_body(const httplib::Request& req) {
+  auto body = nlohmann::ordered_json::parse(req.body, nullptr, false);
   if (body.is_discarded()) throw bad_request("We could not parse the JSON body of your request.", "", "invalid_json");
   if (!body.is_object()) throw bad_request("The request body must be a JSON object.", "", "invalid_json");
   return body;
@@ -126,7 +126,7 @@ struct HttpServer::Impl {
 
   // ---- /v1/chat/completions ----
   struct ChatJob {
-    ChatRequest req;
+    ChatCompletionRequest req;
     std::vector<int32_t> prompt;
     int64_t max_new = 0;
     bool start_in_reasoning = false;
@@ -167,7 +167,7 @@ struct HttpServer::Impl {
     auto job = std::make_shared<ChatJob>();
     job->req = parse_chat_request(parse_body(http_req));
     metrics.reasoning_reattached += uint64_t(reasoning.reattach(job->req.messages, opt.reattach_turns));
-    json tools = job->req.tool_choice == ToolChoice::kNone ? json::array() : job->req.tools;
+    auto tools = job->req.tool_choice == ToolChoice::kNone ? nlohmann::ordered_json::array() : job->req.tools;
     std::string text;
     try {
       text = codec.render_chat(job->req.messages, tools, job->req.template_kwargs);

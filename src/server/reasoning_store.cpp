@@ -38,11 +38,11 @@ void ReasoningStore::remember(const std::string& content, const std::vector<Pars
   }
 }
 
-int ReasoningStore::reattach(json& messages, int max_turns) const {
+int ReasoningStore::reattach(nlohmann::ordered_json& messages, int max_turns) const {
   std::lock_guard lock(mu_);
   int seen = 0, attached = 0;
   for (size_t i = messages.size(); i-- > 0 && seen < max_turns;) {
-    json& m = messages[i];
+    auto& m = messages[i];
     if (m.value("role", "") != "assistant" || !m.contains("tool_calls") || m["tool_calls"].empty()) continue;
     ++seen;
     if (m.contains("reasoning_content") && m["reasoning_content"].is_string() &&
@@ -55,7 +55,8 @@ int ReasoningStore::reattach(json& messages, int max_turns) const {
     }
     if (!found) {
       json calls = json::array();
-      for (auto& c : m["tool_calls"]) calls.push_back({{"name", c["function"].value("name", "")}, {"arguments", c["function"].value("arguments", json::object())}});
+      for (auto& c : m["tool_calls"])  // canonical (sorted-key) arguments: clients may reorder them
+        calls.push_back({{"name", c["function"].value("name", "")}, {"arguments", json::parse(c["function"].value("arguments", nlohmann::ordered_json::object()).dump())}});
       auto it = by_key_.find(fmt::format("h:{:x}", turn_hash(m.value("content", ""), calls)));
       if (it != by_key_.end()) found = &it->second;
     }

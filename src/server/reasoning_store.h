@@ -21,7 +21,7 @@ class ReasoningStore {
   void remember(const std::string& content, const std::vector<ParsedToolCall>& calls, const std::string& reasoning);
   // Fills in `reasoning_content` on the last `max_turns` assistant messages with tool_calls that lack it.
   // Returns how many were re-attached.
-  int reattach(nlohmann::json& messages, int max_turns = 4) const;
+  int reattach(nlohmann::ordered_json& messages, int max_turns = 4) const;
 
   static uint64_t turn_hash(const std::string& content, const nlohmann::json& calls);  // calls: [{name, arguments}]
 

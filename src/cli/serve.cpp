@@ -1,0 +1,75 @@
+// `moesrv serve`: the OpenAI-compatible HTTP server (see docs/serving.md).
+#include <fmt/format.h>
+
+#include <csignal>
+#include <pthread.h>
+#include <thread>
+
+#include "backend/cpu/cpu_engine.h"
+#include "cli/commands.h"
+#include "server/http_server.h"
+#include "server/tokenizer_codec.h"
+#include "util/error.h"
+
+namespace moesrv::cli {
+
+namespace {
+
+struct ServeArgs {
+  std::string model, tokenizer, chat_format = "auto";
+  ServerOptions server;
+};
+
+void run_serve(ServeArgs a) {
+  // Signals go to a dedicated thread (blocked everywhere else); broken connections must not kill us.
+  std::signal(SIGPIPE, SIG_IGN);
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  fmt::print(stderr, "loading model from {}\n", a.model);
+  auto engine = CpuEngine::open(a.model, a.server.served_name);
+  TokenizerCodec codec(a.tokenizer.empty() ? a.model : a.tokenizer, a.model, parse_chat_format(a.chat_format));
+  MOESRV_CHECK(codec.vocab_size() <= engine->vocab_size(), "tokenizer vocab ({}) is larger than the model's ({})",
+               codec.vocab_size(), engine->vocab_size());
+  HttpServer server(*engine, codec, a.server);
+  int port = server.start();
+  fmt::print(stderr, "serving {} on http://{}:{}/v1 (context {}, reasoning budget {}, strict tools {})\n",
+             a.server.served_name.empty() ? engine->name() : a.server.served_name, a.server.host, port,
+             a.server.ctx > 0 ? std::min(a.server.ctx, engine->max_context()) : engine->max_context(),
+             a.server.reasoning_budget, a.server.strict_tools ? "on" : "off");
+  std::thread stopper([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    fmt::print(stderr, "stopping\n");
+    server.stop();
+  });
+  stopper.detach();
+  server.wait();
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto a = std::make_shared<ServeArgs>();
+  auto* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (chat/completions, completions, models)");
+  cmd->add_option("--model", a->model, "Model directory")->required();
+  cmd->add_option("--tokenizer", a->tokenizer, "Directory with tokenizer.json (default: the model directory)");
+  cmd->add_option("--host", a->server.host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--port", a->server.port, "Port (0: any free port)")->capture_default_str();
+  cmd->add_option("--ctx", a->server.ctx, "Context length (default: the model's maximum)");
+  cmd->add_option("--reasoning-budget", a->server.reasoning_budget,
+                  "Tokens of <think> before </think> is forced (0: unlimited)")->capture_default_str();
+  cmd->add_flag("--strict-tools", a->server.strict_tools, "Constrain tool calls to the declared tools and schemas");
+  cmd->add_option("--queue-max", a->server.queue_max, "Requests that may wait for the engine (more: HTTP 429)")->capture_default_str();
+  cmd->add_option("--queue-timeout", a->server.queue_timeout_s, "Seconds a request may wait (then HTTP 503)")->capture_default_str();
+  cmd->add_option("--prefix-cache-mb", a->server.prefix_cache_mb, "Memory for reusable prompt prefixes (0: off)")->capture_default_str();
+  cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
+  cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
+  cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
+  cmd->callback([a] { run_serve(*a); });
+}
+
+}  // namespace moesrv::cli
