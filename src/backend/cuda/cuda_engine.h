@@ -33,6 +33,7 @@ struct CudaEngineOptions {
   // [layer][expert] placement; empty: plan automatically (VRAM while the budget allows, then CPU).
   std::vector<std::vector<ExpertPlacement>> placement;
   int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
+  std::vector<int> cache_slots_per_layer;  // overrides cache_slots where given (> 0)
   int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for
 };
 

@@ -333,7 +333,10 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   }
   m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
   m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
-  const int64_t n_slots = std::min<int64_t>(cached, std::max(1, opt.cache_slots));
+  int want = opt.cache_slots;
+  if (size_t(l) < opt.cache_slots_per_layer.size() && opt.cache_slots_per_layer[size_t(l)] > 0)
+    want = opt.cache_slots_per_layer[size_t(l)];
+  const int64_t n_slots = std::min<int64_t>(cached, std::max(1, want));
   for (int64_t i = 0; i < n_slots; ++i) {
     CacheSlot s;
     s.mem = DeviceBuffer(budget, size_t(3 * I * D) * 2, "expert cache slot");

@@ -1,0 +1,28 @@
+// Turns the runtime's placement plan (runtime/placement.h) into CUDA engine options: pinned experts stay in
+// VRAM, cached and fetched ones live in pinned host memory behind the layer's LRU slots, cold CPU experts
+// run on the host. Header-only so CPU builds can use it too.
+#pragma once
+#include <algorithm>
+
+#include "backend/cuda/cuda_engine.h"
+#include "runtime/placement.h"
+
+namespace moesrv {
+
+inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {
+  opt.placement.assign(plan.layers.size(), {});
+  opt.cache_slots_per_layer.assign(plan.layers.size(), 0);
+  opt.vram_budget_gib = double(plan.vram_budget) / double(kGiB);
+  if (plan.context > 0) opt.max_ctx = plan.context;
+  for (size_t l = 0; l < plan.layers.size(); ++l) {
+    const LayerPlacement& lp = plan.layers[l];
+    auto& out = opt.placement[l];
+    for (ExpertHome h : lp.home)
+      out.push_back(h == ExpertHome::Pinned ? ExpertPlacement::Vram
+                    : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
+                                            : ExpertPlacement::Cache);
+    opt.cache_slots_per_layer[l] = int(std::max<int64_t>(1, lp.slots - lp.pinned));
+  }
+}
+
+}  // namespace moesrv
