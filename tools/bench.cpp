@@ -36,12 +36,16 @@ int main(int argc, char** argv) {
   app.add_option("--usage", o.usage_path, "expert usage JSON for pinning (default: <model>/.moesrv/expert_usage.json)");
   app.add_option("--zipf", o.usage_zipf, "model skewed routing with this Zipf exponent when no usage file is given");
   app.add_option("--prefill-chunk", o.prefill_chunk, "prefill chunk of the projection, tokens");
+  app.add_option("--kv-bytes", o.kv_elem_bytes, "KV cache bytes per element in the projection (2: bf16, 1: fp8)")->check(CLI::Range(1, 4));
   app.add_option("--workspace", o.workspace_gib, "VRAM workspace reserve, GiB");
+  bool no_engine = false;
+  app.add_flag("--no-engine", no_engine, "skip the engine runs (calibration and projections only)");
   app.add_flag("--plan", show_plan, "print the hybrid placement plan");
   app.add_option("--json", json_out, "write the JSON report here");
   app.add_option("--markdown", md_out, "write the markdown table here");
   CLI11_PARSE(app, argc, argv);
   try {
+    o.measure_engine = !no_engine;
     if (o.model_dir.empty()) o.synthetic_config = tiny ? tiny_moe_config(layers) : glm5_config(layers, vocab);
     BenchResult r = run_bench(o);
     std::fputs(r.markdown.c_str(), stdout);

@@ -6,12 +6,15 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "backend/cpu/cpu_engine.h"
+#include "backend/cuda/cuda_engine.h"
 #include "runtime/cpu_expert_pool.h"
 #include "runtime/placement.h"
 #include "runtime/usage_stats.h"
 #include "util/error.h"
+#include "util/thread_pool.h"
 
 namespace moesrv {
 
@@ -182,12 +185,85 @@ Projection project(const std::string& name, const ModelConfig& c, const ModelFoo
 
 std::string fmt_rate(double per_s) { return per_s >= 100 ? fmt::format("{:.0f}", per_s) : fmt::format("{:.2f}", per_s); }
 
+// GPU measurement (CUDA builds with a visible device): the same engine runs under three expert placements on
+// the loaded layers. The hybrid one copies the per-layer homes of the full model's hybrid plan, so each measured
+// layer sees the VRAM share it would get in the full model.
+void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& pkg, const ModelConfig& c,
+                 const PlacementPlan& full_hybrid, const ModelFootprint& fp, BenchResult& r) {
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+  if (!cuda_available()) return;
+  const LayerPlacement* tmpl = nullptr;
+  for (const auto& L : full_hybrid.layers)
+    if (!L.home.empty()) {
+      tmpl = &L;
+      break;
+    }
+  if (!tmpl) return;
+  auto map_home = [](ExpertHome h) {
+    return h == ExpertHome::Pinned ? ExpertPlacement::Vram : h == ExpertHome::Cpu ? ExpertPlacement::Cpu : ExpertPlacement::Cache;
+  };
+  struct Variant {
+    std::string name;
+    std::function<ExpertPlacement(size_t)> home;
+  };
+  std::vector<Variant> variants = {
+      {"all-in-VRAM", [](size_t) { return ExpertPlacement::Vram; }},
+      {"hybrid (full plan's layer homes)", [&](size_t e) { return map_home(tmpl->home[e % tmpl->home.size()]); }},
+      {"baseline: GPU dense, CPU experts", [](size_t) { return ExpertPlacement::Cpu; }}};
+  const int64_t full_layers = opt.full_layers > 0 ? opt.full_layers : c.num_layers;
+  const double head_s = double(fp.head_bytes) / (opt.hbm_gbps * 1e9);  // lm_head on the GPU, bandwidth-bound
+  auto full = [&](double t) { return head_s + std::max(0.0, t - head_s) / double(c.num_layers) * double(full_layers); };
+  std::string& md = r.markdown;
+  md += fmt::format("\n**Measured on the GPU** (CUDA engine, {} layer(s); full = per-layer cost x {} layers; hybrid "
+                    "layer: {} pinned, {} LRU slots, {} fetch, {} CPU experts)\n\n", c.num_layers, full_layers,
+                    tmpl->pinned, tmpl->slots - tmpl->pinned, tmpl->count(ExpertHome::Fetch), tmpl->count(ExpertHome::Cpu));
+  md += "| context | placement | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full decode tok/s | decode vs baseline |\n";
+  md += "|---:|---|---:|---:|---:|---:|---:|---:|\n";
+  std::vector<std::vector<Measured>> runs;
+  for (const Variant& v : variants) {
+    CudaEngineOptions co;
+    co.served_name = "bench";
+    co.max_ctx = *std::max_element(opt.contexts.begin(), opt.contexts.end()) + opt.decode_tokens + 16;
+    co.cache_slots = int(std::max<int64_t>(1, tmpl->slots - tmpl->pinned));
+    co.placement.assign(size_t(c.num_layers), {});
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      if (c.layer_is_moe[size_t(l)])
+        for (int64_t e = 0; e < c.n_routed_experts; ++e) co.placement[size_t(l)].push_back(v.home(size_t(e)));
+    auto engine = make_cuda_engine(pkg, co);
+    std::vector<Measured> ms;
+    for (int64_t ctx : opt.contexts) ms.push_back(measure_engine(*engine, ctx, opt.decode_tokens));
+    runs.push_back(std::move(ms));
+  }
+  nlohmann::json gj = nlohmann::json::array();
+  for (size_t ci = 0; ci < opt.contexts.size(); ++ci)
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+      const Measured& m = runs[vi][ci];
+      const double base = full(runs.back()[ci].decode_s), mine = full(m.decode_s);
+      md += fmt::format("| {} | {} | {:.3f} | {} | {} | {:.2f} | {} | {:.2f}x |\n", m.context, variants[vi].name, m.ttft_s,
+                        fmt_rate(double(m.context) / m.ttft_s), fmt_rate(1 / m.decode_s), full(m.ttft_s), fmt_rate(1 / mine),
+                        base / mine);
+      gj.push_back({{"context", m.context}, {"placement", variants[vi].name}, {"ttft_s", m.ttft_s},
+                    {"decode_tps", 1 / m.decode_s}, {"full_ttft_s", full(m.ttft_s)}, {"full_decode_tps", 1 / mine},
+                    {"decode_vs_baseline", base / mine}});
+    }
+  r.json["measured_gpu"] = gj;
+#else
+  (void)opt, (void)pkg, (void)c, (void)full_hybrid, (void)fp, (void)r;
+#endif
+}
+
 }  // namespace
 
 double measure_memcpy_gbps(size_t bytes, int reps) {
   std::vector<char> a(bytes, 1), b(bytes, 2);
-  double t = best_of(reps, [&] { std::memcpy(b.data(), a.data(), bytes); });
-  return double(bytes) / t / 1e9;
+  constexpr int64_t kChunk = 1 << 20;  // every core copies a share, as the GEMV kernels read
+  const int64_t chunks = int64_t(bytes) / kChunk;
+  double t = best_of(reps, [&] {
+    ThreadPool::global().parallel_for(chunks, [&](int64_t c0, int64_t c1) {
+      std::memcpy(b.data() + c0 * kChunk, a.data() + c0 * kChunk, size_t((c1 - c0) * kChunk));
+    });
+  });
+  return double(chunks * kChunk) / t / 1e9;
 }
 
 BenchResult run_bench(const BenchOptions& opt) {
@@ -203,7 +279,7 @@ BenchResult run_bench(const BenchOptions& opt) {
     pkg = ModelPackage::open(opt.model_dir);
     model_name = std::filesystem::path(opt.model_dir).filename().string();
   }
-  // The CPU engine is the one backend of this build; a CUDA engine plugs in here once it exists.
+  // The CPU engine always runs (calibration, baseline); CUDA builds add measure_gpu() below.
   CpuEngine engine(pkg, "bench");
   const double load_s = since(t_load);
   const ModelConfig& c = engine.config();
@@ -215,6 +291,8 @@ BenchResult run_bench(const BenchOptions& opt) {
   std::vector<Measured> measured;
   if (opt.measure_engine)
     for (int64_t ctx : opt.contexts) measured.push_back(measure_engine(engine, ctx, opt.decode_tokens));
+  // The host's best measured streaming rate: memcpy over all cores, or the expert GEMV if it reads faster.
+  const double host_gbps = std::max(cal.memcpy_gbps, cal.expert_gemv_gbps);
   auto extrapolate = [&](double total, double head) {
     return head + std::max(0.0, total - head) / double(c.num_layers) * double(full_layers);
   };
@@ -255,6 +333,7 @@ BenchResult run_bench(const BenchOptions& opt) {
   const UsageStats* up = usage ? &*usage : nullptr;
   PlacementRequest base;
   base.workspace_bytes = uint64_t(opt.workspace_gib * double(kGiB));
+  base.kv_elem_bytes = base.index_elem_bytes = opt.kv_elem_bytes;
   base.cost.hbm_gbps = opt.hbm_gbps;
   base.cost.pcie_gbps = opt.pcie_gbps;
   base.cost.gpu_tflops = opt.gpu_tflops;
@@ -266,7 +345,7 @@ BenchResult run_bench(const BenchOptions& opt) {
     PlacementRequest all = base, hybrid = base, cpu_experts = base;
     all.vram_budget = uint64_t(1) << 62;
     hybrid.vram_budget = uint64_t(opt.vram_budget_gib * double(kGiB));
-    cpu_experts.vram_budget = ffp.dense_total() + kv_cache_bytes(fc, ctx) + base.workspace_bytes;  // no expert slots
+    cpu_experts.vram_budget = ffp.dense_total() + kv_cache_bytes(fc, ctx, opt.kv_elem_bytes, opt.kv_elem_bytes) + base.workspace_bytes;  // no expert slots
     proj.push_back(project("all-in-VRAM", fc, ffp, all, ctx, opt.prefill_chunk, up));
     proj.push_back(project(fmt::format("hybrid {:g} GiB", opt.vram_budget_gib), fc, ffp, hybrid, ctx, opt.prefill_chunk, up));
     proj.push_back(project("baseline: GPU dense, CPU experts", fc, ffp, cpu_experts, ctx, opt.prefill_chunk, up));
@@ -288,19 +367,19 @@ BenchResult run_bench(const BenchOptions& opt) {
                      {"dense_gib", double(ffp.dense_total()) / kGiB}, {"experts_gib", double(ffp.experts_total(fc)) / kGiB}};
   std::string& md = r.markdown;
   md += fmt::format("### moesrv bench: {}\n\n", model_name);
-  md += fmt::format("Host calibration (measured): memcpy {:.1f} GB/s; one routed expert ({:.1f} MB) on the CPU: {:.2f} ms "
-                    "for 1 token = {:.1f} GB/s, {:.1f} ms for {} tokens = {:.0f} GFLOP/s; lm_head {:.1f} ms/token.\n\n",
+  md += fmt::format("Host calibration (measured): memcpy {:.1f} GB/s; one routed expert ({:.1f} MB) on the CPU: {:.3f} ms "
+                    "for 1 token = {:.1f} GB/s, {:.2f} ms for {} tokens = {:.0f} GFLOP/s; lm_head {:.2f} ms/token.\n\n",
                     cal.memcpy_gbps, double(j["calibration"]["expert_bytes"].get<uint64_t>()) / 1e6, 1e3 * cal.expert_1tok_s,
                     cal.expert_gemv_gbps, 1e3 * cal.expert_gemm_s, cal.gemm_tokens, cal.cpu_gflops, 1e3 * cal.head_s);
   if (!measured.empty()) {
     md += fmt::format("**Measured** (CPU engine, {} layer(s); full = per-layer cost x {} layers + lm_head; floor = bytes a "
-                      "decode token reads / memcpy bandwidth)\n\n", c.num_layers, full_layers);
+                      "decode token reads / {:.1f} GB/s, the best host rate measured)\n\n", c.num_layers, full_layers, host_gbps);
     md += "| context | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full prefill tok/s | full decode tok/s | full decode floor tok/s |\n";
     md += "|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     json mj = json::array();
     for (const Measured& m : measured) {
       double full_ttft = extrapolate(m.ttft_s, cal.head_s), full_dec = extrapolate(m.decode_s, cal.head_s);
-      double floor_s = cpu_decode_bytes(m.context, full_layers) / (cal.memcpy_gbps * 1e9);
+      double floor_s = cpu_decode_bytes(m.context, full_layers) / (host_gbps * 1e9);
       md += fmt::format("| {} | {:.3f} | {} | {} | {:.2f} | {} | {} | {} |\n", m.context, m.ttft_s,
                         fmt_rate(double(m.context) / m.ttft_s), m.decode_s > 0 ? fmt_rate(1 / m.decode_s) : "-", full_ttft,
                         fmt_rate(double(m.context) / full_ttft), full_dec > 0 ? fmt_rate(1 / full_dec) : "-", fmt_rate(1 / floor_s));
@@ -311,10 +390,10 @@ BenchResult run_bench(const BenchOptions& opt) {
     j["measured"] = mj;
     md += "\n";
   }
-  md += fmt::format("**Projected** (cost model; {} layers, experts {:.2f} bits, dense {:.2f} bits: dense {:.1f} GiB, experts "
+  md += fmt::format("**Projected** (cost model; {} layers, experts {:.2f} bits, dense {:.2f} bits, KV {} byte(s)/element: dense {:.1f} GiB, experts "
                     "{:.1f} GiB; {}; HBM {:g} GB/s, PCIe {:g} GB/s, GPU {:g} TFLOP/s from flags; CPU numbers from the "
                     "calibration above; prefill in {}-token chunks; floor = max over HBM/PCIe/host of bytes moved / bandwidth)\n\n",
-                    fc.num_layers, expert_bits, dense_bits, double(ffp.dense_total()) / kGiB, double(ffp.experts_total(fc)) / kGiB,
+                    fc.num_layers, expert_bits, dense_bits, opt.kv_elem_bytes, double(ffp.dense_total()) / kGiB, double(ffp.experts_total(fc)) / kGiB,
                     usage_source, opt.hbm_gbps, opt.pcie_gbps, opt.gpu_tflops, opt.prefill_chunk);
   md += "| context | placement | VRAM GiB | VRAM hit rate | TTFT s | prefill tok/s | decode tok/s | decode floor tok/s | decode vs baseline |\n";
   md += "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
@@ -333,6 +412,7 @@ BenchResult run_bench(const BenchOptions& opt) {
                   {"decode_floor_tps", 1 / p.floor_s}, {"decode_vs_baseline", baseline.decode_s / p.decode_s}});
   }
   j["projected"] = pj;
+  if (opt.measure_engine && !proj.empty()) measure_gpu(opt, pkg, c, proj[1].decode_plan, fp, r);
   for (const Projection& p : proj)
     if (p.placement.rfind("hybrid", 0) == 0) {
       j["hybrid_plan"] = p.decode_plan.to_json();

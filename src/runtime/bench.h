@@ -27,6 +27,7 @@ struct BenchOptions {
   int64_t prefill_chunk = 2048;
   double workspace_gib = 1;
   double expert_bits = 0, dense_bits = 0;  // storage of the projected model (0: as loaded / 16)
+  int kv_elem_bytes = 2;                  // KV cache element size of the projection (1: fp8)
   double usage_zipf = 0;                  // > 0 and no usage file: model skewed routing with this Zipf exponent
   std::string usage_path;            // expert usage for pinning (default: the model's, if any)
   bool measure_engine = true;

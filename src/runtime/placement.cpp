@@ -349,14 +349,23 @@ std::string PlacementPlan::summary() const {
   s += fmt::format("  VRAM: dense {:.2f} + KV {:.2f} + workspace {:.2f} + experts {:.2f} = {:.2f} GiB; host RAM {:.2f} GiB\n",
                    gib(vram_dense), gib(vram_kv), gib(vram_workspace), gib(vram_experts), gib(vram_total()), gib(host_bytes));
   if (all_experts_in_vram) return s + "  every routed expert is pinned in VRAM\n";
-  s += "  layer  slots pinned cached  fetch    cpu  hit-rate  fetch>=tok  cold ms (pcie | cpu)\n";
-  for (size_t l = 0; l < layers.size(); ++l) {
-    const LayerPlacement& L = layers[l];
-    if (L.home.empty()) continue;
-    s += fmt::format("  {:5d} {:6d} {:6d} {:6d} {:6d} {:6d} {:8.1f}%  {:>10}  {:.3f} | {:.3f}\n", l, L.slots, L.pinned,
-                     L.count(ExpertHome::Cached), L.count(ExpertHome::Fetch), L.count(ExpertHome::Cpu), 100 * L.hit_rate,
-                     L.fetch_min_tokens > 0 ? std::to_string(L.fetch_min_tokens) : "never", 1e3 * L.cold_fetch_s,
-                     1e3 * L.cold_cpu_s);
+  s += "  layers  slots pinned cached  fetch    cpu  hit-rate  fetch>=tok  cold ms (pcie | cpu)\n";
+  auto row = [&](const LayerPlacement& L) {
+    return fmt::format("{:6d} {:6d} {:6d} {:6d} {:6d} {:8.1f}%  {:>10}  {:.3f} | {:.3f}", L.slots, L.pinned,
+                       L.count(ExpertHome::Cached), L.count(ExpertHome::Fetch), L.count(ExpertHome::Cpu), 100 * L.hit_rate,
+                       L.fetch_min_tokens > 0 ? std::to_string(L.fetch_min_tokens) : "never", 1e3 * L.cold_fetch_s,
+                       1e3 * L.cold_cpu_s);
+  };
+  for (size_t l = 0; l < layers.size();) {  // runs of layers with identical rows print once
+    if (layers[l].home.empty()) {
+      ++l;
+      continue;
+    }
+    const std::string r = row(layers[l]);
+    size_t end = l + 1;
+    while (end < layers.size() && !layers[end].home.empty() && row(layers[end]) == r) ++end;
+    s += fmt::format("  {:>6} {}\n", end - l > 1 ? fmt::format("{}-{}", l, end - 1) : std::to_string(l), r);
+    l = end;
   }
   return s;
 }
