@@ -83,7 +83,7 @@ void add_step_error(const float* m, int K, const float* table, float v, float* n
 }
 
 // One Viterbi pass. pinned < 0: free start and end; else state_0 >> K == pinned and state_255 & low == pinned.
-double viterbi(const float* target, int K, const float* table, int pinned, uint16_t states[256],
+double viterbi(const float* target, int steps, int K, const float* table, int pinned, uint16_t* states,
                std::vector<float>& cost, std::vector<float>& next, std::vector<float>& m, std::vector<int32_t>& arg,
                std::vector<uint8_t>& back) {
   const int nq = 1 << (16 - K);
@@ -92,7 +92,7 @@ double viterbi(const float* target, int K, const float* table, int pinned, uint1
     float d = target[0] - table[s];
     cost[size_t(s)] = (pinned < 0 || (s >> K) == pinned) ? d * d : kInf;
   }
-  for (int t = 1; t < 256; ++t) {
+  for (int t = 1; t < steps; ++t) {
     uint8_t* bt = back.data() + size_t(t) * size_t(nq);
     min_over_dropped_bits(cost.data(), K, m.data(), arg.data(), bt);
     add_step_error(m.data(), K, table, target[t], next.data());
@@ -107,7 +107,7 @@ double viterbi(const float* target, int K, const float* table, int pinned, uint1
     }
   MOESRV_CHECK(best >= 0, "exl3 encoder: no finite trellis path (non-finite weights?)");
   uint32_t s = uint32_t(best);
-  for (int t = 255; t >= 0; --t) {
+  for (int t = steps - 1; t >= 0; --t) {
     states[t] = uint16_t(s);
     if (t > 0) {
       uint32_t q = s >> K;
@@ -126,9 +126,10 @@ double exl3_quantize_tile(const float* target, int K, Exl3Codebook cb, uint16_t 
   thread_local std::vector<int32_t> arg(65536);
   thread_local std::vector<uint8_t> back;
   back.resize(size_t(256) << (16 - K));
-  viterbi(target, K, table, -1, states, cost, next, m, arg, back);
-  int pinned = int(states[255] & ((1u << (16 - K)) - 1));
-  return viterbi(target, K, table, pinned, states, cost, next, m, arg, back);
+  // Pass 1 only has to guess the state at t = 255: a free-start search over the last 64 steps suffices.
+  viterbi(target + 192, 64, K, table, -1, states, cost, next, m, arg, back);
+  int pinned = int(states[63] & ((1u << (16 - K)) - 1));
+  return viterbi(target, 256, K, table, pinned, states, cost, next, m, arg, back);
 }
 
 namespace {

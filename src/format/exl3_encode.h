@@ -1,8 +1,8 @@
 // EXL3 encoder, for tests and tiny models: fp32 W (out x in) -> trellis + suh/svh, the way exllamav3 lays
 // them out (random signs x channel RMS scales, 128-point Hadamard on both sides, one global scale), but
 // without Hessian/LDLQ error feedback: each 16x16 tile is quantized alone by a Viterbi search over the
-// tail-biting trellis (2^16 states, 256 steps, two passes: free start, then start pinned to the first
-// pass's end state so the path closes into a cycle).
+// tail-biting trellis (2^16 states, 256 steps; a short free-start pass over the last 64 steps guesses the
+// end state, then a full pass pinned to it closes the path into a cycle).
 #pragma once
 #include <cstdint>
 #include <memory>
