@@ -134,6 +134,16 @@ TEST(GlmToolParser, ReasoningContentAndTypedToolCall) {
   EXPECT_EQ(r.calls[0].arguments, R"({"city":"123","days":3})");  // city is a string per schema
 }
 
+TEST(GlmToolParser, BooleanAndObjectArguments) {
+  auto tools = nlohmann::json::parse(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+    "properties": {"flag": {"type": "boolean"}, "cfg": {"type": "object"}, "s": {"type": ["string"]}}}}}])");
+  GlmToolCallParser p(tools, false);
+  Parsed r = parse_all(p, {"<tool_call>f<arg_key>flag</arg_key><arg_value>True</arg_value><arg_key>cfg</arg_key>"
+                           "<arg_value> {\"k\": 1.5} </arg_value><arg_key>s</arg_key><arg_value>true</arg_value></tool_call>"});
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(r.calls[0].arguments, R"({"flag":true,"cfg":{"k":1.5},"s":"true"})");
+}
+
 TEST(GlmToolParser, TagsSplitAcrossPiecesAtEveryPosition) {
   std::string text =
       "Thinking hard.</think>\n\nAnswer part.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"

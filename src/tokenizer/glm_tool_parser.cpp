@@ -160,11 +160,14 @@ GlmToolCall GlmToolCallParser::parse_call(std::string_view body) const {
       if (t.is_string()) type = t.get<std::string>();
       else if (t.is_array() && t.size() == 1 && t[0].is_string()) type = t[0].get<std::string>();
     }
+    std::string_view t = trim(raw);
     if (type == "string") {
       args[key] = raw;
+    } else if (type == "boolean" && (t == "True" || t == "False")) {  // Python-style literals
+      args[key] = t == "True";
     } else {
       try {
-        args[key] = nlohmann::ordered_json::parse(trim(raw));
+        args[key] = nlohmann::ordered_json::parse(t);
       } catch (const std::exception&) {
         args[key] = raw;  // not JSON (or an unknown free-text argument): keep as a string
       }
