@@ -129,6 +129,20 @@ TEST(Exl3Tile, PackAndStatesAreInverse) {
   }
 }
 
+TEST(Exl3Tile, FastDecodeMatchesTableDecode) {
+  std::mt19937 rng(21);
+  for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1})
+    for (int K = 1; K <= 8; ++K)
+      for (int rep = 0; rep < 8; ++rep) {
+        std::vector<uint16_t> words(size_t(16 * K));
+        for (auto& w : words) w = uint16_t(rng());
+        float a[256], b[256];
+        exl3_decode_tile(words.data(), K, exl3_codebook_table(cb), a);
+        exl3_decode_tile_fast(words.data(), K, cb, b);
+        for (int i = 0; i < 256; ++i) ASSERT_EQ(a[i], b[i]) << "K=" << K << " cb=" << int(cb) << " i=" << i;
+      }
+}
+
 TEST(Exl3Hadamard, MatchesSylvesterMatrixAndIsInvolution) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;

@@ -8,6 +8,8 @@
 #pragma once
 #include <cstdint>
 
+#include "format/exl3_codebook.h"
+
 namespace moesrv {
 
 constexpr int kExl3MaxK = 8;
@@ -30,5 +32,9 @@ bool exl3_pack_tile(const uint16_t states[256], int K, uint16_t* tile);
 
 // Decodes one tile into row-major [16][16] fp32 (rows = k offset) through a codebook table.
 void exl3_decode_tile(const uint16_t* tile, int K, const float* table, float out[256]);
+
+// Same result, computing the codebook directly (AVX-512 when compiled for it: 16 states per step, exact fp16
+// rounding through vcvtps2ph); falls back to exl3_decode_tile with the codebook's table.
+void exl3_decode_tile_fast(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]);
 
 }  // namespace moesrv

@@ -75,14 +75,13 @@ size_t Exl3Linear::stored_bytes() const { return w_.trellis_bytes() + size_t(w_.
 
 void Exl3Linear::gemm_rotated(const float* xr, int64_t n, float* yr) const {
   const int64_t kp = w_.in_pad, np = w_.out_pad, strips = w_.tiles_n();
-  const float* table = w_.table();
   ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
     std::vector<float> wbuf(size_t(kTilesPerChunk) * 256), acc(size_t(kRowGroup) * 16);
     for (int64_t nt = s0; nt < s1; ++nt) {
       for (int64_t r = 0; r < n; ++r) std::memset(yr + r * np + nt * 16, 0, 16 * sizeof(float));
       for (int64_t kt0 = 0; kt0 < w_.tiles_k(); kt0 += kTilesPerChunk) {
         int64_t nkt = std::min(kTilesPerChunk, w_.tiles_k() - kt0);
-        for (int64_t j = 0; j < nkt; ++j) exl3_decode_tile(w_.tile(kt0 + j, nt), w_.K, table, wbuf.data() + j * 256);
+        for (int64_t j = 0; j < nkt; ++j) exl3_decode_tile_fast(w_.tile(kt0 + j, nt), w_.K, w_.codebook, wbuf.data() + j * 256);
         for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
           int64_t rows = std::min(kRowGroup, n - r0);
           for (int64_t r = 0; r < rows; ++r) std::memcpy(acc.data() + r * 16, yr + (r0 + r) * np + nt * 16, 64);
