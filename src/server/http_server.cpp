@@ -149,8 +149,8 @@ struct HttpServer::Impl {
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
     if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
     const auto& calls = dec.parser().tool_calls();
-    out.finish_reason = !calls.empty() && !dec.stop_hit() ? "tool_calls"
-                        : out.gen.finish == GenerationResult::Finish::kLength && !dec.stop_hit() ? "length" : "stop";
+    bool truncated = out.gen.finish == GenerationResult::Finish::kLength && !dec.stop_hit();
+    out.finish_reason = truncated ? "length" : !calls.empty() && !dec.stop_hit() ? "tool_calls" : "stop";
     out.usage = {out.gen.prompt_tokens, out.gen.completion_tokens, out.gen.cached_tokens, dec.reasoning_tokens()};
     account(out.gen, dec.reasoning_tokens());
     if (dec.budget_forced()) ++metrics.reasoning_budget_forced;

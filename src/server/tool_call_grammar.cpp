@@ -36,7 +36,7 @@ bool ToolCallGrammar::key_possible(const State& s) const {
 bool ToolCallGrammar::feed_char(State& s, char c) const {
   switch (s.phase) {
     case State::kName: {
-      if (c == '\n' && s.tool >= 0) { s.phase = State::kAfterName; return true; }
+      if (c == '\n' && s.tool >= 0) { s.phase = State::kAfterName; s.spaces = 1; return true; }
       std::string next = s.text + c;
       s.tool = -1;
       bool prefix = false;
@@ -51,7 +51,7 @@ bool ToolCallGrammar::feed_char(State& s, char c) const {
     case State::kAfterName:
     case State::kAfterKey:
     case State::kAfterValue:
-      return ws(c);
+      return ws(c) && ++s.spaces <= kMaxSpaces;
     case State::kKey: {
       const ToolSpec& t = tools_[size_t(s.tool)];
       std::string next = s.text + c;
@@ -74,6 +74,7 @@ bool ToolCallGrammar::feed_char(State& s, char c) const {
 }
 
 bool ToolCallGrammar::feed_marker(State& s, int32_t t) const {
+  s.spaces = 0;
   auto start_key = [&] {
     s.phase = State::kKey;
     s.text.clear();

@@ -27,6 +27,7 @@ class ToolCallGrammar {
     int prop = -1;        // property of the current value (-1: free-form)
     uint64_t used = 0;    // bit per property already given
     bool text_value = true;
+    uint8_t spaces = 0;   // whitespace run between elements (bounded so weak models cannot stall)
     JsonPrefixValidator json;
   };
 
@@ -40,6 +41,7 @@ class ToolCallGrammar {
   bool feed_marker(State& s, int32_t token) const;
   bool required_done(const State& s) const;
   bool key_possible(const State& s) const;  // another property can still be given
+  static constexpr uint8_t kMaxSpaces = 2;
   const std::vector<ToolSpec>& tools_;
   std::vector<int> allowed_;  // tool indices
   GlmMarkers m_;
