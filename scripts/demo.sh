@@ -10,7 +10,7 @@ cmake --build build -j"$(nproc)" --target moesrv
 echo "== moesrv generate --model $MODEL"
 build/moesrv generate --model "$MODEL" --prompt-ids 1,17,256,42,7 --max-tokens 16
 if build/moesrv serve --help >/dev/null 2>&1; then
-  TOK=${TOKENIZER:-tests/fixtures/server/tiny_tokenizer}
+  TOK=${TOKENIZER:-tests/fixtures/server/tiny_glm_tokenizer}
   PORT=${PORT:-18080}
   build/moesrv serve --model "$MODEL" --tokenizer "$TOK" --port "$PORT" >/tmp/moesrv-demo.log 2>&1 &
   pid=$!

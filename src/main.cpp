@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moesrv: run large Mixture-of-Experts models on a home machine"};
   app.require_subcommand(1);
   moesrv::cli::add_generate_command(app);
+  moesrv::cli::add_needle_command(app);
   moesrv::cli::add_lock_verify_commands(app);
   moesrv::cli::add_repair_index_command(app);
   moesrv::cli::add_download_command(app);

@@ -5,6 +5,7 @@
 namespace moesrv::cli {
 
 void add_generate_command(CLI::App& app);
+void add_needle_command(CLI::App& app);
 void add_lock_verify_commands(CLI::App& app);  // lock, verify
 void add_repair_index_command(CLI::App& app);
 void add_download_command(CLI::App& app);

@@ -4,8 +4,8 @@
 #include <chrono>
 #include <sstream>
 
-#include "backend/cpu/cpu_engine.h"
 #include "cli/commands.h"
+#include "runtime/engine_factory.h"
 #include "runtime/sampler.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
@@ -19,7 +19,7 @@ struct GenerateOptions {
   int max_tokens = 16;
   float temperature = 0.0f;
   uint64_t seed = 0;
-  bool json = false;
+  EngineOptions engine;
 };
 
 std::vector<int32_t> parse_ids(const std::string& text) {
@@ -41,7 +41,7 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run_generate(const GenerateOptions& o) {
-  auto engine = CpuEngine::open(o.model);
+  auto engine = open_engine(o.model, o.engine);
   std::optional<Tokenizer> tok;
   if (!o.tokenizer.empty()) tok = Tokenizer::load(o.tokenizer + "/tokenizer.json");
   std::vector<int32_t> prompt;
@@ -88,6 +88,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--max-tokens", opts->max_tokens, "Tokens to generate")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", opts->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", opts->seed, "Sampling seed");
+  add_engine_options(cmd, opts->engine);
   cmd->callback([opts] { run_generate(*opts); });
 }
 

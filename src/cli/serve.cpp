@@ -5,8 +5,8 @@
 #include <pthread.h>
 #include <thread>
 
-#include "backend/cpu/cpu_engine.h"
 #include "cli/commands.h"
+#include "runtime/engine_factory.h"
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "util/error.h"
@@ -18,6 +18,7 @@ namespace {
 struct ServeArgs {
   std::string model, tokenizer, chat_format = "auto";
   ServerOptions server;
+  EngineOptions engine;
 };
 
 void run_serve(ServeArgs a) {
@@ -30,7 +31,8 @@ void run_serve(ServeArgs a) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   fmt::print(stderr, "loading model from {}\n", a.model);
-  auto engine = CpuEngine::open(a.model, a.server.served_name);
+  a.engine.served_name = a.server.served_name;
+  auto engine = open_engine(a.model, a.engine);
   TokenizerCodec codec(a.tokenizer.empty() ? a.model : a.tokenizer, a.model, parse_chat_format(a.chat_format));
   MOESRV_CHECK(codec.vocab_size() <= engine->vocab_size(), "tokenizer vocab ({}) is larger than the model's ({})",
                codec.vocab_size(), engine->vocab_size());
@@ -69,6 +71,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
   cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
   cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
+  add_engine_options(cmd, a->engine);
   cmd->callback([a] { run_serve(*a); });
 }
 

@@ -1,0 +1,38 @@
+#include "runtime/engine_factory.h"
+
+#include <fmt/format.h>
+
+#include "backend/cpu/cpu_engine.h"
+#include "backend/cuda/cuda_engine.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& o) {
+  if (o.backend != "auto" && o.backend != "cpu" && o.backend != "cuda")
+    fail("--backend {}: expected auto, cpu or cuda", o.backend);
+  bool gpu = cuda_available();
+  if (o.backend == "cuda" && !gpu)
+    fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
+  if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
+#ifdef MOESRV_HAS_CUDA
+  CudaEngineOptions c;
+  c.served_name = o.served_name;
+  c.vram_budget_gib = o.vram_budget_gib;
+  c.max_ctx = o.max_ctx;
+  c.prefill_chunk = o.prefill_chunk;
+  c.kv_q8 = o.kv_q8;
+  return make_cuda_engine(ModelPackage::open(model_dir), c);
+#else
+  return CpuEngine::open(model_dir, o.served_name);
+#endif
+}
+
+void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
+  cmd->add_option("--backend", o.backend, "auto | cpu | cuda")->capture_default_str();
+  cmd->add_option("--vram-budget", o.vram_budget_gib, "GiB of GPU memory to use (0: all free memory)");
+  cmd->add_flag("--kv-q8", o.kv_q8, "GPU attention cache as int8 with per-token scales");
+  if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
+}
+
+}  // namespace moesrv

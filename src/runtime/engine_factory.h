@@ -1,0 +1,25 @@
+// Opens a model with the best available backend: CUDA (GPU, hybrid expert placement) when built with it and a
+// device is visible, else the CPU engine. Shared by every CLI command that runs a model.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <string>
+
+#include "runtime/engine.h"
+
+namespace moesrv {
+
+struct EngineOptions {
+  std::string backend = "auto";  // auto | cpu | cuda
+  std::string served_name;
+  double vram_budget_gib = 0;    // CUDA: act as a GPU with this much memory (0: the device's free memory)
+  int64_t max_ctx = 0;           // CUDA: KV cache tokens per sequence (0: engine default)
+  int64_t prefill_chunk = 8192;
+  bool kv_q8 = false;
+};
+
+std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
+// Adds --backend, --vram-budget, --kv-q8 to a command (and --ctx when `with_ctx`).
+void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
+
+}  // namespace moesrv
