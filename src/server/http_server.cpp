@@ -167,7 +167,9 @@ struct HttpServer::Impl {
     auto job = std::make_shared<ChatJob>();
     job->req = parse_chat_request(parse_body(http_req));
     metrics.reasoning_reattached += uint64_t(reasoning.reattach(job->req.messages, opt.reattach_turns));
-    auto tools = job->req.tool_choice == ToolChoice::kNone ? nlohmann::ordered_json::array() : job->req.tools;
+    // Tools stay in the prompt even for tool_choice "none" (the <tool_call> token is masked instead), so the
+    // prompt prefix — and the prefix cache — is the same as for the agent's other turns.
+    const auto& tools = job->req.tools;
     std::string text;
     try {
       text = codec.render_chat(job->req.messages, tools, job->req.template_kwargs);
