@@ -1,7 +1,6 @@
 #include "format/lock.h"
 
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 
 #include "format/package.h"
 #include "util/error.h"
+#include "util/sha256.h"
 #include "util/progress.h"
 
 namespace moesrv {
@@ -62,8 +62,7 @@ std::string sha256_file(const std::string& path, const std::function<void(uint64
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
   posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  Sha256 hash;
   constexpr size_t kChunk = 8u << 20;
   std::vector<unsigned char> buf(kChunk);
   for (;;) {
@@ -75,17 +74,11 @@ std::string sha256_file(const std::string& path, const std::function<void(uint64
       fail("{}: read failed: {}", path, std::strerror(err));
     }
     if (n == 0) break;
-    EVP_DigestUpdate(ctx.get(), buf.data(), size_t(n));
+    hash.update(buf.data(), size_t(n));
     if (on_bytes) on_bytes(uint64_t(n));
   }
   ::close(fd);
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned len = 0;
-  EVP_DigestFinal_ex(ctx.get(), md, &len);
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned i = 0; i < len; ++i) out += hex[md[i] >> 4], out += hex[md[i] & 15];
-  return out;
+  return hash.hex();
 }
 
 static bool skipped_name(const std::string& name) {

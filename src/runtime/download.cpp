@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <fnmatch.h>
-#include <openssl/evp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 
 #include "format/lock.h"
 #include "util/error.h"
+#include "util/sha256.h"
 #include "util/progress.h"
 
 namespace moesrv {
@@ -31,26 +31,6 @@ using http::retryable;
 using http::url_escape;
 
 namespace {
-
-// Incremental SHA-256 (OpenSSL EVP).
-class Sha256 {
- public:
-  Sha256() : ctx_(EVP_MD_CTX_new(), EVP_MD_CTX_free) { reset(); }
-  void reset() { EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr); }
-  void update(const void* p, size_t n) { EVP_DigestUpdate(ctx_.get(), p, n); }
-  std::string hex() {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned len = 0;
-    EVP_DigestFinal_ex(ctx_.get(), md, &len);
-    static const char* digits = "0123456789abcdef";
-    std::string out;
-    for (unsigned i = 0; i < len; ++i) out += digits[md[i] >> 4], out += digits[md[i] & 15];
-    return out;
-  }
-
- private:
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
-};
 
 Response http_get(const std::string& url, const DownloadOptions& opt, uint64_t range_from, const http::DataFn& on_data) {
   return http::get(url, {opt.token, opt.connect_timeout_s, opt.stall_timeout_s}, range_from, on_data);
