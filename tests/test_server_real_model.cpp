@@ -108,13 +108,13 @@ TEST_F(RealServer, StrictNamedToolCallWithRealVocabulary) {
     "parameters":{"type":"object","properties":{"flag":{"type":"boolean"}},"required":["flag"]}}})");
   json body = {{"messages", {{{"role", "user"}, {"content", "Set the flag."}}}}, {"tools", {tool}},
                {"tool_choice", {{"type", "function"}, {"function", {{"name", "set_flag"}}}}},
-               {"max_tokens", 64}, {"temperature", 0}, {"chat_template_kwargs", {{"enable_thinking", false}}}};
+               {"max_tokens", 128}, {"temperature", 0}, {"chat_template_kwargs", {{"enable_thinking", false}}}};
   json r = post(body);
   auto& msg = r["choices"][0]["message"];
   ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
   EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "set_flag");
-  if (r["choices"][0]["finish_reason"] == "tool_calls") {
-    json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
-    EXPECT_TRUE(args["flag"].is_boolean()) << args.dump();
-  }
+  // Every path through the grammar is bounded (names, keys, whitespace runs), so even a random model
+  // completes the call well within the budget, with a JSON boolean.
+  json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
+  EXPECT_TRUE(args["flag"].is_boolean()) << r.dump();
 }

@@ -53,6 +53,12 @@ bool JsonPrefixValidator::end_number_then(char c) {
 
 bool JsonPrefixValidator::feed(char c) {
   bool top_number = stack_.empty();
+  bool in_string = s_ == S::kString || s_ == S::kEscape || s_ == S::kUnicode;
+  if (!in_string && ws(c)) {
+    if (++spaces_ > kMaxSpaces) return false;
+  } else {
+    spaces_ = 0;
+  }
   switch (s_) {
     case S::kValue:
       if (ws(c)) return true;

@@ -29,6 +29,8 @@ class JsonPrefixValidator {
   const char* literal_ = nullptr;  // remaining characters of true/false/null
   char top_ = 0;         // required first character class: 0 any, 'n' number, 'i' integer, or one of {[tfn"
   bool integer_only_ = false;
+  uint8_t spaces_ = 0;   // whitespace run outside strings: bounded so a weak model cannot stall in it
+  static constexpr uint8_t kMaxSpaces = 16;
 };
 
 }  // namespace moesrv
