@@ -1,9 +1,10 @@
 // Multi-head latent attention, absorbed form: scores and values are computed against the cached latent,
 // so the cache holds kv_lora_rank + qk_rope_dim floats per token instead of full per-head keys and values.
 #include <cmath>
-#include <limits>
+#include <algorithm>
 
 #include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "util/thread_pool.h"
 
@@ -38,36 +39,63 @@ void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, co
 
   if (w.indexer) selection = dsa_select(*w.indexer, c, rope, x, q_latent.data(), S, pos0, cache, ambiguous);
 
-  std::vector<float> attn(size_t(S * H * dv));
-  const float scale = float(c.softmax_scale);
+  // Queries into latent space: q_abs[s, h] = W_uk[h]^T q_nope[s, h]; rope part kept contiguous beside it.
+  std::vector<float> q_abs(size_t(S * H * r), 0.0f), q_rope(size_t(S * H * dr));
   ThreadPool::global().parallel_for(S * H, [&](int64_t b, int64_t e) {
-    std::vector<float> q_abs(static_cast<size_t>(r)), scores, o_lat(static_cast<size_t>(r));
     for (int64_t i = b; i < e; ++i) {
-      const int64_t s = i / H, h = i % H, pos = pos0 + s;
-      float* qh = q.data() + (s * H + h) * qk;
-      rope.apply(qh + dn, pos, c.rope.layout);
-      // q_abs = W_uk[h]^T q_nope: the query moved into latent space.
-      std::fill(q_abs.begin(), q_abs.end(), 0.0f);
+      const int64_t s = i / H, h = i % H;
+      float* qh = q.data() + i * qk;
+      rope.apply(qh + dn, pos0 + s, c.rope.layout);
+      std::copy(qh + dn, qh + qk, q_rope.data() + i * dr);
       const float* uk = w.w_uk.data() + h * dn * r;
-      for (int64_t d = 0; d < dn; ++d) axpy(qh[d], uk + d * r, r, q_abs.data());
-      scores.assign(size_t(pos + 1), -std::numeric_limits<float>::infinity());
-      auto score = [&](int64_t t) {
-        scores[size_t(t)] = (dot(q_abs.data(), cache.latent.data() + t * r, r) +
-                             dot(qh + dn, cache.k_rope.data() + t * dr, dr)) * scale;
-      };
-      if (!selection.empty()) {
-        for (int32_t t : selection[size_t(s)])
-          if (t <= pos) score(t);
-      } else {
-        for (int64_t t = 0; t <= pos; ++t) score(t);
+      for (int64_t d = 0; d < dn; ++d) axpy(qh[d], uk + d * r, r, q_abs.data() + i * r);
+    }
+  });
+
+  // Per token, all heads at once: every cached latent row is read once and scored against H queries.
+  std::vector<float> o_lat(size_t(S * H * r), 0.0f), scores, rope_scores, keys_lat, keys_rope;
+  const float scale = float(c.softmax_scale);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t pos = pos0 + s;
+    const float *kl = cache.latent.data(), *kr = cache.k_rope.data();
+    int64_t n = pos + 1;
+    if (!selection.empty()) {  // DSA: gather the selected keys
+      const auto& sel = selection[size_t(s)];
+      keys_lat.resize(sel.size() * size_t(r));
+      keys_rope.resize(sel.size() * size_t(dr));
+      n = 0;
+      for (int32_t t : sel) {
+        if (t > pos) continue;
+        std::copy(kl + t * r, kl + (t + 1) * r, keys_lat.begin() + n * r);
+        std::copy(kr + t * dr, kr + (t + 1) * dr, keys_rope.begin() + n * dr);
+        ++n;
       }
-      softmax(scores.data(), pos + 1);
-      std::fill(o_lat.begin(), o_lat.end(), 0.0f);
-      for (int64_t t = 0; t <= pos; ++t)
-        if (scores[size_t(t)] != 0.0f) axpy(scores[size_t(t)], cache.latent.data() + t * r, r, o_lat.data());
-      const float* uv = w.w_uv.data() + h * dv * r;
-      float* oh = attn.data() + (s * H + h) * dv;
-      for (int64_t d = 0; d < dv; ++d) oh[d] = dot(uv + d * r, o_lat.data(), r);
+      kl = keys_lat.data();
+      kr = keys_rope.data();
+    }
+    scores.resize(size_t(H * n));
+    rope_scores.resize(size_t(H * n));
+    gemm_f32(q_abs.data() + s * H * r, H, kl, n, r, scores.data());
+    gemm_f32(q_rope.data() + s * H * dr, H, kr, n, dr, rope_scores.data());
+    for (int64_t h = 0; h < H; ++h) {
+      float* row = scores.data() + h * n;
+      for (int64_t t = 0; t < n; ++t) row[t] = (row[t] + rope_scores[size_t(h * n + t)]) * scale;
+      softmax(row, n);
+    }
+    // o_lat[s, h] = sum_t p[h, t] * latent[t]: threads own column slices, so each key row is read once.
+    float* o = o_lat.data() + s * H * r;
+    ThreadPool::global().parallel_for((r + 63) / 64, [&](int64_t b, int64_t e) {
+      const int64_t j0 = b * 64, j1 = std::min(r, e * 64);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h) axpy(scores[size_t(h * n + t)], kl + t * r + j0, j1 - j0, o + h * r + j0);
+    });
+  }
+
+  std::vector<float> attn(size_t(S * H * dv));
+  ThreadPool::global().parallel_for(S * H, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* uv = w.w_uv.data() + (i % H) * dv * r;
+      for (int64_t d = 0; d < dv; ++d) attn[size_t(i * dv + d)] = dot(uv + d * r, o_lat.data() + i * r, r);
     }
   });
   w.o->forward(attn.data(), S, out);
