@@ -35,6 +35,18 @@ class CpuEngine : public Engine {
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
 
+  // The steps of forward(), public so a pipeline stage can run a layer range (forward() uses them too).
+  // Token embeddings into x [S, D].
+  void embed(const std::vector<int32_t>& tokens, float* x) const;
+  // Layers [begin, end) over x [S, D] at positions [pos0, pos0+S); appends to seq's caches of those layers
+  // (seq's length is left to the caller). `selection` is the DSA top-k in and out: a shared layer at `begin`
+  // reuses the selection of layer begin-1. Marks tied DSA selections in ambiguous [S] when given.
+  void forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
+                      cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous = nullptr) const;
+  // Final norm + lm_head over the last `rows` rows of x [S, D]: [rows, vocab].
+  std::vector<float> logits(const float* x, int64_t S, int64_t rows) const;
+  CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
+
   const ModelConfig& config() const { return weights_->config; }
   // Per token of the last forward(): 1 where a DSA top-k boundary fell on tied indexer scores in some layer.
   const std::vector<uint8_t>& last_ambiguous_selection() const { return ambiguous_; }
