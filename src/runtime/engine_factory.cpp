@@ -4,6 +4,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "runtime/multi_gpu.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -11,6 +12,8 @@ namespace moesrv {
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& o) {
   if (o.backend != "auto" && o.backend != "cpu" && o.backend != "cuda")
     fail("--backend {}: expected auto, cpu or cuda", o.backend);
+  if (o.gpus > 0) return open_multi_gpu_engine(model_dir, o);
+  if (o.vram_budgets_gib.size() > 1) fail("--vram-budget: {} values need --gpus {}", o.vram_budgets_gib.size(), o.vram_budgets_gib.size());
   bool gpu = cuda_available();
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
@@ -18,7 +21,7 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 #ifdef MOESRV_HAS_CUDA
   CudaEngineOptions c;
   c.served_name = o.served_name;
-  c.vram_budget_gib = o.vram_budget_gib;
+  c.vram_budget_gib = o.vram_budgets_gib.empty() ? o.vram_budget_gib : o.vram_budgets_gib[0];
   c.max_ctx = o.max_ctx;
   c.prefill_chunk = o.prefill_chunk;
   c.kv_q8 = o.kv_q8;
@@ -30,7 +33,9 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 
 void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
   cmd->add_option("--backend", o.backend, "auto | cpu | cuda")->capture_default_str();
-  cmd->add_option("--vram-budget", o.vram_budget_gib, "GiB of GPU memory to use (0: all free memory)");
+  cmd->add_option("--vram-budget", o.vram_budgets_gib, "GiB of GPU memory to use (0: all free memory); with --gpus: one "
+                  "value for all or one per GPU, e.g. 22,22")->delimiter(',');
+  cmd->add_option("--gpus", o.gpus, "split layers over N GPUs (pipeline; see docs/multi-gpu.md)");
   cmd->add_flag("--kv-q8", o.kv_q8, "GPU attention cache as int8 with per-token scales");
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
 }

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/engine.h"
 
@@ -13,13 +14,15 @@ struct EngineOptions {
   std::string backend = "auto";  // auto | cpu | cuda
   std::string served_name;
   double vram_budget_gib = 0;    // CUDA: act as a GPU with this much memory (0: the device's free memory)
+  std::vector<double> vram_budgets_gib;  // --vram-budget 22,22: per GPU (one value: all); overrides the above
+  int gpus = 0;                  // --gpus N: split layers over N GPUs (0: one GPU, no pipeline)
   int64_t max_ctx = 0;           // CUDA: KV cache tokens per sequence (0: engine default)
   int64_t prefill_chunk = 8192;
   bool kv_q8 = false;
 };
 
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
-// Adds --backend, --vram-budget, --kv-q8 to a command (and --ctx when `with_ctx`).
+// Adds --backend, --vram-budget, --gpus, --kv-q8 to a command (and --ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 
 }  // namespace moesrv

@@ -1,0 +1,62 @@
+#include "runtime/multi_gpu.h"
+
+#include <algorithm>
+
+#include "backend/cpu/cpu_engine.h"
+#include "backend/cuda/cuda_engine.h"
+#include "runtime/pipeline_cpu_stage.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+MultiGpuPlan plan_model_split(const ModelConfig& c, const ModelFootprint& fp, const ModelSplitRequest& req,
+                              bool* experts_resident) {
+  auto with = [&](int64_t experts) {
+    std::vector<int64_t> resident(size_t(c.num_layers), 0);
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      if (size_t(l) < fp.expert_bytes.size() && fp.expert_bytes[size_t(l)] > 0) resident[size_t(l)] = experts;
+    LayerSplitCosts costs = layer_split_costs(c, fp, req.context, resident, req.kv_elem_bytes);
+    costs.workspace_bytes = req.workspace_bytes;
+    return plan_layer_split(costs, req.budgets);
+  };
+  MultiGpuPlan all = with(c.n_routed_experts);
+  if (experts_resident) *experts_resident = all.fits;
+  if (all.fits || c.n_routed_experts == 0) return all;
+  return with(0);
+}
+
+std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, const EngineOptions& o) {
+  if (o.gpus < 1) fail("--gpus {}: expected at least 1", o.gpus);
+  const bool cpu = o.backend == "cpu";
+  if (!cpu && !cuda_available()) fail("--gpus {}: this build has no CUDA backend or no CUDA device is visible", o.gpus);
+#ifdef MOESRV_HAS_CUDA
+  if (!cpu && o.gpus == 1) {
+    CudaEngineOptions c;
+    c.served_name = o.served_name;
+    c.vram_budget_gib = o.vram_budgets_gib.empty() ? o.vram_budget_gib : o.vram_budgets_gib[0];
+    c.max_ctx = o.max_ctx;
+    c.prefill_chunk = o.prefill_chunk;
+    c.kv_q8 = o.kv_q8;
+    return make_cuda_engine(ModelPackage::open(model_dir), c);
+  }
+#endif
+  std::vector<double> gib = o.vram_budgets_gib;
+  if (gib.empty()) gib.push_back(o.vram_budget_gib);
+  if (gib.size() == 1 && gib[0] <= 0) fail("--gpus {}: give --vram-budget (GiB, one for all or one per GPU)", o.gpus);
+  std::shared_ptr<CpuEngine> engine = CpuEngine::open(model_dir, o.served_name);
+  const ModelConfig& c = engine->config();
+  ModelSplitRequest req;
+  req.budgets = vram_budgets_for(gib, o.gpus);
+  req.context = o.max_ctx > 0 ? o.max_ctx : std::min<int64_t>(c.max_position, 32768);
+  req.kv_elem_bytes = o.kv_q8 ? 1 : 2;
+  MultiGpuPlan plan = plan_model_split(c, footprint_from_weights(engine->weights()), req);
+  if (!plan.fits) fail("--gpus {}: {}", o.gpus, plan.error);
+  if (!cpu)
+    fail("--gpus {}: planned split:\n{}but the CUDA engine cannot run a layer range yet (see docs/multi-gpu.md)",
+         o.gpus, plan.summary());
+  std::vector<int64_t> splits;
+  for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
+  return make_cpu_pipeline(engine, splits);
+}
+
+}  // namespace moesrv

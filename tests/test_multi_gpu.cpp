@@ -1,0 +1,84 @@
+// --gpus N through the engine factory: planned split -> PipelineEngine (CPU stages here), same logits as CpuEngine.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "backend/cpu/cpu_engine.h"
+#include "reference_util.h"
+#include "runtime/engine_factory.h"
+#include "runtime/multi_gpu.h"
+#include "runtime/pipeline.h"
+
+namespace moesrv {
+namespace {
+
+using namespace moesrv::testing;
+
+EngineOptions parse(std::vector<std::string> args) {
+  CLI::App app;
+  EngineOptions o;
+  add_engine_options(&app, o);
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+  return o;
+}
+
+TEST(MultiGpuFactory, ParsesGpusAndBudgetList) {
+  EngineOptions o = parse({"--gpus", "2", "--vram-budget", "22,10.5", "--backend", "cpu"});
+  EXPECT_EQ(o.gpus, 2);
+  EXPECT_EQ(o.vram_budgets_gib, (std::vector<double>{22, 10.5}));
+  EXPECT_EQ(parse({"--vram-budget", "8"}).vram_budgets_gib, (std::vector<double>{8}));
+  EXPECT_EQ(parse({}).gpus, 0);
+}
+
+void expect_same_as_cpu(const std::string& model, Engine& e) {
+  auto cpu = CpuEngine::open(hf_tiny(model));
+  Reference ref = load_reference(model);
+  auto a = cpu->new_sequence();
+  auto b = e.new_sequence();
+  EXPECT_EQ(e.forward(*b, ref.input_ids, true), cpu->forward(*a, ref.input_ids, true));
+  EXPECT_EQ(e.forward(*b, {ref.gen_ids.back()}), cpu->forward(*a, {ref.gen_ids.back()}));
+}
+
+TEST(MultiGpuFactory, CpuBackendRunsThePlannedPipeline) {
+  for (int gpus : {1, 2, 3}) {
+    EngineOptions o = parse({"--backend", "cpu", "--gpus", std::to_string(gpus), "--vram-budget", "2"});
+    auto e = open_engine(hf_tiny("glm_moe_dsa"), o);
+    auto* p = dynamic_cast<PipelineEngine*>(e.get());
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(int(p->stages().size()), gpus);
+    expect_same_as_cpu("glm_moe_dsa", *e);
+  }
+}
+
+TEST(MultiGpuFactory, UnevenBudgetsMoveLayers) {
+  auto cpu = CpuEngine::open(hf_tiny("deepseek_v3"));
+  const ModelFootprint fp = footprint_from_weights(cpu->weights());
+  ModelSplitRequest req{.budgets = {kGiB, kGiB}, .context = 4096, .workspace_bytes = 0};
+  bool resident = false;
+  auto even = plan_model_split(cpu->config(), fp, req, &resident);
+  ASSERT_TRUE(even.fits) << even.error;
+  EXPECT_TRUE(resident);
+  ASSERT_GT(even.gpus[0].layer_end, 1) << even.summary();
+  req.budgets = {even.gpus[0].total() - 1, 4 * kGiB};  // GPU 0 can no longer hold its balanced share
+  auto uneven = plan_model_split(cpu->config(), fp, req);
+  ASSERT_TRUE(uneven.fits) << uneven.error;
+  EXPECT_LT(uneven.gpus[0].layer_end, even.gpus[0].layer_end) << uneven.summary();
+  EXPECT_LE(uneven.gpus[0].total(), req.budgets[0]);
+}
+
+TEST(MultiGpuFactory, ClearErrorWhenTheModelCannotFit) {
+  EngineOptions o = parse({"--backend", "cpu", "--gpus", "2", "--vram-budget", "0.5,0.5"});
+  try {
+    open_engine(hf_tiny("glm4_moe"), o);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--gpus 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("needs"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(open_engine(hf_tiny("glm4_moe"), parse({"--backend", "cpu", "--gpus", "2", "--vram-budget", "2,2,2"})), std::exception);
+  EXPECT_THROW(open_engine(hf_tiny("glm4_moe"), parse({"--backend", "cpu", "--vram-budget", "2,2"})), std::exception);
+}
+
+}  // namespace
+}  // namespace moesrv
