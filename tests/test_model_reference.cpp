@@ -63,34 +63,40 @@ TEST_P(ModelReference, GenerationLogitsMatch) {
 }
 
 // gen_ids came from greedy generate() with a KV cache: prefill the 40-token prompt, then one token a step.
-// Once a DSA selection was tied (see above), our cache may legitimately differ from the reference's, so the
-// comparison covers the tokens generated before the first tie.
+// Free-running, our greedy tokens must equal the reference's exactly. For DSA models tied selections in the
+// prompt (see above) legitimately perturb the cache, so there the check is teacher-forced: feed the
+// reference's tokens and require that our argmax agrees on most steps.
 TEST_P(ModelReference, IncrementalDecodeReproducesGreedyGeneration) {
   auto engine = CpuEngine::open(hf_tiny(GetParam()));
   Reference ref = load_reference(GetParam());
   const int64_t V = engine->vocab_size(), prompt = 40, total = int64_t(ref.gen_ids.size());
+  const std::vector<int32_t> head(ref.gen_ids.begin(), ref.gen_ids.begin() + prompt);
+  const std::vector<int32_t> expected(ref.gen_ids.begin() + prompt, ref.gen_ids.end());
+
   auto seq = engine->new_sequence();
-  std::vector<int32_t> head(ref.gen_ids.begin(), ref.gen_ids.begin() + prompt);
   auto logits = engine->forward(*seq, head);
-  auto any_tie = [&] {
-    const auto& a = engine->last_ambiguous_selection();
-    return std::find(a.begin(), a.end(), 1) != a.end();
-  };
-  bool tied = any_tie();
-  int64_t compared = 0;
+  std::vector<int32_t> free_running;
   for (int64_t i = prompt; i < total; ++i) {
-    int32_t next = argmax(logits.data(), V);
-    if (!tied) {
-      EXPECT_EQ(next, ref.gen_ids[size_t(i)]) << "greedy token " << i;
-      ++compared;
-    }
-    logits = engine->forward(*seq, {next});
-    tied |= any_tie();
+    free_running.push_back(argmax(logits.data(), V));
+    logits = engine->forward(*seq, {free_running.back()});
   }
   EXPECT_EQ(seq->length(), total);
-  if (!engine->config().dsa) EXPECT_EQ(compared, total - prompt);
-  if (compared < total - prompt) std::printf("[ note ] %s: %ld of %ld greedy tokens compared (tied DSA selection)\n",
-                                             GetParam().c_str(), long(compared), long(total - prompt));
+  if (!engine->config().dsa) EXPECT_EQ(free_running, expected);
+
+  auto forced = engine->new_sequence();
+  logits = engine->forward(*forced, head);
+  int64_t agree = 0;
+  for (int64_t i = prompt; i < total; ++i) {
+    agree += argmax(logits.data(), V) == ref.gen_ids[size_t(i)];
+    logits = engine->forward(*forced, {ref.gen_ids[size_t(i)]});
+  }
+  if (engine->config().dsa) {
+    EXPECT_GE(double(agree), kMinMatchedAfterTie * double(total - prompt));
+    std::printf("[ note ] %s: teacher-forced greedy agrees on %ld of %ld steps\n", GetParam().c_str(), long(agree),
+                long(total - prompt));
+  } else {
+    EXPECT_EQ(agree, total - prompt);
+  }
 }
 
 TEST_P(ModelReference, TruncateAndCloneReplayIdentically) {
