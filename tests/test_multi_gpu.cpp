@@ -29,6 +29,7 @@ TEST(MultiGpuFactory, ParsesGpusAndBudgetList) {
   EXPECT_EQ(o.vram_budgets_gib, (std::vector<double>{22, 10.5}));
   EXPECT_EQ(parse({"--vram-budget", "8"}).vram_budgets_gib, (std::vector<double>{8}));
   EXPECT_EQ(parse({}).gpus, 0);
+  EXPECT_THROW(parse({"--vram-budget", "2", "3"}), CLI::ParseError);  // one token per flag: "2,3"
 }
 
 void expect_same_as_cpu(const std::string& model, Engine& e) {

@@ -34,7 +34,7 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
   cmd->add_option("--backend", o.backend, "auto | cpu | cuda")->capture_default_str();
   cmd->add_option("--vram-budget", o.vram_budgets_gib, "GiB of GPU memory to use (0: all free memory); with --gpus: one "
-                  "value for all or one per GPU, e.g. 22,22")->delimiter(',');
+                  "value for all or one per GPU, e.g. 22,22")->delimiter(',')->allow_extra_args(false);
   cmd->add_option("--gpus", o.gpus, "split layers over N GPUs (pipeline; see docs/multi-gpu.md)");
   cmd->add_flag("--kv-q8", o.kv_q8, "GPU attention cache as int8 with per-token scales");
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
