@@ -71,7 +71,7 @@ void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
 }
 
 void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
-                               cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous) const {
+                               cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous) {
   const ModelConfig& c = weights_->config;
   if (begin < 0 || end > c.num_layers || begin > end) fail("forward_layers: range [{}, {}) outside {} layers", begin, end, c.num_layers);
   const int64_t D = c.hidden_size, n = S * D;

@@ -42,7 +42,7 @@ class CpuEngine : public Engine {
   // (seq's length is left to the caller). `selection` is the DSA top-k in and out: a shared layer at `begin`
   // reuses the selection of layer begin-1. Marks tied DSA selections in ambiguous [S] when given.
   void forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
-                      cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous = nullptr) const;
+                      cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous = nullptr);
   // Final norm + lm_head over the last `rows` rows of x [S, D]: [rows, vocab].
   std::vector<float> logits(const float* x, int64_t S, int64_t rows) const;
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
