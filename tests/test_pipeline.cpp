@@ -124,5 +124,35 @@ TEST(PipelineEngine, RejectsBadRanges) {
   EXPECT_THROW(other->forward(*foreign, {1}), std::exception);
 }
 
+// A stage that fails after running its layers (e.g. a device error on a later GPU).
+class FailingStage : public CpuPipelineStage {
+ public:
+  using CpuPipelineStage::CpuPipelineStage;
+  bool fail_next = false;
+  void forward_layers(SequenceState& seq, StageActivations& a, int64_t begin, int64_t end) override {
+    CpuPipelineStage::forward_layers(seq, a, begin, end);
+    if (fail_next) throw std::runtime_error("stage failed");
+  }
+};
+
+TEST(PipelineEngine, FailedPassLeavesTheSequenceUnchanged) {
+  std::shared_ptr<CpuEngine> cpu = CpuEngine::open(hf_tiny("glm4_moe"));
+  const int64_t L = cpu->config().num_layers;
+  auto last = std::make_shared<FailingStage>(cpu);
+  PipelineEngine pipe({{std::make_shared<CpuPipelineStage>(cpu), 0, 1}, {last, 1, L}},
+                      {"m", cpu->vocab_size(), cpu->max_context(), L});
+  auto seq = pipe.new_sequence();
+  pipe.forward(*seq, {1, 2, 3});
+  const size_t bytes = seq->bytes();
+  last->fail_next = true;
+  EXPECT_THROW(pipe.forward(*seq, {4, 5}), std::runtime_error);
+  EXPECT_EQ(seq->length(), 3);
+  EXPECT_EQ(seq->bytes(), bytes);
+  last->fail_next = false;
+  auto ref = cpu->new_sequence();
+  cpu->forward(*ref, {1, 2, 3});
+  EXPECT_EQ(pipe.forward(*seq, {4, 5}), cpu->forward(*ref, {4, 5}));
+}
+
 }  // namespace
 }  // namespace moesrv

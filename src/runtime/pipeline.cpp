@@ -55,8 +55,13 @@ std::vector<float> PipelineEngine::forward(SequenceState& seq_base, const std::v
   a.ambiguous.assign(size_t(S), 0);
   stages_.front().stage->embed(tokens, a);
   // Hand-off between stages is the activations object itself (host memory); a device stage copies in and out.
-  for (size_t i = 0; i < stages_.size(); ++i)
-    stages_[i].stage->forward_layers(*seq->stages[i], a, stages_[i].layer_begin, stages_[i].layer_end);
+  try {
+    for (size_t i = 0; i < stages_.size(); ++i)
+      stages_[i].stage->forward_layers(*seq->stages[i], a, stages_[i].layer_begin, stages_[i].layer_end);
+  } catch (...) {
+    seq->truncate(pos0);  // a failed pass leaves every stage as it was, not some stages ahead of others
+    throw;
+  }
   ambiguous_ = a.ambiguous;
   return stages_.back().stage->logits(a, all_logits ? S : 1);
 }
