@@ -12,7 +12,7 @@ build/moesrv generate --model "$MODEL" --prompt-ids 1,17,256,42,7 --max-tokens 1
 if build/moesrv serve --help >/dev/null 2>&1; then
   TOK=${TOKENIZER:-tests/fixtures/server/tiny_glm_tokenizer}
   PORT=${PORT:-18080}
-  build/moesrv serve --model "$MODEL" --tokenizer "$TOK" --port "$PORT" >/tmp/moesrv-demo.log 2>&1 &
+  build/moesrv serve --model "$MODEL" --tokenizer "$TOK" --port "$PORT" --no-usage-stats >/tmp/moesrv-demo.log 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
   for _ in $(seq 50); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.2; done

@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "runtime/engine_factory.h"
+#include "runtime/usage_placement.h"
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "util/error.h"
@@ -19,6 +20,7 @@ struct ServeArgs {
   std::string model, tokenizer, chat_format = "auto";
   ServerOptions server;
   EngineOptions engine;
+  bool save_usage = true;
 };
 
 void run_serve(ServeArgs a) {
@@ -50,6 +52,7 @@ void run_serve(ServeArgs a) {
   });
   stopper.detach();
   server.wait();
+  if (a.save_usage) save_engine_usage(a.model, *engine);
 }
 
 }  // namespace
@@ -72,6 +75,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
   cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
   add_engine_options(cmd, a->engine);
+  cmd->add_flag("!--no-usage-stats", a->save_usage,
+                "Do not save routed-expert usage to <model>/.moesrv/expert_usage.json at exit (used to pin hot experts)");
   cmd->callback([a] { run_serve(*a); });
 }
 

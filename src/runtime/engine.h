@@ -7,6 +7,8 @@
 
 namespace moesrv {
 
+class UsageStats;
+
 // Per-sequence state: the KV cache (and any recurrent state) after `length()` tokens.
 class SequenceState {
  public:
@@ -26,6 +28,8 @@ class Engine {
   virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
   virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) = 0;
+  // Routed-expert selections recorded so far, when the engine records them (persisted for pinning).
+  virtual const UsageStats* expert_usage() const { return nullptr; }
 };
 
 }  // namespace moesrv

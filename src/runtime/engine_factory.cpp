@@ -2,9 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "backend/cuda/placement_bridge.h"
 #include "runtime/multi_gpu.h"
+#include "runtime/usage_placement.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -25,7 +29,17 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   c.max_ctx = o.max_ctx;
   c.prefill_chunk = o.prefill_chunk;
   c.kv_q8 = o.kv_q8;
-  return make_cuda_engine(ModelPackage::open(model_dir), c);
+  auto pkg = ModelPackage::open(model_dir);
+  if (c.vram_budget_gib > 0) {
+    // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
+    // PCIe/CPU split of cold experts).
+    ModelConfig cfg = ModelConfig::from_json(pkg->config());
+    int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(cfg.max_position, 32768);
+    PlacementPlan plan = plan_with_usage(cfg, c.vram_budget_gib, ctx, load_model_usage(model_dir, cfg));
+    if (!plan.fits) fail("--vram-budget {} GiB: {}", c.vram_budget_gib, plan.note);
+    apply_placement_plan(plan, c);
+  }
+  return make_cuda_engine(pkg, c);
 #else
   return CpuEngine::open(model_dir, o.served_name);
 #endif

@@ -54,6 +54,15 @@ void UsageStats::decay(double factor) {
   for (double& t : tokens_) t *= factor;
 }
 
+void UsageStats::merge(const UsageStats& other) {
+  if (&other == this) fail("usage stats: cannot merge into itself");
+  if (other.layers_ != layers_ || other.experts_ != experts_)
+    fail("usage stats: cannot merge {}x{} counts into {}x{}", other.layers_, other.experts_, layers_, experts_);
+  std::scoped_lock lk(mu_, other.mu_);
+  for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += other.counts_[i];
+  for (size_t i = 0; i < tokens_.size(); ++i) tokens_[i] += other.tokens_[i];
+}
+
 void UsageStats::clear() {
   std::lock_guard lk(mu_);
   std::fill(counts_.begin(), counts_.end(), 0.0);

@@ -25,6 +25,8 @@ class UsageStats {
   void record(int64_t layer, const std::vector<int32_t>& ids) { record(layer, ids.data(), ids.size()); }
   // Multiplies every count by `factor` (0..1], so recent traffic dominates.
   void decay(double factor);
+  // Adds another recording of the same model's shape.
+  void merge(const UsageStats& other);
   void clear();
 
   double count(int64_t layer, int64_t expert) const;

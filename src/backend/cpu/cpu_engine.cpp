@@ -1,5 +1,6 @@
 #include "backend/cpu/cpu_engine.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "backend/cpu/ops.h"
@@ -32,7 +33,11 @@ size_t CpuSequence::bytes() const {
 }
 
 CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
-    : weights_(ModelWeights::load(pkg)), rope_(weights_->config.rope), name_(std::move(served_name)) {
+    : weights_(ModelWeights::load(pkg)),
+      rope_(weights_->config.rope),
+      name_(std::move(served_name)),
+      usage_(weights_->config.num_layers, std::max<int64_t>(1, weights_->config.n_routed_experts),
+             std::max<int64_t>(1, weights_->config.experts_per_token)) {
   if (name_.empty()) name_ = std::filesystem::path(pkg->dir()).filename().string();
 }
 
@@ -88,7 +93,7 @@ void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t po
     }
     for (int64_t i = 0; i < n; ++i) x[i] += y[size_t(i)];
     cpu::rms_norm(x, L.post_attention_norm.weight.data(), S, D, c.rms_eps, h.data());
-    if (L.moe) cpu::moe_forward(*L.moe, c, h.data(), S, y.data());
+    if (L.moe) cpu::moe_forward(*L.moe, c, h.data(), S, y.data(), &usage_, l);
     else cpu::mlp_forward(*L.mlp, h.data(), S, y.data());
     for (int64_t i = 0; i < n; ++i) x[i] += y[size_t(i)];
   }

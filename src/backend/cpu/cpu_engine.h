@@ -48,6 +48,8 @@ class CpuEngine : public Engine {
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
 
   const ModelConfig& config() const { return weights_->config; }
+  // Routed-expert selections seen so far (for pinning hot experts at the next start, see usage_placement.h).
+  const UsageStats* expert_usage() const override { return &usage_; }
   // Per token of the last forward(): 1 where a DSA top-k boundary fell on tied indexer scores in some layer.
   const std::vector<uint8_t>& last_ambiguous_selection() const { return ambiguous_; }
   const ModelWeights& weights() const { return *weights_; }
@@ -57,6 +59,7 @@ class CpuEngine : public Engine {
   Rope rope_;
   std::string name_;
   std::vector<uint8_t> ambiguous_;
+  UsageStats usage_;
 };
 
 }  // namespace moesrv

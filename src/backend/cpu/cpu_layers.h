@@ -5,6 +5,7 @@
 
 #include "model/rope.h"
 #include "model/weights.h"
+#include "runtime/usage_stats.h"
 
 namespace moesrv::cpu {
 
@@ -36,6 +37,8 @@ void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, co
                  LayerCache& cache, float* out);
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out);
-void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out);
+// Records each token's routed experts into `usage` (layer `layer`) when given.
+void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out,
+                 UsageStats* usage = nullptr, int64_t layer = 0);
 
 }  // namespace moesrv::cpu

@@ -17,7 +17,8 @@ void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out) {
   w.down->forward(g.data(), S, out);
 }
 
-void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out) {
+void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out, UsageStats* usage,
+                 int64_t layer) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts;
   std::vector<float> logits(size_t(S * E));
   gemm_f32(x, S, w.router.data(), E, D, logits.data());
@@ -25,6 +26,7 @@ void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int6
   std::vector<std::vector<std::pair<int64_t, float>>> assigned(static_cast<size_t>(E));
   for (int64_t s = 0; s < S; ++s) {
     RoutedExperts r = route_token(logits.data() + s * E, w.router_bias.data(), c);
+    if (usage) usage->record(layer, r.ids);
     for (size_t i = 0; i < r.ids.size(); ++i) assigned[size_t(r.ids[i])].push_back({s, r.weights[i]});
   }
   if (w.shared) mlp_forward(*w.shared, x, S, out);

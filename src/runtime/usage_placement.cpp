@@ -1,0 +1,46 @@
+#include "runtime/usage_placement.h"
+
+#include <fmt/format.h>
+
+#include "format/package.h"
+
+namespace moesrv {
+
+std::optional<UsageStats> load_model_usage(const std::string& model_dir, const ModelConfig& c) {
+  if (c.n_routed_experts <= 0) return std::nullopt;
+  return UsageStats::load(UsageStats::default_path(model_dir), c.num_layers, c.n_routed_experts);
+}
+
+void save_model_usage(const std::string& model_dir, const ModelConfig& c, const UsageStats& run,
+                      const std::string& model_id) {
+  bool any = false;
+  for (int64_t l = 0; l < run.layers() && !any; ++l) any = !run.empty(l);
+  if (!any) return;
+  UsageStats merged = load_model_usage(model_dir, c).value_or(
+      UsageStats(run.layers(), run.experts(), run.experts_per_token()));
+  merged.decay(0.5);
+  merged.merge(run);
+  merged.save(UsageStats::default_path(model_dir), model_id);
+}
+
+void save_engine_usage(const std::string& model_dir, const Engine& engine) {
+  const UsageStats* run = engine.expert_usage();
+  if (!run) return;
+  try {
+    ModelConfig c = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
+    save_model_usage(model_dir, c, *run, engine.name());
+  } catch (const std::exception& e) {  // a read-only model folder must not fail the run
+    fmt::print(stderr, "warning: expert usage statistics not saved: {}\n", e.what());
+  }
+}
+
+PlacementPlan plan_with_usage(const ModelConfig& c, double vram_budget_gib, int64_t context,
+                              const std::optional<UsageStats>& usage, double workspace_gib) {
+  PlacementRequest req;
+  req.workspace_bytes = uint64_t(workspace_gib * double(kGiB));
+  req.vram_budget = uint64_t(vram_budget_gib * double(kGiB));
+  req.context = context;
+  return plan_placement(c, footprint_from_config(c), req, usage ? &*usage : nullptr);
+}
+
+}  // namespace moesrv

@@ -1,0 +1,29 @@
+// Expert usage persisted next to the model (<model>/.moesrv/expert_usage.json) and the placement plan that
+// pins its hottest experts at the next start.
+#pragma once
+#include <optional>
+#include <string>
+
+#include "model/config.h"
+#include "runtime/engine.h"
+#include "runtime/placement.h"
+#include "runtime/usage_stats.h"
+
+namespace moesrv {
+
+// The stored statistics for this model's shape, or nullopt (absent, unreadable or from another shape).
+std::optional<UsageStats> load_model_usage(const std::string& model_dir, const ModelConfig& c);
+
+// Folds a run's recording into the stored file: old counts are halved, so recent use dominates.
+// Does nothing when the run routed no tokens.
+void save_model_usage(const std::string& model_dir, const ModelConfig& c, const UsageStats& run,
+                      const std::string& model_id = "");
+
+// Saves what `engine` recorded (if it records usage) for the model in `model_dir`; warns, never throws.
+void save_engine_usage(const std::string& model_dir, const Engine& engine);
+
+// Plan for a VRAM budget with bf16 weights on the GPU (what the CUDA engine uploads), pinning from usage.
+PlacementPlan plan_with_usage(const ModelConfig& c, double vram_budget_gib, int64_t context,
+                              const std::optional<UsageStats>& usage, double workspace_gib = 1.0);
+
+}  // namespace moesrv
