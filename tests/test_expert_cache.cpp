@@ -108,8 +108,7 @@ TEST(ExpertCache, DecodeAndCopyThreads) {
   for (int i = 0; i < 200000; ++i) {
     r = r * 1103515245u + 12345u;
     const int32_t l = int32_t(r % kLayers), e = int32_t((r >> 8) % kExperts);
-    if (auto s = c.lookup(l, e)) {
-      c.retain(l, e);
+    if (auto s = c.acquire(l, e)) {  // lookup + retain atomically: a separate retain could race an eviction
       EXPECT_EQ(c.peek(l, e), s);  // retained: the copy thread cannot take the slot
       c.release(l, e);
     }

@@ -48,7 +48,11 @@ int32_t ExpertCache::pin(int32_t layer, int32_t expert) {
   return L.slot_of[e];
 }
 
-std::optional<int32_t> ExpertCache::lookup(int32_t layer, int32_t expert) {
+std::optional<int32_t> ExpertCache::lookup(int32_t layer, int32_t expert) { return find(layer, expert, false); }
+
+std::optional<int32_t> ExpertCache::acquire(int32_t layer, int32_t expert) { return find(layer, expert, true); }
+
+std::optional<int32_t> ExpertCache::find(int32_t layer, int32_t expert, bool retain) {
   check_expert(expert);
   Layer& L = layer_(layer);
   std::lock_guard lk(L.mu);
@@ -59,6 +63,7 @@ std::optional<int32_t> ExpertCache::lookup(int32_t layer, int32_t expert) {
   }
   ++L.stats.hits;
   if (!L.pinned[e]) L.lru.splice(L.lru.end(), L.lru, L.pos[e]);
+  if (retain) ++L.retained[e];
   return L.slot_of[e];
 }
 

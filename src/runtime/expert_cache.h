@@ -40,6 +40,8 @@ class ExpertCache {
   std::optional<Admission> admit(int32_t layer, int32_t expert);
   // While retained (e.g. a kernel reads it), an expert's slot is never chosen as a victim.
   void retain(int32_t layer, int32_t expert);
+  // lookup + retain under one lock: the slot stays valid until release(), even while a copy thread admits.
+  std::optional<int32_t> acquire(int32_t layer, int32_t expert);
   void release(int32_t layer, int32_t expert);
 
   bool is_pinned(int32_t layer, int32_t expert) const;
@@ -51,6 +53,7 @@ class ExpertCache {
   void reset_stats();
 
  private:
+  std::optional<int32_t> find(int32_t layer, int32_t expert, bool retain);
   struct Layer {
     int32_t slots = 0;
     std::vector<int32_t> slot_of;                  // [experts] -> slot or -1
