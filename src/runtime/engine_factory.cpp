@@ -22,6 +22,10 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
   if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
+  return open_single_gpu_engine(model_dir, o);
+}
+
+std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, const EngineOptions& o) {
 #ifdef MOESRV_HAS_CUDA
   CudaEngineOptions c;
   c.served_name = o.served_name;
@@ -41,7 +45,7 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   }
   return make_cuda_engine(pkg, c);
 #else
-  return CpuEngine::open(model_dir, o.served_name);
+  fail("{}: this build has no CUDA backend", model_dir);
 #endif
 }
 

@@ -22,6 +22,8 @@ struct EngineOptions {
 };
 
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
+// The CUDA engine on one GPU (throws in CPU builds); under a budget, expert homes come from the planner.
+std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, const EngineOptions& options);
 // Adds --backend, --vram-budget, --gpus, --kv-q8 to a command (and --ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 

@@ -29,17 +29,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   if (o.gpus < 1) fail("--gpus {}: expected at least 1", o.gpus);
   const bool cpu = o.backend == "cpu";
   if (!cpu && !cuda_available()) fail("--gpus {}: this build has no CUDA backend or no CUDA device is visible", o.gpus);
-#ifdef MOESRV_HAS_CUDA
-  if (!cpu && o.gpus == 1) {
-    CudaEngineOptions c;
-    c.served_name = o.served_name;
-    c.vram_budget_gib = o.vram_budgets_gib.empty() ? o.vram_budget_gib : o.vram_budgets_gib[0];
-    c.max_ctx = o.max_ctx;
-    c.prefill_chunk = o.prefill_chunk;
-    c.kv_q8 = o.kv_q8;
-    return make_cuda_engine(ModelPackage::open(model_dir), c);
-  }
-#endif
+  if (!cpu && o.gpus == 1) return open_single_gpu_engine(model_dir, o);
   std::vector<double> gib = o.vram_budgets_gib;
   if (gib.empty()) gib.push_back(o.vram_budget_gib);
   if (gib.size() == 1 && gib[0] <= 0) fail("--gpus {}: give --vram-budget (GiB, one for all or one per GPU)", o.gpus);
