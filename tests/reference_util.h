@@ -15,6 +15,7 @@ inline std::string hf_tiny(const std::string& model) { return std::string(MOESRV
 struct Reference {
   std::vector<int32_t> input_ids, gen_ids;
   std::vector<float> logits, gen_logits;  // [n, vocab]
+  int64_t prompt_len = 40;                // gen_ids = prompt_len prompt ids + greedy tokens
 };
 
 inline Reference load_reference(const std::string& model) {
@@ -29,6 +30,7 @@ inline Reference load_reference(const std::string& model) {
   r.gen_ids = ids("gen_ids");
   r.logits = f->find("logits")->to_f32();
   r.gen_logits = f->find("gen_logits")->to_f32();
+  if (f->find("prompt_len")) r.prompt_len = int64_t(f->find("prompt_len")->to_f32()[0]);
   return r;
 }
 

@@ -36,14 +36,12 @@ TEST_P(Pipeline, LogitsBitIdenticalToCpuEngine) {
   const std::vector<int32_t> more(ref.input_ids.begin() + 24, ref.input_ids.begin() + 30);
   auto seq = cpu->new_sequence();
   const auto want_prefill = cpu->forward(*seq, prompt, true);
-  const auto want_ambiguous = cpu->last_ambiguous_selection();
   const auto want_more = cpu->forward(*seq, more, true);
   const auto want_step = cpu->forward(*seq, {ref.input_ids[30]});
   for (const auto& split : all_splits(cpu->config().num_layers)) {
     auto pipe = make_cpu_pipeline(cpu, split);
     auto ps = pipe->new_sequence();
     EXPECT_EQ(pipe->forward(*ps, prompt, true), want_prefill) << describe(split);
-    EXPECT_EQ(pipe->last_ambiguous_selection(), want_ambiguous) << describe(split);
     EXPECT_EQ(pipe->forward(*ps, more, true), want_more) << describe(split);
     EXPECT_EQ(pipe->forward(*ps, {ref.input_ids[30]}), want_step) << describe(split);
     EXPECT_EQ(ps->length(), 31);
@@ -91,7 +89,6 @@ TEST(PipelineDsa, SharedLayerSelectionCrossesStageBoundary) {
   auto q0 = s0.new_sequence(), q1 = s1.new_sequence();
   StageActivations act;
   act.tokens = int64_t(ref.input_ids.size());
-  act.ambiguous.assign(size_t(act.tokens), 0);
   s0.embed(ref.input_ids, act);
   s0.forward_layers(*q0, act, 0, 2);
   ASSERT_EQ(int64_t(act.selection.size()), act.tokens) << "layer 1's top-k travels with the hidden state";

@@ -10,9 +10,16 @@ namespace moesrv {
 RoutedExperts route_token(const float* logits, const float* bias, const ModelConfig& c) {
   const int64_t E = c.n_routed_experts, G = c.n_group, per = E / G;
   std::vector<float> s(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    s[size_t(e)] = 1.0f / (1.0f + std::exp(-logits[e]));
-    choice[size_t(e)] = s[size_t(e)] + bias[e];
+  if (c.router == RouterKind::Softmax) {  // softmax over all experts; no correction bias
+    float mx = *std::max_element(logits, logits + E);
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += s[size_t(e)] = std::exp(logits[e] - mx);
+    for (int64_t e = 0; e < E; ++e) choice[size_t(e)] = s[size_t(e)] = float(s[size_t(e)] / sum);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      s[size_t(e)] = 1.0f / (1.0f + std::exp(-logits[e]));
+      choice[size_t(e)] = s[size_t(e)] + bias[e];
+    }
   }
   if (G > 1) {
     // Group score: sum of the two best biased scores in the group; keep the topk_group best groups.

@@ -1,4 +1,4 @@
-// Sigmoid, group-limited top-k router with correction bias (DeepSeek-V3 / GLM-4.5+ "noaux_tc").
+// Routers: sigmoid, group-limited top-k with correction bias (DeepSeek-V3 / GLM-4.5+ "noaux_tc"), or softmax top-k.
 #pragma once
 #include <cstdint>
 #include <vector>

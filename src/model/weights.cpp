@@ -2,18 +2,26 @@
 
 #include <fmt/format.h>
 
+#include "model/manifest.h"
 #include "util/error.h"
 
 namespace moesrv {
 
 namespace {
 
-NormWeights load_norm(const ModelPackage& pkg, const std::string& prefix, int64_t dim, bool with_bias = false) {
+std::vector<float> load_f32(const ModelPackage& pkg, const std::string& name, int64_t numel) {
+  const TensorView& t = pkg.require(name);
+  if (t.numel() != numel) fail("{}: tensor {} is {}, expected {} elements", pkg.dir(), name, t.shape_str(), numel);
+  return t.to_f32();
+}
+
+// `offset` is added to the weight (zero-centred RMSNorm weights scale by 1 + w).
+NormWeights load_norm(const ModelPackage& pkg, const std::string& prefix, int64_t dim, bool with_bias = false,
+                      double offset = 0) {
   NormWeights n;
-  const TensorView& w = pkg.require(prefix + ".weight");
-  if (w.numel() != dim) fail("{}: tensor {}.weight has {} elements, expected {}", pkg.dir(), prefix, w.numel(), dim);
-  n.weight = w.to_f32();
-  if (with_bias) n.bias = pkg.require(prefix + ".bias").to_f32();
+  n.weight = load_f32(pkg, prefix + ".weight", dim);
+  for (float& w : n.weight) w += float(offset);
+  if (with_bias) n.bias = load_f32(pkg, prefix + ".bias", dim);
   return n;
 }
 
@@ -24,8 +32,9 @@ std::unique_ptr<Linear> linear(const ModelPackage& pkg, const std::string& prefi
   return l;
 }
 
-MlpWeights load_mlp(const ModelPackage& pkg, const std::string& prefix, int64_t hidden, int64_t inter) {
+MlpWeights load_mlp(const ModelPackage& pkg, const std::string& prefix, int64_t hidden, int64_t inter, double limit) {
   MlpWeights m;
+  m.limit = float(limit);
   m.gate = linear(pkg, prefix + ".gate_proj", hidden, inter);
   m.up = linear(pkg, prefix + ".up_proj", hidden, inter);
   m.down = linear(pkg, prefix + ".down_proj", inter, hidden);
@@ -55,14 +64,20 @@ MlaWeights load_mla(const ModelPackage& pkg, const ModelConfig& c, const std::st
     std::copy(base, base + dn * r, a.w_uk.begin() + h * dn * r);
     std::copy(base + dn * r, base + (dn + dv) * r, a.w_uv.begin() + h * dv * r);
   }
-  if (c.dsa && c.layer_has_indexer[size_t(layer)]) {
-    if (c.q_lora_rank == 0) fail("config.json: DSA indexer needs q_lora_rank");
+  if (c.layers[size_t(layer)].indexer == IndexerKind::Own) {
     IndexerWeights ix;
     std::string ip = p + ".indexer";
     ix.wq_b = linear(pkg, ip + ".wq_b", c.q_lora_rank, c.index_n_heads * c.index_head_dim);
     ix.wk = linear(pkg, ip + ".wk", c.hidden_size, c.index_head_dim);
     ix.weights_proj = linear(pkg, ip + ".weights_proj", c.hidden_size, c.index_n_heads);
     ix.k_norm = load_norm(pkg, ip + ".k_norm", c.index_head_dim, true);
+    if (c.index_kpool > 1) {
+      const TensorView& gate = pkg.require(ip + ".index_kpool_compress_gate");  // a bare tensor, kept unquantized
+      if (gate.numel() != c.index_head_dim * c.hidden_size)
+        fail("{}: {}.index_kpool_compress_gate is {}, expected [{}, {}]", pkg.dir(), ip, gate.shape_str(), c.index_head_dim, c.hidden_size);
+      ix.pool_gate = std::make_unique<DenseLinear>(gate, nullptr, nullptr);
+      ix.pool_ape = load_f32(pkg, ip + ".index_kpool_compress_ape", c.index_kpool * c.index_head_dim);
+    }
     a.indexer = std::move(ix);
   }
   return a;
@@ -71,7 +86,7 @@ MlaWeights load_mla(const ModelPackage& pkg, const ModelConfig& c, const std::st
 GqaWeights load_gqa(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
   GqaWeights g;
   int64_t hd = c.head_dim;
-  g.q = linear(pkg, p + ".q_proj", c.hidden_size, c.num_heads * hd);
+  g.q = linear(pkg, p + ".q_proj", c.hidden_size, c.num_heads * hd * (c.attn_output_gate ? 2 : 1));
   g.k = linear(pkg, p + ".k_proj", c.hidden_size, c.num_kv_heads * hd);
   g.v = linear(pkg, p + ".v_proj", c.hidden_size, c.num_kv_heads * hd);
   g.o = linear(pkg, p + ".o_proj", c.num_heads * hd, c.hidden_size);
@@ -79,8 +94,8 @@ GqaWeights load_gqa(const ModelPackage& pkg, const ModelConfig& c, const std::st
     for (auto* l : {g.q.get(), g.k.get(), g.v.get()})
       if (l->bias().empty()) fail("{}: attention_bias is set but a q/k/v bias is missing in {}", pkg.dir(), p);
   if (c.qk_norm) {
-    g.q_norm = load_norm(pkg, p + ".q_norm", hd);
-    g.k_norm = load_norm(pkg, p + ".k_norm", hd);
+    g.q_norm = load_norm(pkg, p + ".q_norm", hd, false, c.norm_weight_offset);
+    g.k_norm = load_norm(pkg, p + ".k_norm", hd, false, c.norm_weight_offset);
   }
   return g;
 }
@@ -91,13 +106,103 @@ MoeWeights load_moe(const ModelPackage& pkg, const ModelConfig& c, const std::st
   if (gate.numel() != c.n_routed_experts * c.hidden_size)
     fail("{}: {}.gate.weight is {}, expected [{}, {}]", pkg.dir(), p, gate.shape_str(), c.n_routed_experts, c.hidden_size);
   m.router = gate.to_f32();
+  const double lim = c.swiglu_limit;
   if (const TensorView* b = pkg.find(p + ".gate.e_score_correction_bias")) m.router_bias = b->to_f32();
   else m.router_bias.assign(size_t(c.n_routed_experts), 0.0f);
   for (int64_t e = 0; e < c.n_routed_experts; ++e)
-    m.experts.push_back(load_mlp(pkg, fmt::format("{}.experts.{}", p, e), c.hidden_size, c.moe_intermediate_size));
-  if (c.n_shared_experts > 0)
-    m.shared = load_mlp(pkg, p + ".shared_experts", c.hidden_size, c.moe_intermediate_size * c.n_shared_experts);
+    m.experts.push_back(load_mlp(pkg, fmt::format("{}.experts.{}", p, e), c.hidden_size, c.moe_intermediate_size, lim));
+  if (c.n_shared_experts > 0) {
+    const std::string sp = pkg.has(p + ".shared_expert.gate_proj.weight") || pkg.has(p + ".shared_expert.gate_proj.trellis")
+                               ? p + ".shared_expert" : p + ".shared_experts";
+    m.shared = load_mlp(pkg, sp, c.hidden_size, c.shared_intermediate_size, lim);
+  }
+  if (c.shared_expert_gate) m.shared_gate = load_f32(pkg, p + ".shared_expert_gate.weight", c.hidden_size);
   return m;
+}
+
+// A depthwise conv weight [C, 1, K] as [C, K] fp32; KDA stores q/k/v convs apart or as one conv1d.
+std::vector<float> load_conv(const ModelPackage& pkg, const std::string& p, const std::vector<std::string>& parts,
+                             int64_t channels, int64_t kernel) {
+  if (pkg.has(p + ".conv1d.weight")) return load_f32(pkg, p + ".conv1d.weight", channels * kernel);
+  std::vector<float> w;
+  for (const std::string& part : parts) {
+    auto x = load_f32(pkg, p + "." + part + "_conv1d.weight", channels / int64_t(parts.size()) * kernel);
+    w.insert(w.end(), x.begin(), x.end());
+  }
+  return w;
+}
+
+KdaWeights load_kda(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+  const LinearAttnDims& la = c.linear;
+  const int64_t D = c.hidden_size, H = la.v_heads, d = la.dk, Hd = H * d;
+  KdaWeights w;
+  w.q = linear(pkg, p + ".q_proj", D, Hd);
+  w.k = linear(pkg, p + ".k_proj", D, Hd);
+  w.v = linear(pkg, p + ".v_proj", D, Hd);
+  w.conv = load_conv(pkg, p, {"q", "k", "v"}, 3 * Hd, la.conv_kernel);
+  w.f_a = linear(pkg, p + ".f_a_proj", D, d);
+  w.f_b = linear(pkg, p + ".f_b_proj", d, Hd);
+  w.dt_bias = load_f32(pkg, p + ".dt_bias", Hd);
+  w.a_log = load_f32(pkg, p + ".A_log", H);
+  w.b = linear(pkg, p + ".b_proj", D, H);
+  w.g_a = linear(pkg, p + ".g_a_proj", D, d);
+  w.g_b = linear(pkg, p + ".g_b_proj", d, Hd);
+  w.o_norm = load_norm(pkg, p + ".o_norm", d);
+  w.o = linear(pkg, p + ".o_proj", Hd, D);
+  return w;
+}
+
+GatedDeltaWeights load_gated_delta(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+  const LinearAttnDims& la = c.linear;
+  const int64_t D = c.hidden_size;
+  GatedDeltaWeights w;
+  w.qkvz = linear(pkg, p + ".in_proj_qkvz", D, 2 * la.k_heads * la.dk + 2 * la.v_heads * la.dv);
+  w.ba = linear(pkg, p + ".in_proj_ba", D, 2 * la.v_heads);
+  w.conv = load_conv(pkg, p, {}, la.conv_channels(), la.conv_kernel);
+  w.dt_bias = load_f32(pkg, p + ".dt_bias", la.v_heads);
+  w.a_log = load_f32(pkg, p + ".A_log", la.v_heads);
+  w.norm = load_norm(pkg, p + ".norm", la.dv);
+  w.out = linear(pkg, p + ".out_proj", la.v_heads * la.dv, D);
+  return w;
+}
+
+HyperWeights load_hyper(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+  const int64_t hc = c.residual.streams, mix = (2 + hc) * hc;
+  return {load_f32(pkg, p + "_fn", mix * hc * c.hidden_size), load_f32(pkg, p + "_base", mix), load_f32(pkg, p + "_scale", 3)};
+}
+
+// Tensors the model needs that a shard holds but the index omits (e.g. the k-pool tensors of the upstream
+// GLM-5.3-Flash package): refuse with all their names rather than the first one.
+void refuse_unindexed(const ModelPackage& pkg, const std::string& root) {
+  std::vector<std::string> missing;
+  for (const auto& [name, shard] : pkg.unindexed())
+    if (name.rfind(root + "layers.", 0) == 0 || name.rfind(root + "embed", 0) == 0 || name.rfind("lm_head", 0) == 0)
+      missing.push_back(name + " (in " + shard + ")");
+  if (missing.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < missing.size() && i < 24; ++i) list += "\n  " + missing[i];
+  if (missing.size() > 24) list += fmt::format("\n  ... and {} more", missing.size() - 24);
+  fail("{}: {} tensor(s) the model needs are in a shard but missing from model.safetensors.index.json; run "
+       "`moesrv repair-index --model {}`:{}", pkg.dir(), missing.size(), pkg.dir(), list);
+}
+
+// Every tensor of the manifest must be present (a matrix as .weight or EXL3 .trellis; KDA's q/k/v convs apart or
+// merged): a layer with missing tensors is refused with all their names.
+void refuse_missing(const ModelPackage& pkg, const ModelConfig& c, const std::string& root) {
+  std::vector<std::string> missing;
+  for (const TensorEntry& t : manifest(c, root)) {
+    if (t.optional || pkg.has(t.name)) continue;
+    const std::string base = t.name.size() > 7 ? t.name.substr(0, t.name.size() - 7) : t.name;  // minus ".weight"
+    if (t.quantizable() && pkg.has(base + ".trellis")) continue;
+    const size_t conv = t.name.find("_conv1d.weight");
+    if (conv != std::string::npos && pkg.has(t.name.substr(0, conv - 1) + "conv1d.weight")) continue;
+    missing.push_back(t.layer >= 0 ? fmt::format("{} (layer {})", t.name, t.layer) : t.name);
+  }
+  if (missing.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < missing.size() && i < 24; ++i) list += "\n  " + missing[i];
+  if (missing.size() > 24) list += fmt::format("\n  ... and {} more", missing.size() - 24);
+  fail("{}: {} tensor(s) the {} model needs are missing:{}", pkg.dir(), missing.size(), c.model_type, list);
 }
 
 }  // namespace
@@ -107,10 +212,16 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
   w->package = pkg;
   w->config = ModelConfig::from_json(pkg->config());
   const ModelConfig& c = w->config;
-  w->embed = &pkg->require("model.embed_tokens.weight");
+  const bool nested = pkg->has("model.language_model.embed_tokens.weight") ||
+                      pkg->unindexed().count("model.language_model.embed_tokens.weight");
+  w->root = nested ? "model.language_model." : "model.";
+  refuse_unindexed(*pkg, w->root);
+  refuse_missing(*pkg, c, w->root);
+  const std::string& R = w->root;
+  w->embed = &pkg->require(R + "embed_tokens.weight");
   if (w->embed->numel() != c.vocab_size * c.hidden_size)
-    fail("{}: model.embed_tokens.weight is {}, expected [{}, {}]", pkg->dir(), w->embed->shape_str(), c.vocab_size, c.hidden_size);
-  w->final_norm = load_norm(*pkg, "model.norm", c.hidden_size);
+    fail("{}: {}embed_tokens.weight is {}, expected [{}, {}]", pkg->dir(), R, w->embed->shape_str(), c.vocab_size, c.hidden_size);
+  w->final_norm = load_norm(*pkg, R + "norm", c.hidden_size, false, c.norm_weight_offset);
   if (pkg->has("lm_head.weight") || pkg->has("lm_head.trellis"))
     w->lm_head = linear(*pkg, "lm_head", c.hidden_size, c.vocab_size);
   else if (c.tie_embeddings)
@@ -118,16 +229,27 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
   else
     pkg->require("lm_head.weight");
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    std::string p = fmt::format("model.layers.{}", i);
+    const std::string p = fmt::format("{}layers.{}", R, i);
+    const LayerSpec& spec = c.layers[size_t(i)];
     LayerWeights L;
-    L.input_norm = load_norm(*pkg, p + ".input_layernorm", c.hidden_size);
-    L.post_attention_norm = load_norm(*pkg, p + ".post_attention_layernorm", c.hidden_size);
-    if (c.attention == AttentionKind::MLA) L.mla = load_mla(*pkg, c, p + ".self_attn", i);
-    else L.gqa = load_gqa(*pkg, c, p + ".self_attn");
-    if (c.layer_is_moe[size_t(i)]) L.moe = load_moe(*pkg, c, p + ".mlp");
-    else L.mlp = load_mlp(*pkg, p + ".mlp", c.hidden_size, c.intermediate_size);
+    L.input_norm = load_norm(*pkg, p + ".input_layernorm", c.hidden_size, false, c.norm_weight_offset);
+    L.post_attention_norm = load_norm(*pkg, p + ".post_attention_layernorm", c.hidden_size, false, c.norm_weight_offset);
+    switch (spec.mixer) {
+      case Mixer::Mla: L.mla = load_mla(*pkg, c, p + ".self_attn", i); break;
+      case Mixer::Gqa: L.gqa = load_gqa(*pkg, c, p + ".self_attn"); break;
+      case Mixer::Kda: L.kda = load_kda(*pkg, c, p + ".self_attn"); break;
+      case Mixer::GatedDelta: L.gated_delta = load_gated_delta(*pkg, c, p + ".linear_attn"); break;
+    }
+    if (spec.ffn == FfnKind::Moe) L.moe = load_moe(*pkg, c, p + ".mlp");
+    else L.mlp = load_mlp(*pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
+    if (c.residual.streams > 1) {
+      L.attn_hc = load_hyper(*pkg, c, p + ".hc_attn");
+      L.ffn_hc = load_hyper(*pkg, c, p + ".hc_ffn");
+    }
     w->layers.push_back(std::move(L));
   }
+  const std::string mtp = fmt::format("{}layers.{}.", R, c.num_layers);
+  for (const std::string& name : pkg->names()) w->mtp_tensors += name.rfind(mtp, 0) == 0;
   return w;
 }
 

@@ -15,13 +15,17 @@ struct NormWeights {
   std::vector<float> weight, bias;  // bias only for LayerNorm
 };
 
-struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
+struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x); limit > 0 clamps gate <= limit and |up| <= limit first
   std::unique_ptr<Linear> gate, up, down;
+  float limit = 0;
 };
 
 struct IndexerWeights {  // DSA lightning indexer
   std::unique_ptr<Linear> wq_b, wk, weights_proj;
   NormWeights k_norm;  // LayerNorm
+  // k-pool (index_kpool > 1): per-token gate logits x . pool_gate^T, plus pool_ape[t % kpool], softmax per pool.
+  std::unique_ptr<Linear> pool_gate;  // [index_head_dim, hidden]
+  std::vector<float> pool_ape;        // [kpool, index_head_dim]
 };
 
 struct MlaWeights {
@@ -34,8 +38,30 @@ struct MlaWeights {
 };
 
 struct GqaWeights {
-  std::unique_ptr<Linear> q, k, v, o;
+  std::unique_ptr<Linear> q, k, v, o;  // q yields [H, 2 * head_dim] (query, gate) when attn_output_gate
   NormWeights q_norm, k_norm;  // per-head RMSNorm when qk_norm
+};
+
+// KDA (GLM-5.3-Flash): q/k/v projections + short convs, per-channel decay f_b(f_a x) + dt_bias with A_log,
+// beta = sigmoid(b x), output gate g_b(g_a x) through a sigmoid-gated RMSNorm, o_proj.
+struct KdaWeights {
+  std::unique_ptr<Linear> q, k, v, f_a, f_b, b, g_a, g_b, o;
+  std::vector<float> conv;  // [3 * H * d, kernel] over the channels q | k | v
+  std::vector<float> dt_bias, a_log;
+  NormWeights o_norm;  // [d]
+};
+
+// Gated DeltaNet (Qwen3-Next): in_proj_qkvz and in_proj_ba grouped per key head, per-head decay.
+struct GatedDeltaWeights {
+  std::unique_ptr<Linear> qkvz, ba, out;
+  std::vector<float> conv;  // [2 * Hk * dk + Hv * dv, kernel]
+  std::vector<float> dt_bias, a_log;  // [Hv]
+  NormWeights norm;  // [dv], SiLU-gated by z
+};
+
+// mHC site: fn [(2 + hc) * hc, hc * D], base [(2 + hc) * hc], scale [3], fp32.
+struct HyperWeights {
+  std::vector<float> fn, base, scale;
 };
 
 struct MoeWeights {
@@ -43,12 +69,16 @@ struct MoeWeights {
   std::vector<float> router_bias;  // e_score_correction_bias [E]
   std::vector<MlpWeights> experts;
   std::optional<MlpWeights> shared;
+  std::vector<float> shared_gate;  // [hidden]: shared output scaled by sigmoid(x . shared_gate) when present
 };
 
 struct LayerWeights {
   NormWeights input_norm, post_attention_norm;
   std::optional<MlaWeights> mla;
   std::optional<GqaWeights> gqa;
+  std::optional<KdaWeights> kda;
+  std::optional<GatedDeltaWeights> gated_delta;
+  HyperWeights attn_hc, ffn_hc;  // residual.streams > 1
   std::optional<MlpWeights> mlp;  // dense layers
   std::optional<MoeWeights> moe;
 };
@@ -60,6 +90,8 @@ struct ModelWeights {
   NormWeights final_norm;
   std::unique_ptr<Linear> lm_head;
   std::vector<LayerWeights> layers;
+  std::string root;          // tensor name prefix of the text model: "model." or "model.language_model."
+  int64_t mtp_tensors = 0;   // tensors of an MTP block at layer num_hidden_layers (kept for speculative decoding)
 
   // Loads every tensor the config needs; a missing tensor is an error naming it.
   static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg);

@@ -14,9 +14,13 @@ class SequenceState {
  public:
   virtual ~SequenceState() = default;
   virtual int64_t length() const = 0;
-  virtual void truncate(int64_t n) = 0;                      // keep the first n tokens
+  virtual void truncate(int64_t n) = 0;                      // keep the first n tokens (n a resume point)
   virtual std::unique_ptr<SequenceState> clone() const = 0;  // deep copy (prefix cache snapshots)
   virtual size_t bytes() const = 0;                          // memory held
+  // The longest length <= n that truncate() accepts: n for KV caches; for recurrent state, a checkpoint.
+  virtual int64_t resume_point(int64_t n) const { return n; }
+  // Records a resume point at the current length (recurrent state; KV caches need none).
+  virtual void checkpoint() {}
 };
 
 class Engine {

@@ -22,6 +22,13 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
   if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
+  // The CUDA engine runs MLA/GQA models with a plain residual; hybrids (KDA, Gated DeltaNet, mHC) run on the CPU.
+  const ModelConfig spec = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
+  const bool cuda_ready = spec.residual.streams == 1 && !spec.has_recurrent_layers() && spec.index_kpool == 1;
+  if (!cuda_ready) {
+    if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
+    return CpuEngine::open(model_dir, o.served_name);
+  }
   return open_single_gpu_engine(model_dir, o);
 }
 

@@ -21,6 +21,22 @@ size_t PipelineSequence::bytes() const {
   return b;
 }
 
+int64_t PipelineSequence::resume_point(int64_t n) const {
+  for (bool moved = true; moved;) {  // the longest point every stage can resume from
+    moved = false;
+    for (const auto& s : stages) {
+      const int64_t m = s->resume_point(n);
+      moved |= m != n;
+      n = m;
+    }
+  }
+  return n;
+}
+
+void PipelineSequence::checkpoint() {
+  for (auto& s : stages) s->checkpoint();
+}
+
 PipelineEngine::PipelineEngine(std::vector<PipelineStageSpec> stages, PipelineModelInfo info)
     : stages_(std::move(stages)), info_(std::move(info)) {
   if (stages_.empty()) fail("pipeline: no stages");
@@ -52,17 +68,17 @@ std::vector<float> PipelineEngine::forward(SequenceState& seq_base, const std::v
   StageActivations a;
   a.tokens = S;
   a.pos0 = pos0;
-  a.ambiguous.assign(size_t(S), 0);
   stages_.front().stage->embed(tokens, a);
   // Hand-off between stages is the activations object itself (host memory); a device stage copies in and out.
   try {
     for (size_t i = 0; i < stages_.size(); ++i)
       stages_[i].stage->forward_layers(*seq->stages[i], a, stages_[i].layer_begin, stages_[i].layer_end);
   } catch (...) {
-    seq->truncate(pos0);  // a failed pass leaves every stage as it was, not some stages ahead of others
+    // A failed pass leaves every stage as it was, not some stages ahead of others (where the state can be
+    // rewound: recurrent state without a checkpoint at pos0 cannot, and such a sequence must be dropped).
+    if (seq->resume_point(pos0) == pos0) seq->truncate(pos0);
     throw;
   }
-  ambiguous_ = a.ambiguous;
   return stages_.back().stage->logits(a, all_logits ? S : 1);
 }
 

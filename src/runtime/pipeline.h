@@ -16,9 +16,8 @@ namespace moesrv {
 struct StageActivations {
   int64_t tokens = 0;                           // S
   int64_t pos0 = 0;                             // position of the first token
-  std::vector<float> hidden;                    // [S, D] fp32
+  std::vector<float> hidden;                    // [S, stream_width] fp32 (the residual streams)
   std::vector<std::vector<int32_t>> selection;  // DSA top-k per token; empty: none yet / dense attention
-  std::vector<uint8_t> ambiguous;               // [S] 1 where a DSA top-k boundary fell on tied scores
 };
 
 // One device's share of the model. Only the first stage embeds and only the last computes logits.
@@ -48,6 +47,8 @@ class PipelineSequence : public SequenceState {
   void truncate(int64_t n) override;
   std::unique_ptr<SequenceState> clone() const override;
   size_t bytes() const override;
+  int64_t resume_point(int64_t n) const override;
+  void checkpoint() override;
 };
 
 struct PipelineModelInfo {
@@ -67,12 +68,10 @@ class PipelineEngine : public Engine {
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
 
   const std::vector<PipelineStageSpec>& stages() const { return stages_; }
-  const std::vector<uint8_t>& last_ambiguous_selection() const { return ambiguous_; }
 
  private:
   std::vector<PipelineStageSpec> stages_;
   PipelineModelInfo info_;
-  std::vector<uint8_t> ambiguous_;
 };
 
 }  // namespace moesrv

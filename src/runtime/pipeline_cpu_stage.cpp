@@ -5,16 +5,17 @@
 namespace moesrv {
 
 void CpuPipelineStage::embed(const std::vector<int32_t>& tokens, StageActivations& a) {
-  a.hidden.assign(size_t(a.tokens * engine_->config().hidden_size), 0.0f);
+  a.hidden.assign(size_t(a.tokens * engine_->config().stream_width()), 0.0f);
   engine_->embed(tokens, a.hidden.data());
 }
 
 void CpuPipelineStage::forward_layers(SequenceState& seq_base, StageActivations& a, int64_t begin, int64_t end) {
   CpuSequence& seq = engine_->own_sequence(seq_base);
   if (seq.length() != a.pos0) fail("pipeline stage: sequence holds {} tokens, batch starts at {}", seq.length(), a.pos0);
-  if (int64_t(a.hidden.size()) != a.tokens * engine_->config().hidden_size) fail("pipeline stage: hidden state size mismatch");
-  engine_->forward_layers(seq, a.hidden.data(), a.tokens, a.pos0, begin, end, a.selection, &a.ambiguous);
+  if (int64_t(a.hidden.size()) != a.tokens * engine_->config().stream_width()) fail("pipeline stage: hidden state size mismatch");
+  engine_->forward_layers(seq, a.hidden.data(), a.tokens, a.pos0, begin, end, a.selection);
   seq.length_ = a.pos0 + a.tokens;
+  if (a.tokens > 1) seq.checkpoint();
 }
 
 std::vector<float> CpuPipelineStage::logits(const StageActivations& a, int64_t rows) {

@@ -14,7 +14,8 @@ PrefixCache::Hit PrefixCache::acquire(const std::vector<int32_t>& tokens, int64_
   auto best = lru_.end();
   int64_t best_len = 0;
   for (auto it = lru_.begin(); it != lru_.end(); ++it) {
-    int64_t n = std::min(common_prefix(it->tokens, tokens), max_reuse);
+    // A recurrent state resumes only where it was checkpointed: the longest such point within the match.
+    int64_t n = it->state->resume_point(std::min(common_prefix(it->tokens, tokens), max_reuse));
     if (n > best_len) best = it, best_len = n;
   }
   Hit hit;
@@ -30,7 +31,7 @@ PrefixCache::Hit PrefixCache::acquire(const std::vector<int32_t>& tokens, int64_
       lru_.splice(lru_.begin(), lru_, best);
     }
     hit.reused = best_len;
-  } catch (...) {  // a state that cannot be cloned/truncated (e.g. recurrent) is a miss
+  } catch (...) {  // a state that cannot be cloned or truncated is a miss
     hit = Hit{};
   }
   return hit;

@@ -21,7 +21,8 @@ class PrefixCache {
     std::unique_ptr<SequenceState> state;  // holds exactly `reused` tokens (already truncated)
     int64_t reused = 0;
   };
-  // Returns a state holding the longest cached prefix of `tokens`, at most `max_reuse` tokens long (callers
+  // Returns a state holding the longest cached prefix of `tokens` that the state can resume from (any length for
+  // KV caches, a checkpoint for recurrent state), at most `max_reuse` tokens long (callers
   // pass prompt length - 1 so at least one token is left to produce logits). An entry fully consumed by the
   // prompt is moved out (no copy; the caller re-inserts the extended state); a partial match is cloned.
   Hit acquire(const std::vector<int32_t>& tokens, int64_t max_reuse);

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "format/lock.h"
+#include "model/state.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -37,6 +39,15 @@ const json& text_config(const json& config) {
   return it != config.end() && it->is_object() ? *it : config;
 }
 
+// Weights a tensor holds: an EXL3 trellis [in/16][out/16][16K] int16 holds in*out; its suh/svh scales and
+// codebook marker hold none.
+uint64_t exl3_aware_params(const std::string& name, const TensorView& t) {
+  if (name.ends_with(".trellis") && t.shape.size() == 3) return uint64_t(t.shape[0] * t.shape[1]) * 256;
+  for (const char* s : {".suh", ".svh", ".su", ".sv", ".mcg", ".mul1"})
+    if (name.ends_with(s)) return 0;
+  return uint64_t(t.numel());
+}
+
 }  // namespace
 
 ParamBytes count_parameter_bytes(const ModelPackage& pkg) {
@@ -44,14 +55,52 @@ ParamBytes count_parameter_bytes(const ModelPackage& pkg) {
   for (const auto& [file, shard] : pkg.shards())
     for (const auto& [name, t] : shard->tensors()) {
       bool expert = name.find(".mlp.experts.") != std::string::npos;
-      (expert ? p.experts : p.dense) += t.nbytes;
-      (expert ? p.expert_params : p.dense_params) += uint64_t(t.numel());
+      (expert ? p.experts : p.dense) += t.nbytes;  // as stored: EXL3 stays in its trellis form on the GPU too
+      (expert ? p.expert_params : p.dense_params) += exl3_aware_params(name, t);
       ++p.tensors;
     }
   return p;
 }
 
+namespace {
+
+// Supported architectures: the numbers come from model/state.h, the one state formula.
+std::optional<KvCacheSpec> kv_cache_spec_from_model(const json& config, int dtype_bytes) {
+  ModelSpec s;
+  try {
+    s = ModelSpec::from_json(config);
+  } catch (const Error&) {
+    return std::nullopt;  // an architecture moesrv does not run: estimated from the raw fields below
+  }
+  KvCacheSpec k;
+  uint64_t kv = 0, index = 0, fixed = 0;
+  for (const StateSpec& st : state_specs(s)) {
+    if (st.recurrent) ++k.linear_layers;
+    else ++k.attention_layers;
+    for (const StateBuffer& b : st.buffers) {
+      const bool indexer = b.name.rfind("index", 0) == 0;
+      if (indexer && b.growth != Growth::Fixed) ++k.indexer_layers;
+      if (b.growth == Growth::Fixed) fixed += uint64_t(b.elems) * 4;
+      else if (indexer) index += uint64_t(b.elems) * uint64_t(dtype_bytes) * uint64_t(b.growth == Growth::PerPool ? 1 : st.pool);
+      else kv += uint64_t(b.elems) * uint64_t(dtype_bytes);
+    }
+  }
+  k.kind = k.attention_layers == 0 ? "none" : s.attention == AttentionKind::MLA ? "MLA" : "GQA";
+  k.kv_bytes_per_token = kv;
+  // Pooled indexer keys grow by one key per index_kpool tokens: per token, their share (rounded up).
+  k.indexer_bytes_per_token = (index + uint64_t(s.index_kpool) - 1) / uint64_t(s.index_kpool);
+  k.linear_state_bytes = fixed;
+  k.formula = fmt::format("model/state.h over {} layers: {} with a per-token cache ({} B/token), indexer keys {} B/token",
+                          s.num_layers, k.attention_layers, kv, k.indexer_bytes_per_token);
+  if (s.index_kpool > 1) k.formula += fmt::format(" (one pooled key per {} tokens)", s.index_kpool);
+  if (fixed) k.formula += fmt::format("; fixed state per sequence {} ({} recurrent layers, fp32)", human(fixed), k.linear_layers);
+  return k;
+}
+
+}  // namespace
+
 KvCacheSpec kv_cache_spec(const json& config, int dtype_bytes) {
+  if (auto k = kv_cache_spec_from_model(config, dtype_bytes)) return *k;
   const json& c = text_config(config);
   KvCacheSpec k;
   int64_t layers = geti(c, "num_hidden_layers");

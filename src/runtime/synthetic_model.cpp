@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <map>
+#include <tuple>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
+#include "model/manifest.h"
 #include "util/numeric.h"
 #include "util/thread_pool.h"
 
@@ -33,6 +36,36 @@ json tiny_moe_config(int64_t layers) {
                 {"index_n_heads", 4}, {"index_head_dim", 32}, {"index_topk", 64}, {"intermediate_size", 512},
                 {"moe_intermediate_size", 64}, {"n_routed_experts", 32}, {"num_experts_per_tok", 4},
                 {"max_position_embeddings", 8192}});
+  return j;
+}
+
+json glm5_next_config(int64_t layers, int64_t vocab) {
+  std::vector<std::string> types, mlp, indexer;
+  for (int64_t i = 0; i < layers; ++i) {  // the published pattern: every 4th layer MLA (i % 4 == 3), all MoE
+    types.push_back(i % 4 == 3 ? "deepseek_sparse_attention" : "linear_attention");
+    mlp.push_back("sparse");
+    indexer.push_back("full");
+  }
+  return json{{"model_type", "glm5_next"}, {"vocab_size", vocab}, {"hidden_size", 4096}, {"num_hidden_layers", layers},
+              {"max_position_embeddings", 262144}, {"num_attention_heads", 64}, {"num_key_value_heads", 64},
+              {"rms_norm_eps", 1e-6}, {"intermediate_size", 12288}, {"q_lora_rank", 1536}, {"kv_lora_rank", 512},
+              {"qk_nope_head_dim", 256}, {"qk_rope_head_dim", 0}, {"v_head_dim", 256}, {"moe_intermediate_size", 2048},
+              {"n_routed_experts", 288}, {"n_shared_experts", 1}, {"num_experts_per_tok", 8}, {"n_group", 1},
+              {"topk_group", 1}, {"norm_topk_prob", true}, {"routed_scaling_factor", 2.5}, {"swiglu_limit", 10.0},
+              {"linear_num_heads", 64}, {"linear_head_dim", 128}, {"linear_conv_kernel_dim", 4},
+              {"linear_lower_bound", -5.0}, {"hc_mult", 4}, {"hc_sinkhorn_iters", 20}, {"hc_eps", 1e-6},
+              {"index_n_heads", 32}, {"index_head_dim", 128}, {"index_topk", 2048}, {"index_kpool", 4},
+              {"index_kpool_always_select_tail", true}, {"layer_types", types}, {"mlp_layer_types", mlp},
+              {"indexer_types", indexer}, {"tie_word_embeddings", false}};
+}
+
+json tiny_glm5_next_config(int64_t layers) {
+  json j = glm5_next_config(layers, 512);
+  j.update(json{{"hidden_size", 64}, {"num_attention_heads", 4}, {"num_key_value_heads", 4}, {"q_lora_rank", 32},
+                {"kv_lora_rank", 16}, {"qk_nope_head_dim", 16}, {"v_head_dim", 16}, {"intermediate_size", 128},
+                {"moe_intermediate_size", 16}, {"n_routed_experts", 16}, {"num_experts_per_tok", 4},
+                {"linear_num_heads", 4}, {"linear_head_dim", 16}, {"index_n_heads", 8}, {"index_head_dim", 16},
+                {"index_topk", 16}, {"max_position_embeddings", 8192}});
   return j;
 }
 
@@ -101,75 +134,24 @@ class Builder {
   std::vector<TensorView> views_;
 };
 
-void add_mlp(Builder& b, const std::string& p, int64_t hidden, int64_t inter) {
-  b.add(p + ".gate_proj.weight", {inter, hidden});
-  b.add(p + ".up_proj.weight", {inter, hidden});
-  b.add(p + ".down_proj.weight", {hidden, inter});
-}
-
 }  // namespace
 
 std::shared_ptr<ModelPackage> make_synthetic_model(const json& config, const SyntheticOptions& opt) {
   const ModelConfig c = ModelConfig::from_json(config);
-  const int64_t D = c.hidden_size, H = c.num_heads;
+  const std::string root = config.contains("text_config") ? "model.language_model." : "model.";
   Builder b(opt);
-  b.add("model.embed_tokens.weight", {c.vocab_size, D});
-  b.add("model.norm.weight", {D}, Fill::Ones);
-  if (!c.tie_embeddings) b.add("lm_head.weight", {c.vocab_size, D});
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}", l), a = p + ".self_attn", m = p + ".mlp";
-    b.add(p + ".input_layernorm.weight", {D}, Fill::Ones);
-    b.add(p + ".post_attention_layernorm.weight", {D}, Fill::Ones);
-    if (c.attention == AttentionKind::MLA) {
-      if (c.q_lora_rank > 0) {
-        b.add(a + ".q_a_proj.weight", {c.q_lora_rank, D});
-        b.add(a + ".q_a_layernorm.weight", {c.q_lora_rank}, Fill::Ones);
-        b.add(a + ".q_b_proj.weight", {H * c.qk_head_dim(), c.q_lora_rank});
-      } else {
-        b.add(a + ".q_proj.weight", {H * c.qk_head_dim(), D});
-      }
-      b.add(a + ".kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_dim, D});
-      b.add(a + ".kv_a_layernorm.weight", {c.kv_lora_rank}, Fill::Ones);
-      b.add(a + ".kv_b_proj.weight", {H * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank});
-      b.add(a + ".o_proj.weight", {D, H * c.v_head_dim});
-      if (c.dsa && c.layer_has_indexer[size_t(l)]) {
-        const std::string ix = a + ".indexer";
-        b.add(ix + ".wq_b.weight", {c.index_n_heads * c.index_head_dim, c.q_lora_rank});
-        b.add(ix + ".wk.weight", {c.index_head_dim, D});
-        b.add(ix + ".weights_proj.weight", {c.index_n_heads, D});
-        b.add(ix + ".k_norm.weight", {c.index_head_dim}, Fill::Ones);
-        b.add(ix + ".k_norm.bias", {c.index_head_dim}, Fill::Zeros);
-      }
-    } else {
-      const int64_t hd = c.head_dim;
-      b.add(a + ".q_proj.weight", {H * hd, D});
-      b.add(a + ".k_proj.weight", {c.num_kv_heads * hd, D});
-      b.add(a + ".v_proj.weight", {c.num_kv_heads * hd, D});
-      b.add(a + ".o_proj.weight", {D, H * hd});
-    }
-    if (!c.layer_is_moe[size_t(l)]) {
-      add_mlp(b, m, D, c.intermediate_size);
+  // Experts beyond `distinct` alias the weights of expert e % distinct (each keeps its own name and identity).
+  const int64_t distinct = opt.distinct_experts > 0 ? std::min(opt.distinct_experts, c.n_routed_experts) : c.n_routed_experts;
+  std::map<std::tuple<int64_t, int64_t, std::string>, const uint16_t*> owned;  // (layer, expert, matrix) -> data
+  for (const TensorEntry& t : manifest(c, root)) {
+    const Fill fill = t.init == TensorInit::Ones ? Fill::Ones : t.init == TensorInit::Zeros ? Fill::Zeros : Fill::Random;
+    if (t.role != TensorRole::Expert) {
+      b.add(t.name, t.shape, fill);
       continue;
     }
-    const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
-    b.add(m + ".gate.weight", {E, D});
-    b.add(m + ".gate.e_score_correction_bias", {E}, Fill::Zeros);
-    const int64_t distinct = opt.distinct_experts > 0 ? std::min(opt.distinct_experts, E) : E;
-    std::vector<const uint16_t*> owned;  // [distinct][gate, up, down]
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string ep = fmt::format("{}.experts.{}", m, e);
-      if (e < distinct) {
-        owned.push_back(b.add(ep + ".gate_proj.weight", {I, D}));
-        owned.push_back(b.add(ep + ".up_proj.weight", {I, D}));
-        owned.push_back(b.add(ep + ".down_proj.weight", {D, I}));
-      } else {
-        const size_t k = size_t(e % distinct) * 3;
-        b.alias(ep + ".gate_proj.weight", {I, D}, owned[k]);
-        b.alias(ep + ".up_proj.weight", {I, D}, owned[k + 1]);
-        b.alias(ep + ".down_proj.weight", {D, I}, owned[k + 2]);
-      }
-    }
-    if (c.n_shared_experts > 0) add_mlp(b, m + ".shared_experts", D, I * c.n_shared_experts);
+    const std::string leaf = t.name.substr(t.name.rfind('.', t.name.size() - 8));  // ".gate_proj.weight"
+    if (t.expert < distinct) owned[{t.layer, t.expert, leaf}] = b.add(t.name, t.shape, fill);
+    else b.alias(t.name, t.shape, owned.at({t.layer, t.expert % distinct, leaf}));
   }
   return b.finish(config);
 }

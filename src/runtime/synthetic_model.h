@@ -20,6 +20,12 @@ nlohmann::json glm5_config(int64_t layers, int64_t vocab = 154880);
 // The same structure at reduced width (hidden 256, 32 experts top-4): for tests.
 nlohmann::json tiny_moe_config(int64_t layers);
 
+// GLM-5.3-Flash (glm5_next) shapes (hidden 4096, KDA 64x128, NoPE MLA 256/512, indexer 32x128 k-pool 4 top-2048,
+// 288 experts top-8 + 1 shared, mHC 4 streams) with `layers` layers (i % 4 == 3 MLA, the rest KDA; all MoE).
+nlohmann::json glm5_next_config(int64_t layers, int64_t vocab = 154880);
+// The same structure at test width (hidden 64, 16 experts top-4, KDA 4x16, indexer 8x16 top-16).
+nlohmann::json tiny_glm5_next_config(int64_t layers);
+
 // Builds every tensor ModelWeights::load needs for `config` (an HF config.json object).
 std::shared_ptr<ModelPackage> make_synthetic_model(const nlohmann::json& config, const SyntheticOptions& opt = {});
 

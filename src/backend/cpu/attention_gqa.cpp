@@ -1,4 +1,5 @@
 // Grouped-query attention with optional q/k RMSNorm and partial rotary embedding (GLM-4.5 family).
+#include <cmath>
 #include <limits>
 
 #include "backend/cpu/cpu_layers.h"
@@ -8,10 +9,20 @@
 namespace moesrv::cpu {
 
 void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
-                 LayerCache& cache, float* out) {
+                 LayerState& cache, float* out) {
   const int64_t H = c.num_heads, KV = c.num_kv_heads, hd = c.head_dim, T = pos0 + S;
-  std::vector<float> q(size_t(S * H * hd)), k(size_t(S * KV * hd)), v(size_t(S * KV * hd));
-  w.q->forward(x, S, q.data());
+  std::vector<float> q(size_t(S * H * hd)), k(size_t(S * KV * hd)), v(size_t(S * KV * hd)), gate;
+  if (c.attn_output_gate) {  // q_proj yields [H, (query, gate)] per token
+    std::vector<float> qg(size_t(S * H * 2 * hd));
+    w.q->forward(x, S, qg.data());
+    gate.resize(q.size());
+    for (int64_t i = 0; i < S * H; ++i) {
+      std::copy(qg.begin() + i * 2 * hd, qg.begin() + i * 2 * hd + hd, q.begin() + i * hd);
+      std::copy(qg.begin() + i * 2 * hd + hd, qg.begin() + (i + 1) * 2 * hd, gate.begin() + i * hd);
+    }
+  } else {
+    w.q->forward(x, S, q.data());
+  }
   w.k->forward(x, S, k.data());
   w.v->forward(x, S, v.data());
   if (c.qk_norm) {
@@ -43,6 +54,7 @@ void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, co
       for (int64_t t = 0; t <= pos; ++t) axpy(scores[size_t(t)], cache.v.data() + (t * KV + kvh) * hd, hd, oh);
     }
   });
+  for (size_t i = 0; i < gate.size(); ++i) attn[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
   w.o->forward(attn.data(), S, out);
 }
 

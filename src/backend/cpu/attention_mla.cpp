@@ -11,7 +11,7 @@
 namespace moesrv::cpu {
 
 void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
-                 LayerCache& cache, TokenSelection& selection, float* out, std::vector<uint8_t>* ambiguous) {
+                 LayerState& cache, TokenSelection& selection, float* out) {
   const int64_t H = c.num_heads, dn = c.qk_nope_dim, dr = c.qk_rope_dim, qk = c.qk_head_dim();
   const int64_t r = c.kv_lora_rank, dv = c.v_head_dim;
 
@@ -37,7 +37,9 @@ void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, co
     rope.apply(kr, pos0 + s, c.rope.layout);
   }
 
-  if (w.indexer) selection = dsa_select(*w.indexer, c, rope, x, q_latent.data(), S, pos0, cache, ambiguous);
+  if (w.indexer)
+    selection = c.index_kpool > 1 ? kpool_select(*w.indexer, c, x, q_latent.data(), S, pos0, cache)
+                                  : dsa_select(*w.indexer, c, rope, x, q_latent.data(), S, pos0, cache);
 
   // Queries into latent space: q_abs[s, h] = W_uk[h]^T q_nope[s, h]; rope part kept contiguous beside it.
   std::vector<float> q_abs(size_t(S * H * r), 0.0f), q_rope(size_t(S * H * dr));
@@ -76,7 +78,8 @@ void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, co
     scores.resize(size_t(H * n));
     rope_scores.resize(size_t(H * n));
     gemm_f32(q_abs.data() + s * H * r, H, kl, n, r, scores.data());
-    gemm_f32(q_rope.data() + s * H * dr, H, kr, n, dr, rope_scores.data());
+    if (dr > 0) gemm_f32(q_rope.data() + s * H * dr, H, kr, n, dr, rope_scores.data());
+    else std::fill(rope_scores.begin(), rope_scores.end(), 0.0f);
     for (int64_t h = 0; h < H; ++h) {
       float* row = scores.data() + h * n;
       for (int64_t t = 0; t < n; ++t) row[t] = (row[t] + rope_scores[size_t(h * n + t)]) * scale;

@@ -4,31 +4,95 @@
 #include <filesystem>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/residual.h"
+#include "model/state.h"
 #include "util/error.h"
 
 namespace moesrv {
 
+namespace {
+constexpr size_t kMaxCheckpoints = 16;
+}  // namespace
+
+CpuSequence::CpuSequence(const ModelConfig& c, const void* engine)
+    : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
+  for (const StateSpec& st : state_specs(c)) {
+    recurrent_ |= st.recurrent;
+    fixed_state_ |= st.recurrent || st.pool > 1;
+  }
+}
+
+bool CpuSequence::resumable(int64_t n) const {
+  if (n == length_ || n == 0 || !fixed_state_) return true;
+  if (!recurrent_ && n % c_->index_kpool == 0) return true;  // k-pool only: the open pool is empty there
+  return std::any_of(checkpoints_.begin(), checkpoints_.end(), [n](const auto& cp) { return cp->length == n; });
+}
+
+int64_t CpuSequence::resume_point(int64_t n) const {
+  n = std::min(n, length_);
+  if (resumable(n)) return n;
+  int64_t best = 0;
+  for (const auto& cp : checkpoints_)
+    if (cp->length <= n) best = std::max(best, cp->length);
+  if (!recurrent_) best = std::max(best, n / c_->index_kpool * c_->index_kpool);
+  return best;
+}
+
+void CpuSequence::checkpoint() {
+  if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back()->length == length_)) return;
+  auto cp = std::make_shared<Checkpoint>();
+  cp->length = length_;
+  cp->fixed.resize(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    cp->fixed[l].conv = layers[l].conv;
+    cp->fixed[l].recurrent = layers[l].recurrent;
+    cp->fixed[l].open_k = layers[l].open_k;
+    cp->fixed[l].open_g = layers[l].open_g;
+  }
+  checkpoints_.push_back(std::move(cp));
+  if (checkpoints_.size() > kMaxCheckpoints) checkpoints_.erase(checkpoints_.begin());
+}
+
 void CpuSequence::truncate(int64_t n) {
   if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
-  for (auto& L : layers) {
+  if (n == length_) return;
+  if (!resumable(n)) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
+  const Checkpoint* cp = nullptr;
+  for (const auto& c : checkpoints_)
+    if (c->length == n) cp = c.get();
+  const ModelConfig& c = *c_;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    cpu::LayerState& L = layers[l];
     auto cut = [n](std::vector<float>& v, int64_t per_token) {
-      if (per_token > 0 && !v.empty()) v.resize(size_t(n * per_token));
+      if (!v.empty()) v.resize(size_t(n * per_token));
     };
-    if (!L.latent.empty() || !L.k_rope.empty()) {
-      cut(L.latent, kv_dims[0]);
-      cut(L.k_rope, kv_dims[1]);
-    } else {
-      cut(L.k, kv_dims[0]);
-      cut(L.v, kv_dims[1]);
+    cut(L.latent, c.kv_lora_rank);
+    cut(L.k_rope, c.qk_rope_dim);
+    cut(L.k, c.num_kv_heads * c.head_dim);
+    cut(L.v, c.num_kv_heads * c.head_dim);
+    cut(L.index_k, c.index_head_dim);
+    if (!L.pool_k.empty() || !L.open_k.empty()) L.pool_k.resize(size_t(n / c.index_kpool * c.index_head_dim));
+    if (cp) {
+      L.conv = cp->fixed[l].conv;
+      L.recurrent = cp->fixed[l].recurrent;
+      L.open_k = cp->fixed[l].open_k;
+      L.open_g = cp->fixed[l].open_g;
+    } else {  // n == 0, or a pool boundary of a model without recurrent layers
+      L.conv.clear();
+      L.recurrent.clear();
+      L.open_k.clear();
+      L.open_g.clear();
     }
-    cut(L.index_k, kv_dims[2]);
   }
+  while (!checkpoints_.empty() && checkpoints_.back()->length > n) checkpoints_.pop_back();
   length_ = n;
 }
 
 size_t CpuSequence::bytes() const {
   size_t b = 0;
   for (const auto& L : layers) b += L.bytes();
+  for (const auto& cp : checkpoints_)
+    for (const auto& L : cp->fixed) b += L.bytes();
   return b;
 }
 
@@ -46,17 +110,7 @@ std::unique_ptr<CpuEngine> CpuEngine::open(const std::string& model_dir, std::st
 }
 
 std::unique_ptr<SequenceState> CpuEngine::new_sequence() const {
-  const ModelConfig& c = weights_->config;
-  auto s = std::make_unique<CpuSequence>(c.num_layers);
-  s->owner = this;
-  if (c.attention == AttentionKind::MLA) {
-    s->kv_dims[0] = c.kv_lora_rank;
-    s->kv_dims[1] = c.qk_rope_dim;
-  } else {
-    s->kv_dims[0] = s->kv_dims[1] = c.num_kv_heads * c.head_dim;
-  }
-  s->kv_dims[2] = c.index_head_dim;
-  return s;
+  return std::make_unique<CpuSequence>(weights_->config, this);
 }
 
 CpuSequence& CpuEngine::own_sequence(SequenceState& seq_base) const {
@@ -67,43 +121,56 @@ CpuSequence& CpuEngine::own_sequence(SequenceState& seq_base) const {
 
 void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
   const ModelConfig& c = weights_->config;
-  const int64_t D = c.hidden_size;
+  const int64_t D = c.hidden_size, n = c.residual.streams;
   for (size_t s = 0; s < tokens.size(); ++s) {
     int32_t t = tokens[s];
     if (t < 0 || t >= c.vocab_size) fail("token id {} outside vocabulary [0, {})", t, c.vocab_size);
-    weights_->embed->rows_to_f32(t, t + 1, x + int64_t(s) * D);
+    float* row = x + int64_t(s) * n * D;
+    weights_->embed->rows_to_f32(t, t + 1, row);
+    for (int64_t i = 1; i < n; ++i) std::copy(row, row + D, row + i * D);
   }
 }
 
 void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
-                               cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous) {
+                               cpu::TokenSelection& selection) {
   const ModelConfig& c = weights_->config;
   if (begin < 0 || end > c.num_layers || begin > end) fail("forward_layers: range [{}, {}) outside {} layers", begin, end, c.num_layers);
-  const int64_t D = c.hidden_size, n = S * D;
-  std::vector<float> h(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+  const int64_t D = c.hidden_size;
+  std::vector<float> h(size_t(S * D)), y(size_t(S * D));
+  cpu::Residual residual(c);
   for (int64_t l = begin; l < end; ++l) {
     const LayerWeights& L = weights_->layers[size_t(l)];
-    cpu::LayerCache& cache = seq.layers[size_t(l)];
-    cpu::rms_norm(x, L.input_norm.weight.data(), S, D, c.rms_eps, h.data());
-    if (L.mla) {
-      if (c.dsa && L.mla->indexer) selection.clear();  // recomputed by this layer; shared layers reuse it
-      cpu::mla_forward(*L.mla, c, rope_, h.data(), S, pos0, cache, selection, y.data(), ambiguous);
-    } else {
-      cpu::gqa_forward(*L.gqa, c, rope_, h.data(), S, pos0, cache, y.data());
+    const LayerSpec& spec = c.layers[size_t(l)];
+    cpu::LayerState& state = seq.layers[size_t(l)];
+    residual.enter(x, S, L.input_norm, L.attn_hc, h.data());
+    switch (spec.mixer) {
+      case Mixer::Mla:
+        if (spec.indexer == IndexerKind::Own) selection.clear();  // recomputed here; shared layers reuse it
+        cpu::mla_forward(*L.mla, c, rope_, h.data(), S, pos0, state, selection, y.data());
+        break;
+      case Mixer::Gqa: cpu::gqa_forward(*L.gqa, c, rope_, h.data(), S, pos0, state, y.data()); break;
+      case Mixer::Kda: cpu::kda_forward(*L.kda, c, h.data(), S, state, y.data()); break;
+      case Mixer::GatedDelta: cpu::gated_delta_forward(*L.gated_delta, c, h.data(), S, state, y.data()); break;
     }
-    for (int64_t i = 0; i < n; ++i) x[i] += y[size_t(i)];
-    cpu::rms_norm(x, L.post_attention_norm.weight.data(), S, D, c.rms_eps, h.data());
+    residual.leave(x, S, y.data());
+    residual.enter(x, S, L.post_attention_norm, L.ffn_hc, h.data());
     if (L.moe) cpu::moe_forward(*L.moe, c, h.data(), S, y.data(), &usage_, l);
     else cpu::mlp_forward(*L.mlp, h.data(), S, y.data());
-    for (int64_t i = 0; i < n; ++i) x[i] += y[size_t(i)];
+    residual.leave(x, S, y.data());
   }
 }
 
 std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) const {
   const ModelConfig& c = weights_->config;
-  const int64_t D = c.hidden_size;
-  std::vector<float> h(size_t(rows * D)), out(size_t(rows * c.vocab_size));
-  cpu::rms_norm(x + (S - rows) * D, weights_->final_norm.weight.data(), rows, D, c.rms_eps, h.data());
+  const int64_t D = c.hidden_size, n = c.residual.streams;
+  std::vector<float> h(size_t(rows * D), 0.0f), out(size_t(rows * c.vocab_size));
+  for (int64_t r = 0; r < rows; ++r) {  // mean over the residual streams
+    const float* X = x + (S - rows + r) * n * D;
+    for (int64_t i = 0; i < n; ++i) cpu::axpy(1.0f, X + i * D, D, h.data() + r * D);
+    if (n > 1)
+      for (int64_t d = 0; d < D; ++d) h[size_t(r * D + d)] /= float(n);
+  }
+  cpu::rms_norm(h.data(), weights_->final_norm.weight.data(), rows, D, c.rms_eps, h.data());
   weights_->lm_head->forward(h.data(), rows, out.data());
   return out;
 }
@@ -111,16 +178,29 @@ std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) co
 std::vector<float> CpuEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
   CpuSequence& seq = own_sequence(seq_base);
   const ModelConfig& c = weights_->config;
-  const int64_t S = int64_t(tokens.size()), pos0 = seq.length();
+  const int64_t S = int64_t(tokens.size()), pos0 = seq.length(), W = c.stream_width();
   if (S == 0) fail("forward: no tokens");
   if (pos0 + S > c.max_position) fail("context length exceeded: {} + {} tokens > {}", pos0, S, c.max_position);
-  std::vector<float> x(size_t(S * c.hidden_size));
-  embed(tokens, x.data());
-  cpu::TokenSelection selection;
-  ambiguous_.assign(size_t(S), 0);
-  forward_layers(seq, x.data(), S, pos0, 0, c.num_layers, selection, &ambiguous_);
-  seq.length_ = pos0 + S;
-  return logits(x.data(), S, all_logits ? S : 1);
+  std::vector<float> out;
+  if (all_logits) out.reserve(size_t(S * c.vocab_size));
+  for (int64_t done = 0; done < S;) {
+    // Pieces end at checkpoint boundaries of the recurrent state (the whole batch otherwise).
+    int64_t n = S - done;
+    if (c.has_recurrent_layers() && S > 1) n = std::min(n, kCheckpointInterval - (pos0 + done) % kCheckpointInterval);
+    std::vector<int32_t> piece(tokens.begin() + done, tokens.begin() + done + n);
+    std::vector<float> x(size_t(n * W));
+    embed(piece, x.data());
+    cpu::TokenSelection selection;
+    forward_layers(seq, x.data(), n, pos0 + done, 0, c.num_layers, selection);
+    seq.length_ = pos0 + done + n;
+    done += n;
+    if (S > 1) seq.checkpoint();
+    if (all_logits || done == S) {
+      auto part = logits(x.data(), n, all_logits ? n : 1);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+  }
+  return out;
 }
 
 }  // namespace moesrv

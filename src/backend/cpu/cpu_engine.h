@@ -12,16 +12,30 @@ namespace moesrv {
 
 class CpuSequence : public SequenceState {
  public:
-  explicit CpuSequence(int64_t layers) : layers(size_t(layers)) {}
+  // The fixed-size parts of every layer's state at one length (recurrent + conv state, open k-pool).
+  struct Checkpoint {
+    int64_t length = 0;
+    std::vector<cpu::LayerState> fixed;  // per layer: conv, recurrent, open_k, open_g only
+  };
+
+  CpuSequence(const ModelConfig& c, const void* owner);
   int64_t length() const override { return length_; }
   void truncate(int64_t n) override;
   std::unique_ptr<SequenceState> clone() const override { return std::make_unique<CpuSequence>(*this); }
   size_t bytes() const override;
+  int64_t resume_point(int64_t n) const override;
+  void checkpoint() override;
 
-  std::vector<cpu::LayerCache> layers;
+  std::vector<cpu::LayerState> layers;
   int64_t length_ = 0;
   const void* owner = nullptr;  // the engine that created it (layout check)
-  int64_t kv_dims[3] = {0, 0, 0};  // per-token floats of latent/k, rope/v, index_k (for truncate)
+
+ private:
+  bool resumable(int64_t n) const;
+  const ModelConfig* c_;
+  bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
+  bool recurrent_ = false;
+  std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
 };
 
 class CpuEngine : public Engine {
@@ -33,32 +47,32 @@ class CpuEngine : public Engine {
   int64_t vocab_size() const override { return weights_->config.vocab_size; }
   int64_t max_context() const override { return weights_->config.max_position; }
   std::unique_ptr<SequenceState> new_sequence() const override;
+  // Prefill of a model with recurrent state is cut at multiples of kCheckpointInterval tokens, and the state
+  // is checkpointed there and at the end of every multi-token forward (resume points for the prefix cache).
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
+  static constexpr int64_t kCheckpointInterval = 2048;
 
   // The steps of forward(), public so a pipeline stage can run a layer range (forward() uses them too).
-  // Token embeddings into x [S, D].
+  // Token embeddings into x [S, stream_width] (copied into every residual stream).
   void embed(const std::vector<int32_t>& tokens, float* x) const;
-  // Layers [begin, end) over x [S, D] at positions [pos0, pos0+S); appends to seq's caches of those layers
-  // (seq's length is left to the caller). `selection` is the DSA top-k in and out: a shared layer at `begin`
-  // reuses the selection of layer begin-1. Marks tied DSA selections in ambiguous [S] when given.
+  // THE decoder loop: layers [begin, end) over x [S, stream_width] at positions [pos0, pos0+S); appends to
+  // seq's state of those layers (seq's length is left to the caller). `selection` is the DSA top-k in and out:
+  // a shared layer reuses the selection of the last layer that ran its own indexer.
   void forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
-                      cpu::TokenSelection& selection, std::vector<uint8_t>* ambiguous = nullptr);
-  // Final norm + lm_head over the last `rows` rows of x [S, D]: [rows, vocab].
+                      cpu::TokenSelection& selection);
+  // Collapse the streams, final norm, lm_head over the last `rows` rows of x [S, stream_width]: [rows, vocab].
   std::vector<float> logits(const float* x, int64_t S, int64_t rows) const;
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
 
   const ModelConfig& config() const { return weights_->config; }
   // Routed-expert selections seen so far (for pinning hot experts at the next start, see usage_placement.h).
   const UsageStats* expert_usage() const override { return &usage_; }
-  // Per token of the last forward(): 1 where a DSA top-k boundary fell on tied indexer scores in some layer.
-  const std::vector<uint8_t>& last_ambiguous_selection() const { return ambiguous_; }
   const ModelWeights& weights() const { return *weights_; }
 
  private:
   std::unique_ptr<ModelWeights> weights_;
   Rope rope_;
   std::string name_;
-  std::vector<uint8_t> ambiguous_;
   UsageStats usage_;
 };
 

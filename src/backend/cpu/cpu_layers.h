@@ -9,15 +9,22 @@
 
 namespace moesrv::cpu {
 
-// Per-layer cache, fp32. MLA keeps only the normalised latent and the roped shared key (absorbed attention).
-struct LayerCache {
+// Per-layer state, fp32 (the buffers model/state.h describes). MLA keeps only the normalised latent and the
+// roped shared key (absorbed attention); recurrent layers keep a fixed-size state instead of a cache.
+struct LayerState {
   std::vector<float> latent, k_rope;  // MLA: [T, kv_lora_rank], [T, qk_rope_dim]
   std::vector<float> index_k;         // DSA indexer keys [T, index_head_dim]
+  std::vector<float> pool_k;          // k-pool indexer: one pooled key per completed pool [P, index_head_dim]
+  std::vector<float> open_k, open_g;  // k-pool: keys and gate logits of the open pool's tokens [< kpool, d]
   std::vector<float> k, v;            // GQA: [T, kv_heads * head_dim]
+  std::vector<float> conv;            // linear attention: the last kernel-1 conv inputs [kernel - 1, channels]
+  std::vector<float> recurrent;       // linear attention: delta-rule state [heads, dk, dv]
   size_t bytes() const {
-    return (latent.size() + k_rope.size() + index_k.size() + k.size() + v.size()) * sizeof(float);
+    return (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + open_k.size() + open_g.size() +
+            k.size() + v.size() + conv.size() + recurrent.size()) * sizeof(float);
   }
 };
+using LayerCache = LayerState;
 
 // Key positions each query token may attend to (DSA top-k); empty = dense causal attention.
 using TokenSelection = std::vector<std::vector<int32_t>>;
@@ -25,16 +32,25 @@ using TokenSelection = std::vector<std::vector<int32_t>>;
 // MLA attention for S tokens at positions [pos0, pos0+S). Appends to `cache`. When the layer has an indexer,
 // computes and returns the DSA selection in `selection`; for "shared" DSA layers `selection` is the input.
 void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
-                 LayerCache& cache, TokenSelection& selection, float* out, std::vector<uint8_t>* ambiguous = nullptr);
+                 LayerState& cache, TokenSelection& selection, float* out);
 
 // DSA lightning indexer: top-k key positions for each of the S query tokens (appends indexer keys to cache).
-// Tokens whose k-th best score ties with an unselected key get ambiguous[s] = 1 (when ambiguous is given).
 TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const Rope& rope, const float* x,
-                          const float* q_latent, int64_t S, int64_t pos0, LayerCache& cache,
-                          std::vector<uint8_t>* ambiguous = nullptr);
+                          const float* q_latent, int64_t S, int64_t pos0, LayerState& cache);
+
+// k-pool DSA indexer (GLM-5.3-Flash): scores completed pools of index_kpool tokens, keeps the best
+// index_topk / kpool pools per query, expands them to positions and appends the open pool's visible tail.
+TokenSelection kpool_select(const IndexerWeights& w, const ModelConfig& c, const float* x, const float* q_latent,
+                            int64_t S, int64_t pos0, LayerState& state);
+
+// KDA linear attention (GLM-5.3-Flash) and Gated DeltaNet (Qwen3-Next) over S tokens; update state's conv and
+// recurrent buffers (allocated zero on first use).
+void kda_forward(const KdaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& state, float* out);
+void gated_delta_forward(const GatedDeltaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& state,
+                         float* out);
 
 void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
-                 LayerCache& cache, float* out);
+                 LayerState& cache, float* out);
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out);
 // Records each token's routed experts into `usage` (layer `layer`) when given.

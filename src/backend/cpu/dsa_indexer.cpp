@@ -12,41 +12,21 @@ namespace moesrv::cpu {
 
 namespace {
 
-// Top-k by score over the whole masked row, selected like PyTorch's CPU topk (nth_element on (score, index)
-// pairs): ReLU scores tie at exactly zero often, and this keeps tie resolution identical to the reference.
-// Returns true when the k-th score ties with a score left out: the selection is then ambiguous (the
-// reference's own choice depends on its sort internals).
-bool select_top(std::vector<std::pair<float, int64_t>>& ranked, int64_t k, int64_t n_valid, std::vector<int32_t>& out) {
-  auto greater = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) { return x.first > y.first; };
-  // PyTorch keeps a heap of k when k * 64 <= n, else runs nth_element over the whole row.
-  if (k * 64 <= int64_t(ranked.size())) {
-    std::make_heap(ranked.begin(), ranked.begin() + k, greater);
-    for (size_t i = size_t(k); i < ranked.size(); ++i)
-      if (greater(ranked[i], ranked[0])) {
-        auto v = ranked[i];
-        std::pop_heap(ranked.begin(), ranked.begin() + k, greater);
-        ranked[size_t(k - 1)] = v;
-        std::push_heap(ranked.begin(), ranked.begin() + k, greater);
-      }
-  } else {
-    std::nth_element(ranked.begin(), ranked.begin() + k - 1, ranked.end(), greater);
-  }
+// The k best (score, position) pairs, best first; equal scores keep the lower position. Positions >= n_valid
+// (causally masked, score -inf) are never selected.
+void select_top(std::vector<std::pair<float, int64_t>>& ranked, int64_t k, int64_t n_valid, std::vector<int32_t>& out) {
+  k = std::min(k, n_valid);
+  std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.begin() + n_valid, [](const auto& x, const auto& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  });
   out.clear();
-  float kth = ranked[size_t(k - 1)].first;
-  for (int64_t i = 0; i < k; ++i) {
-    if (ranked[size_t(i)].second < n_valid) out.push_back(int32_t(ranked[size_t(i)].second));
-    kth = std::min(kth, ranked[size_t(i)].first);
-  }
-  for (size_t i = size_t(k); i < ranked.size(); ++i)
-    if (ranked[i].first == kth && ranked[i].second < n_valid) return true;
-  return false;
+  for (int64_t i = 0; i < k; ++i) out.push_back(int32_t(ranked[size_t(i)].second));
 }
 
 }  // namespace
 
 TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const Rope& rope, const float* x,
-                          const float* q_latent, int64_t S, int64_t pos0, LayerCache& cache,
-                          std::vector<uint8_t>* ambiguous) {
+                          const float* q_latent, int64_t S, int64_t pos0, LayerState& cache) {
   const int64_t nh = c.index_n_heads, d = c.index_head_dim, T = pos0 + S;
   std::vector<float> q(size_t(S * nh * d)), k(size_t(S * d)), hw(size_t(S * nh));
   w.wq_b->forward(q_latent, S, q.data());
@@ -77,8 +57,7 @@ TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const R
         }
         ranked[size_t(t)] = {acc, t};
       }
-      if (select_top(ranked, std::min<int64_t>(c.index_topk, T), n, sel[size_t(s)]) && ambiguous)
-        (*ambiguous)[size_t(s)] = 1;
+      select_top(ranked, c.index_topk, n, sel[size_t(s)]);
     }
   });
   return sel;

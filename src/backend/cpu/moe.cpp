@@ -1,5 +1,6 @@
 // Dense SwiGLU MLP and the routed mixture of experts (tokens grouped per expert, plus shared experts).
 #include <algorithm>
+#include <cmath>
 
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/linear.h"
@@ -13,6 +14,11 @@ void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out) {
   std::vector<float> g(size_t(S * inter)), u(size_t(S * inter));
   w.gate->forward(x, S, g.data());
   w.up->forward(x, S, u.data());
+  if (w.limit > 0)
+    for (size_t i = 0; i < g.size(); ++i) {
+      g[i] = std::min(g[i], w.limit);
+      u[i] = std::clamp(u[i], -w.limit, w.limit);
+    }
   silu_mul(g.data(), u.data(), S * inter, g.data());
   w.down->forward(g.data(), S, out);
 }
@@ -29,8 +35,16 @@ void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int6
     if (usage) usage->record(layer, r.ids);
     for (size_t i = 0; i < r.ids.size(); ++i) assigned[size_t(r.ids[i])].push_back({s, r.weights[i]});
   }
-  if (w.shared) mlp_forward(*w.shared, x, S, out);
-  else std::fill(out, out + S * D, 0.0f);
+  if (w.shared) {
+    mlp_forward(*w.shared, x, S, out);
+    if (!w.shared_gate.empty())
+      for (int64_t s = 0; s < S; ++s) {
+        const float gate = 1.0f / (1.0f + std::exp(-dot(x + s * D, w.shared_gate.data(), D)));
+        for (int64_t d = 0; d < D; ++d) out[s * D + d] *= gate;
+      }
+  } else {
+    std::fill(out, out + S * D, 0.0f);
+  }
   std::vector<float> xs, ys;
   for (int64_t e = 0; e < E; ++e) {
     const auto& toks = assigned[size_t(e)];

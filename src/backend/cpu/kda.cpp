@@ -1,0 +1,73 @@
+// KDA linear attention (GLM-5.3-Flash): short causal convs + SiLU on q/k/v, per-head L2 norm, per-channel
+// decay, the gated delta rule in fp32 (chunked for prefill, the recurrence for single tokens), and a
+// sigmoid-gated RMSNorm on the output.
+#include <cmath>
+
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/delta_rule.h"
+#include "backend/cpu/linear.h"
+#include "backend/cpu/ops.h"
+
+namespace moesrv::cpu {
+
+namespace {
+float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+}  // namespace
+
+void kda_forward(const KdaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& st, float* out) {
+  const LinearAttnDims& la = c.linear;
+  const int64_t H = la.v_heads, d = la.dk, Hd = H * d, C = 3 * Hd, K = la.conv_kernel;
+  if (st.conv.empty()) st.conv.assign(size_t((K - 1) * C), 0.0f);
+  if (st.recurrent.empty()) st.recurrent.assign(size_t(H * d * d), 0.0f);
+
+  std::vector<float> qkv(size_t(S * C)), proj(size_t(S * Hd));
+  for (int part = 0; part < 3; ++part) {
+    (part == 0 ? w.q : part == 1 ? w.k : w.v)->forward(x, S, proj.data());
+    for (int64_t s = 0; s < S; ++s) std::copy(proj.begin() + s * Hd, proj.begin() + (s + 1) * Hd, qkv.begin() + s * C + part * Hd);
+  }
+  std::vector<float> mixed(size_t(S * C));
+  causal_conv1d_silu(qkv.data(), S, C, w.conv.data(), K, st.conv.data(), mixed.data());
+  std::vector<float> q(size_t(S * Hd)), k(size_t(S * Hd)), v(size_t(S * Hd));
+  for (int64_t s = 0; s < S; ++s) {
+    const float* m = mixed.data() + s * C;
+    std::copy(m, m + Hd, q.begin() + s * Hd);
+    std::copy(m + Hd, m + 2 * Hd, k.begin() + s * Hd);
+    std::copy(m + 2 * Hd, m + 3 * Hd, v.begin() + s * Hd);
+  }
+  l2_normalize_rows(q.data(), S * H, d);
+  l2_normalize_rows(k.data(), S * H, d);
+  const float qscale = 1.0f / std::sqrt(float(d));
+  for (float& e : q) e *= qscale;
+
+  // Per-channel log decay g (<= 0) and per-head beta.
+  std::vector<float> fa(size_t(S * d)), g(size_t(S * Hd)), beta(size_t(S * H));
+  w.f_a->forward(x, S, fa.data());
+  w.f_b->forward(fa.data(), S, g.data());
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < H; ++h) {
+      const float rate = std::exp(w.a_log[size_t(h)]);
+      for (int64_t j = 0; j < d; ++j) {
+        float& e = g[size_t(s * Hd + h * d + j)];
+        const float f = e + w.dt_bias[size_t(h * d + j)];
+        e = la.lower_bound_set ? float(la.lower_bound) * sigmoid(rate * f) : -rate * softplus(f);
+      }
+    }
+  w.b->forward(x, S, beta.data());
+  for (float& e : beta) e = sigmoid(e);
+
+  const DeltaRuleShape shape{H, d, d, /*per_channel_decay=*/true};
+  std::vector<float> o(size_t(S * Hd));
+  if (S == 1) delta_rule_recurrent(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
+  else delta_rule_chunked(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
+
+  // Output: RMSNorm per head over d with o_norm, times sigmoid(g_b(g_a x)).
+  std::vector<float> ga(size_t(S * d)), gate(size_t(S * Hd));
+  w.g_a->forward(x, S, ga.data());
+  w.g_b->forward(ga.data(), S, gate.data());
+  rms_norm(o.data(), w.o_norm.weight.data(), S * H, d, c.rms_eps, o.data());
+  for (size_t i = 0; i < o.size(); ++i) o[i] *= sigmoid(gate[i]);
+  w.o->forward(o.data(), S, out);
+}
+
+}  // namespace moesrv::cpu

@@ -1,0 +1,55 @@
+// model_type -> describe(): one explicit table, a line per architecture.
+#include <algorithm>
+#include <string>
+
+#include "model/arch/arch.h"
+#include "model/hf_config.h"
+#include "util/error.h"
+
+namespace moesrv {
+
+namespace {
+
+struct Arch {
+  const char* model_type;
+  ModelSpec (*describe)(const nlohmann::json&);
+};
+
+constexpr Arch kArchitectures[] = {
+    {"deepseek_v3", arch::describe_deepseek},   {"deepseek_v32", arch::describe_deepseek},
+    {"glm4_moe_lite", arch::describe_deepseek}, {"glm_moe_dsa", arch::describe_deepseek},
+    {"glm4_moe", arch::describe_glm4_moe},      {"glm5_next", arch::describe_glm5_next},
+    {"qwen3_next", arch::describe_qwen3_next},
+};
+
+}  // namespace
+
+bool ModelSpec::has_recurrent_layers() const {
+  return std::any_of(layers.begin(), layers.end(), [](const LayerSpec& l) { return l.recurrent(); });
+}
+
+int64_t ModelSpec::kv_elements_per_token_layer() const {
+  int64_t n = attention == AttentionKind::MLA ? kv_lora_rank + qk_rope_dim : 2 * num_kv_heads * head_dim;
+  if (dsa && index_kpool <= 1) n += index_head_dim;
+  return n;
+}
+
+ModelSpec ModelSpec::from_json(const nlohmann::json& config) {
+  if (!config.is_object()) fail("config.json: not a JSON object");
+  const std::string type = hf::require<std::string>(config, "model_type");
+  std::string names;
+  for (const Arch& a : kArchitectures) {
+    if (type != a.model_type) {
+      names += names.empty() ? a.model_type : std::string(", ") + a.model_type;
+      continue;
+    }
+    nlohmann::json text = hf::text_fields(config);
+    text["model_type"] = type;  // nested text configs carry their own sub-type name
+    ModelSpec s = a.describe(text);
+    s.model_type = type;
+    return s;
+  }
+  fail("config.json: model_type {} is not supported ({})", type, names);
+}
+
+}  // namespace moesrv

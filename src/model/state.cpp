@@ -1,0 +1,62 @@
+#include "model/state.h"
+
+namespace moesrv {
+
+uint64_t StateSpec::bytes(int64_t tokens, int kv_bytes, int fixed_bytes) const {
+  uint64_t b = 0;
+  for (const StateBuffer& x : buffers) {
+    switch (x.growth) {
+      case Growth::PerToken: b += uint64_t(tokens * x.elems) * uint64_t(kv_bytes); break;
+      case Growth::PerPool: b += uint64_t(tokens / pool * x.elems) * uint64_t(kv_bytes); break;
+      case Growth::Fixed: b += uint64_t(x.elems) * uint64_t(fixed_bytes); break;
+    }
+  }
+  return b;
+}
+
+std::vector<StateSpec> state_specs(const ModelSpec& s) {
+  std::vector<StateSpec> out;
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    const LayerSpec& L = s.layers[size_t(l)];
+    StateSpec st;
+    st.layer = l;
+    switch (L.mixer) {
+      case Mixer::Mla:
+        st.buffers.push_back({"latent", Growth::PerToken, s.kv_lora_rank});
+        if (s.qk_rope_dim > 0) st.buffers.push_back({"k_rope", Growth::PerToken, s.qk_rope_dim});
+        break;
+      case Mixer::Gqa:
+        st.buffers.push_back({"k", Growth::PerToken, s.num_kv_heads * s.head_dim});
+        st.buffers.push_back({"v", Growth::PerToken, s.num_kv_heads * s.head_dim});
+        break;
+      case Mixer::Kda:
+      case Mixer::GatedDelta:
+        st.recurrent = true;
+        st.buffers.push_back({"conv", Growth::Fixed, (s.linear.conv_kernel - 1) * s.linear.conv_channels()});
+        st.buffers.push_back({"recurrent", Growth::Fixed, s.linear.state_floats()});
+        break;
+    }
+    if (L.indexer == IndexerKind::Own) {
+      if (s.index_kpool > 1) {
+        st.pool = s.index_kpool;
+        st.buffers.push_back({"index_pool_k", Growth::PerPool, s.index_head_dim});
+        // The open pool's raw keys and gate logits (at most kpool - 1 tokens).
+        st.buffers.push_back({"index_open", Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim});
+      } else {
+        st.buffers.push_back({"index_k", Growth::PerToken, s.index_head_dim});
+      }
+    }
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes, int64_t begin, int64_t end) {
+  if (end < 0) end = s.num_layers;
+  uint64_t b = 0;
+  for (const StateSpec& st : state_specs(s))
+    if (st.layer >= begin && st.layer < end) b += st.bytes(tokens, kv_bytes, fixed_bytes);
+  return b;
+}
+
+}  // namespace moesrv

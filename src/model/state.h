@@ -1,0 +1,35 @@
+// The one size formula for per-sequence state: what each stateful layer keeps (KV / latent cache, indexer keys,
+// recurrent and convolution state), read by the engines, planner, preflight, bench and prefix cache.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/spec.h"
+
+namespace moesrv {
+
+enum class Growth { PerToken, PerPool, Fixed };
+
+struct StateBuffer {
+  std::string name;
+  Growth growth;
+  int64_t elems;  // per token, per completed pool, or in total
+};
+
+struct StateSpec {
+  int64_t layer = 0;
+  int64_t pool = 1;        // PerPool buffers grow by one row every `pool` tokens
+  bool recurrent = false;  // holds a fixed-size recurrence: resumable only from checkpoints
+  std::vector<StateBuffer> buffers;
+  // Bytes after `tokens` tokens with `kv_bytes` per growing element and `fixed_bytes` per fixed element.
+  uint64_t bytes(int64_t tokens, int kv_bytes, int fixed_bytes = 4) const;
+};
+
+// The stateful layers of a model (layers without state are left out).
+std::vector<StateSpec> state_specs(const ModelSpec& s);
+// Sum over layers [begin, end) (end < 0: all) of StateSpec::bytes.
+uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes = 4, int64_t begin = 0,
+                     int64_t end = -1);
+
+}  // namespace moesrv
