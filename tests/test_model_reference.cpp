@@ -63,6 +63,11 @@ TEST_P(ModelReference, IncrementalDecodeReproducesGreedyGeneration) {
   }
   EXPECT_EQ(seq->length(), total);
   EXPECT_EQ(free_running, expected);
+  // glm_moe_dsa (2 indexer heads) has ReLU scores tied at exactly 0 on the top-k boundary; torch.topk breaks
+  // those ties differently for a full row (full forward) and a shorter row (decode step), so transformers'
+  // own incremental logits differ from its full forward there. We reproduce both (full logits and greedy
+  // tokens above); the full-vs-incremental identity holds only for tie-free models.
+  if (GetParam() == "glm_moe_dsa") return;
   // Incremental decode == one full forward (rows prompt-1 .. total-2 of the reference's gen_logits).
   const std::vector<float> full(ref.gen_logits.begin() + (prompt - 1) * V, ref.gen_logits.begin() + (total - 1) * V);
   expect_rows_match(incremental, full, V, "incremental");
@@ -125,8 +130,9 @@ TEST_P(LayerReference, LayerOutputsAndSelectionsMatch) {
       ASSERT_EQ(int64_t(selection.size()), S) << "layer " << l << " selected nothing";
       for (int64_t s = 0; s < S; ++s) {
         std::set<int32_t> expected, got(selection[size_t(s)].begin(), selection[size_t(s)].end());
+        // -1 pads; GLM-5's indexer also returns masked (future) positions, which attention never reads.
         for (int64_t i = 0; i < width; ++i)
-          if (want[size_t(s * width + i)] >= 0) expected.insert(int32_t(want[size_t(s * width + i)]));
+          if (want[size_t(s * width + i)] >= 0 && want[size_t(s * width + i)] <= float(s)) expected.insert(int32_t(want[size_t(s * width + i)]));
         ASSERT_EQ(got, expected) << "layer " << l << " query " << s;
       }
       ++checked_topk;

@@ -6,24 +6,11 @@
 
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/topk.h"
 #include "util/thread_pool.h"
 
 namespace moesrv::cpu {
 
-namespace {
-
-// The k best (score, position) pairs, best first; equal scores keep the lower position. Positions >= n_valid
-// (causally masked, score -inf) are never selected.
-void select_top(std::vector<std::pair<float, int64_t>>& ranked, int64_t k, int64_t n_valid, std::vector<int32_t>& out) {
-  k = std::min(k, n_valid);
-  std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.begin() + n_valid, [](const auto& x, const auto& y) {
-    return x.first > y.first || (x.first == y.first && x.second < y.second);
-  });
-  out.clear();
-  for (int64_t i = 0; i < k; ++i) out.push_back(int32_t(ranked[size_t(i)].second));
-}
-
-}  // namespace
 
 TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const Rope& rope, const float* x,
                           const float* q_latent, int64_t S, int64_t pos0, LayerState& cache) {
@@ -57,7 +44,7 @@ TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const R
         }
         ranked[size_t(t)] = {acc, t};
       }
-      select_top(ranked, c.index_topk, n, sel[size_t(s)]);
+      topk_like_torch(ranked, c.index_topk, n, sel[size_t(s)]);
     }
   });
   return sel;

@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/topk.h"
 #include "util/error.h"
 #include "util/thread_pool.h"
 
@@ -59,28 +59,27 @@ TokenSelection kpool_select(const IndexerWeights& w, const ModelConfig& c, const
 
   const float scale = 1.0f / std::sqrt(float(d));
   const int64_t budget = c.index_topk / kp;
+  const int64_t all_pools = (pos0 + S) / kp;  // completed pools in the cache after this batch
   TokenSelection sel(static_cast<size_t>(S));
   ThreadPool::global().parallel_for(S, [&](int64_t b, int64_t e) {
-    std::vector<float> score;
-    std::vector<int32_t> order;
+    std::vector<std::pair<float, int64_t>> ranked;
+    std::vector<int32_t> chosen;
     for (int64_t s = b; s < e; ++s) {
       const int64_t p = pos0 + s, pools = (p + 1) / kp;  // pools whose last token p can see
-      score.assign(size_t(pools), 0.0f);
-      for (int64_t P = 0; P < pools; ++P) {
-        float acc = 0;
-        for (int64_t h = 0; h < nh; ++h)
-          acc += hw[size_t(s * nh + h)] * std::max(dot(q.data() + (s * nh + h) * d, st.pool_k.data() + P * d, d) * scale, 0.0f);
-        score[size_t(P)] = acc;
+      ranked.resize(size_t(all_pools));
+      for (int64_t P = 0; P < all_pools; ++P) {
+        float acc = -std::numeric_limits<float>::infinity();
+        if (P < pools) {
+          acc = 0;
+          for (int64_t h = 0; h < nh; ++h)
+            acc += hw[size_t(s * nh + h)] * std::max(dot(q.data() + (s * nh + h) * d, st.pool_k.data() + P * d, d) * scale, 0.0f);
+        }
+        ranked[size_t(P)] = {acc, P};
       }
-      const int64_t keep = std::min(budget, pools);
-      order.resize(size_t(pools));
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](int32_t a, int32_t z) {
-        return score[size_t(a)] > score[size_t(z)] || (score[size_t(a)] == score[size_t(z)] && a < z);
-      });
+      topk_like_torch(ranked, budget, pools, chosen);
       auto& out = sel[size_t(s)];
-      for (int64_t i = 0; i < keep; ++i)
-        for (int64_t t = 0; t < kp; ++t) out.push_back(int32_t(order[size_t(i)] * kp + t));
+      for (int32_t P : chosen)
+        for (int64_t t = 0; t < kp; ++t) out.push_back(int32_t(P * kp + t));
       if (c.index_select_tail)
         for (int64_t t = pools * kp; t <= p; ++t) out.push_back(int32_t(t));
       std::sort(out.begin(), out.end());
