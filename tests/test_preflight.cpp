@@ -69,8 +69,23 @@ TEST(Preflight, KvCacheGqaAndHybridLinearAttention) {
   EXPECT_EQ(q.attention_layers, 1);
   EXPECT_EQ(q.linear_layers, 3);
   EXPECT_EQ(q.kv_bytes_per_token, uint64_t(2 * 2 * 32 * 2));
-  // recurrent state 32 v-heads x 128 x 128 fp32 + conv window 4 x (2*16*128 + 32*128) bf16, per linear layer
-  EXPECT_EQ(q.linear_state_bytes, uint64_t(3 * (32 * 128 * 128 * 4 + 4 * (2 * 16 * 128 + 32 * 128) * 2)));
+  // recurrent state 32 v-heads x 128 x 128 fp32 + the conv's last kernel-1 = 3 inputs of (2*16*128 + 32*128)
+  // channels, fp32 (what the engines keep, model/state.h), per linear layer
+  EXPECT_EQ(q.linear_state_bytes, uint64_t(3 * (32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 4)));
+}
+
+// GLM-5.3-Flash (the published config's shape): KV only on the 11 MLA layers (latent 512, NoPE), pooled
+// indexer keys one per index_kpool tokens, and a fixed KDA + conv + open-pool state per sequence.
+TEST(Preflight, KvCacheGlm5NextCountsMlaLayersAndFixedState) {
+  nlohmann::json c = read_json_file(std::string(MOESRV_TESTDATA) + "/hf-tiny/info/cfg_glm5_next.json");
+  KvCacheSpec k = kv_cache_spec(c, 2);
+  EXPECT_EQ(k.attention_layers, 11);
+  EXPECT_EQ(k.linear_layers, 34);
+  EXPECT_EQ(k.kv_bytes_per_token, uint64_t(11 * 512 * 2));
+  const int64_t kpool = c["text_config"]["index_kpool"].get<int64_t>();
+  EXPECT_EQ(k.indexer_bytes_per_token, uint64_t((11 * 128 * 2 + kpool - 1) / kpool));
+  const uint64_t kda = 64 * 128 * 128 * 4 + 3 * (3 * 64 * 128) * 4, open_pool = 2 * (kpool - 1) * 128 * 4;
+  EXPECT_EQ(k.linear_state_bytes, 34 * kda + 11 * open_pool);
 }
 
 TEST(Preflight, ParameterBytesSplitDenseAndExperts) {

@@ -2,12 +2,13 @@
 
 namespace moesrv {
 
-uint64_t StateSpec::bytes(int64_t tokens, int kv_bytes, int fixed_bytes) const {
+uint64_t StateSpec::bytes(int64_t tokens, int kv_bytes, int fixed_bytes, int index_bytes) const {
   uint64_t b = 0;
   for (const StateBuffer& x : buffers) {
+    const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
     switch (x.growth) {
-      case Growth::PerToken: b += uint64_t(tokens * x.elems) * uint64_t(kv_bytes); break;
-      case Growth::PerPool: b += uint64_t(tokens / pool * x.elems) * uint64_t(kv_bytes); break;
+      case Growth::PerToken: b += uint64_t(tokens * x.elems) * elem; break;
+      case Growth::PerPool: b += uint64_t(tokens / pool * x.elems) * elem; break;
       case Growth::Fixed: b += uint64_t(x.elems) * uint64_t(fixed_bytes); break;
     }
   }
@@ -39,11 +40,11 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
     if (L.indexer == IndexerKind::Own) {
       if (s.index_kpool > 1) {
         st.pool = s.index_kpool;
-        st.buffers.push_back({"index_pool_k", Growth::PerPool, s.index_head_dim});
+        st.buffers.push_back({"index_pool_k", Growth::PerPool, s.index_head_dim, true});
         // The open pool's raw keys and gate logits (at most kpool - 1 tokens).
-        st.buffers.push_back({"index_open", Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim});
+        st.buffers.push_back({"index_open", Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim, true});
       } else {
-        st.buffers.push_back({"index_k", Growth::PerToken, s.index_head_dim});
+        st.buffers.push_back({"index_k", Growth::PerToken, s.index_head_dim, true});
       }
     }
     out.push_back(std::move(st));
@@ -51,11 +52,12 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
   return out;
 }
 
-uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes, int64_t begin, int64_t end) {
+uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes, int64_t begin, int64_t end,
+                     int index_bytes) {
   if (end < 0) end = s.num_layers;
   uint64_t b = 0;
   for (const StateSpec& st : state_specs(s))
-    if (st.layer >= begin && st.layer < end) b += st.bytes(tokens, kv_bytes, fixed_bytes);
+    if (st.layer >= begin && st.layer < end) b += st.bytes(tokens, kv_bytes, fixed_bytes, index_bytes);
   return b;
 }
 

@@ -15,6 +15,7 @@ struct StateBuffer {
   std::string name;
   Growth growth;
   int64_t elems;  // per token, per completed pool, or in total
+  bool indexer = false;  // DSA indexer keys (may be stored at another precision than the KV cache)
 };
 
 struct StateSpec {
@@ -22,14 +23,15 @@ struct StateSpec {
   int64_t pool = 1;        // PerPool buffers grow by one row every `pool` tokens
   bool recurrent = false;  // holds a fixed-size recurrence: resumable only from checkpoints
   std::vector<StateBuffer> buffers;
-  // Bytes after `tokens` tokens with `kv_bytes` per growing element and `fixed_bytes` per fixed element.
-  uint64_t bytes(int64_t tokens, int kv_bytes, int fixed_bytes = 4) const;
+  // Bytes after `tokens` tokens with `kv_bytes` per growing element (`index_bytes` for indexer keys; < 0: the
+  // same) and `fixed_bytes` per fixed element.
+  uint64_t bytes(int64_t tokens, int kv_bytes, int fixed_bytes = 4, int index_bytes = -1) const;
 };
 
 // The stateful layers of a model (layers without state are left out).
 std::vector<StateSpec> state_specs(const ModelSpec& s);
 // Sum over layers [begin, end) (end < 0: all) of StateSpec::bytes.
 uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes = 4, int64_t begin = 0,
-                     int64_t end = -1);
+                     int64_t end = -1, int index_bytes = -1);
 
 }  // namespace moesrv

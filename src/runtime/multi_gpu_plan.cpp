@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "model/state.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -13,11 +14,9 @@ LayerSplitCosts layer_split_costs(const ModelConfig& c, const ModelFootprint& fp
                                   const std::vector<int64_t>& resident_experts, int kv_elem_bytes) {
   LayerSplitCosts out;
   const int64_t L = c.num_layers;
+  const std::vector<StateSpec> states = state_specs(c);
   for (int64_t l = 0; l < L; ++l) {
-    uint64_t kv = uint64_t(c.attention == AttentionKind::MLA ? c.kv_lora_rank + c.qk_rope_dim
-                                                             : 2 * c.num_kv_heads * c.head_dim) * uint64_t(kv_elem_bytes);
-    if (c.dsa && c.layer_has_indexer[size_t(l)]) kv += uint64_t(c.index_head_dim) * uint64_t(kv_elem_bytes);
-    kv *= uint64_t(std::max<int64_t>(context, 0));
+    const uint64_t kv = states[size_t(l)].bytes(std::max<int64_t>(context, 0), kv_elem_bytes);
     const uint64_t expert = size_t(l) < fp.expert_bytes.size() ? fp.expert_bytes[size_t(l)] : 0;
     const int64_t resident = size_t(l) < resident_experts.size() ? resident_experts[size_t(l)] : 0;
     const uint64_t dense = fp.dense_bytes[size_t(l)];

@@ -4,8 +4,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
 #include <numeric>
 
+#include "model/manifest.h"
+#include "model/state.h"
+#include "format/package.h"
 #include "model/weights.h"
 #include "runtime/usage_stats.h"
 #include "util/error.h"
@@ -37,44 +44,29 @@ namespace {
 
 uint64_t to_bytes(double params, double bits) { return uint64_t(std::ceil(params * bits / 8.0)); }
 
-double attention_params(const ModelConfig& c, int64_t layer) {
-  const double D = double(c.hidden_size), H = double(c.num_heads);
-  if (c.attention == AttentionKind::GQA) {
-    const double hd = double(c.head_dim);
-    return D * H * hd * 2 + 2 * D * double(c.num_kv_heads) * hd;
-  }
-  double p = 0;
-  if (c.q_lora_rank > 0) p += D * c.q_lora_rank + c.q_lora_rank + double(c.q_lora_rank) * H * c.qk_head_dim();
-  else p += D * H * c.qk_head_dim();
-  p += D * (c.kv_lora_rank + c.qk_rope_dim) + c.kv_lora_rank;
-  p += double(c.kv_lora_rank) * H * (c.qk_nope_dim + c.v_head_dim) + H * c.v_head_dim * D;
-  if (c.dsa && c.layer_has_indexer[size_t(layer)])
-    p += double(c.q_lora_rank) * c.index_n_heads * c.index_head_dim + D * c.index_head_dim + D * c.index_n_heads +
-         2.0 * c.index_head_dim;
-  return p;
-}
-
 }  // namespace
 
 ModelFootprint footprint_from_config(const ModelConfig& c, double expert_bits, double dense_bits) {
+  // Summed from the manifest (model/manifest.h): per layer the dense tensors, and one routed expert's matrices.
   ModelFootprint f;
-  const double D = double(c.hidden_size);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    double dense = attention_params(c, l) + 2 * D, expert = 0;
-    if (c.layer_is_moe[size_t(l)]) {
-      expert = 3 * D * c.moe_intermediate_size;
-      dense += double(c.n_routed_experts) * (D + 1) + 3 * D * c.moe_intermediate_size * c.n_shared_experts;
-    } else {
-      dense += 3 * D * c.intermediate_size;
+  f.dense_params.assign(size_t(c.num_layers), 0.0);
+  f.expert_params.assign(size_t(c.num_layers), 0.0);
+  for (const TensorEntry& t : manifest(c)) {
+    const double n = double(t.numel());
+    if (t.layer < 0) {
+      if (t.name == "lm_head.weight" || t.name.find("norm") != std::string::npos) f.head_params += n;
+      else if (c.tie_embeddings) f.head_params += n;  // the embedding doubles as the head
+      continue;
     }
-    f.dense_params.push_back(dense);
-    f.dense_bytes.push_back(to_bytes(dense, dense_bits));
-    f.expert_params.push_back(expert);
-    f.expert_bytes.push_back(to_bytes(expert, expert_bits));
+    if (t.role != TensorRole::Expert) f.dense_params[size_t(t.layer)] += n;
+    else if (t.expert == 0) f.expert_params[size_t(t.layer)] += n;
   }
-  f.head_params = D * c.vocab_size + D;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    f.dense_bytes.push_back(to_bytes(f.dense_params[size_t(l)], dense_bits));
+    f.expert_bytes.push_back(to_bytes(f.expert_params[size_t(l)], expert_bits));
+  }
   f.head_bytes = to_bytes(f.head_params, dense_bits);
-  f.embed_bytes = c.tie_embeddings ? 0 : to_bytes(D * c.vocab_size, dense_bits);
+  f.embed_bytes = c.tie_embeddings ? 0 : to_bytes(double(c.hidden_size) * double(c.vocab_size), dense_bits);
   return f;
 }
 
@@ -123,14 +115,53 @@ ModelFootprint footprint_from_weights(const ModelWeights& w) {
   return f;
 }
 
-uint64_t kv_cache_bytes(const ModelConfig& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
-  uint64_t per_token = 0;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    per_token += uint64_t(c.attention == AttentionKind::MLA ? c.kv_lora_rank + c.qk_rope_dim
-                                                            : 2 * c.num_kv_heads * c.head_dim) * uint64_t(kv_elem_bytes);
-    if (c.dsa && c.layer_has_indexer[size_t(l)]) per_token += uint64_t(c.index_head_dim) * uint64_t(index_elem_bytes);
+namespace {
+
+// Number after `key` in a tensor name ("model.layers.12.mlp" -> 12 for ".layers."), or -1.
+int64_t index_after(const std::string& name, const char* key) {
+  const size_t p = name.find(key);
+  return p == std::string::npos ? -1 : std::atoll(name.c_str() + p + std::strlen(key));
+}
+
+}  // namespace
+
+ModelFootprint footprint_from_package(const ModelConfig& c, const ModelPackage& pkg) {
+  ModelFootprint f = footprint_from_config(c);
+  const size_t L = size_t(c.num_layers);
+  std::vector<std::map<int64_t, int64_t>> expert_delta(L);  // [layer] expert -> device bytes - bf16 bytes
+  std::vector<int64_t> expert_linears(L, 0);
+  for (const std::string& name : pkg.names()) {
+    if (!name.ends_with(".trellis")) continue;
+    const TensorView& t = pkg.require(name);
+    if (t.shape.size() != 3) continue;
+    const std::string prefix = name.substr(0, name.size() - 8);
+    if (prefix.find("kv_b_proj") != std::string::npos) continue;
+    const int64_t in_pad = t.shape[0] * 16, out_pad = t.shape[1] * 16;
+    long long out = out_pad, in = in_pad;  // logical shape: exl3_convert records padded ones
+    for (const auto& [file, shard] : pkg.shards())
+      if (auto m = shard->metadata().find("exl3.shape." + prefix); m != shard->metadata().end())
+        std::sscanf(m->second.c_str(), "%lld,%lld", &out, &in);
+    const int64_t delta = int64_t(t.nbytes) + 2 * (in_pad + out_pad) - 2 * int64_t(in) * int64_t(out);
+    const int64_t l = index_after(prefix, ".layers.");
+    if (prefix.ends_with("lm_head")) {
+      f.head_bytes = uint64_t(int64_t(f.head_bytes) + delta);
+    } else if (l >= 0 && size_t(l) < L) {  // (MTP layers beyond num_layers are not loaded)
+      const int64_t e = index_after(prefix, ".mlp.experts.");
+      if (e >= 0) expert_delta[size_t(l)][e] += delta, ++expert_linears[size_t(l)];
+      else f.dense_bytes[size_t(l)] = uint64_t(int64_t(f.dense_bytes[size_t(l)]) + delta);
+    }
   }
-  return per_token * uint64_t(std::max<int64_t>(context, 0));
+  for (size_t l = 0; l < L; ++l) {
+    if (c.n_routed_experts <= 0 || expert_linears[l] != 3 * c.n_routed_experts) continue;
+    int64_t worst = std::numeric_limits<int64_t>::min();
+    for (const auto& [e, d] : expert_delta[l]) worst = std::max(worst, d);
+    f.expert_bytes[l] = uint64_t(int64_t(f.expert_bytes[l]) + worst);
+  }
+  return f;
+}
+
+uint64_t kv_cache_bytes(const ModelConfig& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
+  return state_bytes(c, std::max<int64_t>(context, 0), kv_elem_bytes, 4, 0, -1, index_elem_bytes);
 }
 
 double CostModel::cpu_s(uint64_t bytes, double params, double tokens) const {

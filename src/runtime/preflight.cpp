@@ -78,7 +78,7 @@ std::optional<KvCacheSpec> kv_cache_spec_from_model(const json& config, int dtyp
     if (st.recurrent) ++k.linear_layers;
     else ++k.attention_layers;
     for (const StateBuffer& b : st.buffers) {
-      const bool indexer = b.name.rfind("index", 0) == 0;
+      const bool indexer = b.indexer;
       if (indexer && b.growth != Growth::Fixed) ++k.indexer_layers;
       if (b.growth == Growth::Fixed) fixed += uint64_t(b.elems) * 4;
       else if (indexer) index += uint64_t(b.elems) * uint64_t(dtype_bytes) * uint64_t(b.growth == Growth::PerPool ? 1 : st.pool);
