@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <unistd.h>
 
 #include "format/lock.h"
 #include "format/safetensors.h"
@@ -86,6 +87,31 @@ TEST(Preflight, KvCacheGlm5NextCountsMlaLayersAndFixedState) {
   EXPECT_EQ(k.indexer_bytes_per_token, uint64_t((11 * 128 * 2 + kpool - 1) / kpool));
   const uint64_t kda = 64 * 128 * 128 * 4 + 3 * (3 * 64 * 128) * 4, open_pool = 2 * (kpool - 1) * 128 * 4;
   EXPECT_EQ(k.linear_state_bytes, 34 * kda + 11 * open_pool);
+}
+
+// A folder with only the published config: parameters estimated from the manifest (EXL3 3.05 bpw), KV + state
+// at 8K / 128K / 256K.
+TEST(Preflight, ConfigOnlyFolderEstimatesGlm5NextFootprint) {
+  const fs::path dir = fs::temp_directory_path() / ("moesrv_pf_cfg_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(kTiny + "info/cfg_glm5_next.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  PreflightOptions o;
+  o.assume_bits = 3.05;
+  o.vram_budget_gib = 22;
+  HostInfo host;
+  host.mem.total = host.mem.available = uint64_t(128) << 30;
+  PreflightReport r = run_preflight(dir.string(), o, host);
+  EXPECT_TRUE(r.estimated);
+  // 288 experts x 3 x 2048 x 4096 weights in each of the 42 MoE layers, at 3.05 bits.
+  const double experts = 42.0 * 288 * 3 * 2048 * 4096;
+  EXPECT_EQ(r.params.expert_params, uint64_t(experts));
+  EXPECT_NEAR(double(r.params.experts), experts * 3.05 / 8, 1e6);
+  ASSERT_EQ(r.kv_by_ctx.size(), 3u);
+  EXPECT_EQ(r.kv_by_ctx[2].first, 262144);
+  EXPECT_EQ(r.kv_by_ctx[2].second, r.kv.bytes_per_token() * 262144 + r.kv.linear_state_bytes);
+  EXPECT_TRUE(r.fits) << r.verdict;
+  EXPECT_NE(r.text().find("ctx 262144"), std::string::npos);
+  fs::remove_all(dir);
 }
 
 TEST(Preflight, ParameterBytesSplitDenseAndExperts) {

@@ -19,6 +19,7 @@ void add_preflight_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("preflight", "Check whether a model package fits this machine (exit 2 if it does not)");
   cmd->add_option("--model", a->dir, "Model directory")->required();
   cmd->add_option("--vram-budget", a->opt.vram_budget_gib, "GiB of VRAM to use (default: free VRAM of all GPUs)");
+  cmd->add_option("--assume-bpw", a->opt.assume_bits, "Config-only folder: bits per weight of the linear layers for the estimate (e.g. 3.05)");
   cmd->add_option("--ctx", a->opt.ctx, "Context length for the KV cache (default: min(max_position_embeddings, 32768))");
   cmd->add_option("--kv-bytes", a->opt.kv_dtype_bytes, "Bytes per KV cache element")->capture_default_str();
   cmd->add_option("--overhead", a->opt.overhead_gib, "GiB reserved for workspace")->capture_default_str();

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "format/lock.h"
+#include "model/manifest.h"
 #include "model/state.h"
 #include "util/error.h"
 
@@ -59,6 +60,20 @@ ParamBytes count_parameter_bytes(const ModelPackage& pkg) {
       (expert ? p.expert_params : p.dense_params) += exl3_aware_params(name, t);
       ++p.tensors;
     }
+  return p;
+}
+
+ParamBytes estimate_parameter_bytes(const json& config, double bits) {
+  const ModelSpec spec = ModelSpec::from_json(config);
+  const std::string root = config.contains("text_config") ? "model.language_model." : "model.";
+  ParamBytes p;
+  for (const TensorEntry& t : manifest(spec, root)) {
+    const double n = double(t.numel());
+    const uint64_t b = uint64_t(std::ceil(n * (t.quantizable() ? bits : 16.0) / 8.0));
+    (t.role == TensorRole::Expert ? p.experts : p.dense) += b;
+    (t.role == TensorRole::Expert ? p.expert_params : p.dense_params) += uint64_t(n);
+    ++p.tensors;
+  }
   return p;
 }
 
@@ -207,14 +222,18 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
   r.dir = dir;
   r.host = host;
   r.files = check_files(dir, opt.hash, r.has_lock, r.lock_ok);
-  auto pkg = ModelPackage::open(dir);
-  const json& cfg = pkg->config();
+  const json cfg = read_json_file((fs::path(dir) / "config.json").string());
+  r.estimated = std::none_of(r.files.begin(), r.files.end(), [](const PackageFileStatus& f) {
+    return f.path.size() > 12 && f.path.compare(f.path.size() - 12, 12, ".safetensors") == 0;
+  });
   r.model_type = cfg.value("model_type", std::string("?"));
-  r.params = count_parameter_bytes(*pkg);
+  r.params = r.estimated ? estimate_parameter_bytes(cfg, opt.assume_bits) : count_parameter_bytes(*ModelPackage::open(dir));
   r.kv = kv_cache_spec(cfg, opt.kv_dtype_bytes);
   int64_t max_pos = geti(text_config(cfg), "max_position_embeddings", 32768);
   r.ctx = opt.ctx > 0 ? opt.ctx : std::min<int64_t>(max_pos, 32768);
   r.kv_bytes = r.kv.bytes_per_token() * uint64_t(r.ctx) + r.kv.linear_state_bytes;
+  for (int64_t ctx : {int64_t(8192), int64_t(131072), int64_t(262144)})
+    if (ctx <= max_pos) r.kv_by_ctx.push_back({ctx, r.kv.bytes_per_token() * uint64_t(ctx) + r.kv.linear_state_bytes});
   r.overhead = uint64_t(std::max(0.0, opt.overhead_gib) * kGiB);
 
   uint64_t free_vram = 0;
@@ -270,10 +289,12 @@ std::string PreflightReport::text() const {
   o += fmt::format("Files    {} files, {}; lock: {}\n", files.size(), human(bytes),
                    !has_lock ? "none (create one with `moesrv lock`)" : lock_ok ? "all files match" : "PROBLEMS (see below)");
   for (const auto& f : files) o += fmt::format("  {:<48} {:>12}  {}{}\n", f.path, human(f.size), f.problem ? "!! " : "", f.status);
-  o += fmt::format("Params   {} = {} dense + {} routed experts ({} tensors, {:.3f} B params)\n", human(params.total()),
-                   human(params.dense), human(params.experts), params.tensors, double(params.dense_params + params.expert_params) / 1e9);
+  o += fmt::format("Params   {} = {} dense + {} routed experts ({} tensors, {:.3f} B params){}\n", human(params.total()),
+                   human(params.dense), human(params.experts), params.tensors, double(params.dense_params + params.expert_params) / 1e9,
+                   estimated ? " [no weights here: estimated from the config's tensor manifest]" : "");
   o += fmt::format("KV cache {} B/token = {}\n", kv.bytes_per_token(), kv.formula.empty() ? "no attention layers" : kv.formula);
   o += fmt::format("         ctx {} -> {}\n", ctx, human(kv_bytes));
+  for (const auto& [c, b] : kv_by_ctx) o += fmt::format("         ctx {:>6} -> {}\n", c, human(b));
   o += fmt::format("Plan     VRAM budget {}, reserve {} for workspace\n", gib(vram_budget), gib(overhead));
   o += fmt::format("Verdict  {}\n", verdict);
   return o;
