@@ -3,7 +3,7 @@
 # model and answers one OpenAI chat request from a live server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=${MODEL:-../shared/testdata/hf-tiny/glm_moe_dsa}
+MODEL=${MODEL:-../shared/testdata/hf-tiny/glm5_next}  # GLM-5.3-Flash architecture, tiny random weights
 scripts/setup.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$(nproc)" --target moesrv
