@@ -249,7 +249,8 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     w->layers.push_back(std::move(L));
   }
   const std::string mtp = fmt::format("{}layers.{}.", R, c.num_layers);
-  for (const std::string& name : pkg->names()) w->mtp_tensors += name.rfind(mtp, 0) == 0;
+  for (const std::string& name : pkg->names())
+    if (name.rfind(mtp, 0) == 0) w->mtp.push_back(pkg->find(name));
   return w;
 }
 

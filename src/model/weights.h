@@ -91,7 +91,9 @@ struct ModelWeights {
   std::unique_ptr<Linear> lm_head;
   std::vector<LayerWeights> layers;
   std::string root;          // tensor name prefix of the text model: "model." or "model.language_model."
-  int64_t mtp_tensors = 0;   // tensors of an MTP block at layer num_hidden_layers (kept for speculative decoding)
+  // The MTP block at layer num_hidden_layers, when the package has one: kept (memory-mapped views) for
+  // speculative decoding; the forward pass never reads it.
+  std::vector<const TensorView*> mtp;
 
   // Loads every tensor the config needs; a missing tensor is an error naming it.
   static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg);

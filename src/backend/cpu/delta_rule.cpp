@@ -22,7 +22,9 @@ using vf = float __attribute__((vector_size(64)));
 constexpr int VL = 16;
 constexpr int64_t CH = 64;        // chunk length
 constexpr int64_t SB = 16;        // sub-block of a chunk: the decay reference moves every SB rows
-constexpr float kMaxSpan = 85.f;  // exp(+-85) is a normal float
+// exp(-span) times a small key component must stay a normal float (FTZ is on): at 85 a 1e-4 component
+// underflows to 0 while its partner factor exp(+85) is finite, so the product was lost; 40 leaves 1e-17 headroom.
+constexpr float kMaxSpan = 40.f;
 
 inline vf ld(const float* p) {
   vf v;
