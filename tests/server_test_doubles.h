@@ -20,16 +20,39 @@ inline const std::vector<std::string>& glm_specials() {
   return s;
 }
 
-// ids 0..255: bytes; 256..: GLM special tokens.
+// The structure tokens of the other tool-call formats (plus the test-only <|assistant|> the scripted engine
+// looks for and a stray special token that must never reach the output).
+inline const std::vector<std::string>& qwen3_specials() {
+  static const std::vector<std::string> s = {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
+                                             "<think>", "</think>", "<tool_response>", "</tool_response>", "<|assistant|>",
+                                             "<|user|>", "<|vision_pad|>"};
+  return s;
+}
+inline const std::vector<std::string>& deepseek_specials() {
+  static const std::vector<std::string> s = {
+      "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+      "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+      "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>", "<|assistant|>", "<|user|>",
+      "<|endoftext|>"};
+  return s;
+}
+
+enum class TestFormat { kGlm, kQwen3, kDeepSeek };
+
+// ids 0..255: bytes; 256..: the format's special tokens (GLM by default).
 class ByteCodec : public ChatCodec {
  public:
-  int64_t vocab_size() const override { return 256 + int64_t(glm_specials().size()); }
+  explicit ByteCodec(TestFormat f = TestFormat::kGlm)
+      : specials_(f == TestFormat::kGlm ? glm_specials() : f == TestFormat::kQwen3 ? qwen3_specials() : deepseek_specials()),
+        format_(f) {}
+  const std::vector<std::string>& specials() const { return specials_; }
+  int64_t vocab_size() const override { return 256 + int64_t(specials_.size()); }
   std::vector<int32_t> encode(const std::string& text) const override {
     std::vector<int32_t> out;
     for (size_t i = 0; i < text.size();) {
       bool matched = false;
-      for (size_t s = 0; s < glm_specials().size(); ++s) {
-        auto& sp = glm_specials()[s];
+      for (size_t s = 0; s < specials_.size(); ++s) {
+        auto& sp = specials_[s];
         if (text.compare(i, sp.size(), sp) == 0) {
           out.push_back(int32_t(256 + s));
           i += sp.size();
@@ -43,29 +66,33 @@ class ByteCodec : public ChatCodec {
   }
   std::string token_bytes(int32_t id) const override {
     if (id < 256) return std::string(1, char(id));
-    return glm_specials().at(size_t(id - 256));
+    return specials_.at(size_t(id - 256));
   }
   bool is_special(int32_t id) const override { return id >= 256; }
   std::optional<int32_t> special_id(const std::string& text) const override {
-    for (size_t s = 0; s < glm_specials().size(); ++s)
-      if (glm_specials()[s] == text) return int32_t(256 + s);
+    for (size_t s = 0; s < specials_.size(); ++s)
+      if (specials_[s] == text) return int32_t(256 + s);
     return std::nullopt;
   }
   std::vector<int32_t> end_of_turn_ids() const override {
-    return {*special_id("<|endoftext|>"), *special_id("<|user|>"), *special_id("<|observation|>")};
+    std::vector<int32_t> ids;
+    for (auto* t : {"<|endoftext|>", "<|user|>", "<|observation|>", "<|im_end|>", "<｜end▁of▁sentence｜>"})
+      if (auto id = special_id(t)) ids.push_back(*id);
+    return ids;
   }
   // A GLM-like rendering; reasoning_content of assistant turns is kept so tests can see re-attachment.
   std::string render_chat(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                           const nlohmann::ordered_json& kwargs) const override {
-    std::string out = "[gMASK]<sop>";
+    std::string out = format_ == TestFormat::kGlm ? "[gMASK]<sop>" : "";
     if (!tools.empty()) out += "<|system|>\ntools:" + tools.dump();
     for (auto& m : messages) {
       std::string role = m["role"];
       if (role == "tool") {
-        out += "<|observation|><tool_response>" + m.value("content", "") + "</tool_response>";
+        out += (format_ == TestFormat::kGlm ? "<|observation|>" : "<|user|>");
+        out += "<tool_response>" + m.value("content", "") + "</tool_response>";
         continue;
       }
-      out += "<|" + role + "|>\n";
+      out += format_ == TestFormat::kGlm || role != "system" ? "<|" + role + "|>\n" : "system\n";
       if (role == "assistant") out += "<think>" + m.value("reasoning_content", "") + "</think>";
       out += m.value("content", "");
       if (m.contains("tool_calls"))
@@ -80,6 +107,10 @@ class ByteCodec : public ChatCodec {
     if (kwargs.value("think_in_prompt", false)) out += "<think>";
     return out;
   }
+
+ private:
+  std::vector<std::string> specials_;
+  TestFormat format_;
 };
 
 class ScriptedSequence : public SequenceState {

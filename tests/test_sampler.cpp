@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 #include "runtime/sampler.h"
@@ -44,4 +45,40 @@ TEST(Sampler, TemperatureFollowsTheSoftmax) {
   EXPECT_NEAR(ones / 20000.0, 0.75, 0.02);
   std::vector<uint8_t> mask = {1, 0};
   EXPECT_EQ(s.sample(logits, &mask), 0);
+}
+
+TEST(Sampler, TopPZeroIsGreedy) {
+  // OpenAI: top_p 0 keeps only the most likely token, whatever the temperature.
+  std::vector<float> logits = {1.f, 1.1f, 0.9f, 1.05f};
+  Sampler s({.temperature = 1.5f, .top_p = 0.0f, .seed = 5});
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(s.sample(logits), 1);
+  std::vector<uint8_t> mask = {1, 0, 1, 1};
+  EXPECT_EQ(s.sample(logits, &mask), 3);
+}
+
+TEST(Sampler, DifferentSeedsDiffer) {
+  std::vector<float> logits(50, 0.f);
+  auto run = [&](uint64_t seed) {
+    Sampler s({.temperature = 1, .seed = seed});
+    std::vector<int32_t> out;
+    for (int i = 0; i < 40; ++i) out.push_back(s.sample(logits));
+    return out;
+  };
+  EXPECT_EQ(run(1), run(1));
+  EXPECT_NE(run(1), run(2));
+}
+
+TEST(Sampler, TokenLogprobsAreTheLogSoftmax) {
+  std::vector<float> logits = {0.f, std::log(3.f), -100.f, std::log(3.f)};  // p = 1/7, 3/7, ~0, 3/7
+  TokenLogprobs lp = token_logprobs(logits, 0, 3);
+  EXPECT_NEAR(lp.logprob, std::log(1.0 / 7), 1e-5);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].first, 1);  // ties: lower id first
+  EXPECT_EQ(lp.top[1].first, 3);
+  EXPECT_EQ(lp.top[2].first, 0);
+  EXPECT_NEAR(lp.top[0].second, std::log(3.0 / 7), 1e-5);
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) total += std::exp(token_logprobs(logits, int32_t(i), 0).logprob);
+  EXPECT_NEAR(total, 1.0, 1e-5);
+  EXPECT_TRUE(token_logprobs(logits, 2, 0).top.empty());
 }

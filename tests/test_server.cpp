@@ -2,8 +2,15 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
 #include <csignal>
 #include <future>
+#include <regex>
 
 #include "server/http_server.h"
 #include "server_test_client.h"
@@ -24,7 +31,8 @@ struct Harness {
   std::unique_ptr<ScriptedEngine> engine;
   std::unique_ptr<HttpServer> server;
   int port = 0;
-  Harness(Policy policy, ServerOptions opt = {}, int64_t max_ctx = 4096) {
+  Harness(Policy policy, ServerOptions opt = {}, int64_t max_ctx = 4096, TestFormat format = TestFormat::kGlm)
+      : codec(format) {
     std::signal(SIGPIPE, SIG_IGN);
     engine = std::make_unique<ScriptedEngine>(codec, std::move(policy), max_ctx);
     opt.port = 0;
@@ -79,7 +87,7 @@ TEST(Server, ModelsHealthMetricsAndUnknownRoute) {
 TEST(Server, ChatNonStreamingReasoningToolCall) {
   ByteCodec codec;
   Harness h(script_policy(codec, kReasonThenCall, "<|observation|>"));
-  json r = h.post("/v1/chat/completions", {{"model", "x"}, {"messages", {user("weather in Paris?")}},
+  json r = h.post("/v1/chat/completions", {{"model", "scripted"}, {"messages", {user("weather in Paris?")}},
                                            {"tools", {kWeatherTool}}, {"temperature", 0}, {"unknown_field", 1}});
   EXPECT_TRUE(r["id"].get<std::string>().starts_with("chatcmpl-"));
   EXPECT_EQ(r["object"], "chat.completion");
@@ -102,7 +110,8 @@ TEST(Server, ChatNonStreamingReasoningToolCall) {
   EXPECT_EQ(u["completion_tokens"], codec.encode(kReasonThenCall).size() + 1);  // + the end token
   EXPECT_EQ(u["total_tokens"], u["prompt_tokens"].get<int>() + u["completion_tokens"].get<int>());
   EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"], 0);
-  EXPECT_EQ(u["completion_tokens_details"]["reasoning_tokens"], codec.encode("The user wants weather.</think>").size());
+  // Reasoning tokens: <think> through </think>, both included.
+  EXPECT_EQ(u["completion_tokens_details"]["reasoning_tokens"], codec.encode("<think>The user wants weather.</think>").size());
 }
 
 TEST(Server, ChatStreamingDeltasAndUsage) {
@@ -154,10 +163,12 @@ TEST(Server, ReasoningBudgetForcesEndOfThinking) {
   Harness h(endless_thinking, {.reasoning_budget = 8});
   json r = h.post("/v1/chat/completions", {{"messages", {user("think")}}, {"max_tokens", 100}});
   auto& msg = r["choices"][0]["message"];
-  EXPECT_EQ(msg["reasoning_content"], "rrrrrrrr");
+  // The budget bounds reasoning_tokens exactly: <think> + 6 + the forced </think> = 8.
+  EXPECT_EQ(msg["reasoning_content"], "rrrrrr");
   EXPECT_EQ(msg["content"], "done");
   EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
-  EXPECT_EQ(r["usage"]["completion_tokens_details"]["reasoning_tokens"], 9);  // 8 + the forced </think>
+  EXPECT_EQ(r["usage"]["completion_tokens_details"]["reasoning_tokens"], 8);
+  EXPECT_EQ(r["usage"]["completion_tokens"], 8 + 4 + 1);  // reasoning, "done", the end token
   auto metrics = h.client().Get("/metrics")->body;
   EXPECT_NE(metrics.find("moesrv_reasoning_budget_forced_total 1"), std::string::npos);
 }
@@ -235,8 +246,12 @@ TEST(Server, BadInputIsRejectedAndServerStaysUp) {
     json e = json::parse(res->body);
     ASSERT_TRUE(e.contains("error")) << res->body;
     for (auto* k : {"message", "type", "param", "code"}) EXPECT_TRUE(e["error"].contains(k)) << k;
-    if (!code.empty()) EXPECT_EQ(e["error"]["code"], code);
-    if (!param.empty()) EXPECT_EQ(e["error"]["param"], param);
+    if (!code.empty()) {
+      EXPECT_EQ(e["error"]["code"], code);
+    }
+    if (!param.empty()) {
+      EXPECT_EQ(e["error"]["param"], param);
+    }
   };
   expect_error("{not json", 400, "invalid_json");
   expect_error("[1,2]", 400);
@@ -388,4 +403,354 @@ TEST(Server, ClientDisconnectCancelsGeneration) {
   double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(waited, 5.0);  // the abandoned 3000-token generation (30 s) was stopped
   EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The agent contract (issue 14).
+
+namespace {
+
+const json kFlagTool = json::parse(R"({"type":"function","function":{"name":"set_flag",
+  "parameters":{"type":"object","properties":{"flag":{"type":"boolean"}},"required":["flag"]}}})");
+
+// A model that always wants to stop: it opens reasoning, then prefers the end of turn, else 'x'.
+Policy wants_to_stop(const ByteCodec& codec) {
+  int32_t think = *codec.special_id("<think>"), end = *codec.special_id("<|endoftext|>");
+  return [think, end](const std::vector<int32_t>& gen) -> Preferences {
+    if (gen.empty()) return {{think, 20.f}, {end, 10.f}};
+    return {{end, 10.f}, {int32_t('x'), 5.f}};
+  };
+}
+
+int raw_connect(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+double seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TEST(ServerContract, RequiredToolChoiceClosesReasoningThenCalls) {
+  ByteCodec codec;
+  json body = {{"messages", {user("flag?")}}, {"tools", {kFlagTool}}, {"max_tokens", 300}};
+  {
+    Harness h(wants_to_stop(codec), {.reasoning_budget = 8});
+    json r = h.post("/v1/chat/completions", body);
+    EXPECT_FALSE(r["choices"][0]["message"].contains("tool_calls"));  // auto: the model may just stop
+  }
+  Harness h(wants_to_stop(codec), {.reasoning_budget = 8});
+  for (json choice : {json("required"), json{{"type", "function"}, {"function", {{"name", "set_flag"}}}}}) {
+    body["tool_choice"] = choice;
+    json r = h.post("/v1/chat/completions", body);
+    auto& msg = r["choices"][0]["message"];
+    EXPECT_EQ(msg["reasoning_content"], "xxxxxx") << r.dump();  // it could not end inside reasoning
+    ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
+    ASSERT_EQ(msg["tool_calls"].size(), 1u);
+    EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "set_flag");
+    json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
+    EXPECT_TRUE(args["flag"].is_boolean()) << args;
+    EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+  }
+}
+
+TEST(ServerContract, ACallInsideReasoningIsNeverAToolCall) {
+  ByteCodec codec;
+  const char* script = "<think>maybe <tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call></think>Done";
+  Preferences fallback = {{int32_t(' '), -50.f}};
+  Harness h(script_policy(codec, script, "<|endoftext|>", fallback));
+  for (json extra : {json::object(), json{{"tools", {kWeatherTool}}, {"tool_choice", "none"}}, json{{"tools", {kWeatherTool}}}}) {
+    json body = {{"messages", {user("q")}}, {"max_tokens", 200}};
+    body.update(extra);
+    json r = h.post("/v1/chat/completions", body);
+    auto& msg = r["choices"][0]["message"];
+    EXPECT_FALSE(msg.contains("tool_calls")) << extra << " -> " << r.dump();
+    EXPECT_EQ(msg["content"], "Done");
+    EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(msg["reasoning_content"].get<std::string>().find("<tool_call>"), std::string::npos);
+  }
+}
+
+TEST(ServerContract, ParallelToolCallsFalseGivesOneCall) {
+  ByteCodec codec;
+  std::string one = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>";
+  Harness h(script_policy(codec, one + "\n" + one + "\n" + one, "<|observation|>"));
+  json body = {{"messages", {user("q")}}, {"tools", {kWeatherTool}}, {"max_tokens", 300}};
+  EXPECT_EQ(h.post("/v1/chat/completions", body)["choices"][0]["message"]["tool_calls"].size(), 3u);
+  body["parallel_tool_calls"] = false;
+  json r = h.post("/v1/chat/completions", body);
+  ASSERT_EQ(r["choices"][0]["message"]["tool_calls"].size(), 1u) << r.dump();
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+  auto c = h.client();
+  body["stream"] = true;
+  std::string finish;
+  json streamed = join_chat_deltas(post_stream(c, "/v1/chat/completions", body).events, &finish);
+  EXPECT_EQ(streamed["tool_calls"].size(), 1u);
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST(ServerContract, StrictGrammarAllowsNoEndInsideACall) {
+  // Qwen3 format: the model ends the turn in the middle of the arguments; strict decoding closes them instead.
+  ByteCodec codec(TestFormat::kQwen3);
+  std::string script = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3";
+  Preferences fallback = {{int32_t('}'), 5.f}, {*codec.special_id("</tool_call>"), 4.f}, {int32_t('\n'), 3.f}};
+  Harness h(script_policy(codec, script, "<|im_end|>", fallback), {.strict_tools = true}, 4096, TestFormat::kQwen3);
+  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"tools", {kWeatherTool}}, {"max_tokens", 200}});
+  auto& msg = r["choices"][0]["message"];
+  ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+  json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>(), nullptr, false);
+  ASSERT_FALSE(args.is_discarded()) << r.dump();
+  EXPECT_EQ(args, json({{"city", "Paris"}, {"days", 3}}));
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+}
+
+TEST(ServerContract, ToolCallFormatsOfEachFamily) {
+  struct Case {
+    TestFormat format;
+    std::string script, end;
+  } cases[] = {
+      {TestFormat::kQwen3, "<think>\nweather\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>", "<|im_end|>"},
+      {TestFormat::kDeepSeek, "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                              "{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "<｜end▁of▁sentence｜>"},
+  };
+  for (auto& c : cases) {
+    for (bool strict : {false, true}) {
+      ByteCodec codec(c.format);
+      Harness h(script_policy(codec, c.script, c.end), {.strict_tools = strict}, 4096, c.format);
+      json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"tools", {kWeatherTool}}});
+      auto& msg = r["choices"][0]["message"];
+      ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
+      EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+      EXPECT_EQ(json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()), json({{"city", "Oslo"}}));
+      EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+    }
+  }
+}
+
+TEST(ServerContract, TopPZeroIsGreedyAndSeedsReproduce) {
+  Policy two_way = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('a'), 1.0f}, {int32_t('b'), 0.9f}}; };
+  Harness h(two_way);
+  json body = {{"messages", {user("q")}}, {"max_tokens", 24}, {"temperature", 1.0}, {"top_p", 0}};
+  EXPECT_EQ(h.post("/v1/chat/completions", body)["choices"][0]["message"]["content"], std::string(24, 'a'));
+  body.erase("top_p");
+  body["seed"] = 11;
+  std::string a = h.post("/v1/chat/completions", body)["choices"][0]["message"]["content"];
+  EXPECT_EQ(h.post("/v1/chat/completions", body)["choices"][0]["message"]["content"], a);
+  EXPECT_NE(a.find('b'), std::string::npos);  // really sampled
+}
+
+TEST(ServerContract, ChatAndCompletionLogprobs) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "hi", "<|endoftext|>", {{int32_t('z'), 9.f}}));
+  json body = {{"messages", {user("q")}}, {"logprobs", true}, {"top_logprobs", 2}, {"temperature", 0}};
+  json r = h.post("/v1/chat/completions", body);
+  auto& lp = r["choices"][0]["logprobs"];
+  ASSERT_TRUE(lp.is_object()) << r.dump();
+  ASSERT_EQ(lp["content"].size(), 2u);
+  // Scripted logits: the script token at 10, 'z' at 9, every other token at -100.
+  double expected = 10 - std::log(std::exp(10.0) + std::exp(9.0) + double(codec.vocab_size() - 2) * std::exp(-100.0));
+  EXPECT_EQ(lp["content"][0]["token"], "h");
+  EXPECT_NEAR(lp["content"][0]["logprob"].get<double>(), expected, 1e-4);
+  EXPECT_EQ(lp["content"][0]["bytes"], json({int('h')}));
+  ASSERT_EQ(lp["content"][1]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(lp["content"][1]["top_logprobs"][0]["token"], "i");
+  EXPECT_EQ(lp["content"][1]["top_logprobs"][1]["token"], "z");
+  EXPECT_NEAR(lp["content"][1]["top_logprobs"][1]["logprob"].get<double>(), expected - 1, 1e-4);
+  // Streamed: the same entries, spread over the chunks.
+  auto c = h.client();
+  body["stream"] = true;
+  auto s = post_stream(c, "/v1/chat/completions", body);
+  json streamed = json::array();
+  for (auto& e : s.events)
+    if (!e["choices"].empty() && e["choices"][0]["logprobs"].is_object())
+      for (auto& x : e["choices"][0]["logprobs"]["content"]) streamed.push_back(x);
+  EXPECT_EQ(streamed, lp["content"]);
+  // Without the flag: null.
+  EXPECT_TRUE(h.post("/v1/chat/completions", {{"messages", {user("q")}}})["choices"][0]["logprobs"].is_null());
+  // Completions: the legacy shape.
+  json t = h.post("/v1/completions", {{"prompt", "x<|assistant|>"}, {"max_tokens", 5}, {"logprobs", 1}, {"temperature", 0}});
+  auto& tl = t["choices"][0]["logprobs"];
+  ASSERT_TRUE(tl.is_object()) << t.dump();
+  EXPECT_EQ(tl["tokens"], json({"h", "i"}));
+  EXPECT_NEAR(tl["token_logprobs"][0].get<double>(), expected, 1e-4);
+  EXPECT_EQ(tl["text_offset"], json({0, 1}));
+  EXPECT_EQ(tl["top_logprobs"][1].size(), 1u);
+  EXPECT_TRUE(tl["top_logprobs"][1].contains("i"));
+}
+
+TEST(ServerContract, ResponseFormatJsonObjectAndSchema) {
+  ByteCodec codec;
+  // The model stops before its JSON is complete; the grammar keeps it going until it is.
+  Harness h(script_policy(codec, "{\"answer\": 42", "<|endoftext|>", {{int32_t('}'), 5.f}}));
+  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", {{"type", "json_object"}}}, {"max_tokens", 100}});
+  std::string content = r["choices"][0]["message"]["content"];
+  EXPECT_EQ(json::parse(content, nullptr, false), json({{"answer", 42}})) << content;
+  // json_schema: keys, types and required come from the schema, whatever the model prefers.
+  json schema = json::parse(R"({"type":"object","properties":{"ok":{"type":"boolean"},"level":{"enum":["low","high"]}},
+                                "required":["ok","level"],"additionalProperties":false})");
+  json rf = {{"type", "json_schema"}, {"json_schema", {{"name", "verdict"}, {"schema", schema}, {"strict", true}}}};
+  json s = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", rf}, {"max_tokens", 300}});
+  json v = json::parse(s["choices"][0]["message"]["content"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(v.is_object()) << s.dump();
+  EXPECT_EQ(v.size(), 2u);
+  EXPECT_TRUE(v["ok"].is_boolean());
+  EXPECT_TRUE(v["level"] == "low" || v["level"] == "high") << v;
+  int status = 0;
+  json bad = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", {{"type", "yaml"}}}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(bad["error"]["param"], "response_format");
+}
+
+TEST(ServerContract, UnknownModelIs404AndAliasesAreServed) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.served_name = "glm-test", .aliases = {"gpt-4o", "glm"}});
+  auto c = h.client();
+  json models = json::parse(c.Get("/v1/models")->body);
+  std::vector<std::string> ids;
+  for (auto& m : models["data"]) ids.push_back(m["id"]);
+  EXPECT_EQ(ids, (std::vector<std::string>{"glm-test", "gpt-4o", "glm"}));
+  for (auto* name : {"glm-test", "gpt-4o", "glm"}) {
+    int status = 0;
+    json r = h.post("/v1/chat/completions", {{"model", name}, {"messages", {user("q")}}}, &status);
+    EXPECT_EQ(status, 200) << name;
+    EXPECT_EQ(r["model"], "glm-test");
+  }
+  for (auto* path : {"/v1/chat/completions", "/v1/completions"}) {
+    int status = 0;
+    json r = h.post(path, {{"model", "nope"}, {"messages", {user("q")}}, {"prompt", "p"}}, &status);
+    EXPECT_EQ(status, 404) << path;
+    EXPECT_EQ(r["error"]["code"], "model_not_found");
+    EXPECT_EQ(r["error"]["type"], "invalid_request_error");
+    EXPECT_EQ(r["error"]["param"], "model");
+    EXPECT_NE(r["error"]["message"].get<std::string>().find("nope"), std::string::npos);
+  }
+  EXPECT_EQ(c.Get("/v1/models/gpt-4o")->status, 200);
+  EXPECT_EQ(json::parse(c.Get("/v1/models/nope")->body)["error"]["code"], "model_not_found");
+}
+
+TEST(ServerContract, NonStreamingDisconnectFreesTheSlotAndKeepsTheCache) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever);
+  h.engine->delay_ms = 20;
+  json body = {{"messages", {user("a prompt that is worth caching")}}, {"max_tokens", 3000}};
+  {
+    auto c = h.client();
+    c.set_read_timeout(0, 400000);  // gives up after 0.4 s and closes the connection
+    auto res = c.Post("/v1/chat/completions", body.dump(), "application/json");
+    EXPECT_FALSE(res);
+  }
+  auto closed = std::chrono::steady_clock::now();
+  auto busy = [&] { return json::parse(h.client().Get("/health")->body)["busy"].get<bool>(); };
+  while (busy() && seconds(closed) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Noticed at the next token (20 ms), freed at once: well inside the bound.
+  EXPECT_LT(seconds(closed), 0.5);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+  // What was computed (the prompt and the tokens generated before the hang-up) stayed in the prefix cache.
+  h.engine->delay_ms = 0;
+  body["max_tokens"] = 1;
+  json r = h.post("/v1/chat/completions", body);
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], r["usage"]["prompt_tokens"].get<int>() - 1);
+}
+
+TEST(ServerContract, IdleConnectionsCannotStarveHealth) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"));
+  std::vector<int> idle;
+  for (int i = 0; i < 100; ++i) {
+    int fd = raw_connect(h.port);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  // 40 more that made a request and stay open (keep-alive).
+  std::vector<std::unique_ptr<httplib::Client>> kept;
+  for (int i = 0; i < 40; ++i) {
+    kept.push_back(std::make_unique<httplib::Client>("127.0.0.1", h.port));
+    kept.back()->set_keep_alive(true);
+    ASSERT_TRUE(kept.back()->Get("/health"));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  double best = 1e9;
+  for (int i = 0; i < 3; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto c = h.client();
+    auto res = c.Get("/health");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+    best = std::min(best, seconds(t0));
+  }
+  EXPECT_LT(best, 0.1);
+  // Requests are served too.
+  int status = 0;
+  h.post("/v1/chat/completions", {{"messages", {user("q")}}}, &status);
+  EXPECT_EQ(status, 200);
+  for (int fd : idle) close(fd);
+}
+
+TEST(ServerContract, ConnectionLimitAndIdleTimeout) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.max_connections = 4, .keep_alive_timeout_s = 0.5});
+  std::vector<int> idle;
+  for (int i = 0; i < 6; ++i) idle.push_back(raw_connect(h.port));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto c = h.client();
+  auto res = c.Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 503);
+  EXPECT_EQ(json::parse(res->body)["error"]["code"], "too_many_connections");
+  EXPECT_NE(json::parse(res->body)["error"]["message"].get<std::string>().find("4"), std::string::npos);
+  EXPECT_EQ(h.client().Get("/health")->status, 200);  // health is always answered
+  // Idle connections are closed after the keep-alive timeout; then there is room again.
+  char buf[1];
+  for (int fd : idle) EXPECT_EQ(recv(fd, buf, 1, 0), 0);  // the server closed it (EOF)
+  for (int fd : idle) close(fd);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto ok = h.client().Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
+  EXPECT_EQ(ok->status, 200);
+}
+
+TEST(ServerContract, NoSpecialTokensInOutput) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "Hello<sop> wor[gMASK]ld", "<|endoftext|>", {{int32_t(' '), -50.f}}));
+  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}});
+  std::string content = r["choices"][0]["message"]["content"];
+  for (auto& sp : glm_specials()) EXPECT_EQ(content.find(sp), std::string::npos) << content;
+  EXPECT_EQ(content.substr(0, 5), "Hello");
+  json t = h.post("/v1/completions", {{"prompt", "<|assistant|>"}, {"max_tokens", 30}});
+  EXPECT_EQ(t["choices"][0]["text"], "Hello world") << t.dump();  // completions: special tokens are not text
+}
+
+TEST(ServerContract, ErrorsNameLimitsAndSizes) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.max_body_mb = 1}, /*max_ctx=*/64);
+  auto c = h.client();
+  std::string big = json({{"messages", {user(std::string(2 << 20, 'x'))}}}).dump();
+  auto res = c.Post("/v1/chat/completions", big, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 413);
+  json e = json::parse(res->body);
+  EXPECT_EQ(e["error"]["code"], "request_too_large");
+  std::string msg = e["error"]["message"];
+  EXPECT_NE(msg.find(std::to_string(big.size())), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1048576"), std::string::npos) << msg;
+  int status = 0;
+  json ctx = h.post("/v1/chat/completions", {{"messages", {user(std::string(100, 'y'))}}}, &status);
+  EXPECT_EQ(status, 400);
+  std::string m = ctx["error"]["message"];
+  // Both the limit (64) and the prompt's length (over 100 tokens) are named.
+  EXPECT_NE(m.find(" 64 "), std::string::npos) << m;
+  std::smatch size;
+  ASSERT_TRUE(std::regex_search(m, size, std::regex("in (\\d+) tokens"))) << m;
+  EXPECT_GT(std::stoi(size[1]), 100);
 }

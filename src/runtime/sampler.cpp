@@ -22,7 +22,7 @@ int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t
   if (allowed && allowed->size() != logits.size()) allowed = nullptr;
   int32_t best = argmax(logits, allowed);
   if (best < 0) return argmax(logits);  // mask excluded everything: ignore it rather than emit garbage
-  if (params_.temperature <= 0.0f || params_.top_k == 1) return best;
+  if (params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1) return best;
 
   candidates_.clear();
   for (size_t i = 0; i < logits.size(); ++i) {
@@ -43,7 +43,7 @@ int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t
   float inv_t = 1.0f / params_.temperature, max_logit = candidates_[0].first;
   double total = 0;
   for (auto& c : candidates_) total += (c.first = std::exp((c.first - max_logit) * inv_t));
-  if (params_.top_p < 1.0f && params_.top_p > 0.0f) {
+  if (params_.top_p < 1.0f) {
     double cum = 0, limit = params_.top_p * total;
     size_t n = 0;
     while (n < candidates_.size() && cum < limit) cum += candidates_[n++].first;
@@ -55,6 +55,27 @@ int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t
     if ((r -= c.first) <= 0) return c.second;
   }
   return candidates_.back().second;
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top) {
+  TokenLogprobs r;
+  if (logits.empty()) return r;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float v : logits) mx = std::max(mx, v);
+  double sum = 0;
+  for (float v : logits) sum += std::exp(double(v) - mx);
+  float lse = float(mx + std::log(sum));
+  if (token >= 0 && size_t(token) < logits.size()) r.logprob = logits[size_t(token)] - lse;
+  size_t k = std::min(size_t(std::max(top, 0)), logits.size());
+  if (k) {
+    std::vector<int32_t> ids(logits.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
+    std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), [&](int32_t a, int32_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    for (size_t i = 0; i < k; ++i) r.top.push_back({ids[i], logits[size_t(ids[i])] - lse});
+  }
+  return r;
 }
 
 }  // namespace moesrv

@@ -1,4 +1,5 @@
-// Next-token sampling: greedy at temperature 0, otherwise temperature / top-k / top-p with a seeded RNG.
+// Next-token sampling as OpenAI documents it: greedy at temperature 0 or top_p 0 (and top_k 1), otherwise
+// temperature / top-k / top-p with a seeded RNG (the same seed and inputs give the same tokens).
 // An optional mask (1 = allowed) restricts the candidates, e.g. for constrained tool-call decoding.
 #pragma once
 #include <cstdint>
@@ -11,7 +12,7 @@ namespace moesrv {
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy
-  float top_p = 1.0f;        // nucleus mass kept, (0, 1]
+  float top_p = 1.0f;        // nucleus mass kept, [0, 1]; 0: greedy
   int top_k = 0;             // 0: all tokens
   std::optional<uint64_t> seed;  // unset: random
 };
@@ -31,5 +32,13 @@ class Sampler {
 };
 
 int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowed = nullptr);
+
+// Log-probabilities under the model's distribution (log-softmax of the raw logits, before temperature or masks):
+// the chosen token's and the `top` most likely tokens' (most likely first, ties by lower id).
+struct TokenLogprobs {
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top);
 
 }  // namespace moesrv

@@ -2,7 +2,8 @@
 
 namespace moesrv {
 
-Scheduler::Admission Scheduler::acquire(std::unique_ptr<Slot>& slot) {
+Scheduler::Admission Scheduler::acquire(std::unique_ptr<Slot>& slot, const std::function<bool()>& abandoned,
+                                        std::chrono::milliseconds poll) {
   std::unique_lock lock(mu_);
   if (!running_ && waiting_ == 0) {
     running_ = true;
@@ -15,13 +16,24 @@ Scheduler::Admission Scheduler::acquire(std::unique_ptr<Slot>& slot) {
   auto deadline = std::chrono::steady_clock::now() + queue_timeout_;
   // A ticket is servable once every earlier ticket was served or abandoned.
   auto my_turn = [&] { return !running_ && serving_ == ticket; };
-  bool ok = cv_.wait_until(lock, deadline, my_turn);
+  bool ok = false, gone = false;
+  while (!ok) {
+    auto until = abandoned ? std::min(deadline, std::chrono::steady_clock::now() + poll) : deadline;
+    ok = cv_.wait_until(lock, until, my_turn);
+    if (ok || std::chrono::steady_clock::now() >= deadline) break;
+    if (abandoned) {
+      lock.unlock();
+      gone = abandoned();
+      lock.lock();
+      if (gone) break;  // abandoning below passes the turn on, even if it was ours
+    }
+  }
   --waiting_;
   if (!ok) {
     abandoned_.insert(ticket);
     skip_abandoned_locked();
     cv_.notify_all();
-    return Admission::kTimedOut;
+    return gone ? Admission::kAbandoned : Admission::kTimedOut;
   }
   ++serving_;
   skip_abandoned_locked();

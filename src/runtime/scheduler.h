@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -15,7 +16,7 @@ class Scheduler {
   Scheduler(size_t queue_max, std::chrono::milliseconds queue_timeout)
       : queue_max_(queue_max), queue_timeout_(queue_timeout) {}
 
-  enum class Admission { kGranted, kQueueFull, kTimedOut };
+  enum class Admission { kGranted, kQueueFull, kTimedOut, kAbandoned };
 
   // Held while a request uses the engine; destroying it lets the next queued request run.
   class Slot {
@@ -29,8 +30,10 @@ class Scheduler {
     Scheduler* sched_;
   };
 
-  // Blocks until the engine is free (FIFO order). On success `slot` is set.
-  Admission acquire(std::unique_ptr<Slot>& slot);
+  // Blocks until the engine is free (FIFO order). On success `slot` is set. `abandoned` (optional) is polled
+  // every `poll` while waiting: true gives up the place in the queue (the client went away).
+  Admission acquire(std::unique_ptr<Slot>& slot, const std::function<bool()>& abandoned = nullptr,
+                    std::chrono::milliseconds poll = std::chrono::milliseconds(50));
 
   size_t waiting() const;
   bool busy() const;

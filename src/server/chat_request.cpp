@@ -151,6 +151,36 @@ json normalise_messages(const json* messages) {
   return out;
 }
 
+std::optional<std::string> model_field(const json& body) {
+  auto* m = field(body, "model");
+  if (!m) return std::nullopt;
+  if (!m->is_string()) wrong_type("model", "a string");
+  return m->get<std::string>();
+}
+
+void parse_response_format(const json& rf, ChatCompletionRequest& r) {
+  auto invalid = [](const std::string& why) { return bad_request("response_format: " + why, "response_format", "invalid_response_format"); };
+  if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string()) throw invalid("must be an object with a string 'type'");
+  std::string type = rf["type"];
+  if (type == "text") return;
+  if (type == "json_object") {
+    r.response_format = type;
+    r.response_schema = JsonSchema::any_object();
+    return;
+  }
+  if (type != "json_schema") throw invalid("'type' must be text, json_object or json_schema");
+  const json* js = field(rf, "json_schema");
+  if (!js || !js->is_object()) throw invalid("json_schema must be an object with a 'schema'");
+  const json* schema = field(*js, "schema");
+  if (schema && !schema->is_object() && !schema->is_boolean()) throw invalid("json_schema.schema must be a JSON schema object");
+  try {
+    r.response_schema = schema ? JsonSchema::compile(nlohmann::json::parse(schema->dump())) : JsonSchema::any_value();
+  } catch (const std::exception& e) {
+    throw invalid(std::string("json_schema.schema: ") + e.what());
+  }
+  r.response_format = type;
+}
+
 }  // namespace
 
 std::vector<ToolSpec> parse_tools(const json& tools) {
@@ -164,29 +194,38 @@ std::vector<ToolSpec> parse_tools(const json& tools) {
     if (!fn || !fn->is_object()) throw invalid("missing 'function' object");
     if (!fn->contains("name") || !(*fn)["name"].is_string() || (*fn)["name"].get<std::string>().empty())
       throw invalid("function.name must be a non-empty string");
-    ToolSpec spec{(*fn)["name"].get<std::string>(), {}, {}};
-    if (const json* params = field(*fn, "parameters")) {
-      if (!params->is_object()) throw invalid("function.parameters must be a JSON schema object");
-      if (const json* props = field(*params, "properties")) {
-        if (!props->is_object()) throw invalid("parameters.properties must be an object");
-        for (auto& [key, schema] : props->items()) {
-          if (!schema.is_object()) throw invalid(fmt::format("property '{}' must be a schema object", key));
-          std::string type;
-          if (auto it = schema.find("type"); it != schema.end()) {
-            if (it->is_string()) type = it->get<std::string>();
-            else if (!it->is_array()) throw invalid(fmt::format("property '{}' has an invalid 'type'", key));
-          }
-          spec.properties.push_back({key, type});
-        }
-      }
-      if (const json* req = field(*params, "required")) {
-        if (!req->is_array()) throw invalid("parameters.required must be an array");
-        for (auto& r : *req) {
-          if (!r.is_string()) throw invalid("parameters.required must list property names");
-          spec.required.push_back(r.get<std::string>());
-        }
+    ToolSpec spec{(*fn)["name"].get<std::string>(), {}, {}, nullptr};
+    for (auto& other : specs)
+      if (other.name == spec.name) throw invalid(fmt::format("duplicate function name '{}'", spec.name));
+    // No parameters: the function takes none (OpenAI), so its arguments are {}.
+    json params = json{{"type", "object"}, {"properties", json::object()}, {"additionalProperties", false}};
+    if (const json* p = field(*fn, "parameters")) {
+      if (!p->is_object()) throw invalid("function.parameters must be a JSON schema object");
+      params = *p;
+      if (!params.contains("type")) params["type"] = "object";
+      if (params["type"] != "object") throw invalid("function.parameters must describe an object");
+    }
+    if (const json* props = field(params, "properties")) {
+      if (!props->is_object()) throw invalid("parameters.properties must be an object");
+      for (auto& [key, schema] : props->items())
+        if (!schema.is_object() && !schema.is_boolean()) throw invalid(fmt::format("property '{}' must be a schema object", key));
+    }
+    try {
+      spec.schema = JsonSchema::compile(nlohmann::json::parse(params.dump()));
+    } catch (const std::exception& e) {
+      throw invalid(std::string("parameters: ") + e.what());
+    }
+    const JsonSchema::Node& root = spec.schema->node(spec.schema->root());
+    if (const json* props = field(params, "properties")) {
+      for (auto& [key, schema] : props->items()) {
+        std::string escaped = json(key).dump();
+        int k = JsonSchema::key_index(root, escaped.substr(1, escaped.size() - 2));
+        bool text = k < 0 || json_value_is_text(spec.schema->node(root.key_nodes[size_t(k)]));
+        spec.properties.push_back({key, text});
       }
     }
+    if (const json* req = field(params, "required"))
+      for (auto& r : *req) spec.required.push_back(r.get<std::string>());
     specs.push_back(std::move(spec));
   }
   return specs;
@@ -225,12 +264,26 @@ ChatCompletionRequest parse_chat_request(const json& body) {
     if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object");
     r.template_kwargs = *kw;
   }
+  r.model = model_field(body);
+  r.parallel_tool_calls = bool_field(body, "parallel_tool_calls", true);
+  if (auto* rf = field(body, "response_format")) parse_response_format(*rf, r);
+  r.logprobs.enabled = bool_field(body, "logprobs", false);
+  if (auto n = int_field(body, "top_logprobs", 0)) {
+    if (*n > 20) throw bad_request("'top_logprobs' must be between 0 and 20", "top_logprobs", "invalid_value");
+    if (!r.logprobs.enabled && *n > 0) throw bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value");
+    r.logprobs.top = int(*n);
+  }
   return r;
 }
 
 CompletionRequest parse_completion_request(const json& body) {
   if (!body.is_object()) throw bad_request("request body must be a JSON object");
   CompletionRequest r;
+  r.model = model_field(body);
+  if (auto n = int_field(body, "logprobs", 0)) {
+    if (*n > 20) throw bad_request("'logprobs' must be between 0 and 20", "logprobs", "invalid_value");
+    r.logprobs = {true, int(*n)};
+  }
   const json* p = field(body, "prompt");
   if (!p) throw bad_request("'prompt' is required", "prompt", "missing_required_parameter");
   const json* prompt = p;

@@ -9,20 +9,22 @@
 #include <vector>
 
 #include "runtime/sampler.h"
+#include "server/json_schema.h"
 
 namespace moesrv {
 
-// One function tool: its name and, per declared property, whether values are free text (JSON type string
-// or unknown) or must be JSON of the declared type.
+// One function tool: its name, its compiled parameter schema and, per declared property, whether GLM writes
+// values as free text (strings, untyped, string enums) or as JSON.
 struct ToolSpec {
   std::string name;
   struct Property {
     std::string name;
-    std::string json_type;  // "string", "integer", "number", "boolean", "object", "array", "null" or "" (any)
-    bool is_text() const { return json_type.empty() || json_type == "string"; }
+    bool text = true;
+    bool is_text() const { return text; }
   };
   std::vector<Property> properties;
   std::vector<std::string> required;
+  std::shared_ptr<const JsonSchema> schema;  // the arguments object
   const Property* property(const std::string& key) const;
 };
 
@@ -35,17 +37,29 @@ struct GenerationOptions {
   bool stream = false, include_usage = false;
 };
 
+struct LogprobOptions {
+  bool enabled = false;
+  int top = 0;  // alternatives per token (chat top_logprobs, completions logprobs)
+};
+
 struct ChatCompletionRequest {
+  std::optional<std::string> model;
   nlohmann::ordered_json messages;  // normalised (key order kept: it is what the model saw): content is a string, tool_call arguments are objects
   nlohmann::ordered_json tools = nlohmann::ordered_json::array();  // as sent (OpenAI tool objects)
   std::vector<ToolSpec> tool_specs;
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_name;  // kNamed
+  bool parallel_tool_calls = true;
+  std::string response_format = "text";             // text | json_object | json_schema
+  std::shared_ptr<const JsonSchema> response_schema;  // json_object / json_schema
+  LogprobOptions logprobs;
   nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
   GenerationOptions gen;
 };
 
 struct CompletionRequest {
+  std::optional<std::string> model;
+  LogprobOptions logprobs;
   std::optional<std::string> prompt_text;
   std::vector<int32_t> prompt_ids;  // when the prompt was given as token ids
   GenerationOptions gen;

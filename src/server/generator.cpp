@@ -55,7 +55,8 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
     auto begin = prompt.begin() + r.cached_tokens + done;
     logits = forward(std::vector<int32_t>(begin, begin + n));
     done += n;
-    if (done < total && !hooks.on_prefill_progress(done, total)) {
+    bool gone = hooks.client_alive && !hooks.client_alive();
+    if (gone || (done < total && !hooks.on_prefill_progress(done, total))) {
       r.finish = GenerationResult::Finish::kCancelled;
       r.prefill_seconds = seconds_since(t0);
       return r;
@@ -69,6 +70,7 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
     int32_t tok;
     if (auto forced = hooks.forced_token()) tok = *forced;
     else tok = sampler.sample(logits, hooks.allowed_tokens());
+    hooks.on_sampled(logits, tok);
     ++r.completion_tokens;
     if (!hooks.on_token(tok)) {
       r.finish = GenerationResult::Finish::kStopped;
@@ -76,6 +78,10 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
     }
     if (r.completion_tokens == max_new_tokens || seq->length() + 1 >= engine.max_context()) break;
     logits = forward({tok});
+    if (hooks.client_alive && !hooks.client_alive()) {
+      r.finish = GenerationResult::Finish::kCancelled;
+      break;
+    }
   }
   r.decode_seconds = seconds_since(t1);
   return r;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "runtime/engine.h"
@@ -19,11 +20,15 @@ class DecodeHooks {
   virtual std::optional<int32_t> forced_token() { return std::nullopt; }
   // Allowed-token mask for the next sample (nullptr: unconstrained).
   virtual const std::vector<uint8_t>* allowed_tokens() { return nullptr; }
+  // Called for each generated token (sampled or forced) with the logits it was chosen from, before on_token.
+  virtual void on_sampled(std::span<const float> logits, int32_t id) {}
   // Called for each generated token; return false to stop (end of turn, stop string, client gone).
   virtual bool on_token(int32_t id) = 0;
   // Called between prefill chunks; return false to abandon (client gone). Default: calls prefill_ping.
   virtual bool on_prefill_progress(int64_t done, int64_t total) { return prefill_ping ? prefill_ping() : true; }
   std::function<bool()> prefill_ping;
+  // Polled after every forward call (prefill chunk or token); false: the client is gone, stop now.
+  std::function<bool()> client_alive;
 };
 
 struct GenerationResult {

@@ -1,9 +1,17 @@
 #include "server/http_server.h"
 
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
+#include <deque>
 #include <thread>
 
 #include "runtime/prefix_cache.h"
@@ -15,6 +23,7 @@
 #include "server/openai_shapes.h"
 #include "server/reasoning_store.h"
 #include "server/text_decoder.h"
+#include "server/turn_grammar.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -35,6 +44,168 @@ nlohmann::ordered_json parse_body(const httplib::Request& req) {
   return body;
 }
 
+// ---- Connections: one thread per connection (an elastic pool), our own keep-alive loop ----
+
+thread_local int t_socket = -1;         // the connection the current handler serves
+thread_local bool t_over_limit = false;  // that connection is beyond max_connections
+
+// True once the peer has closed its side (or the connection broke). Never blocks.
+bool socket_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, short(POLLIN | POLLRDHUP), 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
+  if (p.revents & POLLIN) {
+    char c;
+    return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+  }
+  return false;
+}
+
+bool wait_fd(int fd, short events, int ms) {
+  pollfd p{fd, events, 0};
+  int r;
+  do r = poll(&p, 1, ms);
+  while (r < 0 && errno == EINTR);
+  return r > 0;
+}
+
+void addr_of(const sockaddr_storage& a, std::string& ip, int& port) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (a.ss_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf);
+    port = ntohs(in->sin_port);
+  } else if (a.ss_family == AF_INET6) {
+    auto* in = reinterpret_cast<const sockaddr_in6*>(&a);
+    inet_ntop(AF_INET6, &in->sin6_addr, buf, sizeof buf);
+    port = ntohs(in->sin6_port);
+  }
+  ip = buf;
+}
+
+class SocketStream : public httplib::Stream {
+ public:
+  SocketStream(int fd, int read_ms, int write_ms) : fd_(fd), read_ms_(read_ms), write_ms_(write_ms) {}
+  bool is_readable() const override { return wait_fd(fd_, POLLIN, read_ms_); }
+  bool is_writable() const override { return wait_fd(fd_, POLLOUT, write_ms_); }
+  ssize_t read(char* ptr, size_t size) override {
+    if (!is_readable()) return -1;
+    ssize_t n;
+    do n = recv(fd_, ptr, size, 0);
+    while (n < 0 && errno == EINTR);
+    return n;
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    do n = send(fd_, ptr, size, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    sockaddr_storage a{};
+    socklen_t len = sizeof a;
+    if (getpeername(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) addr_of(a, ip, port);
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    sockaddr_storage a{};
+    socklen_t len = sizeof a;
+    if (getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) addr_of(a, ip, port);
+  }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  int fd_, read_ms_, write_ms_;
+};
+
+// A thread per queued task (connection), reusing idle threads; at most `cap` threads, then tasks wait.
+class ElasticPool : public httplib::TaskQueue {
+ public:
+  explicit ElasticPool(size_t cap) : cap_(cap) {}
+  ~ElasticPool() override { shutdown(); }
+  void enqueue(std::function<void()> fn) override {
+    std::lock_guard lock(mu_);
+    jobs_.push_back(std::move(fn));
+    if (jobs_.size() > idle_ && threads_.size() < cap_) threads_.emplace_back([this] { work(); });
+    else cv_.notify_one();
+  }
+  void shutdown() override {
+    {
+      std::lock_guard lock(mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  void work() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      ++idle_;
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      --idle_;
+      if (jobs_.empty()) return;
+      auto fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  size_t cap_, idle_ = 0;
+  bool stop_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+};
+
+class ConnectionServer : public httplib::Server {
+ public:
+  size_t max_connections = 256;
+  int keep_alive_ms = 5000, read_ms = 10000, write_ms = 30000;
+  size_t keep_alive_requests = 1000;
+  std::atomic<size_t> active{0};
+  // httplib listens with a backlog of 5: a burst of connections then waits for SYN retransmits (1 s, 3 s, ...).
+  void widen_backlog() { ::listen(svr_sock_, SOMAXCONN); }
+
+ private:
+  // Replaces httplib's loop so handlers can see their socket (disconnect detection) and the connection count.
+  bool process_and_close_socket(socket_t sock) override {
+    size_t n = ++active;
+    t_socket = sock;
+    t_over_limit = n > max_connections;
+    SocketStream strm(sock, read_ms, write_ms);
+    size_t left = t_over_limit ? 1 : keep_alive_requests;
+    bool ret = false;
+    while (left > 0 && next_request(sock)) {
+      bool closed = false;
+      ret = process_request(strm, left == 1, closed, nullptr);
+      if (!ret || closed) break;
+      --left;
+    }
+    t_socket = -1;
+    t_over_limit = false;
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    --active;
+    return ret;
+  }
+  // Waits for the next request's first bytes, up to the keep-alive timeout (in slices, so stop() is honoured).
+  bool next_request(int sock) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(keep_alive_ms);
+    while (svr_sock_ != INVALID_SOCKET) {  // stop() closes the listening socket first
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+      if (left <= 0) return false;
+      if (wait_fd(sock, POLLIN, int(std::min<int64_t>(left, 100)))) return true;
+    }
+    return false;
+  }
+};
+
 // Strings written to an SSE stream; false once the client is gone.
 struct SseWriter {
   httplib::DataSink& sink;
@@ -51,13 +222,13 @@ struct HttpServer::Impl {
   Engine& engine;
   const ChatCodec& codec;
   ServerOptions opt;
-  httplib::Server http;
+  ConnectionServer http;
   Scheduler scheduler;
   std::unique_ptr<PrefixCache> cache;
   ServerMetrics metrics;
   ReasoningStore reasoning;
   VocabText vocab;
-  GlmMarkers markers;
+  TurnMarkers markers;
   std::string model;
   int64_t ctx;
   std::thread thread;
@@ -65,7 +236,7 @@ struct HttpServer::Impl {
   Impl(Engine& e, const ChatCodec& c, ServerOptions o)
       : engine(e), codec(c), opt(std::move(o)),
         scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000))),
-        vocab(c), markers(GlmMarkers::from(c)) {
+        vocab(c), markers(TurnMarkers::detect(c)) {
     if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
     model = opt.served_name.empty() ? engine.name() : opt.served_name;
     ctx = opt.ctx > 0 ? std::min(opt.ctx, engine.max_context()) : engine.max_context();
@@ -92,16 +263,43 @@ struct HttpServer::Impl {
 
   std::unique_ptr<Scheduler::Slot> admit() {
     std::unique_ptr<Scheduler::Slot> slot;
-    switch (scheduler.acquire(slot)) {
+    int fd = t_socket;
+    switch (scheduler.acquire(slot, [fd] { return socket_gone(fd); })) {
       case Scheduler::Admission::kGranted: return slot;
       case Scheduler::Admission::kQueueFull:
         ++metrics.rejected_queue_full;
-        throw ApiError(429, "The server is busy: too many requests are queued. Retry later.", "rate_limit_error", "", "queue_full");
+        throw ApiError(429, fmt::format("The server is busy: {} requests are already queued (the limit is {}). Retry later.",
+                                        scheduler.waiting(), opt.queue_max), "rate_limit_error", "", "queue_full");
       case Scheduler::Admission::kTimedOut:
         ++metrics.rejected_timeout;
-        throw ApiError(503, "Timed out waiting for the model to become free. Retry later.", "server_error", "", "queue_timeout");
+        throw ApiError(503, fmt::format("Timed out after {} s waiting for the model to become free. Retry later.", opt.queue_timeout_s),
+                       "server_error", "", "queue_timeout");
+      case Scheduler::Admission::kAbandoned:
+        ++metrics.cancelled;
+        throw ApiError(499, "The client closed the connection while the request was queued.", "invalid_request_error", "", "client_closed");
     }
     return slot;
+  }
+
+  bool known_model(const std::string& name) const {
+    return name == model || std::find(opt.aliases.begin(), opt.aliases.end(), name) != opt.aliases.end();
+  }
+  void check_model(const std::optional<std::string>& name) const {
+    if (name && !known_model(*name))
+      throw ApiError(404, fmt::format("The model '{}' does not exist. This server serves '{}'.", *name, model),
+                     "invalid_request_error", "model", "model_not_found");
+  }
+  // The prompt leaves the model inside reasoning: its last non-whitespace token opens it.
+  bool ends_in_reasoning(const std::vector<int32_t>& prompt) const {
+    if (markers.think_open < 0) return false;
+    for (size_t i = prompt.size(); i-- > 0;) {
+      int32_t t = prompt[i];
+      if (t == markers.think_open) return true;
+      if (codec.is_special(t)) return false;
+      for (char c : vocab.bytes[size_t(t)])
+        if (c != ' ' && c != '\n' && c != '\t' && c != '\r') return false;
+    }
+    return false;
   }
 
   openai::ResponseHeader header(const char* prefix) { return {openai::random_id(prefix), model, int64_t(std::time(nullptr))}; }
@@ -130,6 +328,7 @@ struct HttpServer::Impl {
     std::vector<int32_t> prompt;
     int64_t max_new = 0;
     bool start_in_reasoning = false;
+    int socket = -1;
     std::unique_ptr<Scheduler::Slot> slot;
     openai::ResponseHeader head;
   };
@@ -144,6 +343,8 @@ struct HttpServer::Impl {
   ChatOutcome run_chat(ChatJob& job, ChatTurnDecoder& dec) {
     Sampler sampler(job.req.gen.sampling);
     ChatOutcome out;
+    int fd = job.socket;
+    dec.client_alive = [fd] { return !socket_gone(fd); };
     out.gen = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
     dec.finish();
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
@@ -166,6 +367,8 @@ struct HttpServer::Impl {
     ++metrics.requests;
     auto job = std::make_shared<ChatJob>();
     job->req = parse_chat_request(parse_body(http_req));
+    check_model(job->req.model);
+    job->socket = t_socket;
     metrics.reasoning_reattached += uint64_t(reasoning.reattach(job->req.messages, opt.reattach_turns));
     // Tools stay in the prompt even for tool_choice "none" (the <tool_call> token is masked instead), so the
     // prompt prefix — and the prefix cache — is the same as for the agent's other turns.
@@ -179,15 +382,18 @@ struct HttpServer::Impl {
     job->prompt = codec.encode(text);
     if (job->prompt.empty()) throw bad_request("the prompt is empty", "messages");
     job->max_new = budget_new_tokens(int64_t(job->prompt.size()), job->req.gen);
-    job->start_in_reasoning = markers.think_open >= 0 && job->prompt.back() == markers.think_open;
+    job->start_in_reasoning = ends_in_reasoning(job->prompt);
     job->head = header("chatcmpl-");
     job->slot = admit();
 
     if (!job->req.gen.stream) {
-      ChatTurnDecoder dec(codec, vocab, job->req, turn_config(*job), [](const ChatDelta&) { return true; });
+      ChatTurnDecoder dec(codec, vocab, markers, job->req, turn_config(*job), [](const ChatDelta&) { return true; });
       ChatOutcome out = run_chat(*job, dec);
+      job->slot.reset();
+      if (out.cancelled) throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
       json msg = openai::chat_message(dec.content(), dec.parser().reasoning(), dec.parser().tool_calls());
-      send_json(res, 200, openai::chat_completion(job->head, msg, out.finish_reason, out.usage));
+      json lp = job->req.logprobs.enabled ? json(dec.content_logprobs()) : json(nullptr);
+      send_json(res, 200, openai::chat_completion(job->head, msg, out.finish_reason, out.usage, lp));
       return;
     }
     res.set_header("Cache-Control", "no-cache");
@@ -203,8 +409,8 @@ struct HttpServer::Impl {
     SseWriter w{sink};
     bool usage_field = job.req.gen.include_usage;
     w.write(openai::sse(openai::chat_chunk(job.head, {{"role", "assistant"}, {"content", ""}}, nullptr, usage_field)));
-    ChatTurnDecoder dec(codec, vocab, job.req, turn_config(job), [&](const ChatDelta& d) {
-      return w.write(openai::sse(openai::chat_chunk(job.head, openai::chat_delta(d), nullptr, usage_field)));
+    ChatTurnDecoder dec(codec, vocab, markers, job.req, turn_config(job), [&](const ChatDelta& d) {
+      return w.write(openai::sse(openai::chat_chunk(job.head, openai::chat_delta(d), nullptr, usage_field, d.logprobs)));
     });
     dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
     try {
@@ -231,15 +437,19 @@ struct HttpServer::Impl {
     CompletionRequest req;
     std::vector<int32_t> prompt;
     int64_t max_new = 0;
+    int socket = -1;
     std::unique_ptr<Scheduler::Slot> slot;
     openai::ResponseHeader head;
   };
 
   openai::Usage run_text(TextJob& job, TextDecoder& dec, std::string& finish_reason) {
     Sampler sampler(job.req.gen.sampling);
+    int fd = job.socket;
+    dec.client_alive = [fd] { return !socket_gone(fd); };
     GenerationResult r = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
     dec.finish();
     if (dec.cancelled()) r.finish = GenerationResult::Finish::kCancelled;
+    if (r.finish == GenerationResult::Finish::kCancelled && !dec.cancelled()) dec.cancel();
     finish_reason = r.finish == GenerationResult::Finish::kLength && !dec.stop_hit() ? "length" : "stop";
     account(r, 0);
     return {r.prompt_tokens, r.completion_tokens, r.cached_tokens, 0};
@@ -249,6 +459,8 @@ struct HttpServer::Impl {
     ++metrics.requests;
     auto job = std::make_shared<TextJob>();
     job->req = parse_completion_request(parse_body(http_req));
+    check_model(job->req.model);
+    job->socket = t_socket;
     if (job->req.prompt_text) {
       job->prompt = codec.encode(*job->req.prompt_text);
     } else {
@@ -262,20 +474,24 @@ struct HttpServer::Impl {
     job->head = header("cmpl-");
     job->slot = admit();
 
+    int lp = job->req.logprobs.enabled ? job->req.logprobs.top : -1;
     if (!job->req.gen.stream) {
-      TextDecoder dec(codec, job->req.gen.stop, [](const std::string&) { return true; });
+      TextDecoder dec(codec, job->req.gen.stop, [](const std::string&, const json&) { return true; }, lp);
       std::string finish;
       openai::Usage u = run_text(*job, dec, finish);
-      send_json(res, 200, openai::text_completion(job->head, openai::text_choice(dec.text(), finish), u.to_json()));
+      job->slot.reset();
+      if (dec.cancelled()) throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
+      json lps = lp >= 0 ? dec.logprobs().to_json() : json(nullptr);
+      send_json(res, 200, openai::text_completion(job->head, openai::text_choice(dec.text(), finish, lps), u.to_json()));
       return;
     }
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider("text/event-stream", [this, job](size_t, httplib::DataSink& sink) {
+    res.set_chunked_content_provider("text/event-stream", [this, job, lp](size_t, httplib::DataSink& sink) {
       SseWriter w{sink};
       bool usage_field = job->req.gen.include_usage;
-      TextDecoder dec(codec, job->req.gen.stop, [&](const std::string& s) {
-        return w.write(openai::sse(openai::text_completion(job->head, openai::text_choice(s, nullptr), json())));
-      });
+      TextDecoder dec(codec, job->req.gen.stop, [&](const std::string& s, const json& lps) {
+        return w.write(openai::sse(openai::text_completion(job->head, openai::text_choice(s, nullptr, lps), json())));
+      }, lp);
       dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
       try {
         std::string finish;
@@ -298,8 +514,8 @@ struct HttpServer::Impl {
     });
   }
 
-  json model_object() const {
-    return {{"id", model}, {"object", "model"}, {"created", 0}, {"owned_by", "moesrv"}, {"max_model_len", ctx}};
+  json model_object(const std::string& id) const {
+    return {{"id", id}, {"object", "model"}, {"created", 0}, {"owned_by", "moesrv"}, {"max_model_len", ctx}};
   }
 
   void routes() {
@@ -307,11 +523,14 @@ struct HttpServer::Impl {
     http.Post("/v1/completions", guarded([this](auto& q, auto& r) { handle_completion(q, r); }));
     http.Post("/chat/completions", guarded([this](auto& q, auto& r) { handle_chat(q, r); }));
     http.Get("/v1/models", guarded([this](auto&, auto& r) {
-      send_json(r, 200, {{"object", "list"}, {"data", json::array({model_object()})}});
+      json data = json::array({model_object(model)});
+      for (auto& a : opt.aliases) data.push_back(model_object(a));
+      send_json(r, 200, {{"object", "list"}, {"data", data}});
     }));
     http.Get(R"(/v1/models/(.+))", guarded([this](auto& q, auto& r) {
-      if (q.matches[1] != model) throw ApiError(404, fmt::format("The model '{}' does not exist", q.matches[1].str()), "invalid_request_error", "model", "model_not_found");
-      send_json(r, 200, model_object());
+      std::string id = q.matches[1].str();
+      check_model(id);
+      send_json(r, 200, model_object(id));
     }));
     http.Get("/health", guarded([this](auto&, auto& r) {
       send_json(r, 200, {{"status", "ok"}, {"model", model}, {"busy", scheduler.busy()}, {"queued", scheduler.waiting()}});
@@ -320,16 +539,34 @@ struct HttpServer::Impl {
       ServerMetrics::Gauges g{scheduler.waiting(), scheduler.busy(), cache ? cache->bytes() : 0, cache ? cache->entries() : 0};
       r.set_content(metrics.render(g), "text/plain; version=0.0.4");
     }));
-    http.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
+    size_t max_body = opt.max_body_mb << 20;
+    http.set_error_handler([max_body](const httplib::Request& q, httplib::Response& r) {
       if (!r.body.empty()) return;
-      ApiError e(r.status, r.status == 404 ? fmt::format("Unknown endpoint {} {}", q.method, q.path) : "request failed",
-                 "invalid_request_error", "", r.status == 404 ? "unknown_url" : "");
+      std::string message = "request failed", code;
+      if (r.status == 404) message = fmt::format("Unknown endpoint {} {}", q.method, q.path), code = "unknown_url";
+      if (r.status == 413) {
+        std::string len = q.get_header_value("Content-Length");
+        message = len.empty() ? fmt::format("The request body exceeds the limit of {} bytes ({} MiB).", max_body, max_body >> 20)
+                              : fmt::format("The request body is {} bytes; the limit is {} bytes ({} MiB).", len, max_body, max_body >> 20);
+        code = "request_too_large";
+      }
+      ApiError e(r.status, message, "invalid_request_error", "", code);
       r.set_content(e.to_json().dump(), "application/json");
     });
-    // Every waiting request holds a worker thread; leave room for /health and /metrics on top.
-    size_t threads = opt.queue_max + 8;
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    http.set_payload_max_length(64u << 20);
+    // Beyond max_connections a connection gets /health and nothing else.
+    http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
+      if (!t_over_limit || q.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      ApiError e(503, fmt::format("Too many open connections (the limit is {}). Retry later.", opt.max_connections),
+                 "server_error", "", "too_many_connections");
+      send_json(r, 503, e.to_json());
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    http.max_connections = opt.max_connections;
+    http.keep_alive_ms = int(opt.keep_alive_timeout_s * 1000);
+    http.read_ms = int(opt.read_timeout_s * 1000);
+    size_t cap = opt.max_connections + 64;
+    http.new_task_queue = [cap] { return new ElasticPool(cap); };
+    http.set_payload_max_length(max_body);
   }
 };
 
@@ -346,6 +583,7 @@ int HttpServer::start() {
   } else {
     MOESRV_CHECK(impl_->http.bind_to_port(impl_->opt.host, port), "cannot listen on {}:{}", impl_->opt.host, port);
   }
+  impl_->http.widen_backlog();
   impl_->thread = std::thread([this] { impl_->http.listen_after_bind(); });
   for (int i = 0; i < 5000 && !impl_->http.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   MOESRV_CHECK(impl_->http.is_running(), "the HTTP server did not start");

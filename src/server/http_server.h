@@ -1,9 +1,13 @@
 // The OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 // One request uses the engine at a time (Scheduler); the rest queue. Start on port 0 for an ephemeral port.
+// Every connection has its own thread (idle or slow clients cannot hold up others, /health included), idle
+// keep-alive connections close after a timeout, and beyond `max_connections` a connection only gets /health
+// (anything else is answered 503). A client that goes away, streaming or not, stops its generation.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/engine.h"
 #include "server/chat_codec.h"
@@ -20,8 +24,13 @@ struct ServerOptions {
   double queue_timeout_s = 600;
   size_t prefix_cache_mb = 4096;    // 0: off
   std::string served_name;          // "": the engine's name()
+  std::vector<std::string> aliases; // more names the model answers to (requests naming others get 404)
   int64_t prefill_chunk = 512;
   int reattach_turns = 4;           // re-attach dropped reasoning on this many last tool-calling turns
+  size_t max_connections = 256;     // open connections served fully; more only get /health
+  double keep_alive_timeout_s = 5;  // an idle keep-alive connection is closed after this
+  double read_timeout_s = 10;       // a request (line, headers, body) must keep arriving at least this often
+  size_t max_body_mb = 64;          // larger request bodies: 413
 };
 
 class HttpServer {

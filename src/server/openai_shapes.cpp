@@ -22,13 +22,20 @@ std::string random_id(const std::string& prefix) {
   return id;
 }
 
-json chat_chunk(const ResponseHeader& h, const json& delta, const json& finish_reason, bool include_usage_field) {
+namespace {
+json chat_logprobs(const json& content) {
+  return content.is_null() ? json(nullptr) : json{{"content", content}, {"refusal", nullptr}};
+}
+}  // namespace
+
+json chat_chunk(const ResponseHeader& h, const json& delta, const json& finish_reason, bool include_usage_field,
+                const json& logprobs) {
   json chunk = {{"id", h.id},
                 {"object", "chat.completion.chunk"},
                 {"created", h.created},
                 {"model", h.model},
                 {"system_fingerprint", nullptr},
-                {"choices", json::array({{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}})}};
+                {"choices", json::array({{{"index", 0}, {"delta", delta}, {"logprobs", chat_logprobs(logprobs)}, {"finish_reason", finish_reason}}})}};
   if (include_usage_field) chunk["usage"] = nullptr;
   return chunk;
 }
@@ -67,18 +74,19 @@ json chat_message(const std::string& content, const std::string& reasoning, cons
   return msg;
 }
 
-json chat_completion(const ResponseHeader& h, const json& message, const std::string& finish_reason, const Usage& u) {
+json chat_completion(const ResponseHeader& h, const json& message, const std::string& finish_reason, const Usage& u,
+                     const json& logprobs) {
   return {{"id", h.id},
           {"object", "chat.completion"},
           {"created", h.created},
           {"model", h.model},
           {"system_fingerprint", nullptr},
-          {"choices", json::array({{{"index", 0}, {"message", message}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}})},
+          {"choices", json::array({{{"index", 0}, {"message", message}, {"logprobs", chat_logprobs(logprobs)}, {"finish_reason", finish_reason}}})},
           {"usage", u.to_json()}};
 }
 
-json text_choice(const std::string& text, const json& finish_reason) {
-  return {{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+json text_choice(const std::string& text, const json& finish_reason, const json& logprobs) {
+  return {{"text", text}, {"index", 0}, {"logprobs", logprobs}, {"finish_reason", finish_reason}};
 }
 
 json text_completion(const ResponseHeader& h, const json& choice, const json& usage) {

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "server/glm_output_parser.h"
+#include "server/output_parser.h"
 
 namespace moesrv::openai {
 
@@ -21,14 +21,16 @@ struct ResponseHeader {
   int64_t created = 0;
 };
 
+// `logprobs`: an array of content logprob entries (null: the choice's logprobs is null).
 nlohmann::json chat_chunk(const ResponseHeader& h, const nlohmann::json& delta, const nlohmann::json& finish_reason,
-                          bool include_usage_field);
+                          bool include_usage_field, const nlohmann::json& logprobs = nullptr);
 nlohmann::json chat_delta(const ChatDelta& d);  // {"reasoning_content":..,"content":..,"tool_calls":[..]}
 nlohmann::json chat_message(const std::string& content, const std::string& reasoning,
                             const std::vector<ParsedToolCall>& calls);
 nlohmann::json chat_completion(const ResponseHeader& h, const nlohmann::json& message, const std::string& finish_reason,
-                               const Usage& u);
-nlohmann::json text_choice(const std::string& text, const nlohmann::json& finish_reason);
+                               const Usage& u, const nlohmann::json& logprobs = nullptr);
+nlohmann::json text_choice(const std::string& text, const nlohmann::json& finish_reason,
+                           const nlohmann::json& logprobs = nullptr);
 nlohmann::json text_completion(const ResponseHeader& h, const nlohmann::json& choice, const nlohmann::json& usage);
 
 inline std::string sse(const nlohmann::json& j) {

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "server/glm_output_parser.h"
+#include "server/output_parser.h"
 
 namespace moesrv {
 

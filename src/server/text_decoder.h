@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <functional>
 
+#include <nlohmann/json.hpp>
+
+#include "runtime/sampler.h"
 #include "server/chat_codec.h"
 #include "server/generator.h"
 #include "server/stop_matcher.h"
@@ -24,37 +27,74 @@ inline std::string take_complete_utf8(std::string& bytes) {
   return out;
 }
 
+// Legacy completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
+struct CompletionLogprobs {
+  nlohmann::json tokens = nlohmann::json::array(), token_logprobs = nlohmann::json::array(),
+                 top_logprobs = nlohmann::json::array(), text_offset = nlohmann::json::array();
+  bool empty() const { return tokens.empty(); }
+  nlohmann::json to_json() const {
+    return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs}, {"text_offset", text_offset}};
+  }
+};
+
 class TextDecoder : public DecodeHooks {
  public:
-  using Sink = std::function<bool(const std::string&)>;
-  TextDecoder(const ChatCodec& codec, std::vector<std::string> stops, Sink sink)
-      : codec_(codec), end_ids_(codec.end_of_turn_ids()), stops_(std::move(stops)), sink_(std::move(sink)) {}
+  // Sink: text of a delta and the logprobs of its tokens (null unless requested).
+  using Sink = std::function<bool(const std::string&, const nlohmann::json&)>;
+  TextDecoder(const ChatCodec& codec, std::vector<std::string> stops, Sink sink, int logprobs = -1)
+      : codec_(codec), end_ids_(codec.end_of_turn_ids()), stops_(std::move(stops)), sink_(std::move(sink)),
+        logprobs_(logprobs) {}
+
+  void on_sampled(std::span<const float> logits, int32_t id) override {
+    if (logprobs_ < 0 || std::find(end_ids_.begin(), end_ids_.end(), id) != end_ids_.end()) return;
+    TokenLogprobs lp = token_logprobs(logits, id, logprobs_);
+    nlohmann::json top = nlohmann::json::object();
+    for (auto& [t, v] : lp.top) top[codec_.token_bytes(t)] = v;
+    std::string text = codec_.is_special(id) ? "" : codec_.token_bytes(id);
+    for (auto* l : {&pending_lp_, &all_lp_}) {
+      l->tokens.push_back(text);
+      l->token_logprobs.push_back(lp.logprob);
+      l->top_logprobs.push_back(top);
+      l->text_offset.push_back(int64_t(offset_));
+    }
+    offset_ += text.size();
+  }
 
   bool on_token(int32_t id) override {
     if (std::find(end_ids_.begin(), end_ids_.end(), id) != end_ids_.end()) return false;
-    pending_ += codec_.token_bytes(id);
+    if (!codec_.is_special(id)) pending_ += codec_.token_bytes(id);  // special tokens are never text
     return emit(stops_.push(take_complete_utf8(pending_))) && !stops_.hit();
   }
   void finish() {
     std::string rest = stops_.hit() ? "" : stops_.push(pending_);
-    emit(rest + stops_.flush());
+    emit(rest + stops_.flush(), true);
   }
   const std::string& text() const { return text_; }
+  const CompletionLogprobs& logprobs() const { return all_lp_; }
   bool cancelled() const { return cancelled_; }
+  void cancel() { cancelled_ = true; }
   bool stop_hit() const { return stops_.hit(); }
 
  private:
-  bool emit(const std::string& s) {
-    if (s.empty() || cancelled_) return !cancelled_;
+  bool emit(const std::string& s, bool last = false) {
+    if (cancelled_ || (s.empty() && !(last && !pending_lp_.empty()))) return !cancelled_;
     text_ += s;
-    if (!sink_(s)) cancelled_ = true;
+    nlohmann::json lp;
+    if (logprobs_ >= 0) {
+      lp = pending_lp_.to_json();
+      pending_lp_ = {};
+    }
+    if (!sink_(s, lp)) cancelled_ = true;
     return !cancelled_;
   }
   const ChatCodec& codec_;
   std::vector<int32_t> end_ids_;
   StopMatcher stops_;
   Sink sink_;
+  int logprobs_;
   std::string pending_, text_;
+  size_t offset_ = 0;
+  CompletionLogprobs pending_lp_, all_lp_;
   bool cancelled_ = false;
 };
 

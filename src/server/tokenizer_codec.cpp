@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 #include "tokenizer/glm_chat.h"
 #include "util/error.h"
@@ -30,7 +31,10 @@ TokenizerCodec::TokenizerCodec(const std::string& tokenizer_dir, const std::stri
   bool has_template = tok_.config().contains("chat_template");
   bool glm = tok_.token_id("[gMASK]").has_value();
   if (format_ == ChatFormat::kAuto) format_ = has_template ? ChatFormat::kJinja : glm ? ChatFormat::kGlm47 : ChatFormat::kJinja;
+  deepseek_tools_ = tok_.token_id("<｜tool▁sep｜>").has_value() && tok_.token_id("<｜tool▁calls▁begin｜>").has_value();
   if (format_ == ChatFormat::kJinja) {
+    std::string sources = tok_.config()["chat_template"].dump();
+    template_has_tools_ = std::regex_search(sources, std::regex("\\btools\\b"));
     MOESRV_CHECK(has_template, "{}: tokenizer_config.json has no chat_template (use --chat-format glm45/glm47)", tokenizer_dir);
     plain_ = std::make_unique<ChatTemplate>(ChatTemplate::from_config(tok_.config(), false));
     with_tools_ = std::make_unique<ChatTemplate>(ChatTemplate::from_config(tok_.config(), true));
@@ -40,7 +44,7 @@ TokenizerCodec::TokenizerCodec(const std::string& tokenizer_dir, const std::stri
       end_ids_.push_back(int32_t(id));
   };
   if (auto eos = tok_.eos_id()) add_end(*eos);
-  for (auto* t : {"<|endoftext|>", "<|user|>", "<|observation|>"})
+  for (auto* t : {"<|endoftext|>", "<|user|>", "<|observation|>", "<|im_end|>"})
     if (auto id = tok_.token_id(t)) add_end(*id);
   std::ifstream gen(fs::path(model_dir) / "generation_config.json");
   if (gen) {
@@ -61,8 +65,47 @@ std::optional<int32_t> TokenizerCodec::special_id(const std::string& text) const
   return std::nullopt;
 }
 
-std::string TokenizerCodec::render_chat(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+namespace {
+
+// For templates that do not render `tools` (DeepSeek-V3's): the tools and the call format, as a system turn.
+std::string deepseek_tools_prompt(const nlohmann::ordered_json& tools) {
+  std::string s = "## Tools\nYou have access to the following tools:\n";
+  for (auto& t : tools) {
+    const auto& fn = t.value("function", nlohmann::ordered_json::object());
+    s += "\n### " + fn.value("name", std::string()) + "\nDescription: " + fn.value("description", std::string()) +
+         "\n\nParameters: " + fn.value("parameters", nlohmann::ordered_json::object()).dump() + "\n";
+  }
+  s += "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+       "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name\n```json\ntool_call_arguments\n```"
+       "<｜tool▁call▁end｜>{{additional_tool_calls}}<｜tool▁calls▁end｜>\n\nWhere:\n\n"
+       "- `tool_call_name` must be an exact match to one of the available tools\n"
+       "- `tool_call_arguments` must be valid JSON based on the required parameters and parameter types\n"
+       "- For multiple tool calls, chain them directly without separators or spaces\n";
+  return s;
+}
+
+}  // namespace
+
+std::string TokenizerCodec::render_chat(const nlohmann::ordered_json& messages_in, const nlohmann::ordered_json& tools,
                                         const nlohmann::ordered_json& kwargs) const {
+  nlohmann::ordered_json messages = messages_in;
+  if (deepseek_tools_) {
+    // DeepSeek-V3's template concatenates arguments as text and renders calls only when content is null.
+    for (auto& m : messages) {
+      if (!m.contains("tool_calls")) continue;
+      if (m.value("content", std::string()).empty()) m["content"] = nullptr;
+      for (auto& c : m["tool_calls"])
+        if (c.contains("function") && !c["function"]["arguments"].is_string())
+          c["function"]["arguments"] = c["function"]["arguments"].dump();
+    }
+  }
+  if (!template_has_tools_ && !tools.empty() && deepseek_tools_) {
+    std::string text = deepseek_tools_prompt(tools);
+    if (!messages.empty() && messages[0].value("role", "") == "system")
+      messages[0]["content"] = messages[0].value("content", std::string()) + "\n\n" + text;
+    else
+      messages.insert(messages.begin(), nlohmann::ordered_json{{"role", "system"}, {"content", text}});
+  }
   ChatRequest req;
   req.messages = messages;
   req.tools = tools.empty() ? nlohmann::ordered_json() : tools;

@@ -23,7 +23,8 @@ class TokenizerCodec : public ChatCodec {
   int64_t vocab_size() const override { return tok_.vocab_size(); }
   std::vector<int32_t> encode(const std::string& text) const override { return tok_.encode(text, true); }
   std::string token_bytes(int32_t id) const override { return tok_.token_text(id); }
-  bool is_special(int32_t id) const override { return tok_.is_special(id) || markers_.count(id); }
+  // Every added token is a marker (matched atomically, never text): specials and e.g. Qwen's <tool_call>.
+  bool is_special(int32_t id) const override { return tok_.is_added(id) || markers_.count(id); }
   std::optional<int32_t> special_id(const std::string& text) const override;
   std::vector<int32_t> end_of_turn_ids() const override { return end_ids_; }
   std::string render_chat(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
@@ -37,6 +38,8 @@ class TokenizerCodec : public ChatCodec {
   std::unique_ptr<ChatTemplate> plain_, with_tools_;
   std::unordered_set<int32_t> markers_;  // GLM structure tokens (atomic even when not flagged special)
   std::vector<int32_t> end_ids_;
+  bool deepseek_tools_ = false;     // DeepSeek-V3 tool format: arguments are strings, content null on calls
+  bool template_has_tools_ = true;  // the template renders `tools`; if not, they are described in a system turn
 };
 
 }  // namespace moesrv

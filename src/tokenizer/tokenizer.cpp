@@ -172,6 +172,7 @@ std::optional<int32_t> Tokenizer::token_id(std::string_view tok) const {
 }
 
 bool Tokenizer::is_special(int32_t id) const { return id >= 0 && id < vocab_size_ && is_added_[id] == 2; }
+bool Tokenizer::is_added(int32_t id) const { return id >= 0 && id < vocab_size_ && is_added_[id] != 0; }
 
 std::optional<std::string> Tokenizer::config_token(const std::string& key) const {
   if (!config_.contains(key)) return std::nullopt;

@@ -37,6 +37,7 @@ class Tokenizer {
   std::optional<int32_t> token_id(std::string_view tok) const;
   int64_t vocab_size() const { return vocab_size_; }
   bool is_special(int32_t id) const;
+  bool is_added(int32_t id) const;  // an added token (special or not): matched atomically, a marker rather than text
   // tokenizer_config.json (chat_template, eos_token, ...); an empty object when absent.
   const nlohmann::json& config() const { return config_; }
   // Content of a config token entry ("eos_token", "bos_token", ...): plain string or {"content": ...}.
