@@ -3,47 +3,19 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
-#include <cstdio>
-#include <filesystem>
 
 #include "server/http_server.h"
 #include "server_test_doubles.h"
+#include "server_test_node.h"
 
 using namespace moesrv;
 using namespace moesrv::testing;
 using nlohmann::json;
-namespace fs = std::filesystem;
 
-namespace {
 
-std::string run(const std::string& cmd, int* rc) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return *rc = -1, out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  *rc = pclose(p);
-  return out;
-}
-
-// Installs the package once per build tree; empty string when that is impossible.
-std::string openai_dir() {
-  int rc = 0;
-  run("command -v node >/dev/null && command -v npm >/dev/null", &rc);
-  if (rc != 0) return "";
-  fs::path dir = fs::path(MOESRV_BINARY_DIR) / "node_openai";
-  if (!fs::exists(dir / "node_modules" / "openai" / "package.json")) {
-    fs::create_directories(dir);
-    run("cd '" + dir.string() + "' && timeout 240 npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1", &rc);
-    if (rc != 0) return "";
-  }
-  return dir.string();
-}
-
-}  // namespace
 
 TEST(ServerOpenAIClient, StreamingToolsAndErrors) {
-  std::string dir = openai_dir();
+  std::string dir = openai_node_dir();
   if (dir.empty()) GTEST_SKIP() << "node/npm or the openai package is unavailable";
   std::signal(SIGPIPE, SIG_IGN);
   ByteCodec codec;
@@ -56,7 +28,7 @@ TEST(ServerOpenAIClient, StreamingToolsAndErrors) {
   int port = server.start();
   int rc = 0;
   std::string script = std::string(MOESRV_SOURCE_DIR) + "/tests/fixtures/server/openai_client_check.cjs";
-  std::string out = run("OPENAI_DIR='" + dir + "' BASE_URL=http://127.0.0.1:" + std::to_string(port) +
+  std::string out = run_command("OPENAI_DIR='" + dir + "' BASE_URL=http://127.0.0.1:" + std::to_string(port) +
                         "/v1 timeout 120 node '" + script + "' 2>&1", &rc);
   ASSERT_EQ(rc, 0) << out;
   size_t at = out.find("{\"models\"");

@@ -10,6 +10,7 @@
 #include "runtime/usage_placement.h"
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
+#include "server/turn_grammar.h"
 #include "util/error.h"
 
 namespace moesrv::cli {
@@ -40,10 +41,10 @@ void run_serve(ServeArgs a) {
                codec.vocab_size(), engine->vocab_size());
   HttpServer server(*engine, codec, a.server);
   int port = server.start();
-  fmt::print(stderr, "serving {} on http://{}:{}/v1 (context {}, reasoning budget {}, strict tools {})\n",
+  fmt::print(stderr, "serving {} on http://{}:{}/v1 (context {}, reasoning budget {}, strict tools {}, tool format {})\n",
              a.server.served_name.empty() ? engine->name() : a.server.served_name, a.server.host, port,
              a.server.ctx > 0 ? std::min(a.server.ctx, engine->max_context()) : engine->max_context(),
-             a.server.reasoning_budget, a.server.strict_tools ? "on" : "off");
+             a.server.reasoning_budget, a.server.strict_tools ? "on" : "off", family_name(TurnMarkers::detect(codec).family));
   std::thread stopper([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
@@ -72,6 +73,13 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--queue-timeout", a->server.queue_timeout_s, "Seconds a request may wait (then HTTP 503)")->capture_default_str();
   cmd->add_option("--prefix-cache-mb", a->server.prefix_cache_mb, "Memory for reusable prompt prefixes (0: off)")->capture_default_str();
   cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
+  cmd->add_option("--alias", a->server.aliases, "More model ids the server answers to (repeatable; others get 404)");
+  cmd->add_option("--max-connections", a->server.max_connections,
+                  "Open connections served fully (more only get /health)")->capture_default_str();
+  cmd->add_option("--keep-alive-timeout", a->server.keep_alive_timeout_s, "Seconds an idle connection stays open")
+      ->capture_default_str();
+  cmd->add_option("--read-timeout", a->server.read_timeout_s, "Seconds a request may pause while arriving")
+      ->capture_default_str();
   cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
   cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
   add_engine_options(cmd, a->engine);

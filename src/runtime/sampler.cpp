@@ -6,11 +6,16 @@
 
 namespace moesrv {
 
+namespace {
+// A mask shorter than the logits (a tokenizer smaller than the model's padded vocabulary) disallows the rest.
+bool ok(const std::vector<uint8_t>* allowed, size_t i) { return !allowed || (i < allowed->size() && (*allowed)[i]); }
+}  // namespace
+
 int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
   int32_t best = -1;
   float best_v = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < logits.size(); ++i) {
-    if (allowed && !(*allowed)[i]) continue;
+    if (!ok(allowed, i)) continue;
     if (best < 0 || logits[i] > best_v) best = int32_t(i), best_v = logits[i];
   }
   return best;
@@ -19,14 +24,13 @@ int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowe
 Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed ? *params.seed : std::random_device{}()) {}
 
 int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
-  if (allowed && allowed->size() != logits.size()) allowed = nullptr;
   int32_t best = argmax(logits, allowed);
   if (best < 0) return argmax(logits);  // mask excluded everything: ignore it rather than emit garbage
   if (params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1) return best;
 
   candidates_.clear();
   for (size_t i = 0; i < logits.size(); ++i) {
-    if (allowed && !(*allowed)[i]) continue;
+    if (!ok(allowed, i)) continue;
     if (std::isfinite(logits[i])) candidates_.emplace_back(logits[i], int32_t(i));
   }
   if (candidates_.empty()) return best;

@@ -20,7 +20,7 @@ struct SamplingParams {
 class Sampler {
  public:
   explicit Sampler(SamplingParams params);
-  // Picks a token from `logits`; `allowed` (same size as logits, non-zero = allowed) filters first.
+  // Picks a token from `logits`; `allowed` (non-zero = allowed; ids past its end are not) filters first.
   // Falls back to the unmasked argmax if the mask allows nothing.
   int32_t sample(std::span<const float> logits, const std::vector<uint8_t>* allowed = nullptr);
   const SamplingParams& params() const { return params_; }

@@ -229,6 +229,7 @@ struct HttpServer::Impl {
   ReasoningStore reasoning;
   VocabText vocab;
   TurnMarkers markers;
+  std::vector<uint8_t> tokenizer_ids;  // 1 for every id the tokenizer knows (the model's vocabulary may be padded)
   std::string model;
   int64_t ctx;
   std::thread thread;
@@ -238,6 +239,7 @@ struct HttpServer::Impl {
         scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000))),
         vocab(c), markers(TurnMarkers::detect(c)) {
     if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
+    tokenizer_ids.assign(size_t(codec.vocab_size()), 1);
     model = opt.served_name.empty() ? engine.name() : opt.served_name;
     ctx = opt.ctx > 0 ? std::min(opt.ctx, engine.max_context()) : engine.max_context();
     routes();
@@ -444,6 +446,7 @@ struct HttpServer::Impl {
 
   openai::Usage run_text(TextJob& job, TextDecoder& dec, std::string& finish_reason) {
     Sampler sampler(job.req.gen.sampling);
+    if (engine.vocab_size() > codec.vocab_size()) dec.restrict_to(&tokenizer_ids);
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
     GenerationResult r = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});

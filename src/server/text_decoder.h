@@ -45,6 +45,10 @@ class TextDecoder : public DecodeHooks {
       : codec_(codec), end_ids_(codec.end_of_turn_ids()), stops_(std::move(stops)), sink_(std::move(sink)),
         logprobs_(logprobs) {}
 
+  // Only the tokenizer's ids (a model's vocabulary is often padded beyond it).
+  const std::vector<uint8_t>* allowed_tokens() override { return allowed_; }
+  void restrict_to(const std::vector<uint8_t>* allowed) { allowed_ = allowed; }
+
   void on_sampled(std::span<const float> logits, int32_t id) override {
     if (logprobs_ < 0 || std::find(end_ids_.begin(), end_ids_.end(), id) != end_ids_.end()) return;
     TokenLogprobs lp = token_logprobs(logits, id, logprobs_);
@@ -92,6 +96,7 @@ class TextDecoder : public DecodeHooks {
   StopMatcher stops_;
   Sink sink_;
   int logprobs_;
+  const std::vector<uint8_t>* allowed_ = nullptr;
   std::string pending_, text_;
   size_t offset_ = 0;
   CompletionLogprobs pending_lp_, all_lp_;

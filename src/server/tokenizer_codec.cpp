@@ -61,7 +61,7 @@ TokenizerCodec::TokenizerCodec(const std::string& tokenizer_dir, const std::stri
 
 std::optional<int32_t> TokenizerCodec::special_id(const std::string& text) const {
   auto id = tok_.token_id(text);
-  if (id && (tok_.is_special(*id) || markers_.count(*id))) return id;
+  if (id && (tok_.is_added(*id) || markers_.count(*id))) return id;
   return std::nullopt;
 }
 
