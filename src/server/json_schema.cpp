@@ -112,7 +112,7 @@ struct SchemaCompiler {
     } else if (s.contains("items")) {
       node.types = JsonSchema::kArray;
     }
-    if (s.value("nullable", false)) node.types |= JsonSchema::kNull;
+    if (auto nb = s.find("nullable"); nb != s.end() && nb->is_boolean() && nb->get<bool>()) node.types |= JsonSchema::kNull;
     auto add_enum = [&](const json& v) { node.enums.push_back(v.dump(-1, ' ', false, json::error_handler_t::replace)); };
     if (auto e = s.find("enum"); e != s.end()) {
       if (!e->is_array() || e->empty()) throw std::invalid_argument("'enum' must be a non-empty array");
@@ -191,7 +191,11 @@ std::shared_ptr<const JsonSchema> JsonSchema::compile(const json& schema) {
   auto s = std::make_shared<JsonSchema>();
   s->nodes_.emplace_back();  // node 0: any value
   SchemaCompiler c{*s, schema, {}};
-  s->root_ = c.compile(schema, 0);
+  try {
+    s->root_ = c.compile(schema, 0);
+  } catch (const nlohmann::json::exception& e) {  // a keyword of an unexpected JSON type
+    throw std::invalid_argument(e.what());
+  }
   if (s->nodes_.size() > 60000) throw std::invalid_argument("schema is too large");
   return s;
 }

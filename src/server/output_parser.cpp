@@ -36,6 +36,39 @@ size_t complete_utf8_prefix(const std::string& s) {
   return n;
 }
 
+// Replaces every byte that does not start or continue a well-formed UTF-8 character with U+FFFD, so deltas are
+// always valid JSON strings (a byte-level model may write any byte).
+std::string valid_utf8(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    unsigned char c = (unsigned char)s[i];
+    size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c < 0x80) len = 1;
+    else if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c == 0xE0) len = 3, lo = 0xA0;
+    else if (c == 0xED) len = 3, hi = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF) len = 3;
+    else if (c == 0xF0) len = 4, lo = 0x90;
+    else if (c == 0xF4) len = 4, hi = 0x8F;
+    else if (c >= 0xF1 && c <= 0xF3) len = 4;
+    bool ok = len > 0 && i + len <= s.size();
+    for (size_t k = 1; ok && k < len; ++k) {
+      unsigned char d = (unsigned char)s[i + k];
+      ok = k == 1 ? d >= lo && d <= hi : (d & 0xC0) == 0x80;
+    }
+    if (ok) {
+      out.append(s, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string new_tool_call_id() {
@@ -71,6 +104,7 @@ void OutputParser::flush_bytes(ChatDelta& out) {
 
 void OutputParser::emit_text(std::string text, ChatDelta& out) {
   if (text.empty() || mode_ == Mode::kToolCall) return;
+  text = valid_utf8(text);
   if (!segment_started_) {  // drop leading whitespace of a reasoning/content segment
     size_t b = 0;
     while (b < text.size() && is_space(text[b])) ++b;

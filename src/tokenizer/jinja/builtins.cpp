@@ -234,10 +234,10 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
   found = true;
   static const Value kNone = Value::none();
   if (name == "tojson") {
-    const Value& indent = arg(args, kwargs, 0, "indent", kNone);
-    const Value& ascii = arg(args, kwargs, 1, "ensure_ascii", Value(false));
-    const Value& seps = arg(args, kwargs, 2, "separators", kNone);
-    const Value& sort = arg(args, kwargs, 3, "sort_keys", Value(false));
+    Value indent = arg(args, kwargs, 0, "indent", kNone);
+    Value ascii = arg(args, kwargs, 1, "ensure_ascii", Value(false));
+    Value seps = arg(args, kwargs, 2, "separators", kNone);
+    Value sort = arg(args, kwargs, 3, "sort_keys", Value(false));
     std::string item_sep = indent.is_none() ? ", " : ",", key_sep = ": ";
     if (seps.is_array() && seps.array().size() == 2) {
       item_sep = seps.array()[0].str();
@@ -285,8 +285,8 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
     return Value(std::move(a));
   }
   if (name == "join") {
-    const Value& sep = arg(args, kwargs, 0, "d", Value(""));
-    const Value& attr = arg(args, kwargs, 1, "attribute", kNone);
+    Value sep = arg(args, kwargs, 0, "d", Value(""));
+    Value attr = arg(args, kwargs, 1, "attribute", kNone);
     std::string out;
     bool first = true;
     for (const auto& x : v.iterate()) {
@@ -297,7 +297,7 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
     return Value(out);
   }
   if (name == "default" || name == "d") {
-    const Value& def = arg(args, kwargs, 0, "default_value", Value(""));
+    Value def = arg(args, kwargs, 0, "default_value", Value(""));
     bool boolean = arg(args, kwargs, 1, "boolean", Value(false)).truthy();
     return (v.is_undefined() || (boolean && !v.truthy())) ? def : v;
   }
@@ -334,10 +334,10 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
   if (name == "select" || name == "reject") return select_items(in, v, args, false, name == "select");
   if (name == "selectattr" || name == "rejectattr") return select_items(in, v, args, true, name == "selectattr");
   if (name == "map") {
-    const Value& attr = arg(args, kwargs, size_t(-1), "attribute", kNone);
+    Value attr = arg(args, kwargs, size_t(-1), "attribute", kNone);
     Array out;
     if (!attr.is_none()) {
-      const Value& def = arg(args, kwargs, size_t(-1), "default", Value());
+      Value def = arg(args, kwargs, size_t(-1), "default", Value());
       for (const auto& x : v.iterate()) {
         Value r = attr_path(x, attr.to_str());
         out.push_back(r.is_undefined() ? def : r);
@@ -361,7 +361,7 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
   }
   if (name == "sort") {
     bool reverse = arg(args, kwargs, 0, "reverse", Value(false)).truthy();
-    const Value& attr = arg(args, kwargs, 2, "attribute", kNone);
+    Value attr = arg(args, kwargs, 2, "attribute", kNone);
     Array a = v.iterate();
     auto key = [&](const Value& x) { return attr.is_none() ? x : attr_path(x, attr.to_str()); };
     std::stable_sort(a.begin(), a.end(), [&](const Value& x, const Value& y) {
@@ -371,7 +371,7 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
     return Value(std::move(a));
   }
   if (name == "sum") {
-    const Value& attr = arg(args, kwargs, size_t(-1), "attribute", kNone);
+    Value attr = arg(args, kwargs, size_t(-1), "attribute", kNone);
     Value total(int64_t(0));
     for (const auto& x : v.iterate()) {
       Value y = attr.is_none() ? x : attr_path(x, attr.to_str());

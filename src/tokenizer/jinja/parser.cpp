@@ -370,6 +370,7 @@ class Parser {
           parts[n] = expression();
         }
         ++i_;
+        if (!slice && !parts[0]) error("empty subscript");
         e = slice ? make(Expr::Slice, line, {e, parts[0], parts[1], parts[2]}) : make(Expr::Index, line, {e, parts[0]});
       } else if (is_op("(")) {
         ExprPtr c = make(Expr::Call, line, {e});

@@ -7,7 +7,22 @@
 
 namespace moesrv::jinja {
 
-Template::Template(const std::string& source) : body_(parse(lex(source))) {}
+namespace {
+// Templates come from model packages and requests: every failure inside them (a bad literal, a missing argument to
+// a builtin, ...) is reported as moesrv::Error, never as a stray standard exception.
+template <class F>
+auto guarded(F f) {
+  try {
+    return f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("jinja: {}", e.what());
+  }
+}
+}  // namespace
+
+Template::Template(const std::string& source) : body_(guarded([&] { return parse(lex(source)); })) {}
 
 std::string Template::render(const nlohmann::ordered_json& context) const {
   MOESRV_CHECK(context.is_object(), "jinja: render context must be an object");
@@ -15,8 +30,10 @@ std::string Template::render(const nlohmann::ordered_json& context) const {
 }
 
 std::string Template::render(const Object& context) const {
-  Interpreter in(context);
-  return in.render(body_);
+  return guarded([&] {
+    Interpreter in(context);
+    return in.render(body_);
+  });
 }
 
 }  // namespace moesrv::jinja

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Bounded fuzz run of request parsing, the Jinja interpreter and the tool-call parsers + turn grammar
+# (tests/fuzz/fuzz_*.cpp) with libFuzzer from Debian (clang-14 + libclang-rt-14-dev), under ASan and UBSan.
+# Each target runs for N seconds over its corpus in tests/fuzz/corpus/<target>/ (read only: new inputs go to
+# build-fuzz/corpus_<target>/). Exits non-zero on any crash, sanitizer report, timeout or leak.
+#
+#   scripts/fuzz.sh [seconds per target, default 60] [target ...]     (targets: fuzz_request fuzz_jinja fuzz_tool_parser)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-60}
+[[ $# -gt 0 ]] && shift
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_request fuzz_jinja fuzz_tool_parser)
+CXX=${FUZZ_CXX:-$(command -v clang++-14 || command -v clang++ || true)}
+if [[ -z $CXX ]]; then
+  echo "fuzz: clang++ not found (Debian: apt-get install clang-14 libclang-rt-14-dev)" >&2
+  exit 2
+fi
+out=build-fuzz
+mkdir -p "$out/obj"
+san="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+cflags="-std=c++20 -O1 -g -fno-omit-frame-pointer $san -Isrc -Itests $(pkg-config --cflags fmt)"
+libs="$(pkg-config --libs fmt) -lpthread"
+
+server_srcs="src/server/chat_request.cpp src/server/json_schema.cpp src/server/output_parser.cpp src/server/turn_grammar.cpp"
+jinja_srcs=$(ls src/tokenizer/jinja/*.cpp)
+declare -A srcs=(
+  [fuzz_request]="src/server/chat_request.cpp src/server/json_schema.cpp"
+  [fuzz_jinja]="$jinja_srcs"
+  [fuzz_tool_parser]="$server_srcs"
+)
+
+obj() {  # compiles one source (once, unless it changed) and prints the object path
+  local src=$1 o="$out/obj/$(echo "$1" | tr / _).o"
+  if [[ ! -f $o || $src -nt $o ]]; then
+    $CXX $cflags -fsanitize=fuzzer-no-link -c "$src" -o "$o" >&2
+  fi
+  echo "$o"
+}
+
+status=0
+for t in "${targets[@]}"; do
+  [[ -n ${srcs[$t]:-} ]] || { echo "fuzz: unknown target $t" >&2; exit 2; }
+  objs=""
+  for s in ${srcs[$t]}; do objs="$objs $(obj "$s")"; done
+  echo "== building $t" >&2
+  $CXX $cflags -fsanitize=fuzzer "tests/fuzz/$t.cpp" $objs $libs -o "$out/$t"
+  mkdir -p "$out/corpus_$t" "tests/fuzz/corpus/$t"
+  echo "== running $t for ${secs}s" >&2
+  if ! "$out/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=8192 \
+       -artifact_prefix="$out/$t-" -print_final_stats=1 "$out/corpus_$t" "tests/fuzz/corpus/$t" 2>"$out/$t.log"; then
+    status=1
+    echo "fuzz: $t FAILED; log: $out/$t.log, reproducer: $out/$t-*" >&2
+    tail -40 "$out/$t.log" >&2
+  else
+    grep -E "^stat::number_of_executed_units|^Done" "$out/$t.log" >&2 || true
+  fi
+done
+exit $status
