@@ -23,17 +23,28 @@ inline const std::vector<std::string>& glm_specials() {
 // The structure tokens of the other tool-call formats (plus the test-only <|assistant|> the scripted engine
 // looks for and a stray special token that must never reach the output).
 inline const std::vector<std::string>& qwen3_specials() {
-  static const std::vector<std::string> s = {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
-                                             "<think>", "</think>", "<tool_response>", "</tool_response>", "<|assistant|>",
-                                             "<|user|>", "<|vision_pad|>"};
+  static const std::vector<std::string> s = {"<|im_start|>",     "<|im_end|>",    "<|endoftext|>", "<tool_call>",
+                                             "</tool_call>",     "<think>",       "</think>",      "<tool_response>",
+                                             "</tool_response>", "<|assistant|>", "<|user|>",      "<|vision_pad|>"};
   return s;
 }
 inline const std::vector<std::string>& deepseek_specials() {
-  static const std::vector<std::string> s = {
-      "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
-      "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
-      "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>", "<|assistant|>", "<|user|>",
-      "<|endoftext|>"};
+  static const std::vector<std::string> s = {"<｜begin▁of▁sentence｜>",
+                                             "<｜end▁of▁sentence｜>",
+                                             "<｜User｜>",
+                                             "<｜Assistant｜>",
+                                             "<｜tool▁calls▁begin｜>",
+                                             "<｜tool▁calls▁end｜>",
+                                             "<｜tool▁call▁begin｜>",
+                                             "<｜tool▁call▁end｜>",
+                                             "<｜tool▁sep｜>",
+                                             "<｜tool▁outputs▁begin｜>",
+                                             "<｜tool▁output▁begin｜>",
+                                             "<｜tool▁output▁end｜>",
+                                             "<｜tool▁outputs▁end｜>",
+                                             "<|assistant|>",
+                                             "<|user|>",
+                                             "<|endoftext|>"};
   return s;
 }
 
@@ -43,7 +54,9 @@ enum class TestFormat { kGlm, kQwen3, kDeepSeek };
 class ByteCodec : public ChatCodec {
  public:
   explicit ByteCodec(TestFormat f = TestFormat::kGlm)
-      : specials_(f == TestFormat::kGlm ? glm_specials() : f == TestFormat::kQwen3 ? qwen3_specials() : deepseek_specials()),
+      : specials_(f == TestFormat::kGlm     ? glm_specials()
+                  : f == TestFormat::kQwen3 ? qwen3_specials()
+                                            : deepseek_specials()),
         format_(f) {}
   const std::vector<std::string>& specials() const { return specials_; }
   int64_t vocab_size() const override { return 256 + int64_t(specials_.size()); }

@@ -25,7 +25,9 @@ inline std::string openai_node_dir() {
   std::filesystem::path dir = std::filesystem::path(MOESRV_BINARY_DIR) / "node_openai";
   if (!std::filesystem::exists(dir / "node_modules" / "openai" / "package.json")) {
     std::filesystem::create_directories(dir);
-    run_command("cd '" + dir.string() + "' && timeout 240 npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1", &rc);
+    run_command(
+        "cd '" + dir.string() + "' && timeout 240 npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1",
+        &rc);
     if (rc != 0) return "";
   }
   return dir.string();

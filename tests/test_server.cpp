@@ -87,8 +87,11 @@ TEST(Server, ModelsHealthMetricsAndUnknownRoute) {
 TEST(Server, ChatNonStreamingReasoningToolCall) {
   ByteCodec codec;
   Harness h(script_policy(codec, kReasonThenCall, "<|observation|>"));
-  json r = h.post("/v1/chat/completions", {{"model", "scripted"}, {"messages", {user("weather in Paris?")}},
-                                           {"tools", {kWeatherTool}}, {"temperature", 0}, {"unknown_field", 1}});
+  json r = h.post("/v1/chat/completions", {{"model", "scripted"},
+                                           {"messages", {user("weather in Paris?")}},
+                                           {"tools", {kWeatherTool}},
+                                           {"temperature", 0},
+                                           {"unknown_field", 1}});
   EXPECT_TRUE(r["id"].get<std::string>().starts_with("chatcmpl-"));
   EXPECT_EQ(r["object"], "chat.completion");
   EXPECT_EQ(r["model"], "scripted");
@@ -111,7 +114,8 @@ TEST(Server, ChatNonStreamingReasoningToolCall) {
   EXPECT_EQ(u["total_tokens"], u["prompt_tokens"].get<int>() + u["completion_tokens"].get<int>());
   EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"], 0);
   // Reasoning tokens: <think> through </think>, both included.
-  EXPECT_EQ(u["completion_tokens_details"]["reasoning_tokens"], codec.encode("<think>The user wants weather.</think>").size());
+  EXPECT_EQ(u["completion_tokens_details"]["reasoning_tokens"],
+            codec.encode("<think>The user wants weather.</think>").size());
 }
 
 TEST(Server, ChatStreamingDeltasAndUsage) {
@@ -466,10 +470,12 @@ TEST(ServerContract, RequiredToolChoiceClosesReasoningThenCalls) {
 
 TEST(ServerContract, ACallInsideReasoningIsNeverAToolCall) {
   ByteCodec codec;
-  const char* script = "<think>maybe <tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call></think>Done";
+  const char* script =
+      "<think>maybe <tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call></think>Done";
   Preferences fallback = {{int32_t(' '), -50.f}};
   Harness h(script_policy(codec, script, "<|endoftext|>", fallback));
-  for (json extra : {json::object(), json{{"tools", {kWeatherTool}}, {"tool_choice", "none"}}, json{{"tools", {kWeatherTool}}}}) {
+  for (json extra :
+       {json::object(), json{{"tools", {kWeatherTool}}, {"tool_choice", "none"}}, json{{"tools", {kWeatherTool}}}}) {
     json body = {{"messages", {user("q")}}, {"max_tokens", 200}};
     body.update(extra);
     json r = h.post("/v1/chat/completions", body);
@@ -520,9 +526,14 @@ TEST(ServerContract, ToolCallFormatsOfEachFamily) {
     TestFormat format;
     std::string script, end;
   } cases[] = {
-      {TestFormat::kQwen3, "<think>\nweather\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>", "<|im_end|>"},
-      {TestFormat::kDeepSeek, "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-                              "{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "<｜end▁of▁sentence｜>"},
+      {TestFormat::kQwen3,
+       "<think>\nweather\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+       "\"Oslo\"}}\n</tool_call>",
+       "<|im_end|>"},
+      {TestFormat::kDeepSeek,
+       "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+       "{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+       "<｜end▁of▁sentence｜>"},
   };
   for (auto& c : cases) {
     for (bool strict : {false, true}) {
@@ -532,14 +543,17 @@ TEST(ServerContract, ToolCallFormatsOfEachFamily) {
       auto& msg = r["choices"][0]["message"];
       ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
       EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
-      EXPECT_EQ(json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()), json({{"city", "Oslo"}}));
+      EXPECT_EQ(json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+                json({{"city", "Oslo"}}));
       EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
     }
   }
 }
 
 TEST(ServerContract, TopPZeroIsGreedyAndSeedsReproduce) {
-  Policy two_way = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('a'), 1.0f}, {int32_t('b'), 0.9f}}; };
+  Policy two_way = [](const std::vector<int32_t>&) -> Preferences {
+    return {{int32_t('a'), 1.0f}, {int32_t('b'), 0.9f}};
+  };
   Harness h(two_way);
   json body = {{"messages", {user("q")}}, {"max_tokens", 24}, {"temperature", 1.0}, {"top_p", 0}};
   EXPECT_EQ(h.post("/v1/chat/completions", body)["choices"][0]["message"]["content"], std::string(24, 'a'));
@@ -579,7 +593,8 @@ TEST(ServerContract, ChatAndCompletionLogprobs) {
   // Without the flag: null.
   EXPECT_TRUE(h.post("/v1/chat/completions", {{"messages", {user("q")}}})["choices"][0]["logprobs"].is_null());
   // Completions: the legacy shape.
-  json t = h.post("/v1/completions", {{"prompt", "x<|assistant|>"}, {"max_tokens", 5}, {"logprobs", 1}, {"temperature", 0}});
+  json t =
+      h.post("/v1/completions", {{"prompt", "x<|assistant|>"}, {"max_tokens", 5}, {"logprobs", 1}, {"temperature", 0}});
   auto& tl = t["choices"][0]["logprobs"];
   ASSERT_TRUE(tl.is_object()) << t.dump();
   EXPECT_EQ(tl["tokens"], json({"h", "i"}));
@@ -593,7 +608,8 @@ TEST(ServerContract, ResponseFormatJsonObjectAndSchema) {
   ByteCodec codec;
   // The model stops before its JSON is complete; the grammar keeps it going until it is.
   Harness h(script_policy(codec, "{\"answer\": 42", "<|endoftext|>", {{int32_t('}'), 5.f}}));
-  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", {{"type", "json_object"}}}, {"max_tokens", 100}});
+  json r = h.post("/v1/chat/completions",
+                  {{"messages", {user("q")}}, {"response_format", {{"type", "json_object"}}}, {"max_tokens", 100}});
   std::string content = r["choices"][0]["message"]["content"];
   EXPECT_EQ(json::parse(content, nullptr, false), json({{"answer", 42}})) << content;
   // json_schema: keys, types and required come from the schema, whatever the model prefers.
@@ -607,7 +623,8 @@ TEST(ServerContract, ResponseFormatJsonObjectAndSchema) {
   EXPECT_TRUE(v["ok"].is_boolean());
   EXPECT_TRUE(v["level"] == "low" || v["level"] == "high") << v;
   int status = 0;
-  json bad = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", {{"type", "yaml"}}}}, &status);
+  json bad =
+      h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"response_format", {{"type", "yaml"}}}}, &status);
   EXPECT_EQ(status, 400);
   EXPECT_EQ(bad["error"]["param"], "response_format");
 }

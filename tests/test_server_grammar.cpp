@@ -53,21 +53,23 @@ TEST(JsonMatcher, SchemaTypesRequiredEnumsAndNesting) {
       "note":{"type":["string","null"]}},
     "required":["city","days"]})");
   EXPECT_TRUE(matches(schema, R"({"city":"Paris","days":3})"));
-  EXPECT_TRUE(matches(schema, R"({"days":3,"city":"Oslo","unit":"f","tags":["a","b"],"loc":{"lat":-1.5e2},"note":null})"));
-  EXPECT_FALSE(matches(schema, R"({"city":"Paris"})"));                        // days required
-  EXPECT_FALSE(matches(schema, R"({"city":"Lisbon","days":3})"));              // maxLength
-  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3.5})"));                 // integer
-  EXPECT_FALSE(matches(schema, R"({"city":"P","days":"3"})"));                 // type
-  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"unit":"k"})"));        // enum
+  EXPECT_TRUE(
+      matches(schema, R"({"days":3,"city":"Oslo","unit":"f","tags":["a","b"],"loc":{"lat":-1.5e2},"note":null})"));
+  EXPECT_FALSE(matches(schema, R"({"city":"Paris"})"));                            // days required
+  EXPECT_FALSE(matches(schema, R"({"city":"Lisbon","days":3})"));                  // maxLength
+  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3.5})"));                     // integer
+  EXPECT_FALSE(matches(schema, R"({"city":"P","days":"3"})"));                     // type
+  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"unit":"k"})"));            // enum
   EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"tags":["a","b","c"]})"));  // maxItems
-  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"loc":{}})"));          // nested required
-  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"other":1})"));         // undeclared key
-  EXPECT_FALSE(matches(schema, R"({"city":"P","city":"Q","days":3})"));        // repeated key
+  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"loc":{}})"));              // nested required
+  EXPECT_FALSE(matches(schema, R"({"city":"P","days":3,"other":1})"));             // undeclared key
+  EXPECT_FALSE(matches(schema, R"({"city":"P","city":"Q","days":3})"));            // repeated key
   EXPECT_TRUE(matches(json::parse(R"({"enum":[1,12,"x"]})"), "12"));
   EXPECT_TRUE(matches(json::parse(R"({"enum":[1,12,"x"]})"), "1"));
   EXPECT_FALSE(matches(json::parse(R"({"enum":[1,12,"x"]})"), "2"));
   // additionalProperties, $ref/$defs (recursive), anyOf.
-  EXPECT_TRUE(matches(json::parse(R"({"type":"object","properties":{"a":{}},"additionalProperties":true})"), R"({"a":1,"b":[2]})"));
+  EXPECT_TRUE(matches(json::parse(R"({"type":"object","properties":{"a":{}},"additionalProperties":true})"),
+                      R"({"a":1,"b":[2]})"));
   json tree = json::parse(R"({"$defs":{"node":{"type":"object","properties":{"v":{"type":"integer"},
       "kids":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["v"]}},"$ref":"#/$defs/node"})");
   EXPECT_TRUE(matches(tree, R"({"v":1,"kids":[{"v":2},{"v":3,"kids":[]}]})"));
@@ -144,16 +146,19 @@ TurnRules strict_auto() {
 TEST(TurnGrammar, GlmStrictCalls) {
   Turn t;
   auto g = t.grammar(strict_auto());
-  EXPECT_TRUE(t.accepts(g, "Sure.<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>\n</tool_call><|endoftext|>"));
-  EXPECT_TRUE(t.accepts(g, "<tool_call>read_lines<arg_key>start</arg_key><arg_value>10</arg_value><arg_key>path</arg_key>"
-                           "<arg_value>x</arg_value><arg_key>mode</arg_key><arg_value>slow</arg_value><arg_key>opts</arg_key>"
-                           "<arg_value>{\"n\": true}</arg_value></tool_call>\n<tool_call>read<arg_key>path</arg_key>"
-                           "<arg_value>y</arg_value></tool_call><|endoftext|>"));
-  EXPECT_FALSE(t.accepts(g, "<tool_call>reed\n"));                                               // unknown tool
-  EXPECT_FALSE(t.accepts(g, "<tool_call>read\n<arg_key>file</arg_key>"));                        // unknown key
-  EXPECT_FALSE(t.accepts(g, "<tool_call>read\n</tool_call>"));                                   // required missing
-  EXPECT_FALSE(t.accepts(g, "<tool_call>read_lines<arg_key>start</arg_key><arg_value>ten"));     // integer
-  EXPECT_FALSE(t.accepts(g, "<tool_call>read_lines<arg_key>mode</arg_key><arg_value>medium"));   // enum
+  EXPECT_TRUE(t.accepts(
+      g, "Sure.<tool_call>read\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>\n</tool_call><|endoftext|>"));
+  EXPECT_TRUE(
+      t.accepts(g,
+                "<tool_call>read_lines<arg_key>start</arg_key><arg_value>10</arg_value><arg_key>path</arg_key>"
+                "<arg_value>x</arg_value><arg_key>mode</arg_key><arg_value>slow</arg_value><arg_key>opts</arg_key>"
+                "<arg_value>{\"n\": true}</arg_value></tool_call>\n<tool_call>read<arg_key>path</arg_key>"
+                "<arg_value>y</arg_value></tool_call><|endoftext|>"));
+  EXPECT_FALSE(t.accepts(g, "<tool_call>reed\n"));                                                 // unknown tool
+  EXPECT_FALSE(t.accepts(g, "<tool_call>read\n<arg_key>file</arg_key>"));                          // unknown key
+  EXPECT_FALSE(t.accepts(g, "<tool_call>read\n</tool_call>"));                                     // required missing
+  EXPECT_FALSE(t.accepts(g, "<tool_call>read_lines<arg_key>start</arg_key><arg_value>ten"));       // integer
+  EXPECT_FALSE(t.accepts(g, "<tool_call>read_lines<arg_key>mode</arg_key><arg_value>medium"));     // enum
   EXPECT_FALSE(t.accepts(g, "<tool_call>read_lines<arg_key>opts</arg_key><arg_value>{\"x\":1}"));  // nested schema
   EXPECT_FALSE(t.accepts(g, "<tool_call>read<arg_key>path</arg_key><arg_value>x</arg_value><arg_key>path</arg_key>"));
   // No end of turn anywhere inside a call.
@@ -211,19 +216,23 @@ TEST(TurnGrammar, Qwen3AndDeepSeekFormats) {
   Turn q(TestFormat::kQwen3);
   ASSERT_EQ(q.markers.family, ToolFamily::kQwen3);
   auto gq = q.grammar(strict_auto());
-  EXPECT_TRUE(q.accepts(gq, "<think>hmm</think>\n\n<tool_call>\n{\"name\": \"read_lines\", \"arguments\": {\"path\": \"a\", "
-                            "\"start\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": \"b\"}}\n"
-                            "</tool_call><|im_end|>"));
-  EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"read\", \"arguments\": {}}"));            // path required
-  EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"write\""));                              // unknown
+  EXPECT_TRUE(
+      q.accepts(gq,
+                "<think>hmm</think>\n\n<tool_call>\n{\"name\": \"read_lines\", \"arguments\": {\"path\": \"a\", "
+                "\"start\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": \"b\"}}\n"
+                "</tool_call><|im_end|>"));
+  EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"read\", \"arguments\": {}}"));             // path required
+  EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"write\""));                                // unknown
   EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": 1}}"));  // type
   EXPECT_FALSE(q.accepts(gq, "<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": \"a<|im_end|>"));
 
   Turn d(TestFormat::kDeepSeek);
   ASSERT_EQ(d.markers.family, ToolFamily::kDeepSeekV3);
   auto gd = d.grammar(strict_auto());
-  const std::string one = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n{\"path\": \"a\"}\n```<｜tool▁call▁end｜>";
-  EXPECT_TRUE(d.accepts(gd, "Ok<｜tool▁calls▁begin｜>" + one + "\n" + one + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"));
+  const std::string one =
+      "<｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n{\"path\": \"a\"}\n```<｜tool▁call▁end｜>";
+  EXPECT_TRUE(
+      d.accepts(gd, "Ok<｜tool▁calls▁begin｜>" + one + "\n" + one + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"));
   EXPECT_FALSE(d.accepts(gd, "<｜tool▁calls▁begin｜>" + one + "<｜end▁of▁sentence｜>"));  // the section must close
   EXPECT_FALSE(d.accepts(gd, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n{}"));
   TurnRules single = strict_auto();
@@ -235,12 +244,13 @@ TEST(TurnGrammar, Qwen3AndDeepSeekFormats) {
 TEST(TurnGrammar, ResponseFormatJson) {
   Turn t;
   TurnRules r;
-  r.content_schema = JsonSchema::compile(json::parse(R"({"type":"object","properties":{"answer":{"type":"integer"}},"required":["answer"]})"));
+  r.content_schema = JsonSchema::compile(
+      json::parse(R"({"type":"object","properties":{"answer":{"type":"integer"}},"required":["answer"]})"));
   r.start_in_reasoning = true;
   auto g = t.grammar(r);
   EXPECT_TRUE(t.accepts(g, "let me see</think>\n{\"answer\": 42}\n<|endoftext|>"));
-  EXPECT_FALSE(t.accepts(g, "x<|endoftext|>"));                    // cannot end inside reasoning
-  EXPECT_FALSE(t.accepts(g, "x</think>The answer"));               // content must be JSON
+  EXPECT_FALSE(t.accepts(g, "x<|endoftext|>"));                        // cannot end inside reasoning
+  EXPECT_FALSE(t.accepts(g, "x</think>The answer"));                   // content must be JSON
   EXPECT_FALSE(t.accepts(g, "x</think>{\"answer\": 1<|endoftext|>"));  // nor end before it is complete
   EXPECT_FALSE(t.accepts(g, "x</think>{\"answer\": 1} more"));
 }
@@ -286,7 +296,8 @@ struct Parsed {
   std::vector<ParsedToolCall> calls;
   std::vector<ToolCallDelta> deltas;
 };
-Parsed parse(const ByteCodec& codec, const std::string& text, const std::vector<ToolSpec>* tools, bool in_reasoning = false) {
+Parsed parse(const ByteCodec& codec, const std::string& text, const std::vector<ToolSpec>* tools,
+             bool in_reasoning = false) {
   auto p = OutputParser::create(codec, TurnMarkers::detect(codec), tools, in_reasoning);
   Parsed r;
   auto take = [&](const ChatDelta& d) {
@@ -311,9 +322,11 @@ TEST(OutputParser, GlmSplitsChannelsAndStreamsArguments) {
   ByteCodec codec;
   auto tools = parse_tools(json::parse(R"([{"type":"function","function":{"name":"f","parameters":{"properties":{
       "s":{"type":"string"},"n":{"type":"integer"}}}}}])"));
-  auto r = parse(codec, "\n<think>\nplan it\n</think>\n\nHi there \n<tool_call>f\n<arg_key>s</arg_key>\n"
-                        "<arg_value>line \"1\"\nline 2</arg_value>\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n</tool_call>",
-                 &tools);
+  auto r =
+      parse(codec,
+            "\n<think>\nplan it\n</think>\n\nHi there \n<tool_call>f\n<arg_key>s</arg_key>\n"
+            "<arg_value>line \"1\"\nline 2</arg_value>\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n</tool_call>",
+            &tools);
   EXPECT_EQ(r.reasoning, "plan it");
   EXPECT_EQ(r.content, "Hi there");
   ASSERT_EQ(r.calls.size(), 1u);
@@ -341,9 +354,11 @@ TEST(OutputParser, NothingInsideReasoningIsACallAndSpecialTokensNeverLeak) {
 
 TEST(OutputParser, Qwen3CallsStreamTheirArguments) {
   ByteCodec codec(TestFormat::kQwen3);
-  auto r = parse(codec, "<think>\nneed files\n</think>\n\nReading.\n<tool_call>\n{\"name\": \"read\", \"arguments\": "
-                        "{\"path\": \"a \\\"b\\\"\", \"n\": [1, {\"x\": \"}\"}]}}\n</tool_call>\n<tool_call>\n"
-                        "{\"arguments\": {\"k\": 1}, \"name\": \"second\"}\n</tool_call>", nullptr);
+  auto r = parse(codec,
+                 "<think>\nneed files\n</think>\n\nReading.\n<tool_call>\n{\"name\": \"read\", \"arguments\": "
+                 "{\"path\": \"a \\\"b\\\"\", \"n\": [1, {\"x\": \"}\"}]}}\n</tool_call>\n<tool_call>\n"
+                 "{\"arguments\": {\"k\": 1}, \"name\": \"second\"}\n</tool_call>",
+                 nullptr);
   EXPECT_EQ(r.reasoning, "need files");
   EXPECT_EQ(r.content, "Reading.");
   ASSERT_EQ(r.calls.size(), 2u);
@@ -361,9 +376,12 @@ TEST(OutputParser, Qwen3CallsStreamTheirArguments) {
 
 TEST(OutputParser, DeepSeekCalls) {
   ByteCodec codec(TestFormat::kDeepSeek);
-  auto r = parse(codec, "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n"
-                        "{\"path\": \"x.txt\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>list\n```json\n"
-                        "{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", nullptr);
+  auto r =
+      parse(codec,
+            "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read\n```json\n"
+            "{\"path\": \"x.txt\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>list\n```json\n"
+            "{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            nullptr);
   EXPECT_EQ(r.content, "Let me look.");
   ASSERT_EQ(r.calls.size(), 2u);
   EXPECT_EQ(r.calls[0].name, "read");

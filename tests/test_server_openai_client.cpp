@@ -12,8 +12,6 @@ using namespace moesrv;
 using namespace moesrv::testing;
 using nlohmann::json;
 
-
-
 TEST(ServerOpenAIClient, StreamingToolsAndErrors) {
   std::string dir = openai_node_dir();
   if (dir.empty()) GTEST_SKIP() << "node/npm or the openai package is unavailable";
@@ -29,7 +27,8 @@ TEST(ServerOpenAIClient, StreamingToolsAndErrors) {
   int rc = 0;
   std::string script = std::string(MOESRV_SOURCE_DIR) + "/tests/fixtures/server/openai_client_check.cjs";
   std::string out = run_command("OPENAI_DIR='" + dir + "' BASE_URL=http://127.0.0.1:" + std::to_string(port) +
-                        "/v1 timeout 120 node '" + script + "' 2>&1", &rc);
+                                    "/v1 timeout 120 node '" + script + "' 2>&1",
+                                &rc);
   ASSERT_EQ(rc, 0) << out;
   size_t at = out.find("{\"models\"");
   ASSERT_NE(at, std::string::npos) << out;

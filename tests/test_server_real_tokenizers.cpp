@@ -75,7 +75,9 @@ class RecordingSeq : public SequenceState {
     inner->truncate(n);
     tokens.resize(size_t(n));
   }
-  std::unique_ptr<SequenceState> clone() const override { return std::make_unique<RecordingSeq>(inner->clone(), tokens); }
+  std::unique_ptr<SequenceState> clone() const override {
+    return std::make_unique<RecordingSeq>(inner->clone(), tokens);
+  }
   size_t bytes() const override { return inner->bytes(); }
   int64_t resume_point(int64_t n) const override { return inner->resume_point(n); }
   void checkpoint() override { inner->checkpoint(); }
@@ -136,7 +138,8 @@ struct Served {
 };
 
 std::string skip_reason(const Family& f) {
-  if (!fs::exists(kTokenizers + "/" + f.tokenizer + "/tokenizer.json")) return "no " + f.tokenizer + " (run scripts/fetch_tokenizers.sh)";
+  if (!fs::exists(kTokenizers + "/" + f.tokenizer + "/tokenizer.json"))
+    return "no " + f.tokenizer + " (run scripts/fetch_tokenizers.sh)";
   if (!fs::exists(kHfTiny + "/" + f.hf_config + "/config.json")) return "no hf-tiny/" + f.hf_config;
   return "";
 }
@@ -189,13 +192,16 @@ TEST(RealTokenizers, TemplatesRenderTheFamilyFormatWithAtomicMarkers) {
     TurnMarkers m = TurnMarkers::detect(codec);
     EXPECT_EQ(m.family, f.family) << f.tokenizer;
     EXPECT_LE(codec.vocab_size(), f.vocab);
-    json call = {{"id", "call_1"}, {"type", "function"},
+    json call = {{"id", "call_1"},
+                 {"type", "function"},
                  {"function", {{"name", "get_weather"}, {"arguments", {{"city", "Paris"}, {"unit", "c"}}}}}};
-    nlohmann::ordered_json messages = nlohmann::ordered_json::parse(json::array({
-        {{"role", "user"}, {"content", "Weather in Paris?"}},
-        {{"role", "assistant"}, {"content", ""}, {"tool_calls", {call}}},
-        {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "Sunny"}}}).dump());
-    std::string with_tools = codec.render_chat(messages, nlohmann::ordered_json::parse(kTools.dump()), nlohmann::ordered_json::object());
+    nlohmann::ordered_json messages = nlohmann::ordered_json::parse(
+        json::array({{{"role", "user"}, {"content", "Weather in Paris?"}},
+                     {{"role", "assistant"}, {"content", ""}, {"tool_calls", {call}}},
+                     {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "Sunny"}}})
+            .dump());
+    std::string with_tools =
+        codec.render_chat(messages, nlohmann::ordered_json::parse(kTools.dump()), nlohmann::ordered_json::object());
     EXPECT_EQ(text_of(codec, codec.encode(with_tools)), with_tools);
     // Without tools (no tool system prompt, whose instructions show the markers too): exactly the call's markers.
     std::string text = codec.render_chat(messages, nlohmann::ordered_json::array(), nlohmann::ordered_json::object());
@@ -207,11 +213,16 @@ TEST(RealTokenizers, TemplatesRenderTheFamilyFormatWithAtomicMarkers) {
     if (f.family == ToolFamily::kDeepSeekV3) {
       EXPECT_EQ(count(m.item_open), 1);
       EXPECT_EQ(count(m.sep), 1);
-      EXPECT_NE(text.find("function<｜tool▁sep｜>get_weather\n```json\n{\"city\":\"Paris\",\"unit\":\"c\"}\n```"), std::string::npos) << text;
-      EXPECT_NE(with_tools.find("### get_weather"), std::string::npos);  // the template ignores tools: described in a system turn
+      EXPECT_NE(text.find("function<｜tool▁sep｜>get_weather\n```json\n{\"city\":\"Paris\",\"unit\":\"c\"}\n```"),
+                std::string::npos)
+          << text;
+      EXPECT_NE(with_tools.find("### get_weather"),
+                std::string::npos);  // the template ignores tools: described in a system turn
     } else {
-      EXPECT_NE(text.find("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}\n</tool_call>"),
-                std::string::npos) << text;
+      EXPECT_NE(text.find("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": "
+                          "\"c\"}}\n</tool_call>"),
+                std::string::npos)
+          << text;
       EXPECT_NE(with_tools.find("\"name\": \"read_file\""), std::string::npos);  // tools in the system prompt
     }
   }
@@ -221,7 +232,8 @@ TEST(RealTokenizers, DeepSeekV3StrictCallsStreamedAndWhole) {
   if (!skip_reason(kDeepSeek).empty()) GTEST_SKIP() << skip_reason(kDeepSeek);
   auto s = serve(kDeepSeek);
   json body = {{"model", kDeepSeek.served}, {"messages", {{{"role", "user"}, {"content", "Weather in Oslo, please."}}}},
-               {"tools", kTools}, {"tool_choice", "required"}, {"temperature", 0}, {"max_tokens", 400}};
+               {"tools", kTools},           {"tool_choice", "required"},
+               {"temperature", 0},          {"max_tokens", 400}};
   int status = 0;
   json whole = post(s->port, body, &status);
   ASSERT_EQ(status, 200) << whole.dump();
@@ -252,8 +264,10 @@ TEST(RealTokenizers, DeepSeekV3StrictCallsStreamedAndWhole) {
   json rf = {{"type", "json_schema"},
              {"json_schema", {{"name", "w"}, {"schema", json::parse(R"({"type":"object","properties":{
                "ok":{"type":"boolean"},"n":{"type":"integer"}},"required":["ok","n"],"additionalProperties":false})")}}}};
-  json j = post(s->port, {{"messages", {{{"role", "user"}, {"content", "JSON please"}}}}, {"response_format", rf},
-                          {"temperature", 0}, {"max_tokens", 200}});
+  json j = post(s->port, {{"messages", {{{"role", "user"}, {"content", "JSON please"}}}},
+                          {"response_format", rf},
+                          {"temperature", 0},
+                          {"max_tokens", 200}});
   json v = json::parse(j["choices"][0]["message"]["content"].get<std::string>(), nullptr, false);
   ASSERT_TRUE(v.is_object()) << j.dump();
   EXPECT_TRUE(v["ok"].is_boolean());
@@ -264,9 +278,12 @@ TEST(RealTokenizers, Qwen3ThinksThenCallsAndReasoningIsReattached) {
   if (!skip_reason(kQwen).empty()) GTEST_SKIP() << skip_reason(kQwen);
   auto s = serve(kQwen);
   json user = {{"role", "user"}, {"content", "Read the file notes.txt"}};
-  json first = post(s->port, {{"messages", {user}}, {"tools", kTools},
+  json first = post(s->port, {{"messages", {user}},
+                              {"tools", kTools},
                               {"tool_choice", {{"type", "function"}, {"function", {{"name", "read_file"}}}}},
-                              {"parallel_tool_calls", false}, {"temperature", 0}, {"max_tokens", 400}});
+                              {"parallel_tool_calls", false},
+                              {"temperature", 0},
+                              {"max_tokens", 400}});
   auto msg = first["choices"][0]["message"];
   ASSERT_TRUE(msg.contains("tool_calls")) << first.dump();
   std::string reasoning = msg.value("reasoning_content", "");
@@ -279,8 +296,11 @@ TEST(RealTokenizers, Qwen3ThinksThenCallsAndReasoningIsReattached) {
   // and the real Qwen3 template renders it inside <think> for the turn after the last user query.
   msg.erase("reasoning_content");
   json tool = {{"role", "tool"}, {"tool_call_id", msg["tool_calls"][0]["id"]}, {"content", "hello"}};
-  json second = post(s->port, {{"messages", {user, msg, tool}}, {"tools", kTools}, {"tool_choice", "none"},
-                               {"temperature", 0}, {"max_tokens", 16}});
+  json second = post(s->port, {{"messages", {user, msg, tool}},
+                               {"tools", kTools},
+                               {"tool_choice", "none"},
+                               {"temperature", 0},
+                               {"max_tokens", 16}});
   EXPECT_FALSE(second["choices"][0]["message"].contains("tool_calls")) << second.dump();
   std::string prompt = text_of(*s->codec, s->engine->last_sequence());
   EXPECT_NE(prompt.find("<think>\n" + reasoning), std::string::npos) << prompt;
@@ -302,8 +322,9 @@ TEST(RealTokenizers, OpenAIClientAgentLoop) {
     std::ofstream(tools_file) << kTools.dump();
     int rc = 0;
     std::string out = run_command("OPENAI_DIR='" + dir + "' BASE_URL=http://127.0.0.1:" + std::to_string(s->port) +
-                                  "/v1 MODEL=" + f.served + " TOOLS_FILE='" + tools_file + "' timeout 600 node '" +
-                                  MOESRV_SOURCE_DIR + "/tests/fixtures/server/openai_agent_check.cjs' 2>&1", &rc);
+                                      "/v1 MODEL=" + f.served + " TOOLS_FILE='" + tools_file + "' timeout 600 node '" +
+                                      MOESRV_SOURCE_DIR + "/tests/fixtures/server/openai_agent_check.cjs' 2>&1",
+                                  &rc);
     ASSERT_EQ(rc, 0) << f.served << ": " << out;
     size_t at = out.find("{\"turn1\"");
     ASSERT_NE(at, std::string::npos) << out;

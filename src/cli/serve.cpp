@@ -41,10 +41,11 @@ void run_serve(ServeArgs a) {
                codec.vocab_size(), engine->vocab_size());
   HttpServer server(*engine, codec, a.server);
   int port = server.start();
-  fmt::print(stderr, "serving {} on http://{}:{}/v1 (context {}, reasoning budget {}, strict tools {}, tool format {})\n",
-             a.server.served_name.empty() ? engine->name() : a.server.served_name, a.server.host, port,
-             a.server.ctx > 0 ? std::min(a.server.ctx, engine->max_context()) : engine->max_context(),
-             a.server.reasoning_budget, a.server.strict_tools ? "on" : "off", family_name(TurnMarkers::detect(codec).family));
+  fmt::print(
+      stderr, "serving {} on http://{}:{}/v1 (context {}, reasoning budget {}, strict tools {}, tool format {})\n",
+      a.server.served_name.empty() ? engine->name() : a.server.served_name, a.server.host, port,
+      a.server.ctx > 0 ? std::min(a.server.ctx, engine->max_context()) : engine->max_context(),
+      a.server.reasoning_budget, a.server.strict_tools ? "on" : "off", family_name(TurnMarkers::detect(codec).family));
   std::thread stopper([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
@@ -75,7 +76,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
   cmd->add_option("--alias", a->server.aliases, "More model ids the server answers to (repeatable; others get 404)");
   cmd->add_option("--max-connections", a->server.max_connections,
-                  "Open connections served fully (more only get /health)")->capture_default_str();
+                  "Open connections served fully (more only get /health)")
+      ->capture_default_str();
   cmd->add_option("--keep-alive-timeout", a->server.keep_alive_timeout_s, "Seconds an idle connection stays open")
       ->capture_default_str();
   cmd->add_option("--read-timeout", a->server.read_timeout_s, "Seconds a request may pause while arriving")

@@ -159,8 +159,11 @@ std::optional<std::string> model_field(const json& body) {
 }
 
 void parse_response_format(const json& rf, ChatCompletionRequest& r) {
-  auto invalid = [](const std::string& why) { return bad_request("response_format: " + why, "response_format", "invalid_response_format"); };
-  if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string()) throw invalid("must be an object with a string 'type'");
+  auto invalid = [](const std::string& why) {
+    return bad_request("response_format: " + why, "response_format", "invalid_response_format");
+  };
+  if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string())
+    throw invalid("must be an object with a string 'type'");
   std::string type = rf["type"];
   if (type == "text") return;
   if (type == "json_object") {
@@ -172,7 +175,8 @@ void parse_response_format(const json& rf, ChatCompletionRequest& r) {
   const json* js = field(rf, "json_schema");
   if (!js || !js->is_object()) throw invalid("json_schema must be an object with a 'schema'");
   const json* schema = field(*js, "schema");
-  if (schema && !schema->is_object() && !schema->is_boolean()) throw invalid("json_schema.schema must be a JSON schema object");
+  if (schema && !schema->is_object() && !schema->is_boolean())
+    throw invalid("json_schema.schema must be a JSON schema object");
   try {
     r.response_schema = schema ? JsonSchema::compile(nlohmann::json::parse(schema->dump())) : JsonSchema::any_value();
   } catch (const std::exception& e) {
@@ -208,7 +212,8 @@ std::vector<ToolSpec> parse_tools(const json& tools) {
     if (const json* props = field(params, "properties")) {
       if (!props->is_object()) throw invalid("parameters.properties must be an object");
       for (auto& [key, schema] : props->items())
-        if (!schema.is_object() && !schema.is_boolean()) throw invalid(fmt::format("property '{}' must be a schema object", key));
+        if (!schema.is_object() && !schema.is_boolean())
+          throw invalid(fmt::format("property '{}' must be a schema object", key));
     }
     try {
       spec.schema = JsonSchema::compile(nlohmann::json::parse(params.dump()));
@@ -270,7 +275,8 @@ ChatCompletionRequest parse_chat_request(const json& body) {
   r.logprobs.enabled = bool_field(body, "logprobs", false);
   if (auto n = int_field(body, "top_logprobs", 0)) {
     if (*n > 20) throw bad_request("'top_logprobs' must be between 0 and 20", "top_logprobs", "invalid_value");
-    if (!r.logprobs.enabled && *n > 0) throw bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value");
+    if (!r.logprobs.enabled && *n > 0)
+      throw bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value");
     r.logprobs.top = int(*n);
   }
   return r;

@@ -50,7 +50,7 @@ struct ChatCompletionRequest {
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_name;  // kNamed
   bool parallel_tool_calls = true;
-  std::string response_format = "text";             // text | json_object | json_schema
+  std::string response_format = "text";               // text | json_object | json_schema
   std::shared_ptr<const JsonSchema> response_schema;  // json_object / json_schema
   LogprobOptions logprobs;
   nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();

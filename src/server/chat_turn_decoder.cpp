@@ -44,8 +44,13 @@ nlohmann::json logprob_entry(const ChatCodec& codec, std::span<const float> logi
 
 ChatTurnDecoder::ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab, const TurnMarkers& markers,
                                  const ChatCompletionRequest& req, ChatTurnConfig cfg, Sink sink)
-    : codec_(codec), m_(markers), req_(req), cfg_(cfg), sink_(std::move(sink)),
-      parser_(OutputParser::create(codec, markers, &req.tool_specs, cfg.start_in_reasoning)), stops_(req.gen.stop),
+    : codec_(codec),
+      m_(markers),
+      req_(req),
+      cfg_(cfg),
+      sink_(std::move(sink)),
+      parser_(OutputParser::create(codec, markers, &req.tool_specs, cfg.start_in_reasoning)),
+      stops_(req.gen.stop),
       grammar_(markers, req.tool_specs, rules_for(req, cfg), vocab) {
   gstate_ = grammar_.initial();
 }
@@ -68,8 +73,7 @@ const std::vector<uint8_t>* ChatTurnDecoder::allowed_tokens() {
 void ChatTurnDecoder::on_sampled(std::span<const float> logits, int32_t id) {
   if (req_.logprobs.enabled && parser_->mode() == OutputParser::Mode::kContent && !codec_.is_special(id))
     last_logprob_ = logprob_entry(codec_, logits, id, req_.logprobs.top);
-  else
-    last_logprob_ = nullptr;
+  else last_logprob_ = nullptr;
 }
 
 bool ChatTurnDecoder::on_token(int32_t id) {

@@ -46,7 +46,7 @@ nlohmann::ordered_json parse_body(const httplib::Request& req) {
 
 // ---- Connections: one thread per connection (an elastic pool), our own keep-alive loop ----
 
-thread_local int t_socket = -1;         // the connection the current handler serves
+thread_local int t_socket = -1;          // the connection the current handler serves
 thread_local bool t_over_limit = false;  // that connection is beyond max_connections
 
 // True once the peer has closed its side (or the connection broke). Never blocks.
@@ -198,7 +198,8 @@ class ConnectionServer : public httplib::Server {
   bool next_request(int sock) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(keep_alive_ms);
     while (svr_sock_ != INVALID_SOCKET) {  // stop() closes the listening socket first
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+      auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
       if (left <= 0) return false;
       if (wait_fd(sock, POLLIN, int(std::min<int64_t>(left, 100)))) return true;
     }
@@ -235,9 +236,12 @@ struct HttpServer::Impl {
   std::thread thread;
 
   Impl(Engine& e, const ChatCodec& c, ServerOptions o)
-      : engine(e), codec(c), opt(std::move(o)),
+      : engine(e),
+        codec(c),
+        opt(std::move(o)),
         scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000))),
-        vocab(c), markers(TurnMarkers::detect(c)) {
+        vocab(c),
+        markers(TurnMarkers::detect(c)) {
     if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
     tokenizer_ids.assign(size_t(codec.vocab_size()), 1);
     model = opt.served_name.empty() ? engine.name() : opt.served_name;
@@ -270,15 +274,20 @@ struct HttpServer::Impl {
       case Scheduler::Admission::kGranted: return slot;
       case Scheduler::Admission::kQueueFull:
         ++metrics.rejected_queue_full;
-        throw ApiError(429, fmt::format("The server is busy: {} requests are already queued (the limit is {}). Retry later.",
-                                        scheduler.waiting(), opt.queue_max), "rate_limit_error", "", "queue_full");
+        throw ApiError(429,
+                       fmt::format("The server is busy: {} requests are already queued (the limit is {}). Retry later.",
+                                   scheduler.waiting(), opt.queue_max),
+                       "rate_limit_error", "", "queue_full");
       case Scheduler::Admission::kTimedOut:
         ++metrics.rejected_timeout;
-        throw ApiError(503, fmt::format("Timed out after {} s waiting for the model to become free. Retry later.", opt.queue_timeout_s),
-                       "server_error", "", "queue_timeout");
+        throw ApiError(
+            503,
+            fmt::format("Timed out after {} s waiting for the model to become free. Retry later.", opt.queue_timeout_s),
+            "server_error", "", "queue_timeout");
       case Scheduler::Admission::kAbandoned:
         ++metrics.cancelled;
-        throw ApiError(499, "The client closed the connection while the request was queued.", "invalid_request_error", "", "client_closed");
+        throw ApiError(499, "The client closed the connection while the request was queued.", "invalid_request_error",
+                       "", "client_closed");
     }
     return slot;
   }
@@ -392,7 +401,8 @@ struct HttpServer::Impl {
       ChatTurnDecoder dec(codec, vocab, markers, job->req, turn_config(*job), [](const ChatDelta&) { return true; });
       ChatOutcome out = run_chat(*job, dec);
       job->slot.reset();
-      if (out.cancelled) throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
+      if (out.cancelled)
+        throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
       json msg = openai::chat_message(dec.content(), dec.parser().reasoning(), dec.parser().tool_calls());
       json lp = job->req.logprobs.enabled ? json(dec.content_logprobs()) : json(nullptr);
       send_json(res, 200, openai::chat_completion(job->head, msg, out.finish_reason, out.usage, lp));
@@ -412,7 +422,8 @@ struct HttpServer::Impl {
     bool usage_field = job.req.gen.include_usage;
     w.write(openai::sse(openai::chat_chunk(job.head, {{"role", "assistant"}, {"content", ""}}, nullptr, usage_field)));
     ChatTurnDecoder dec(codec, vocab, markers, job.req, turn_config(job), [&](const ChatDelta& d) {
-      return w.write(openai::sse(openai::chat_chunk(job.head, openai::chat_delta(d), nullptr, usage_field, d.logprobs)));
+      return w.write(
+          openai::sse(openai::chat_chunk(job.head, openai::chat_delta(d), nullptr, usage_field, d.logprobs)));
     });
     dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
     try {
@@ -479,22 +490,29 @@ struct HttpServer::Impl {
 
     int lp = job->req.logprobs.enabled ? job->req.logprobs.top : -1;
     if (!job->req.gen.stream) {
-      TextDecoder dec(codec, job->req.gen.stop, [](const std::string&, const json&) { return true; }, lp);
+      TextDecoder dec(
+          codec, job->req.gen.stop, [](const std::string&, const json&) { return true; }, lp);
       std::string finish;
       openai::Usage u = run_text(*job, dec, finish);
       job->slot.reset();
-      if (dec.cancelled()) throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
+      if (dec.cancelled())
+        throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
       json lps = lp >= 0 ? dec.logprobs().to_json() : json(nullptr);
-      send_json(res, 200, openai::text_completion(job->head, openai::text_choice(dec.text(), finish, lps), u.to_json()));
+      send_json(res, 200,
+                openai::text_completion(job->head, openai::text_choice(dec.text(), finish, lps), u.to_json()));
       return;
     }
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider("text/event-stream", [this, job, lp](size_t, httplib::DataSink& sink) {
       SseWriter w{sink};
       bool usage_field = job->req.gen.include_usage;
-      TextDecoder dec(codec, job->req.gen.stop, [&](const std::string& s, const json& lps) {
-        return w.write(openai::sse(openai::text_completion(job->head, openai::text_choice(s, nullptr, lps), json())));
-      }, lp);
+      TextDecoder dec(
+          codec, job->req.gen.stop,
+          [&](const std::string& s, const json& lps) {
+            return w.write(
+                openai::sse(openai::text_completion(job->head, openai::text_choice(s, nullptr, lps), json())));
+          },
+          lp);
       dec.prefill_ping = [&] { return w.write(": prefill\n\n"); };
       try {
         std::string finish;
@@ -526,15 +544,15 @@ struct HttpServer::Impl {
     http.Post("/v1/completions", guarded([this](auto& q, auto& r) { handle_completion(q, r); }));
     http.Post("/chat/completions", guarded([this](auto& q, auto& r) { handle_chat(q, r); }));
     http.Get("/v1/models", guarded([this](auto&, auto& r) {
-      json data = json::array({model_object(model)});
-      for (auto& a : opt.aliases) data.push_back(model_object(a));
-      send_json(r, 200, {{"object", "list"}, {"data", data}});
-    }));
+               json data = json::array({model_object(model)});
+               for (auto& a : opt.aliases) data.push_back(model_object(a));
+               send_json(r, 200, {{"object", "list"}, {"data", data}});
+             }));
     http.Get(R"(/v1/models/(.+))", guarded([this](auto& q, auto& r) {
-      std::string id = q.matches[1].str();
-      check_model(id);
-      send_json(r, 200, model_object(id));
-    }));
+               std::string id = q.matches[1].str();
+               check_model(id);
+               send_json(r, 200, model_object(id));
+             }));
     http.Get("/health", guarded([this](auto&, auto& r) {
       send_json(r, 200, {{"status", "ok"}, {"model", model}, {"busy", scheduler.busy()}, {"queued", scheduler.waiting()}});
     }));
@@ -549,8 +567,10 @@ struct HttpServer::Impl {
       if (r.status == 404) message = fmt::format("Unknown endpoint {} {}", q.method, q.path), code = "unknown_url";
       if (r.status == 413) {
         std::string len = q.get_header_value("Content-Length");
-        message = len.empty() ? fmt::format("The request body exceeds the limit of {} bytes ({} MiB).", max_body, max_body >> 20)
-                              : fmt::format("The request body is {} bytes; the limit is {} bytes ({} MiB).", len, max_body, max_body >> 20);
+        message = len.empty() ? fmt::format("The request body exceeds the limit of {} bytes ({} MiB).", max_body,
+                                            max_body >> 20)
+                              : fmt::format("The request body is {} bytes; the limit is {} bytes ({} MiB).", len,
+                                            max_body, max_body >> 20);
         code = "request_too_large";
       }
       ApiError e(r.status, message, "invalid_request_error", "", code);

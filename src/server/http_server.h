@@ -24,7 +24,7 @@ struct ServerOptions {
   double queue_timeout_s = 600;
   size_t prefix_cache_mb = 4096;    // 0: off
   std::string served_name;          // "": the engine's name()
-  std::vector<std::string> aliases; // more names the model answers to (requests naming others get 404)
+  std::vector<std::string> aliases;  // more names the model answers to (requests naming others get 404)
   int64_t prefill_chunk = 512;
   int reattach_turns = 4;           // re-attach dropped reasoning on this many last tool-calling turns
   size_t max_connections = 256;     // open connections served fully; more only get /health

@@ -31,7 +31,8 @@ uint8_t type_bit(const std::string& t) {
 int non_negative(const json& s, const char* key, int fallback) {
   auto it = s.find(key);
   if (it == s.end() || it->is_null()) return fallback;
-  if (!it->is_number_integer() || it->get<int64_t>() < 0) throw std::invalid_argument(std::string("'") + key + "' must be a non-negative integer");
+  if (!it->is_number_integer() || it->get<int64_t>() < 0)
+    throw std::invalid_argument(std::string("'") + key + "' must be a non-negative integer");
   return int(std::min<int64_t>(it->get<int64_t>(), 1 << 30));
 }
 
@@ -82,7 +83,8 @@ struct SchemaCompiler {
     for (const char* k : {"anyOf", "oneOf"}) {
       auto it = s.find(k);
       if (it == s.end()) continue;
-      if (!it->is_array() || it->empty()) throw std::invalid_argument(std::string("'") + k + "' must be a non-empty array");
+      if (!it->is_array() || it->empty())
+        throw std::invalid_argument(std::string("'") + k + "' must be a non-empty array");
       std::vector<int> branches;
       for (auto& b : *it) branches.push_back(compile(b, depth + 1));
       int n = add();
@@ -112,8 +114,11 @@ struct SchemaCompiler {
     } else if (s.contains("items")) {
       node.types = JsonSchema::kArray;
     }
-    if (auto nb = s.find("nullable"); nb != s.end() && nb->is_boolean() && nb->get<bool>()) node.types |= JsonSchema::kNull;
-    auto add_enum = [&](const json& v) { node.enums.push_back(v.dump(-1, ' ', false, json::error_handler_t::replace)); };
+    if (auto nb = s.find("nullable"); nb != s.end() && nb->is_boolean() && nb->get<bool>())
+      node.types |= JsonSchema::kNull;
+    auto add_enum = [&](const json& v) {
+      node.enums.push_back(v.dump(-1, ' ', false, json::error_handler_t::replace));
+    };
     if (auto e = s.find("enum"); e != s.end()) {
       if (!e->is_array() || e->empty()) throw std::invalid_argument("'enum' must be a non-empty array");
       for (auto& v : *e) add_enum(v);
@@ -163,7 +168,8 @@ struct SchemaCompiler {
       node.key_nodes.push_back(0);
     }
     for (size_t i = 0; i < node.keys.size() && i < 64; ++i)
-      if (std::find(required.begin(), required.end(), node.keys[i]) != required.end()) node.required |= uint64_t(1) << i;
+      if (std::find(required.begin(), required.end(), node.keys[i]) != required.end())
+        node.required |= uint64_t(1) << i;
     for (size_t i = 64; i < node.keys.size(); ++i)
       if (std::find(required.begin(), required.end(), node.keys[i]) != required.end())
         throw std::invalid_argument("at most 64 properties can be tracked as required");
@@ -239,7 +245,8 @@ enum NumPhase : uint8_t { kMinus = 1, kZero, kInt, kDot, kFrac, kExp, kExpSign, 
 enum StrPhase : uint8_t { kChars, kEscape, kHex, kDone };
 }  // namespace
 
-JsonMatcher::JsonMatcher(const JsonSchema* schema, int node, bool trailing_ws) : schema_(schema), trailing_ws_(trailing_ws) {
+JsonMatcher::JsonMatcher(const JsonSchema* schema, int node, bool trailing_ws)
+    : schema_(schema), trailing_ws_(trailing_ws) {
   Frame f;
   f.node = uint16_t(node);
   f.kind = kValue;
@@ -296,9 +303,13 @@ bool JsonMatcher::narrow(const std::vector<std::string>& c, Frame& f, char ch, c
 
 bool JsonMatcher::start_value(Frame& f, char c) {
   const JsonSchema::Node* n = &schema_->node(f.node);
-  uint8_t cls = c == '"' ? JsonSchema::kString : c == '{' ? JsonSchema::kObject : c == '[' ? JsonSchema::kArray
-              : (c == 't' || c == 'f') ? JsonSchema::kBoolean : c == 'n' ? JsonSchema::kNull
-              : (c == '-' || digit(c)) ? uint8_t(JsonSchema::kInteger | JsonSchema::kNumber) : 0;
+  uint8_t cls = c == '"'                 ? JsonSchema::kString
+                : c == '{'               ? JsonSchema::kObject
+                : c == '['               ? JsonSchema::kArray
+                : (c == 't' || c == 'f') ? JsonSchema::kBoolean
+                : c == 'n'               ? JsonSchema::kNull
+                : (c == '-' || digit(c)) ? uint8_t(JsonSchema::kInteger | JsonSchema::kNumber)
+                                         : 0;
   if (!cls) return false;
   for (int hops = 0; !n->any_of.empty(); ++hops) {  // anyOf: the branch allowing this JSON type
     if (hops > 16) return false;
@@ -323,12 +334,10 @@ bool JsonMatcher::start_value(Frame& f, char c) {
   switch (c) {
     case '{': f.kind = kObject, f.phase = kObjFirst, f.used = 0, f.lo = 0, f.hi = 0, f.off = 0; return true;
     case '[': f.kind = kArray, f.phase = kArrFirst, f.count = 0; return true;
-    case '"':
-      f.kind = kString, f.str_phase = kChars, f.count = 0, f.utf8_need = 0;
-      return true;
-    case 't': case 'f': case 'n':
-      f.kind = kLiteral, f.lo = c == 't' ? 0 : c == 'f' ? 1 : 2, f.off = 1;
-      return true;
+    case '"': f.kind = kString, f.str_phase = kChars, f.count = 0, f.utf8_need = 0; return true;
+    case 't':
+    case 'f':
+    case 'n': f.kind = kLiteral, f.lo = c == 't' ? 0 : c == 'f' ? 1 : 2, f.off = 1; return true;
     default:
       f.kind = kNumber, f.count = 0;
       if (c == '-') f.phase = kMinus;
@@ -350,8 +359,14 @@ bool JsonMatcher::string_char(Frame& f, char c, bool& closed) {
   }
   switch (f.str_phase) {
     case kEscape:
-      if (c == 'u') { f.str_phase = kHex, f.hex_left = 4; return true; }
-      if (c && std::strchr("\"\\/bfnrt", c)) { f.str_phase = kChars; return true; }
+      if (c == 'u') {
+        f.str_phase = kHex, f.hex_left = 4;
+        return true;
+      }
+      if (c && std::strchr("\"\\/bfnrt", c)) {
+        f.str_phase = kChars;
+        return true;
+      }
       return false;
     case kHex:
       if (!std::isxdigit(u)) return false;
@@ -359,9 +374,15 @@ bool JsonMatcher::string_char(Frame& f, char c, bool& closed) {
       return true;
     default: break;
   }
-  if (c == '"') { closed = true; return true; }
+  if (c == '"') {
+    closed = true;
+    return true;
+  }
   if (u < 0x20) return false;
-  if (c == '\\') { f.str_phase = kEscape; return true; }
+  if (c == '\\') {
+    f.str_phase = kEscape;
+    return true;
+  }
   if (u < 0x80) return true;
   // UTF-8 lead byte: the ranges nlohmann::json (and RFC 3629) accept.
   if (u >= 0xC2 && u <= 0xDF) f.utf8_need = 1;
@@ -459,27 +480,51 @@ bool JsonMatcher::feed_frame(char c) {
       };
       switch (f.phase) {
         case kMinus:
-          if (c == '0') { f.phase = kZero; return true; }
-          if (digit(c)) { f.phase = kInt, f.count = 1; return true; }
+          if (c == '0') {
+            f.phase = kZero;
+            return true;
+          }
+          if (digit(c)) {
+            f.phase = kInt, f.count = 1;
+            return true;
+          }
           return false;
         case kZero:
         case kInt:
           if (digit(c) && f.phase == kInt) return ++f.count <= kMaxDigits;
-          if (!integer && c == '.') { f.phase = kDot, f.count = 0; return true; }
-          if (!integer && (c == 'e' || c == 'E')) { f.phase = kExp, f.count = 0; return true; }
+          if (!integer && c == '.') {
+            f.phase = kDot, f.count = 0;
+            return true;
+          }
+          if (!integer && (c == 'e' || c == 'E')) {
+            f.phase = kExp, f.count = 0;
+            return true;
+          }
           return finish();
         case kDot:
-          if (digit(c)) { f.phase = kFrac, f.count = 1; return true; }
+          if (digit(c)) {
+            f.phase = kFrac, f.count = 1;
+            return true;
+          }
           return false;
         case kFrac:
           if (digit(c)) return ++f.count <= kMaxDigits;
-          if (c == 'e' || c == 'E') { f.phase = kExp, f.count = 0; return true; }
+          if (c == 'e' || c == 'E') {
+            f.phase = kExp, f.count = 0;
+            return true;
+          }
           return finish();
         case kExp:
-          if (c == '+' || c == '-') { f.phase = kExpSign; return true; }
+          if (c == '+' || c == '-') {
+            f.phase = kExpSign;
+            return true;
+          }
           [[fallthrough]];
         case kExpSign:
-          if (digit(c)) { f.phase = kExpDigits, f.count = 1; return true; }
+          if (digit(c)) {
+            f.phase = kExpDigits, f.count = 1;
+            return true;
+          }
           return false;
         case kExpDigits:
           if (digit(c)) return ++f.count <= 3;

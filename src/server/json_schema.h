@@ -25,11 +25,11 @@ class JsonSchema {
     uint8_t types = kAnyType;
     std::vector<std::string> enums;  // JSON texts of allowed values, sorted; empty: no enum
     // object
-    std::vector<std::string> keys;   // JSON-escaped property names (no quotes), sorted
-    std::vector<int> key_nodes;      // node of each key's value
-    uint64_t required = 0;           // bit per key (the first 64 keys)
-    bool additional = true;          // keys other than `keys` allowed
-    int additional_node = 0;         // their value schema
+    std::vector<std::string> keys;  // JSON-escaped property names (no quotes), sorted
+    std::vector<int> key_nodes;     // node of each key's value
+    uint64_t required = 0;          // bit per key (the first 64 keys)
+    bool additional = true;         // keys other than `keys` allowed
+    int additional_node = 0;        // their value schema
     // array
     int items = 0;
     int min_items = 0, max_items = -1;
@@ -64,8 +64,8 @@ class JsonMatcher {
   JsonMatcher() = default;
   // Matches one value of `node`. trailing_ws: whitespace after the value is accepted.
   JsonMatcher(const JsonSchema* schema, int node, bool trailing_ws = true);
-  bool feed(char c);            // false: `c` cannot continue a valid text (the state is then unspecified)
-  bool complete() const;        // what was fed is a whole value (more may still follow, e.g. digits)
+  bool feed(char c);      // false: `c` cannot continue a valid text (the state is then unspecified)
+  bool complete() const;  // what was fed is a whole value (more may still follow, e.g. digits)
   bool started() const { return started_; }
   bool valid() const { return schema_ != nullptr; }
   // When the matcher is inside a string whose content is free (no enum or key constraint) and at a character
@@ -88,7 +88,7 @@ class JsonMatcher {
     int16_t key = -1;                  // object: the key whose value is being read (-1: additional)
     uint8_t str_phase = 0;             // string lexing: characters, escape, \u digits
     uint8_t utf8_need = 0, utf8_lo = 0x80, utf8_hi = 0xBF, hex_left = 0;
-    bool free_key = false;             // object key not among the declared ones (additional allowed)
+    bool free_key = false;  // object key not among the declared ones (additional allowed)
   };
   bool feed_frame(char c);
   bool start_value(Frame& f, char c);

@@ -35,7 +35,10 @@ json chat_chunk(const ResponseHeader& h, const json& delta, const json& finish_r
                 {"created", h.created},
                 {"model", h.model},
                 {"system_fingerprint", nullptr},
-                {"choices", json::array({{{"index", 0}, {"delta", delta}, {"logprobs", chat_logprobs(logprobs)}, {"finish_reason", finish_reason}}})}};
+                {"choices", json::array({{{"index", 0},
+                                          {"delta", delta},
+                                          {"logprobs", chat_logprobs(logprobs)},
+                                          {"finish_reason", finish_reason}}})}};
   if (include_usage_field) chunk["usage"] = nullptr;
   return chunk;
 }
@@ -81,7 +84,10 @@ json chat_completion(const ResponseHeader& h, const json& message, const std::st
           {"created", h.created},
           {"model", h.model},
           {"system_fingerprint", nullptr},
-          {"choices", json::array({{{"index", 0}, {"message", message}, {"logprobs", chat_logprobs(logprobs)}, {"finish_reason", finish_reason}}})},
+          {"choices", json::array({{{"index", 0},
+                                    {"message", message},
+                                    {"logprobs", chat_logprobs(logprobs)},
+                                    {"finish_reason", finish_reason}}})},
           {"usage", u.to_json()}};
 }
 

@@ -137,7 +137,8 @@ void OutputParser::open_call(const std::string& name, ChatDelta& out) {
 void OutputParser::emit_args(const std::string& s, ChatDelta& out) {
   if (s.empty() || calls_.empty()) return;
   calls_.back().arguments += s;
-  if (!out.tool_calls.empty() && out.tool_calls.back().index == int(calls_.size()) - 1) out.tool_calls.back().arguments += s;
+  if (!out.tool_calls.empty() && out.tool_calls.back().index == int(calls_.size()) - 1)
+    out.tool_calls.back().arguments += s;
   else out.tool_calls.push_back({int(calls_.size()) - 1, "", "", s});
 }
 
@@ -253,7 +254,8 @@ class GlmParser : public OutputParser {
     const ToolSpec::Property* prop = spec ? spec->property(key) : nullptr;
     value_is_text_ = !spec || !prop ? true : prop->is_text();
     value_.clear();
-    emit_args((args_emitted_++ ? ", " : "{") + json(key).dump(-1, ' ', false, json::error_handler_t::replace) + ": ", out);
+    emit_args((args_emitted_++ ? ", " : "{") + json(key).dump(-1, ' ', false, json::error_handler_t::replace) + ": ",
+              out);
     if (value_is_text_) emit_args("\"", out);
     part_ = Part::kValue;
   }
@@ -330,7 +332,8 @@ struct JsonValueStream {
 };
 
 // ---- Qwen3 (Hermes): <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>
-// ---- DeepSeek-V3: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+// ---- DeepSeek-V3:
+// <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 class JsonCallParser : public OutputParser {
  public:
   JsonCallParser(const ChatCodec& codec, const TurnMarkers& m, const std::vector<ToolSpec>* tools, bool start)
@@ -474,7 +477,8 @@ class JsonCallParser : public OutputParser {
         if (mine) {
           b.at = Body::kValue;
           b.value += c;
-          if (b.key == "arguments" && b.stream.kind != '"' && b.stream.kind != 's') emit_or_hold(std::string(1, c), out);
+          if (b.key == "arguments" && b.stream.kind != '"' && b.stream.kind != 's')
+            emit_or_hold(std::string(1, c), out);
         }
         if (b.stream.done) {
           end_body_value(out);

@@ -53,9 +53,9 @@ class OutputParser {
   OutputParser(const ChatCodec& codec, const std::vector<ToolSpec>* tools, bool start_in_reasoning);
   // Text of a plain token for the reasoning/content channel (UTF-8 reassembled).
   void text_token(int32_t token, ChatDelta& out);
-  void flush_bytes(ChatDelta& out);            // a partial character left at a marker
+  void flush_bytes(ChatDelta& out);  // a partial character left at a marker
   void emit_text(std::string text, ChatDelta& out);
-  void end_segment();                          // trailing whitespace before a marker is formatting
+  void end_segment();  // trailing whitespace before a marker is formatting
   // Tool calls: opens a call (emits id + name), appends argument text.
   void open_call(const std::string& name, ChatDelta& out);
   void emit_args(const std::string& s, ChatDelta& out);

@@ -33,7 +33,10 @@ struct CompletionLogprobs {
                  top_logprobs = nlohmann::json::array(), text_offset = nlohmann::json::array();
   bool empty() const { return tokens.empty(); }
   nlohmann::json to_json() const {
-    return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs}, {"text_offset", text_offset}};
+    return {{"tokens", tokens},
+            {"token_logprobs", token_logprobs},
+            {"top_logprobs", top_logprobs},
+            {"text_offset", text_offset}};
   }
 };
 
@@ -42,7 +45,10 @@ class TextDecoder : public DecodeHooks {
   // Sink: text of a delta and the logprobs of its tokens (null unless requested).
   using Sink = std::function<bool(const std::string&, const nlohmann::json&)>;
   TextDecoder(const ChatCodec& codec, std::vector<std::string> stops, Sink sink, int logprobs = -1)
-      : codec_(codec), end_ids_(codec.end_of_turn_ids()), stops_(std::move(stops)), sink_(std::move(sink)),
+      : codec_(codec),
+        end_ids_(codec.end_of_turn_ids()),
+        stops_(std::move(stops)),
+        sink_(std::move(sink)),
         logprobs_(logprobs) {}
 
   // Only the tokenizer's ids (a model's vocabulary is often padded beyond it).

@@ -76,7 +76,8 @@ std::string deepseek_tools_prompt(const nlohmann::ordered_json& tools) {
          "\n\nParameters: " + fn.value("parameters", nlohmann::ordered_json::object()).dump() + "\n";
   }
   s += "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
-       "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name\n```json\ntool_call_arguments\n```"
+       "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name\n```json\ntool_call_"
+       "arguments\n```"
        "<｜tool▁call▁end｜>{{additional_tool_calls}}<｜tool▁calls▁end｜>\n\nWhere:\n\n"
        "- `tool_call_name` must be an exact match to one of the available tools\n"
        "- `tool_call_arguments` must be valid JSON based on the required parameters and parameter types\n"
@@ -103,8 +104,7 @@ std::string TokenizerCodec::render_chat(const nlohmann::ordered_json& messages_i
     std::string text = deepseek_tools_prompt(tools);
     if (!messages.empty() && messages[0].value("role", "") == "system")
       messages[0]["content"] = messages[0].value("content", std::string()) + "\n\n" + text;
-    else
-      messages.insert(messages.begin(), nlohmann::ordered_json{{"role", "system"}, {"content", text}});
+    else messages.insert(messages.begin(), nlohmann::ordered_json{{"role", "system"}, {"content", text}});
   }
   ChatRequest req;
   req.messages = messages;

@@ -6,7 +6,7 @@ namespace moesrv {
 
 namespace {
 bool ws(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-constexpr uint8_t kMaxSpaces = 2;    // between structure elements
+constexpr uint8_t kMaxSpaces = 2;   // between structure elements
 constexpr uint8_t kFreeStep = 255;  // a call body that is not constrained
 
 // Keeps candidates (sorted) whose character at `off` is `c`; false when none is left.
@@ -88,12 +88,17 @@ TurnGrammar::TurnGrammar(const TurnMarkers& markers, const std::vector<ToolSpec>
   }
   using K = Step::Kind;
   if (m_.family == ToolFamily::kQwen3) {
-    program_ = {{K::kLiteral, -1, "\n{\"name\": \""}, {K::kName, -1, ""}, {K::kLiteral, -1, "\", \"arguments\": "},
-                {K::kArgs, -1, ""}, {K::kLiteral, -1, "}\n"}, {K::kMarker, m_.call_close, ""}};
+    program_ = {{K::kLiteral, -1, "\n{\"name\": \""},
+                {K::kName, -1, ""},
+                {K::kLiteral, -1, "\", \"arguments\": "},
+                {K::kArgs, -1, ""},
+                {K::kLiteral, -1, "}\n"},
+                {K::kMarker, m_.call_close, ""}};
   } else if (m_.family == ToolFamily::kDeepSeekV3) {
-    program_ = {{K::kMarker, m_.item_open, ""}, {K::kLiteral, -1, "function"}, {K::kMarker, m_.sep, ""},
-                {K::kName, -1, ""}, {K::kLiteral, -1, "\n```json\n"}, {K::kArgs, -1, ""},
-                {K::kLiteral, -1, "\n```"}, {K::kMarker, m_.item_close, ""}};
+    program_ = {{K::kMarker, m_.item_open, ""},   {K::kLiteral, -1, "function"},
+                {K::kMarker, m_.sep, ""},         {K::kName, -1, ""},
+                {K::kLiteral, -1, "\n```json\n"}, {K::kArgs, -1, ""},
+                {K::kLiteral, -1, "\n```"},       {K::kMarker, m_.item_close, ""}};
   }
 }
 
@@ -228,8 +233,7 @@ bool TurnGrammar::glm_char(State& s, char c) const {
       return narrow_names(s, c);
     case kGAfterName:
     case kGAfterKey:
-    case kGAfterValue:
-      return ws(c) && ++s.spaces <= kMaxSpaces;
+    case kGAfterValue: return ws(c) && ++s.spaces <= kMaxSpaces;
     case kGKey: {
       const auto& n = args_node(s.tool);
       if (s.hi > s.lo) {  // still matching declared keys (unused ones)
@@ -255,7 +259,8 @@ bool TurnGrammar::glm_char(State& s, char c) const {
         const auto& en = s.key >= 0 ? glm_enums_[size_t(s.tool)][size_t(s.key)] : std::vector<std::string>();
         if (!en.empty()) return narrow(en, s.lo, s.hi, s.off, c);
         const auto& n = args_node(s.tool);
-        const auto& v = tools_[size_t(s.tool)].schema->node(s.key >= 0 ? n.key_nodes[size_t(s.key)] : n.additional_node);
+        const auto& v =
+            tools_[size_t(s.tool)].schema->node(s.key >= 0 ? n.key_nodes[size_t(s.key)] : n.additional_node);
         if (((unsigned char)c & 0xC0) != 0x80) {
           if (v.max_length >= 0 && s.text_chars >= uint32_t(v.max_length)) return false;
           ++s.text_chars;
@@ -408,19 +413,20 @@ bool TurnGrammar::text_phase(const State& s) const {
   switch (s.phase) {
     case State::kReasoning: return true;
     case State::kContent: return !rules_.call_required && !rules_.content_schema;
-    case State::kCall: return s.step == kFreeStep || (m_.family == ToolFamily::kGlm && s.step == kGValue &&
-                                                       s.text_chars != UINT32_MAX && s.hi == s.lo &&
-                                                       [&] {
-                                                         const auto& n = args_node(s.tool);
-                                                         int node = s.key >= 0 ? n.key_nodes[size_t(s.key)] : n.additional_node;
-                                                         return tools_[size_t(s.tool)].schema->node(node).max_length < 0;
-                                                       }());
+    case State::kCall:
+      return s.step == kFreeStep ||
+             (m_.family == ToolFamily::kGlm && s.step == kGValue && s.text_chars != UINT32_MAX && s.hi == s.lo && [&] {
+               const auto& n = args_node(s.tool);
+               int node = s.key >= 0 ? n.key_nodes[size_t(s.key)] : n.additional_node;
+               return tools_[size_t(s.tool)].schema->node(node).max_length < 0;
+             }());
     default: return false;
   }
 }
 
 void TurnGrammar::walk(const VocabText::Trie& trie, int32_t node, const State& s, std::vector<uint8_t>& mask) const {
-  for (int32_t child = trie.nodes[size_t(node)].first_child; child >= 0; child = trie.nodes[size_t(child)].next_sibling) {
+  for (int32_t child = trie.nodes[size_t(node)].first_child; child >= 0;
+       child = trie.nodes[size_t(child)].next_sibling) {
     const VocabText::TrieNode& cn = trie.nodes[size_t(child)];
     State copy = s;
     if (!feed_char(copy, char(cn.byte))) continue;

@@ -30,18 +30,19 @@ struct TurnMarkers {
   int32_t think_open = -1, think_close = -1;
   int32_t call_open = -1, call_close = -1;  // GLM/Qwen3: <tool_call> </tool_call>; DeepSeek: calls begin / end
   int32_t key_open = -1, key_close = -1, value_open = -1, value_close = -1;  // GLM arguments
-  int32_t item_open = -1, item_close = -1, sep = -1;  // DeepSeek: <｜tool▁call▁begin｜> <｜tool▁call▁end｜> <｜tool▁sep｜>
+  int32_t item_open = -1, item_close = -1,
+          sep = -1;              // DeepSeek: <｜tool▁call▁begin｜> <｜tool▁call▁end｜> <｜tool▁sep｜>
   std::vector<int32_t> end_ids;  // end of turn
   static TurnMarkers detect(const ChatCodec& codec);
   bool is_end(int32_t t) const;
 };
 
 struct TurnRules {
-  bool calls_allowed = false;  // tools given and tool_choice is not none
-  bool call_required = false;  // tool_choice required or named
-  int max_calls = 0;           // 0: unlimited (parallel_tool_calls false: 1)
-  bool strict_calls = false;   // constrain call bodies (names, argument schemas)
-  std::vector<int> tools;      // tool indices a call may name (empty: all)
+  bool calls_allowed = false;                        // tools given and tool_choice is not none
+  bool call_required = false;                        // tool_choice required or named
+  int max_calls = 0;                                 // 0: unlimited (parallel_tool_calls false: 1)
+  bool strict_calls = false;                         // constrain call bodies (names, argument schemas)
+  std::vector<int> tools;                            // tool indices a call may name (empty: all)
   std::shared_ptr<const JsonSchema> content_schema;  // response_format: the content is JSON under it
   bool start_in_reasoning = false;
 };
@@ -101,10 +102,10 @@ class TurnGrammar {
   const std::vector<ToolSpec>& tools_;
   TurnRules rules_;
   const VocabText& vocab_;
-  std::vector<std::string> names_;     // allowed tool names, sorted
-  std::vector<int> name_tool_;         // tool index of names_[i]
+  std::vector<std::string> names_;                                // allowed tool names, sorted
+  std::vector<int> name_tool_;                                    // tool index of names_[i]
   std::vector<std::vector<std::vector<std::string>>> glm_enums_;  // [tool][key]: raw string enum values, sorted
-  std::vector<Step> program_;          // JSON formats: the call's layout
+  std::vector<Step> program_;                                     // JSON formats: the call's layout
 };
 
 }  // namespace moesrv

@@ -13,7 +13,7 @@ struct VocabText {
   std::vector<std::string> bytes;  // token id -> raw bytes
   std::vector<uint8_t> special;    // token id -> 1 if a special/added token (an atomic marker, never text)
   std::vector<int32_t> special_ids;
-  std::vector<uint8_t> plain;      // token id -> 1 if a non-empty plain token
+  std::vector<uint8_t> plain;  // token id -> 1 if a non-empty plain token
   // Characters a plain token adds inside a JSON string when it is "string-safe": whole UTF-8 characters, no
   // quote, backslash or control character (0: not string-safe).
   std::vector<uint16_t> string_chars;
@@ -24,8 +24,8 @@ struct VocabText {
     unsigned char byte = 0;
   };
   struct Trie {
-    std::vector<TrieNode> nodes{1};                  // 0: root
-    std::vector<std::pair<int32_t, int32_t>> dups;   // (node, token) for tokens with identical bytes
+    std::vector<TrieNode> nodes{1};                 // 0: root
+    std::vector<std::pair<int32_t, int32_t>> dups;  // (node, token) for tokens with identical bytes
     void insert(const std::string& s, int32_t token);
   };
   Trie all;     // every plain token
@@ -74,8 +74,11 @@ inline VocabText::VocabText(const ChatCodec& codec) {
     bool safe = true;
     while (k < b.size() && safe) {
       unsigned char c = (unsigned char)b[k];
-      size_t len = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE1 && c <= 0xEF && c != 0xED) ? 3
-                 : (c >= 0xF1 && c <= 0xF3) ? 4 : 0;  // E0/ED/F0/F4 have narrower ranges: left to the slow path
+      size_t len = c < 0x80                                ? 1
+                   : (c >= 0xC2 && c <= 0xDF)              ? 2
+                   : (c >= 0xE1 && c <= 0xEF && c != 0xED) ? 3
+                   : (c >= 0xF1 && c <= 0xF3)              ? 4
+                                              : 0;  // E0/ED/F0/F4 have narrower ranges: left to the slow path
       if (len == 0 || c == '"' || c == '\\' || c < 0x20 || k + len > b.size()) safe = false;
       for (size_t j = 1; safe && j < len; ++j) safe = ((unsigned char)b[k + j] & 0xC0) == 0x80;
       k += len;

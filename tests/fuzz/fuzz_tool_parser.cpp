@@ -24,7 +24,8 @@ const char* kTools = R"([
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  static const ByteCodec codecs[3] = {ByteCodec(TestFormat::kGlm), ByteCodec(TestFormat::kQwen3), ByteCodec(TestFormat::kDeepSeek)};
+  static const ByteCodec codecs[3] = {ByteCodec(TestFormat::kGlm), ByteCodec(TestFormat::kQwen3),
+                                      ByteCodec(TestFormat::kDeepSeek)};
   static const VocabText vocabs[3] = {VocabText(codecs[0]), VocabText(codecs[1]), VocabText(codecs[2])};
   static const std::vector<ToolSpec> tools = parse_tools(nlohmann::ordered_json::parse(kTools));
   uint8_t sel = data[0];

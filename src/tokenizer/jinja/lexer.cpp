@@ -207,7 +207,10 @@ class Lexer {
           uint32_t cp = 0;
           for (size_t k = 0; k < n; ++k) {
             char h = pos_ + k < s_.size() ? s_[pos_ + k] : '\0';
-            int d = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+            int d = h >= '0' && h <= '9'   ? h - '0'
+                    : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                    : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                           : -1;
             if (d < 0) fail("jinja: invalid \\{} escape at line {}", e, line_);
             cp = cp * 16 + uint32_t(d);
           }
