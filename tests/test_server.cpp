@@ -681,6 +681,31 @@ TEST(ServerContract, NonStreamingDisconnectFreesTheSlotAndKeepsTheCache) {
   EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], r["usage"]["prompt_tokens"].get<int>() - 1);
 }
 
+TEST(ServerContract, AQueuedClientThatLeavesGivesUpItsPlace) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, std::string(60, 'z')), {.queue_max = 4});
+  h.engine->delay_ms = 20;  // ~1.2 s for the running request
+  json body = {{"messages", {user("q")}}};
+  auto running = std::async(std::launch::async, [&] {
+    int s = 0;
+    h.post("/v1/chat/completions", body, &s);
+    return s;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  auto health = [&] { return json::parse(h.client().Get("/health")->body); };
+  {
+    auto c = h.client();
+    c.set_read_timeout(0, 300000);  // waits in the queue, then hangs up
+    EXPECT_FALSE(c.Post("/v1/chat/completions", body.dump(), "application/json"));
+  }
+  auto left = std::chrono::steady_clock::now();
+  while (health()["queued"] != 0 && seconds(left) < 5) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_LT(seconds(left), 0.2);  // polled every 50 ms
+  EXPECT_TRUE(health()["busy"].get<bool>());  // the running request was not disturbed
+  EXPECT_EQ(running.get(), 200);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+}
+
 TEST(ServerContract, IdleConnectionsCannotStarveHealth) {
   ByteCodec codec;
   Harness h(script_policy(codec, "ok"));
