@@ -700,7 +700,7 @@ TEST(ServerContract, AQueuedClientThatLeavesGivesUpItsPlace) {
   }
   auto left = std::chrono::steady_clock::now();
   while (health()["queued"] != 0 && seconds(left) < 5) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_LT(seconds(left), 0.2);  // polled every 50 ms
+  EXPECT_LT(seconds(left), 0.2);              // polled every 50 ms
   EXPECT_TRUE(health()["busy"].get<bool>());  // the running request was not disturbed
   EXPECT_EQ(running.get(), 200);
   EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
