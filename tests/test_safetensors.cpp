@@ -98,7 +98,7 @@ TEST(Package, MissingRequiredTensorIsNamed) {
   for (const auto& [name, t] : src->tensors())
     if (name != "model.layers.3.self_attn.indexer.wk.weight") keep.push_back(t);
   write_safetensors(d / "model.safetensors", keep);
-  expect_error([&] { CpuEngine::open(d.path.string()); }, "model.layers.3.self_attn.indexer.wk.weight is missing");
+  expect_error([&] { CpuEngine::open(d.path.string()); }, "missing:\n  model.layers.3.self_attn.indexer.wk.weight (layer 3)");
 }
 
 TEST(Package, IndexNamingAMissingShardFails) {
