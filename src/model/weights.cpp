@@ -171,6 +171,14 @@ HyperWeights load_hyper(const ModelPackage& pkg, const ModelConfig& c, const std
   return {load_f32(pkg, p + "_fn", mix * hc * c.hidden_size), load_f32(pkg, p + "_base", mix), load_f32(pkg, p + "_scale", 3)};
 }
 
+// One name per line, at most 24 (then a count of the rest).
+std::string name_list(const std::vector<std::string>& names) {
+  std::string list;
+  for (size_t i = 0; i < names.size() && i < 24; ++i) list += "\n  " + names[i];
+  if (names.size() > 24) list += fmt::format("\n  ... and {} more", names.size() - 24);
+  return list;
+}
+
 // Tensors the model needs that a shard holds but the index omits (e.g. the k-pool tensors of the upstream
 // GLM-5.3-Flash package): refuse with all their names rather than the first one.
 void refuse_unindexed(const ModelPackage& pkg, const std::string& root) {
@@ -179,11 +187,8 @@ void refuse_unindexed(const ModelPackage& pkg, const std::string& root) {
     if (name.rfind(root + "layers.", 0) == 0 || name.rfind(root + "embed", 0) == 0 || name.rfind("lm_head", 0) == 0)
       missing.push_back(name + " (in " + shard + ")");
   if (missing.empty()) return;
-  std::string list;
-  for (size_t i = 0; i < missing.size() && i < 24; ++i) list += "\n  " + missing[i];
-  if (missing.size() > 24) list += fmt::format("\n  ... and {} more", missing.size() - 24);
   fail("{}: {} tensor(s) the model needs are in a shard but missing from model.safetensors.index.json; run "
-       "`moesrv repair-index --model {}`:{}", pkg.dir(), missing.size(), pkg.dir(), list);
+       "`moesrv repair-index --model {}`:{}", pkg.dir(), missing.size(), pkg.dir(), name_list(missing));
 }
 
 // Every tensor of the manifest must be present (a matrix as .weight or EXL3 .trellis; KDA's q/k/v convs apart or
@@ -199,10 +204,7 @@ void refuse_missing(const ModelPackage& pkg, const ModelConfig& c, const std::st
     missing.push_back(t.layer >= 0 ? fmt::format("{} (layer {})", t.name, t.layer) : t.name);
   }
   if (missing.empty()) return;
-  std::string list;
-  for (size_t i = 0; i < missing.size() && i < 24; ++i) list += "\n  " + missing[i];
-  if (missing.size() > 24) list += fmt::format("\n  ... and {} more", missing.size() - 24);
-  fail("{}: {} tensor(s) the {} model needs are missing:{}", pkg.dir(), missing.size(), c.model_type, list);
+  fail("{}: {} tensor(s) the {} model needs are missing:{}", pkg.dir(), missing.size(), c.model_type, name_list(missing));
 }
 
 }  // namespace
