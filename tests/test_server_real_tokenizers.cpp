@@ -353,6 +353,10 @@ TEST(RealTokenizers, OpenAIClientAgentLoop) {
     expect_valid_call("read_file", named["message"]["tool_calls"][0]["function"]["arguments"]);
     EXPECT_EQ(r["not_found"], 404);
     EXPECT_EQ(r["not_found_code"], "model_not_found");
+    if (f.family == ToolFamily::kQwen3) {  // the client dropped reasoning_content; the server put it back
+      httplib::Client m("127.0.0.1", s->port);
+      EXPECT_NE(m.Get("/metrics")->body.find("moesrv_reasoning_reattached_total 1"), std::string::npos);
+    }
   }
   if (!ran) GTEST_SKIP() << "no real tokenizers (run scripts/fetch_tokenizers.sh)";
 }
