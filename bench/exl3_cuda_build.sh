@@ -14,7 +14,9 @@ pids=()
 for f in $CPU_SRCS; do
   g++ -std=c++20 -O2 -mavx2 -mfma $INC -c "$f" -o "$OUT/obj/$(basename "$f" .cpp).o" & pids+=($!)
 done
-nvcc -std=c++20 -O3 $GENCODE --expt-relaxed-constexpr -lineinfo $INC -c src/backend/cuda/exl3_gemv.cu -o "$OUT/obj/exl3_gemv.o" & pids+=($!)
+for f in exl3_gemv exl3_linear_cuda; do
+  nvcc -std=c++20 -O3 $GENCODE --expt-relaxed-constexpr -lineinfo $INC -c src/backend/cuda/$f.cu -o "$OUT/obj/$f.o" & pids+=($!)
+done
 nvcc -std=c++20 -O3 $GENCODE --expt-relaxed-constexpr $INC -c bench/exl3_cuda_bench.cu -o "$OUT/obj/exl3_cuda_bench.o" & pids+=($!)
 for p in "${pids[@]}"; do wait "$p"; done
 CUDA_LIB=$(dirname "$(command -v nvcc)")/../lib64

@@ -43,10 +43,11 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   auto pkg = ModelPackage::open(model_dir);
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
-    // PCIe/CPU split of cold experts).
+    // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16).
     ModelConfig cfg = ModelConfig::from_json(pkg->config());
     int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(cfg.max_position, 32768);
-    PlacementPlan plan = plan_with_usage(cfg, c.vram_budget_gib, ctx, load_model_usage(model_dir, cfg));
+    const ModelFootprint fp = footprint_from_package(cfg, *pkg);
+    PlacementPlan plan = plan_with_usage(cfg, c.vram_budget_gib, ctx, load_model_usage(model_dir, cfg), 1.0, &fp);
     if (!plan.fits) fail("--vram-budget {} GiB: {}", c.vram_budget_gib, plan.note);
     apply_placement_plan(plan, c);
   }

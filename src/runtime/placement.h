@@ -11,6 +11,7 @@
 namespace moesrv {
 
 struct ModelWeights;
+class ModelPackage;
 class UsageStats;
 
 enum class ExpertHome : uint8_t {
@@ -39,6 +40,10 @@ struct ModelFootprint {
 ModelFootprint footprint_from_config(const ModelConfig& c, double expert_bits = 16, double dense_bits = 16);
 // From loaded weights (stored bytes of every Linear).
 ModelFootprint footprint_from_weights(const ModelWeights& w);
+// What the CUDA engine keeps on the device for a package, from tensor headers only: EXL3 linears as stored
+// (trellis + fp16 suh/svh), every other weight as footprint_from_config at bf16. MLA kv_b_proj is bf16 on the
+// device whatever its format (absorbed per head); expert layers count EXL3 only when all 3E projections are.
+ModelFootprint footprint_from_package(const ModelConfig& c, const ModelPackage& pkg);
 
 // KV cache bytes for `context` tokens: MLA (kv_lora_rank + qk_rope_dim) or GQA 2*kv_heads*head_dim elements per
 // token per layer, plus DSA indexer keys (index_head_dim) on layers with their own indexer.

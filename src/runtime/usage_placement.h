@@ -22,8 +22,10 @@ void save_model_usage(const std::string& model_dir, const ModelConfig& c, const 
 // Saves what `engine` recorded (if it records usage) for the model in `model_dir`; warns, never throws.
 void save_engine_usage(const std::string& model_dir, const Engine& engine);
 
-// Plan for a VRAM budget with bf16 weights on the GPU (what the CUDA engine uploads), pinning from usage.
+// Plan for a VRAM budget, pinning from usage. Sizes: `footprint` when given (footprint_from_package: what the
+// CUDA engine uploads, EXL3 as stored), else the config's shapes at bf16.
 PlacementPlan plan_with_usage(const ModelConfig& c, double vram_budget_gib, int64_t context,
-                              const std::optional<UsageStats>& usage, double workspace_gib = 1.0);
+                              const std::optional<UsageStats>& usage, double workspace_gib = 1.0,
+                              const ModelFootprint* footprint = nullptr);
 
 }  // namespace moesrv

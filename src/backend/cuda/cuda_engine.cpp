@@ -81,6 +81,11 @@ void CudaEngine::Impl::gemm_bf16(const uint16_t* w, int64_t out, int64_t in, con
 }
 
 void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, float* y) {
+  if (!l.x3.empty()) {  // EXL3 parts, each into its output columns
+    for (const Exl3Part& p : l.x3)
+      exl3_forward(p.w, Exl3Src{x, l.in}, n, y + p.col0, l.out, l.bias.bytes() ? l.bias.as<float>() + p.col0 : nullptr);
+    return;
+  }
   to_bf16(x, n * l.in, s.xb.as<uint16_t>(), stream);
   gemm_bf16(l.w.as<uint16_t>(), l.out, l.in, s.xb.as<uint16_t>(), n, y);
   if (l.bias.bytes()) add_bias(y, l.bias.as<float>(), int(n), int(l.out), stream);
@@ -222,7 +227,7 @@ void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
 bool CudaEngine::Impl::graph_ok() const {
   if (!use_graph) return false;
   for (const auto& L : layers)
-    if (L.moe && !L.moe->all_vram) return false;
+    if (L.moe && (!L.moe->all_vram || (L.moe->exl3 && !L.moe->x3_grouped))) return false;
   return true;
 }
 
@@ -239,6 +244,8 @@ const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const {
 CudaEngineStats CudaEngine::stats() const {
   CudaEngineStats st = impl_->stats;
   st.vram_used = impl_->budget->used();
+  st.weight_bytes = impl_->up.weight_bytes;
+  st.exl3_weight_bytes = impl_->up.exl3_bytes;
   return st;
 }
 

@@ -1,5 +1,6 @@
-// The CUDA inference engine: every dense op on the GPU (bf16 weights, fp32 accumulation), routed experts
-// in VRAM, in a per-layer LRU VRAM cache fed from pinned host memory, or on the CPU (hybrid).
+// The CUDA inference engine: every dense op on the GPU (bf16 weights, or EXL3 weights kept in their trellis form;
+// fp32 accumulation), routed experts in VRAM, in a per-layer LRU VRAM cache fed from pinned host memory, or on
+// the CPU (hybrid).
 // Plain C++ header (no CUDA types) so CPU-only code can include it; the engine exists only in CUDA builds.
 #pragma once
 #include <cstdint>
@@ -43,6 +44,8 @@ struct CudaEngineStats {
   int64_t cache_hits = 0, cache_misses = 0;
   int64_t cpu_expert_tokens = 0;
   size_t vram_used = 0, vram_budget = 0;
+  size_t weight_bytes = 0;       // device weights (dense + VRAM experts), as uploaded
+  size_t exl3_weight_bytes = 0;  // of which EXL3 linears kept as stored (trellis | suh | svh)
 };
 
 class CudaEngine : public Engine {

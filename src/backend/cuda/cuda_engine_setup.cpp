@@ -1,4 +1,4 @@
-// CUDA engine setup: budgeted device memory, weight upload (bf16), expert placement planning, scratch.
+// CUDA engine setup: weight upload (bf16, or EXL3 as stored), expert placement planning, scratch.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cmath>
@@ -6,86 +6,6 @@
 
 #include "backend/cuda/engine_internal.h"
 #include "model/rope.h"
-
-namespace moesrv::cuda {
-
-void* DeviceBudget::alloc(size_t bytes, const char* what) {
-  std::lock_guard lk(mu_);
-  if (used_ + bytes > limit_)
-    fail("VRAM budget exceeded: {} needs {:.1f} MiB, {:.1f} of {:.1f} MiB in use", what, double(bytes) / 1048576.0,
-         double(used_) / 1048576.0, double(limit_) / 1048576.0);
-  void* p = nullptr;
-  cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-  if (e != cudaSuccess) fail("cudaMalloc of {} bytes for {} failed: {}", bytes, what, cudaGetErrorString(e));
-  used_ += bytes;
-  return p;
-}
-
-void DeviceBudget::release(void* p, size_t bytes) {
-  std::lock_guard lk(mu_);
-  cudaFree(p);
-  used_ -= bytes;
-}
-
-DeviceBuffer::DeviceBuffer(std::shared_ptr<DeviceBudget> b, size_t bytes, const char* what)
-    : budget_(std::move(b)), bytes_(bytes) {
-  ptr_ = budget_->alloc(bytes, what);
-}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    reset();
-    budget_ = std::move(o.budget_);
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-    o.bytes_ = 0;
-  }
-  return *this;
-}
-
-void DeviceBuffer::reset() {
-  if (ptr_) budget_->release(ptr_, bytes_);
-  ptr_ = nullptr;
-  bytes_ = 0;
-}
-
-PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {
-  MOESRV_CUDA_OK(cudaHostAlloc(&ptr_, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
-}
-PinnedBuffer::~PinnedBuffer() {
-  if (ptr_) cudaFreeHost(ptr_);
-}
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
-  if (this != &o) {
-    if (ptr_) cudaFreeHost(ptr_);
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-  }
-  return *this;
-}
-
-uint16_t f32_to_bf16_host(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-void append_bf16_rows(const Linear& l, std::vector<uint16_t>& out) {
-  const int64_t in = l.in_features(), block = std::max<int64_t>(1, (int64_t(16) << 20) / std::max<int64_t>(in, 1));
-  std::vector<float> tmp;
-  for (int64_t r = 0; r < l.out_features(); r += block) {
-    const int64_t e = std::min(l.out_features(), r + block);
-    tmp.resize(size_t((e - r) * in));
-    l.dequant_rows(r, e, tmp.data());
-    for (float v : tmp) out.push_back(f32_to_bf16_host(v));
-  }
-}
-
-}  // namespace moesrv::cuda
 
 namespace moesrv {
 
@@ -106,43 +26,20 @@ std::vector<uint16_t> to_bf16_vec(const std::vector<float>& v) {
   return o;
 }
 
-DevLinear upload_linear(const std::shared_ptr<DeviceBudget>& b, std::initializer_list<const Linear*> parts,
-                        const char* what) {
-  DevLinear d;
-  std::vector<uint16_t> w;
-  std::vector<float> bias;
-  for (const Linear* l : parts) {
-    d.in = l->in_features();
-    d.out += l->out_features();
-    append_bf16_rows(*l, w);
-    if (!l->bias().empty()) bias.insert(bias.end(), l->bias().begin(), l->bias().end());
-  }
-  d.w = upload(b, w, what);
-  if (!bias.empty()) d.bias = upload(b, bias, what);
-  return d;
-}
-
-DevNorm upload_norm(const std::shared_ptr<DeviceBudget>& b, const NormWeights& n) {
-  DevNorm d;
-  d.w = upload(b, n.weight, "norm");
-  if (!n.bias.empty()) d.b = upload(b, n.bias, "norm bias");
-  return d;
-}
-
-DevMlp upload_mlp(const std::shared_ptr<DeviceBudget>& b, const MlpWeights& m, const char* what) {
-  DevMlp d;
-  d.gate_up = upload_linear(b, {m.gate.get(), m.up.get()}, what);
-  d.down = upload_linear(b, {m.down.get()}, what);
-  d.inter = m.gate->out_features();
-  return d;
-}
-
-std::vector<uint16_t> expert_block(const MlpWeights& m) {
-  std::vector<uint16_t> w;
-  append_bf16_rows(*m.gate, w);
-  append_bf16_rows(*m.up, w);
-  append_bf16_rows(*m.down, w);
-  return w;
+// Block bytes and EXL3 layout of each routed expert (uploaded after planning).
+void layout_experts(const MoeWeights& hw, DevMoe& m) {
+  const size_t E = hw.experts.size();
+  m.exl3 = exl3_experts(hw);
+  m.block_bytes.assign(E, 0);
+  m.x3_off.assign(E, {});
+  for (size_t e = 0; e < E; ++e) m.block_bytes[e] = expert_block(hw.experts[e], m.exl3, &m.x3_off[e], nullptr);
+  m.x3_grouped = m.exl3;
+  for (size_t e = 1; e < E && m.x3_grouped; ++e)
+    for (int p = 0; p < 3; ++p) {
+      const Exl3Dev &a = m.x3_off[0][size_t(p)], &b = m.x3_off[e][size_t(p)];
+      m.x3_grouped &= a.K == b.K && a.cb == b.cb && a.in_pad == b.in_pad && a.out_pad == b.out_pad && a.in == b.in &&
+                      a.out == b.out;
+    }
 }
 
 }  // namespace
@@ -155,6 +52,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   MOESRV_CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
   size_t limit = opt.vram_budget_gib > 0 ? size_t(opt.vram_budget_gib * double(1ull << 30)) : free_b - std::min<size_t>(free_b, 512ull << 20);
   budget = std::make_shared<DeviceBudget>(limit);
+  up.budget = budget;
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
   MOESRV_CUBLAS_OK(cublasCreate(&cublas));
@@ -176,6 +74,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 
   upload_weights();
   allocate_scratch();
+  allocate_exl3_scratch();
   plan_experts(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
   stats.vram_budget = budget->limit();
 }
@@ -207,7 +106,7 @@ void CudaEngine::Impl::upload_weights() {
       W.embed->rows_to_f32(r, r + n, tmp.data());
       for (float v : tmp) e.push_back(f32_to_bf16_host(v));
     }
-    embed = upload(budget, e, "embedding");
+    embed = up.vec(e, "embedding");
   }
   // cos/sin per position with the attention factor, computed exactly like Rope::apply.
   {
@@ -224,54 +123,55 @@ void CudaEngine::Impl::upload_weights() {
     if (cs.empty()) cs.push_back(0.0f);
     cos_sin = upload(budget, cs, "rope table");
   }
-  final_norm = upload_norm(budget, W.final_norm);
-  lm_head = upload_linear(budget, {W.lm_head.get()}, "lm_head");
+  final_norm = up.norm(W.final_norm);
+  lm_head = up.linear({W.lm_head.get()}, "lm_head");
   layers.resize(size_t(c.num_layers));
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = W.layers[size_t(l)];
     DevLayer& d = layers[size_t(l)];
-    d.input_norm = upload_norm(budget, L.input_norm);
-    d.post_norm = upload_norm(budget, L.post_attention_norm);
+    d.input_norm = up.norm(L.input_norm);
+    d.post_norm = up.norm(L.post_attention_norm);
     DevAttention& a = d.attn;
     if (L.mla) {
       const MlaWeights& m = *L.mla;
       if (m.q_a) {
-        a.q_a = upload_linear(budget, {m.q_a.get()}, "q_a_proj");
-        a.q_b = upload_linear(budget, {m.q_b.get()}, "q_b_proj");
-        a.q_a_norm = upload_norm(budget, m.q_a_norm);
+        a.q_a = up.linear({m.q_a.get()}, "q_a_proj");
+        a.q_b = up.linear({m.q_b.get()}, "q_b_proj");
+        a.q_a_norm = up.norm(m.q_a_norm);
       } else {
-        a.q = upload_linear(budget, {m.q.get()}, "q_proj");
+        a.q = up.linear({m.q.get()}, "q_proj");
       }
-      a.kv_a = upload_linear(budget, {m.kv_a.get()}, "kv_a_proj");
-      a.kv_a_norm = upload_norm(budget, m.kv_a_norm);
-      a.o = upload_linear(budget, {m.o.get()}, "o_proj");
-      a.w_uk = upload(budget, to_bf16_vec(m.w_uk), "w_uk");
-      a.w_uv = upload(budget, to_bf16_vec(m.w_uv), "w_uv");
+      a.kv_a = up.linear({m.kv_a.get()}, "kv_a_proj");
+      a.kv_a_norm = up.norm(m.kv_a_norm);
+      a.o = up.linear({m.o.get()}, "o_proj");
+      a.w_uk = up.vec(to_bf16_vec(m.w_uk), "w_uk");
+      a.w_uv = up.vec(to_bf16_vec(m.w_uv), "w_uv");
       if (m.indexer) {
         DevIndexer ix;
-        ix.wq_b = upload_linear(budget, {m.indexer->wq_b.get()}, "indexer wq_b");
-        ix.wk = upload_linear(budget, {m.indexer->wk.get()}, "indexer wk");
-        ix.weights_proj = upload_linear(budget, {m.indexer->weights_proj.get()}, "indexer weights_proj");
-        ix.k_norm = upload_norm(budget, m.indexer->k_norm);
+        ix.wq_b = up.linear({m.indexer->wq_b.get()}, "indexer wq_b");
+        ix.wk = up.linear({m.indexer->wk.get()}, "indexer wk");
+        ix.weights_proj = up.linear({m.indexer->weights_proj.get()}, "indexer weights_proj");
+        ix.k_norm = up.norm(m.indexer->k_norm);
         a.indexer = std::move(ix);
       }
     } else {
       const GqaWeights& g = *L.gqa;
-      a.gq = upload_linear(budget, {g.q.get()}, "q_proj");
-      a.gk = upload_linear(budget, {g.k.get()}, "k_proj");
-      a.gv = upload_linear(budget, {g.v.get()}, "v_proj");
-      a.o = upload_linear(budget, {g.o.get()}, "o_proj");
+      a.gq = up.linear({g.q.get()}, "q_proj");
+      a.gk = up.linear({g.k.get()}, "k_proj");
+      a.gv = up.linear({g.v.get()}, "v_proj");
+      a.o = up.linear({g.o.get()}, "o_proj");
       if (c.qk_norm) {
-        a.q_norm = upload_norm(budget, g.q_norm);
-        a.k_norm = upload_norm(budget, g.k_norm);
+        a.q_norm = up.norm(g.q_norm);
+        a.k_norm = up.norm(g.k_norm);
       }
     }
-    if (L.mlp) d.mlp = upload_mlp(budget, *L.mlp, "mlp");
+    if (L.mlp) d.mlp = up.mlp(*L.mlp, "mlp");
     if (L.moe) {
       DevMoe m;
-      m.router = upload(budget, L.moe->router, "router");
-      m.router_bias = upload(budget, L.moe->router_bias, "router bias");
-      if (L.moe->shared) m.shared = upload_mlp(budget, *L.moe->shared, "shared expert");
+      m.router = up.vec(L.moe->router, "router");
+      m.router_bias = up.vec(L.moe->router_bias, "router bias");
+      if (L.moe->shared) m.shared = up.mlp(*L.moe->shared, "shared expert");
+      layout_experts(*L.moe, m);
       d.moe = std::move(m);
     }
   }
@@ -280,8 +180,7 @@ void CudaEngine::Impl::upload_weights() {
 // Places routed experts: the caller's map where given, else VRAM while the budget (less `reserve_bytes` for
 // KV caches) allows and the CPU after that. Then uploads them.
 void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
-  const int64_t E = c.n_routed_experts, D = c.hidden_size, I = c.moe_intermediate_size;
-  const size_t expert_bytes = size_t(3 * I * D) * 2;
+  const int64_t E = c.n_routed_experts;
   if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
     fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
   placement.assign(size_t(c.num_layers), {});
@@ -295,10 +194,11 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
       continue;
     }
     p.assign(size_t(E), ExpertPlacement::Cpu);
+    const std::vector<size_t>& bytes = layers[size_t(l)].moe->block_bytes;  // as stored (EXL3) or bf16
     for (int64_t e = 0; e < E; ++e)
-      if (planned + expert_bytes <= budget->limit()) {
+      if (planned + bytes[size_t(e)] <= budget->limit()) {
         p[size_t(e)] = ExpertPlacement::Vram;
-        planned += expert_bytes;
+        planned += bytes[size_t(e)];
       }
   }
   for (int64_t l = 0; l < c.num_layers; ++l)
@@ -315,31 +215,45 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   m.slot_of.assign(size_t(E), -1);
   m.h_gate_up.assign(size_t(E), nullptr);
   m.h_down.assign(size_t(E), nullptr);
+  std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * E) : 0);  // [projection][expert]
   int64_t cached = 0;
+  size_t slot_bytes = 0;
   for (int64_t e = 0; e < E; ++e) {
     const ExpertPlacement p = m.placement[size_t(e)];
     m.all_vram &= p == ExpertPlacement::Vram;
     if (p == ExpertPlacement::Cpu) continue;
-    std::vector<uint16_t> block = expert_block(hw.experts[size_t(e)]);
+    std::vector<uint8_t> block;
+    std::array<Exl3Dev, 3> off;
+    expert_block(hw.experts[size_t(e)], m.exl3, &off, &block);
     if (p == ExpertPlacement::Vram) {
-      m.vram[size_t(e)] = upload(budget, block, "routed expert");
-      m.h_gate_up[size_t(e)] = m.vram[size_t(e)].as<uint16_t>();
-      m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
-    } else {
-      m.pinned[size_t(e)] = PinnedBuffer(block.size() * 2);
-      std::memcpy(m.pinned[size_t(e)].as<void>(), block.data(), block.size() * 2);
+      DeviceBuffer& d = m.vram[size_t(e)] = up.raw(block.data(), block.size(), "routed expert");
+      if (m.exl3) {
+        up.exl3_bytes += block.size();
+        for (int j = 0; j < 3; ++j) tab[size_t(j * E + e)] = rebase(off[size_t(j)], d.as<void>());
+      } else {
+        m.h_gate_up[size_t(e)] = d.as<uint16_t>();
+        m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
+      }
+    } else {  // pinned host copy as stored, copied into a slot on use
+      m.pinned[size_t(e)] = PinnedBuffer(block.size());
+      std::memcpy(m.pinned[size_t(e)].as<void>(), block.data(), block.size());
+      slot_bytes = std::max(slot_bytes, block.size());
       ++cached;
     }
   }
-  m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
-  m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
+  if (m.exl3) {
+    if (m.x3_grouped) m.x3_tab = upload(budget, tab, "expert table");
+  } else {
+    m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
+    m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
+  }
   int want = opt.cache_slots;
   if (size_t(l) < opt.cache_slots_per_layer.size() && opt.cache_slots_per_layer[size_t(l)] > 0)
     want = opt.cache_slots_per_layer[size_t(l)];
   const int64_t n_slots = std::min<int64_t>(cached, std::max(1, want));
   for (int64_t i = 0; i < n_slots; ++i) {
     CacheSlot s;
-    s.mem = DeviceBuffer(budget, size_t(3 * I * D) * 2, "expert cache slot");
+    s.mem = DeviceBuffer(budget, slot_bytes, "expert cache slot");
     MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
     MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming));
     MOESRV_CUDA_OK(cudaEventRecord(s.free, stream));

@@ -1,15 +1,17 @@
 // Internals of the CUDA engine shared by its .cpp files (CUDA builds only): budgeted device memory,
-// uploaded weights, scratch, and the engine state.
+// uploaded weights (bf16, or EXL3 trellis blocks), scratch, and the engine state.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
 
 #include "backend/cuda/cuda_engine.h"
+#include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/kernels.h"
 #include "model/weights.h"
 #include "util/error.h"
@@ -79,10 +81,18 @@ class PinnedBuffer {
 uint16_t f32_to_bf16_host(float f);
 // W rows of a stored linear (any format) as bf16, appended to `out`.
 void append_bf16_rows(const Linear& l, std::vector<uint16_t>& out);
+// Exl3Dev with pointers that are offsets into a block, moved onto the block's device copy.
+Exl3Dev rebase(const Exl3Dev& off, const void* base);
 
-struct DevLinear {  // bf16 weight [out][in], optional fp32 bias
+// An EXL3 part of a device linear: its output columns start at col0 of the linear's output rows.
+struct Exl3Part {
+  Exl3Dev w;
+  int64_t col0 = 0;
+};
+struct DevLinear {  // bf16 weight [out][in], or EXL3 parts (trellis | suh | svh each) in `w`; optional fp32 bias
   DeviceBuffer w, bias;
   int64_t in = 0, out = 0;
+  std::vector<Exl3Part> x3;  // empty: bf16
 };
 struct DevNorm {
   DeviceBuffer w, b;
@@ -111,19 +121,44 @@ struct CacheSlot {
   uint64_t last_use = 0;
   cudaEvent_t ready = nullptr, free = nullptr;  // copy finished / last compute use finished
 };
+// EXL3 experts: each expert's block is gate | up | down as trellis | suh | svh; x3_off[e] holds the three with
+// pointers relative to the block start (rebase() them onto a VRAM copy or a cache slot).
 struct DevMoe {
   DeviceBuffer router, router_bias;  // fp32 [E][D], [E]
   std::optional<DevMlp> shared;
   std::vector<ExpertPlacement> placement;
   std::vector<DeviceBuffer> vram;         // per expert, empty unless Vram
-  DeviceBuffer gate_up_ptrs, down_ptrs;   // device pointer tables [E] (Vram experts; others null)
+  std::vector<size_t> block_bytes;        // per expert: device bytes of its block (bf16 or EXL3)
+  DeviceBuffer gate_up_ptrs, down_ptrs;   // bf16: device pointer tables [E] (Vram experts; others null)
   std::vector<const uint16_t*> h_gate_up, h_down;
+  bool exl3 = false, x3_grouped = false;  // grouped: each projection has one shape/K/codebook over the experts
+  std::vector<std::array<Exl3Dev, 3>> x3_off;
+  DeviceBuffer x3_tab;  // Exl3Dev [3][E] of the Vram experts (grouped decode)
   bool all_vram = true;
   std::vector<PinnedBuffer> pinned;       // per expert, Cache placement only
   std::vector<CacheSlot> slots;
   std::vector<int> slot_of;               // expert -> slot or -1
   uint64_t clock = 0;
 };
+
+// Uploads host weights against the budget, counting weight bytes (and the EXL3 bytes among them).
+struct WeightUploader {
+  std::shared_ptr<DeviceBudget> budget;
+  size_t weight_bytes = 0, exl3_bytes = 0;
+  DeviceBuffer raw(const void* data, size_t bytes, const char* what);
+  template <typename T>
+  DeviceBuffer vec(const std::vector<T>& v, const char* what) {
+    return raw(v.data(), v.size() * sizeof(T), what);
+  }
+  DevLinear linear(std::initializer_list<const Linear*> parts, const char* what);  // EXL3 when every part is
+  DevNorm norm(const NormWeights& n);
+  DevMlp mlp(const MlpWeights& m, const char* what);
+};
+// True when every routed expert's gate, up and down are EXL3.
+bool exl3_experts(const MoeWeights& m);
+// One expert's device block: bf16 gate|up [2I][D] then down [D][I]; or (exl3) gate | up | down as EXL3 parts
+// with their layout (offsets into the block) in *off. Returns its bytes; fills *blob when given.
+size_t expert_block(const MlpWeights& m, bool exl3, std::array<Exl3Dev, 3>* off, std::vector<uint8_t>* blob);
 
 struct DevLayer {
   DevNorm input_norm, post_norm;
@@ -150,6 +185,7 @@ struct CudaEngine::Impl {
   cuda::DevNorm final_norm;
   cuda::DevLinear lm_head;
   std::vector<cuda::DevLayer> layers;
+  cuda::WeightUploader up;  // weight uploads and their byte counts
   std::vector<std::vector<ExpertPlacement>> placement;
 
   // Geometry.
@@ -170,6 +206,9 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
+    // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
+    // fp16 W_hat slabs of the GEMM path.
+    cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
   } s;
   cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_logits;
 
@@ -191,12 +230,19 @@ struct CudaEngine::Impl {
   void linear(const cuda::DevLinear& l, const float* x, int64_t n, float* y);
   void gemm_bf16(const uint16_t* w, int64_t out, int64_t in, const uint16_t* xb, int64_t n, float* y);
   void mlp(const cuda::DevMlp& m, const float* x, int64_t n, float* y);
+  // EXL3 (exl3_engine.cpp): y[n][w.out] (rows y_ld apart) = rows of src through w (+ bias): GEMV for <= 8 rows,
+  // else row blocks through fp16 W_hat slabs + cuBLAS.
+  void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
+  void allocate_exl3_scratch();
+  void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
+  // One expert over `cnt` sorted rows from row0: inputs h rows through rows[row0..], out s.ysorted rows.
+  void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t cnt);
   void attention_mla(int64_t l, int64_t S);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
-  const uint16_t* expert_weights(cuda::DevMoe& m, int e);  // Vram or cache slot (loads on a miss)
+  const void* expert_weights(cuda::DevMoe& m, int e);  // block in VRAM or a cache slot (loads on a miss)
   void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;

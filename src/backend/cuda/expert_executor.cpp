@@ -1,9 +1,10 @@
 // The MoE layer on the GPU and its expert-execution seam. Routing always runs on the device. Small batches
-// whose experts are all in VRAM run as grouped GEMVs with no host involvement (CUDA-graph safe). Otherwise
-// the routing comes back to the host, which plans per placement: VRAM experts and LRU-cached experts
-// (copied from pinned memory on the copy stream, ordered by events) run as cuBLAS GEMMs over their tokens
-// in expert order, while CPU experts run on the host thread pool from the stored weights, overlapped with
-// the GPU work; their weighted sum is uploaded and added in the final combine.
+// whose experts are all in VRAM run as grouped GEMVs (bf16, or EXL3 decoding the trellis) with no host
+// involvement (CUDA-graph safe). Otherwise the routing comes back to the host, which plans per placement: VRAM
+// experts and LRU-cached experts (their stored bytes copied from pinned memory on the copy stream, ordered by
+// events) run over their tokens in expert order (bf16: cuBLAS GEMMs; EXL3: GEMV or dequant + GEMM), while CPU
+// experts run on the host thread pool from the stored weights (EXL3: the trellis, decoded on the fly),
+// overlapped with the GPU work; their weighted sum is uploaded and added in the final combine.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cstring>
@@ -34,17 +35,19 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
   if (m.shared) mlp(*m.shared, h, S, y);
   else MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
-  if (m.all_vram && S <= 8) {
-    moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
-             m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream);
+  if (m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped)) {
+    if (m.exl3) moe_exl3_grouped(m, S);
+    else
+      moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
+               m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream);
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
     return;
   }
   for (int64_t s0 = 0; s0 < S; s0 += moe_rows) moe_hybrid(l, s0, std::min(moe_rows, S - s0));
 }
 
-const uint16_t* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
-  if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.h_gate_up[size_t(e)];
+const void* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
+  if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.vram[size_t(e)].as<void>();
   ++m.clock;
   int slot = m.slot_of[size_t(e)];
   if (slot >= 0) {
@@ -58,7 +61,7 @@ const uint16_t* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
     if (cs.expert >= 0) m.slot_of[size_t(cs.expert)] = -1;
     // Overwrite only after the GPU finished with the evicted expert; compute waits for the copy below.
     MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-    MOESRV_CUDA_OK(cudaMemcpyAsync(cs.mem.as<void>(), m.pinned[size_t(e)].as<void>(), cs.mem.bytes(),
+    MOESRV_CUDA_OK(cudaMemcpyAsync(cs.mem.as<void>(), m.pinned[size_t(e)].as<void>(), m.block_bytes[size_t(e)],
                                    cudaMemcpyHostToDevice, copy_stream));
     MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
     cs.expert = e;
@@ -67,7 +70,7 @@ const uint16_t* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
   CacheSlot& cs = m.slots[size_t(slot)];
   cs.last_use = m.clock;
   MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, cs.ready, 0));
-  return cs.mem.as<uint16_t>();
+  return cs.mem.as<void>();
 }
 
 // Tokens [s0, s0 + n) of the pass: s.h rows in, s.y rows accumulated (the shared expert is already there).
@@ -111,16 +114,21 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   }
   MOESRV_CUDA_OK(cudaMemcpyAsync(s.rowmap.as<void>(), rowmap, size_t(n * k) * 4, cudaMemcpyHostToDevice, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows) * 4, cudaMemcpyHostToDevice, stream));
-  gather_rows_bf16(h, s.sorted_tok.as<int32_t>(), rows, int(D), s.xs.as<uint16_t>(), stream);
+  if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>(), rows, int(D), s.xs.as<uint16_t>(), stream);
   for (size_t r = 0; r < gpu_runs.size(); ++r) {
     const int e = gpu_runs[r].first;
     const int64_t row0 = gpu_runs[r].second, cnt = int64_t(by_expert[size_t(e)].size());
-    const uint16_t* w = expert_weights(m, e);
-    float* gu = s.mgu.as<float>() + row0 * 2 * I;
-    gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + row0 * D, cnt, gu);
-    silu_mul(gu, int(cnt), int(I), s.mact.as<float>() + row0 * I, stream);
-    to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
-    gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
+    const void* block = expert_weights(m, e);
+    if (m.exl3) {
+      expert_exl3(m, e, block, h, row0, cnt);
+    } else {
+      const uint16_t* w = static_cast<const uint16_t*>(block);
+      float* gu = s.mgu.as<float>() + row0 * 2 * I;
+      gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + row0 * D, cnt, gu);
+      silu_mul(gu, int(cnt), int(I), s.mact.as<float>() + row0 * I, stream);
+      to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
+      gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
+    }
     if (m.placement[size_t(e)] == ExpertPlacement::Cache)
       MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(m.slot_of[size_t(e)])].free, stream));
   }

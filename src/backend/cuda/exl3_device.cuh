@@ -1,0 +1,150 @@
+// EXL3 device helpers shared by the GEMV/dequant kernels (exl3_gemv.cu) and the codebook check
+// (exl3_linear_cuda.cu): codebook decode, a lane's trellis states, the m16n8k16 mma, the 128-point Hadamard,
+// and the GEMV kernels' tile staging and split-K reduction.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moesrv::cuda::exl3 {
+
+constexpr int kGemvWarps = 4;   // warps per GEMV block, each on every 4th k-tile of the block's range
+constexpr int kGemvUnroll = 4;  // tiles a warp loads before decoding (loads in flight)
+
+// ---- codebooks (CB: 0 = 3INST, 1 = MCG, 2 = MUL1); bit-exact with src/format/exl3_codebook.cpp ----
+template <int CB>
+__device__ __forceinline__ half decode_state(uint32_t s) {
+  if constexpr (CB == 2) {
+    uint32_t x = s * 0x83DCD12Du;
+    uint32_t byte_sum = __dp4a(x, 0x01010101u, 0u);
+    return __hfma(__ushort_as_half((unsigned short)(0x6400u + byte_sum)), __ushort_as_half((unsigned short)0x1eee),
+                  __ushort_as_half((unsigned short)0xc931));
+  } else {
+    uint32_t x = CB == 0 ? s * 89226354u + 64248484u : s * 0xCBAC1FEDu;
+    x = (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    return __hadd(__ushort_as_half((unsigned short)(x & 0xFFFF)), __ushort_as_half((unsigned short)(x >> 16)));
+  }
+}
+
+// Two states at once, packed as half2 (low = s0): the paired fp16 op rounds each half exactly like decode_state.
+template <int CB>
+__device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
+  if constexpr (CB == 2) {
+    uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    uint32_t h = __byte_perm(a, b, 0x5410);
+    half2 r = __hfma2(*reinterpret_cast<half2*>(&h), __half2half2(__ushort_as_half((unsigned short)0x1eee)),
+                      __half2half2(__ushort_as_half((unsigned short)0xc931)));
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    uint32_t x0 = CB == 0 ? s0 * 89226354u + 64248484u : s0 * 0xCBAC1FEDu;
+    uint32_t x1 = CB == 0 ? s1 * 89226354u + 64248484u : s1 * 0xCBAC1FEDu;
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    uint32_t lo = __byte_perm(x0, x1, 0x5410), hi = __byte_perm(x0, x1, 0x7632);
+    half2 r = __hadd2(*reinterpret_cast<half2*>(&lo), *reinterpret_cast<half2*>(&hi));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+}
+
+// Where lane `lane`'s 8 states sit in a tile's 8K words. For K <= 4 the lane's 7K+16 bits fit one 64-bit
+// window (w[j0] : w[j1]); otherwise state i = bits >> sh[i] of (w[i0[i]] : w[i1[i]]).
+template <int K>
+struct LanePos {
+  static constexpr bool kOneWindow = K <= 4;
+  int i0[kOneWindow ? 1 : 8], i1[kOneWindow ? 1 : 8], sh[8];
+  __device__ __forceinline__ explicit LanePos(int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      int b0 = (8 * lane + i) * K + K - 16 + 256 * K;  // window start, kept positive for the wrap
+      if constexpr (kOneWindow) {
+        int w0 = (8 * lane * K + K - 16 + 256 * K);
+        i0[0] = (w0 >> 5) % (8 * K);
+        i1[0] = (i0[0] + 1) % (8 * K);
+        sh[i] = 48 - (w0 & 31) - i * K;
+      } else {
+        i0[i] = (b0 >> 5) % (8 * K);
+        i1[i] = (i0[i] + 1) % (8 * K);
+        sh[i] = 48 - (b0 & 31);
+      }
+    }
+  }
+  __device__ __forceinline__ void states(const uint32_t* w, uint32_t st[8]) const {
+    if constexpr (kOneWindow) {
+      uint64_t v = (uint64_t(w[i0[0]]) << 32) | w[i1[0]];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st[i] = uint32_t(v >> sh[i]) & 0xFFFF;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st[i] = uint32_t(((uint64_t(w[i0[i]]) << 32) | w[i1[i]]) >> sh[i]) & 0xFFFF;
+    }
+  }
+};
+
+// D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulate)
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ---- 128-point Hadamard: lane holds elements 4*lane..4*lane+3 of a block ----
+__device__ __forceinline__ void hadamard128_lane(float4& v, int lane) {
+  float s0 = v.x + v.y, d0 = v.x - v.y, s1 = v.z + v.w, d1 = v.z - v.w;
+  v = make_float4(s0 + s1, d0 + d1, s0 - s1, d0 - d1);
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    float4 p;
+    p.x = __shfl_xor_sync(0xffffffffu, v.x, m);
+    p.y = __shfl_xor_sync(0xffffffffu, v.y, m);
+    p.z = __shfl_xor_sync(0xffffffffu, v.z, m);
+    p.w = __shfl_xor_sync(0xffffffffu, v.w, m);
+    bool hi = lane & m;
+    v.x = hi ? p.x - v.x : v.x + p.x;
+    v.y = hi ? p.y - v.y : v.y + p.y;
+    v.z = hi ? p.z - v.z : v.z + p.z;
+    v.w = hi ? p.w - v.w : v.w + p.w;
+  }
+  const float r = 0.08838834764831845f;  // 1/sqrt(128)
+  v.x *= r;
+  v.y *= r;
+  v.z *= r;
+  v.w *= r;
+}
+
+// Stages the warp's next kGemvUnroll tiles of strip nt (k-tiles base, base + kGemvWarps, ...; those >= kt1 are
+// skipped) into wsw [kGemvUnroll][8K words]: all 16-byte loads are issued before the first shared store.
+template <int K>
+__device__ __forceinline__ void stage_tiles(const uint4* __restrict__ trellis, int tiles_n, int nt, int base, int kt1,
+                                            int lane, uint32_t* wsw) {
+  constexpr int kChunks = 2 * K, kLoads = (kGemvUnroll * kChunks + 31) / 32;
+  uint4 regs[kLoads] = {};  // zeroed: skipped tiles stage zeros (and ptxas keeps regs out of local memory)
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) {
+    int c = lane + 32 * j, u = c / kChunks, kt = base + u * kGemvWarps;
+    if (c < kGemvUnroll * kChunks && kt < kt1)
+      regs[j] = __ldg(trellis + (size_t(kt) * tiles_n + nt) * kChunks + (c - u * kChunks));
+  }
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) {
+    int c = lane + 32 * j;
+    if (c < kGemvUnroll * kChunks) reinterpret_cast<uint4*>(wsw)[c] = regs[j];
+  }
+  __syncwarp();
+}
+
+// Split-K epilogue: red [warps][8][16] holds each warp's partial sums for nb batch rows; adds their total to
+// the 16 columns of strip nt in yr (zeroed by the caller). Call after __syncthreads().
+__device__ __forceinline__ void reduce_strip(const float* red, int nb, float* __restrict__ yr, int out_pad, int nt) {
+  for (int i = threadIdx.x; i < nb * 16; i += blockDim.x) {
+    int b = i >> 4, c = i & 15;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kGemvWarps; ++w) s += red[(w * 8 + b) * 16 + c];
+    atomicAdd(yr + size_t(b) * out_pad + nt * 16 + c, s);
+  }
+}
+
+}  // namespace moesrv::cuda::exl3

@@ -1,0 +1,117 @@
+// EXL3 weights in the CUDA engine: linears kept as stored (trellis | suh | svh) run as the EXL3 GEMV for up to 8
+// rows (decode) and as fp16 W_hat slabs dequantized into scratch + cuBLAS for more (prefill); routed experts
+// in VRAM run as grouped GEMVs over the device expert table (graph safe), cached ones from their slot.
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <algorithm>
+
+#include "backend/cuda/engine_internal.h"
+
+namespace moesrv {
+
+using namespace moesrv::cuda;
+
+namespace {
+
+constexpr int64_t kGemmRowBlock = 2048;         // rows per rotated fp16 input block of the GEMM path
+constexpr size_t kW16Elems = size_t(32) << 20;  // fp16 W_hat slab scratch (64 MiB), capped by the largest matrix
+
+struct Exl3Extent {
+  int64_t in = 0, out = 0;  // largest in_pad / out_pad
+  size_t whole = 0;         // largest in_pad * out_pad
+  void see(const Exl3Dev& w) {
+    in = std::max<int64_t>(in, w.in_pad);
+    out = std::max<int64_t>(out, w.out_pad);
+    whole = std::max(whole, size_t(w.in_pad) * size_t(w.out_pad));
+  }
+  void see(const DevLinear& l) {
+    for (const Exl3Part& p : l.x3) see(p.w);
+  }
+};
+
+}  // namespace
+
+void CudaEngine::Impl::allocate_exl3_scratch() {
+  Exl3Extent all, head, moe;
+  head.see(lm_head);
+  for (const DevLayer& L : layers) {
+    const DevAttention& a = L.attn;
+    for (const DevLinear* l : {&a.q_a, &a.q_b, &a.q, &a.kv_a, &a.o, &a.gq, &a.gk, &a.gv}) all.see(*l);
+    if (a.indexer)
+      for (const DevLinear* l : {&a.indexer->wq_b, &a.indexer->wk, &a.indexer->weights_proj}) all.see(*l);
+    if (L.mlp) all.see(L.mlp->gate_up), all.see(L.mlp->down);
+    if (!L.moe) continue;
+    if (L.moe->shared) all.see(L.moe->shared->gate_up), all.see(L.moe->shared->down);
+    if (L.moe->exl3)
+      for (const auto& x : L.moe->x3_off)
+        for (const Exl3Dev& w : x) moe.see(w), all.see(w);
+  }
+  if (all.in == 0 && head.in == 0) return;
+  exl3_sm_count();  // GEMV geometry, read before any graph capture
+  const int64_t rb = std::min(rows, kGemmRowBlock), grouped = int64_t(kExl3MaxGemvRows) * c.experts_per_token;
+  const int64_t in = std::max(all.in, head.in), out = std::max(all.out, head.out);
+  const size_t xh = size_t(std::max({rb * in * 2, kExl3MaxGemvRows * in * 4, grouped * moe.in * 4}));
+  const size_t yr = size_t(std::max({rb * all.out, kExl3MaxGemvRows * out, grouped * moe.out})) * 4;
+  const size_t w16 = std::max(std::min(kW16Elems, std::max(all.whole, head.whole)), size_t(in) * 16) * 2;
+  s.x3_xh = DeviceBuffer(budget, xh, "EXL3 rotated input");
+  s.x3_yr = DeviceBuffer(budget, yr, "EXL3 rotated output");
+  s.x3_w16 = DeviceBuffer(budget, w16, "EXL3 dequant slab");
+}
+
+void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,
+                                    const float* bias) {
+  float* yr = s.x3_yr.as<float>();
+  if (n <= kExl3MaxGemvRows) {
+    exl3_rotate_in(w, {}, src, int(n), s.x3_xh.as<void>(), false, stream);
+    exl3_gemv_rotated(w, {}, s.x3_xh.as<float>(), int(n), yr, Exl3Gemv::Auto, stream);
+    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream);
+    return;
+  }
+  const int64_t blk = std::min(
+      {n, int64_t(s.x3_xh.bytes() / (size_t(w.in_pad) * 2)), int64_t(s.x3_yr.bytes() / (size_t(w.out_pad) * 4))});
+  if (blk < 1) fail("EXL3 scratch too small for a {}x{} linear", w.out_pad, w.in_pad);
+  const size_t w16 = s.x3_w16.bytes() / 2;
+  const bool whole = exl3_fits_whole(w, w16);
+  for (int64_t r0 = 0; r0 < n; r0 += blk) {
+    const int nb = int(std::min(blk, n - r0));
+    Exl3Src part = src;
+    if (part.rows) part.rows += r0;
+    else part.x += r0 * src.ld;
+    exl3_rotate_in(w, {}, part, nb, s.x3_xh.as<void>(), true, stream);
+    exl3_gemm_rotated(w, s.x3_xh.as<uint16_t>(), nb, yr, s.x3_w16.as<uint16_t>(), w16, whole && r0 > 0, cublas, stream);
+    exl3_rotate_out(w, {}, yr, nb, y + r0 * y_ld, y_ld, bias, stream);
+  }
+}
+
+// Entry i = token i / k with expert ids[i]: gate and up into s.mgu rows [gate | up], silu, down into s.ysorted.
+void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size, k = c.experts_per_token, E = c.n_routed_experts;
+  const int M = int(S * k);
+  const Exl3Dev* tab = m.x3_tab.as<Exl3Dev>();
+  const int32_t* ids = s.ids.as<int32_t>();
+  float *xh = s.x3_xh.as<float>(), *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
+  for (int p = 0; p < 3; ++p) {
+    const Exl3Dev& shape = m.x3_off[0][size_t(p)];
+    const Exl3Group g{tab + p * E, ids};
+    const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, nullptr, int(k)} : Exl3Src{s.mact.as<float>(), I};
+    exl3_rotate_in(shape, g, src, M, xh, false, stream);
+    exl3_gemv_rotated(shape, g, xh, M, yr, Exl3Gemv::Auto, stream);
+    if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream);
+    else exl3_rotate_out(shape, g, yr, M, s.ysorted.as<float>(), D, nullptr, stream);
+    if (p == 1) silu_mul(gu, M, int(I), s.mact.as<float>(), stream);
+  }
+}
+
+void CudaEngine::Impl::expert_exl3(DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t cnt) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const auto& off = m.x3_off[size_t(e)];
+  float* gu = s.mgu.as<float>() + row0 * 2 * I;
+  float* act = s.mact.as<float>() + row0 * I;
+  const Exl3Src in{h, D, s.sorted_tok.as<int32_t>() + row0};
+  exl3_forward(rebase(off[0], block), in, cnt, gu, 2 * I, nullptr);
+  exl3_forward(rebase(off[1], block), in, cnt, gu + I, 2 * I, nullptr);
+  silu_mul(gu, int(cnt), int(I), act, stream);
+  exl3_forward(rebase(off[2], block), Exl3Src{act, I}, cnt, s.ysorted.as<float>() + row0 * D, D, nullptr);
+}
+
+}  // namespace moesrv
+#endif  // MOESRV_HAS_CUDA

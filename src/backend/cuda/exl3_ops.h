@@ -1,0 +1,62 @@
+// EXL3 linear layers on the GPU as separate launches over caller-owned device memory (the engine's budgeted
+// buffers; Exl3CudaLinear in exl3_cuda.h is the self-contained wrapper). Plain C++: streams and cuBLAS handles
+// are void*. y = (((x ⊙ suh)·H)·W_hat)·H ⊙ svh (+ bias), W_hat decoded from the trellis on the fly (GEMV) or
+// into fp16 slabs for cuBLAS (GEMM). Failures throw std::runtime_error.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "format/exl3_codebook.h"
+
+namespace moesrv::cuda {
+
+// One EXL3 linear in device memory. Plain data, also stored in device-side tables (grouped expert calls).
+struct Exl3Dev {
+  const void* trellis = nullptr;  // [in_pad/16][out_pad/16][16K] uint16, 16-byte aligned
+  const uint16_t* suh = nullptr;  // fp16 [in_pad]
+  const uint16_t* svh = nullptr;  // fp16 [out_pad]
+  int K = 0, cb = 0;              // bits per weight; codebook 0 = 3INST, 1 = MCG, 2 = MUL1
+  int in_pad = 0, out_pad = 0;    // stored shape (multiples of 128)
+  int in = 0, out = 0;            // logical shape (inputs beyond `in` are zero, outputs beyond `out` dropped)
+  size_t trellis_bytes() const { return size_t(in_pad / 16) * size_t(out_pad / 16) * 32 * size_t(K); }
+  size_t bytes() const { return trellis_bytes() + size_t(in_pad + out_pad) * 2; }  // trellis | suh | svh
+};
+
+inline int exl3_cb_index(Exl3Codebook cb) { return cb == Exl3Codebook::Inst3 ? 0 : cb == Exl3Codebook::Mcg ? 1 : 2; }
+
+// Rows of an input batch: row r reads x[src * ld ...], src = rows ? rows[r] : r / div (rows: device array).
+struct Exl3Src {
+  const float* x = nullptr;
+  int64_t ld = 0;
+  const int32_t* rows = nullptr;
+  int div = 1;
+};
+// Grouped call: row r uses the weights tab[ids[r]] (device arrays; same shape, K and codebook as the Exl3Dev
+// passed alongside, which then only supplies those). Default: every row uses that Exl3Dev.
+struct Exl3Group {
+  const Exl3Dev* tab = nullptr;
+  const int32_t* ids = nullptr;
+};
+
+// Multiprocessors of the current device, read once (first call outside CUDA graph capture).
+int exl3_sm_count();
+
+enum class Exl3Gemv { Auto, TensorCore, Fp32 };  // Auto: Fp32 for one row per weight, TensorCore for 2..8
+constexpr int kExl3MaxGemvRows = 8;
+
+// xh[n][in_pad] = H(x ⊙ suh), fp32 or (half_out) fp16 bits.
+void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, bool half_out, void* stream);
+// yr[n][out_pad] = xh · W_hat for n <= 8 rows per weight (grouped: any n, one row per weight). Zeroes yr first.
+void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream);
+// W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
+void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
+// yr[n][out_pad] = xh16 · W_hat through fp16 slabs of W_hat (at most w16_elems in w16; cuBLAS, fp32 accumulate).
+// w16_ready: w16 already holds all of W_hat (fits_whole), skip the dequant.
+bool exl3_fits_whole(const Exl3Dev& w, size_t w16_elems);
+void exl3_gemm_rotated(const Exl3Dev& w, const uint16_t* xh16, int n, float* yr, uint16_t* w16, size_t w16_elems,
+                       bool w16_ready, void* cublas, void* stream);
+// y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart.
+void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,
+                     void* stream);
+
+}  // namespace moesrv::cuda

@@ -1,0 +1,275 @@
+// CUDA engine on EXL3-converted hf-tiny models (weights kept as trellis on the GPU) vs the CPU engine on the same
+// package; skipped without CUDA or a device. Conversions (test encoder) are cached in $MOESRV_EXL3_CACHE
+// (default: the temp dir) so later runs reuse them.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "backend/cpu/cpu_engine.h"
+#include "backend/cuda/cuda_engine.h"
+#include "format/exl3_convert.h"
+#include "format/safetensors.h"
+
+namespace moesrv {
+namespace {
+
+namespace fs = std::filesystem;
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device"
+
+std::string tiny(const std::string& model) {
+  const char* dir = std::getenv("MOESRV_TESTDATA_DIR");
+  return std::string(dir ? dir : MOESRV_TESTDATA) + "/hf-tiny/" + model;
+}
+
+struct Variant {
+  const char* model;
+  int bits, head_bits;
+  Exl3Codebook cb;
+};
+// deepseek_v3: MLA, padded projections (experts 32x128 -> 128x128); glm4_moe: GQA with q/k/v biases.
+const Variant kVariants[] = {{"deepseek_v3", 2, 4, Exl3Codebook::Mul1}, {"glm4_moe", 2, 3, Exl3Codebook::Inst3}};
+
+int layer_of(const std::string& name) {
+  const std::string p = "model.layers.";
+  return name.starts_with(p) ? std::atoi(name.c_str() + p.size()) : -1;
+}
+
+// The EXL3 package of a variant: every projection the converter takes, except the MTP layers the engines skip.
+std::string exl3_tiny(const Variant& v) {
+  const char* cache = std::getenv("MOESRV_EXL3_CACHE");
+  const fs::path dir = fs::path(cache ? cache : fs::temp_directory_path().string()) /
+                       fmt::format("moesrv_exl3_{}_k{}_h{}_{}", v.model, v.bits, v.head_bits, exl3_codebook_name(v.cb));
+  if (fs::exists(dir / "converted")) return dir.string();
+  const int64_t layers = ModelPackage::open(tiny(v.model))->config()["num_hidden_layers"].get<int64_t>();
+  Exl3ConvertOptions opt;
+  opt.bits = v.bits;
+  opt.head_bits = v.head_bits;
+  opt.codebook = v.cb;
+  opt.filter = [layers](const std::string& n) { return layer_of(n) < layers; };
+  auto t0 = std::chrono::steady_clock::now();
+  exl3_convert_model(tiny(v.model), dir.string(), opt);
+  std::printf("[ info ] converted %s to EXL3 K=%d in %.1f s\n", v.model, v.bits,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::ofstream(dir / "converted") << "ok\n";
+  return dir.string();
+}
+
+// Converts the variants into $MOESRV_EXL3_CACHE ahead of a GPU run (scripts/gpu_carry.sh does, so the GPU machine
+// spends no time in the encoder); skipped unless the variable is set.
+TEST(CudaExl3Prepare, ConvertModels) {
+  if (!std::getenv("MOESRV_EXL3_CACHE")) GTEST_SKIP() << "set MOESRV_EXL3_CACHE";
+  for (const Variant& v : kVariants) EXPECT_TRUE(fs::exists(fs::path(exl3_tiny(v)) / "converted"));
+}
+
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+
+std::vector<int32_t> ids(const std::string& model, const char* name) {
+  auto f = SafetensorsFile::open(tiny(model) + "/reference.safetensors");
+  std::vector<int32_t> v;
+  for (float x : f->find(name)->to_f32()) v.push_back(int32_t(x));
+  return v;
+}
+
+double rel_row_error(const float* a, const float* ref, int64_t n) {
+  double norm = 0, maxdiff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    norm += double(ref[i]) * ref[i];
+    maxdiff = std::max(maxdiff, std::abs(double(a[i]) - ref[i]));
+  }
+  return maxdiff / std::sqrt(norm);
+}
+
+int32_t argmax(const float* v, int64_t n) { return int32_t(std::max_element(v, v + n) - v); }
+
+// Rows within `tol` of the reference (relative to its row norm) must be >= 95%, every row within 5e-2: a
+// near-tied expert choice may flip under fp16 activations and move its rows further.
+void expect_close(const std::vector<float>& out, const std::vector<float>& ref, int64_t V, double tol,
+                  const char* what) {
+  ASSERT_EQ(out.size(), ref.size()) << what;
+  const int64_t rows = int64_t(ref.size()) / V;
+  int64_t ok = 0;
+  double worst = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double e = rel_row_error(out.data() + r * V, ref.data() + r * V, V);
+    worst = std::max(worst, e);
+    ok += e <= tol;
+  }
+  std::printf("[ info ] %s: %ld rows, worst rel error %.2e, %.0f%% within %.0e\n", what, long(rows), worst,
+              100.0 * double(ok) / double(rows), tol);
+  EXPECT_GE(double(ok) / double(rows), 0.95) << what;
+  EXPECT_LE(worst, 5e-2) << what;
+}
+
+std::unique_ptr<CudaEngine> gpu(const std::string& dir, CudaEngineOptions opt = {}) {
+  return std::make_unique<CudaEngine>(ModelPackage::open(dir), opt);
+}
+
+class CudaExl3 : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(CudaExl3, PrefillAndGreedyDecodeMatchCpu) {
+  SKIP_WITHOUT_CUDA();
+  const Variant& v = GetParam();
+  const std::string dir = exl3_tiny(v);
+  auto cpu = CpuEngine::open(dir);
+  auto g = gpu(dir);
+  const int64_t V = g->vocab_size();
+  auto in = ids(v.model, "input_ids");
+  auto cs = cpu->new_sequence();
+  auto gs = g->new_sequence();
+  expect_close(g->forward(*gs, in, true), cpu->forward(*cs, in, true), V, 1e-2, "EXL3 prefill vs cpu");
+
+  auto all = ids(v.model, "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40);
+  cs = cpu->new_sequence();
+  gs = g->new_sequence();
+  auto cl = cpu->forward(*cs, prompt);
+  auto gl = g->forward(*gs, prompt);
+  int same = 0;
+  double worst = 0;
+  for (int step = 0; step < 16; ++step) {
+    const int32_t a = argmax(cl.data(), V), b = argmax(gl.data(), V);
+    worst = std::max(worst, rel_row_error(gl.data(), cl.data(), V));
+    same += a == b;
+    EXPECT_EQ(a, b) << "step " << step;
+    cl = cpu->forward(*cs, {a});
+    gl = g->forward(*gs, {a});  // both continue from the CPU's token
+  }
+  std::printf("[ info ] %s EXL3 K=%d: %d/16 greedy tokens equal, worst decode rel error %.2e, graph replays %ld\n",
+              v.model, v.bits, same, worst, long(g->stats().graph_replays));
+  EXPECT_LE(worst, 1e-2);
+  EXPECT_GT(g->stats().graph_replays, 0);
+}
+
+TEST_P(CudaExl3, GraphEagerAndChunkedAgree) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  auto g = gpu(dir);
+  const int64_t V = g->vocab_size();
+  auto all = ids(GetParam().model, "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 20);
+  auto a = g->new_sequence();
+  auto b = g->new_sequence();
+  g->forward(*a, prompt);
+  g->forward(*b, prompt);
+  for (int i = 20; i < 28; ++i) {
+    g->set_use_graph(true);
+    auto la = g->forward(*a, {all[size_t(i)]});
+    g->set_use_graph(false);
+    auto lb = g->forward(*b, {all[size_t(i)]});
+    EXPECT_LE(rel_row_error(la.data(), lb.data(), V), 1e-5) << "step " << i;
+  }
+  EXPECT_EQ(g->stats().graph_captures, 1);
+  // 7-token chunks take the GEMV paths (tensor-core variant for 2..7 rows), one pass the dequant + GEMM path.
+  CudaEngineOptions small;
+  small.prefill_chunk = 7;
+  auto g7 = gpu(dir, small);
+  auto s1 = g->new_sequence();
+  auto s7 = g7->new_sequence();
+  expect_close(g7->forward(*s7, all, true), g->forward(*s1, all, true), V, 1e-2, "EXL3 7-token chunks vs one pass");
+}
+
+// Device weight bytes: EXL3 linears exactly as stored, everything else as the bf16 engine uploads it.
+TEST_P(CudaExl3, WeightBytesAreStoredBytes) {
+  SKIP_WITHOUT_CUDA();
+  const Variant& v = GetParam();
+  const std::string dir = exl3_tiny(v);
+  auto q = gpu(dir);
+  auto bf = gpu(tiny(v.model));
+  auto qpkg = ModelPackage::open(dir);
+  auto opkg = ModelPackage::open(tiny(v.model));
+  size_t stored = 0, bf16_of_same = 0;
+  for (const std::string& n : qpkg->names()) {
+    for (const char* piece : {".trellis", ".suh", ".svh"})
+      if (n.ends_with(piece)) stored += qpkg->require(n).nbytes;
+    if (n.ends_with(".trellis")) bf16_of_same += opkg->require(n.substr(0, n.size() - 8) + ".weight").nbytes;
+  }
+  const CudaEngineStats sq = q->stats(), sb = bf->stats();
+  std::printf(
+      "[ info ] %s EXL3 K=%d: device weights %zu B (EXL3 %zu B, stored %zu B) vs bf16 engine %zu B; those "
+      "linears in bf16 %zu B; VRAM in use %zu vs %zu B\n",
+      v.model, v.bits, sq.weight_bytes, sq.exl3_weight_bytes, stored, sb.weight_bytes, bf16_of_same, sq.vram_used,
+      sb.vram_used);
+  EXPECT_EQ(sq.exl3_weight_bytes, stored);
+  EXPECT_EQ(sb.exl3_weight_bytes, 0u);
+  EXPECT_EQ(sq.weight_bytes - sq.exl3_weight_bytes, sb.weight_bytes - bf16_of_same);
+  EXPECT_LT(sq.weight_bytes, sb.weight_bytes);
+}
+
+// All experts behind a 2-slot LRU cache (their stored bytes copied per miss), or mixed VRAM/cache/CPU, equal the
+// all-VRAM engine; a budget for half the experts' EXL3 bytes keeps about half of them in VRAM.
+TEST_P(CudaExl3, HybridPlacementsAndBudget) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  auto ref_engine = gpu(dir);
+  const int64_t V = ref_engine->vocab_size();
+  auto in = ids(GetParam().model, "gen_ids");
+  std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
+  auto run = [&](CudaEngine& e) {
+    auto seq = e.new_sequence();
+    std::vector<float> out = e.forward(*seq, prompt, true);
+    for (int32_t t : steps) {
+      auto l = e.forward(*seq, {t});
+      out.insert(out.end(), l.begin(), l.end());
+    }
+    return out;
+  };
+  const auto ref = run(*ref_engine);
+  for (int variant = 0; variant < 2; ++variant) {
+    CudaEngineOptions opt;
+    opt.cache_slots = 2;
+    opt.placement = ref_engine->placement();
+    for (auto& layer : opt.placement)
+      for (size_t e = 0; e < layer.size(); ++e)
+        layer[e] = variant == 0 ? ExpertPlacement::Cache : ExpertPlacement(e % 3);
+    auto e = gpu(dir, opt);
+    expect_close(run(*e), ref, V, 1e-2, variant == 0 ? "EXL3 all-cache vs all-VRAM" : "EXL3 mixed vs all-VRAM");
+    EXPECT_GT(e->stats().cache_misses, 2);
+    EXPECT_EQ(e->stats().graph_replays, 0);
+  }
+  // Budget: everything but half of the routed experts' bytes.
+  size_t expert_bytes = 0;
+  auto pkg = ModelPackage::open(dir);
+  for (const std::string& n : pkg->names())
+    if (n.find(".mlp.experts.") != std::string::npos &&
+        (n.ends_with(".trellis") || n.ends_with(".suh") || n.ends_with(".svh")))
+      expert_bytes += pkg->require(n).nbytes;
+  CudaEngineOptions part;
+  part.max_ctx = ref_engine->max_context();
+  part.vram_budget_gib = (double(ref_engine->stats().vram_used) + double(ref_engine->new_sequence()->bytes()) -
+                          0.5 * double(expert_bytes)) /
+                         double(1ull << 30);
+  auto e = gpu(dir, part);
+  int cpu = 0, vram = 0;
+  for (auto& l : e->placement())
+    for (auto p : l) (p == ExpertPlacement::Cpu ? cpu : vram)++;
+  std::printf("[ info ] %s EXL3 budget %.2f MiB: %d experts in VRAM, %d on the CPU\n", GetParam().model,
+              part.vram_budget_gib * 1024, vram, cpu);
+  EXPECT_GT(cpu, 0);
+  EXPECT_GE(vram, (vram + cpu) * 2 / 5);  // bf16-sized accounting would fit far fewer at K = 2
+  auto seq = e->new_sequence();
+  EXPECT_EQ(e->forward(*seq, prompt).size(), size_t(V));
+  EXPECT_LE(e->stats().vram_used, e->stats().vram_budget);
+}
+
+INSTANTIATE_TEST_SUITE_P(HfTiny, CudaExl3, ::testing::ValuesIn(kVariants),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return std::string(i.param.model); });
+
+#else
+
+TEST(CudaExl3, SkippedWithoutCudaBuild) {
+  EXPECT_FALSE(cuda_available());
+  GTEST_SKIP() << "built without MOESRV_CUDA";
+}
+
+#endif
+
+}  // namespace
+}  // namespace moesrv
