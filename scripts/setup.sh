@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
 PKGS="build-essential cmake pkg-config nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libfmt-dev libspdlog-dev
       libpcre2-dev libcurl4-openssl-dev libssl-dev libgtest-dev libgmock-dev libbenchmark-dev ccache
-      clang-14 libclang-rt-14-dev"
+      clang-14 libclang-rt-14-dev clang-format"  # clang: scripts/fuzz.sh; clang-format: scripts/check_format.sh
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 # Node.js + npm fetch the tokenizers (npm pack); keep a Node that is already installed some other way.
