@@ -99,7 +99,8 @@ TEST(ExpertCache, DecodeAndCopyThreads) {
   std::atomic<bool> stop{false};
   std::thread copier([&] {
     uint32_t r = 1;
-    while (!stop) {
+    // At least 4096 admits, however late this thread gets scheduled: every layer's slots end up filled.
+    for (int n = 0; !stop || n < 4096; ++n) {
       r = r * 1664525u + 1013904223u;
       c.admit(int32_t(r % kLayers), int32_t(1 + (r >> 8) % (kExperts - 1)));
     }

@@ -511,7 +511,9 @@ TEST(ServerContract, StrictGrammarAllowsNoEndInsideACall) {
   std::string script = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3";
   Preferences fallback = {{int32_t('}'), 5.f}, {*codec.special_id("</tool_call>"), 4.f}, {int32_t('\n'), 3.f}};
   Harness h(script_policy(codec, script, "<|im_end|>", fallback), {.strict_tools = true}, 4096, TestFormat::kQwen3);
-  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"tools", {kWeatherTool}}, {"max_tokens", 200}});
+  // Greedy: sampled, a fallback token (e^-5 against the script's) can land inside "Paris" ~1 in 50.
+  json r = h.post("/v1/chat/completions",
+                  {{"messages", {user("q")}}, {"tools", {kWeatherTool}}, {"max_tokens", 200}, {"temperature", 0}});
   auto& msg = r["choices"][0]["message"];
   ASSERT_TRUE(msg.contains("tool_calls")) << r.dump();
   EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
@@ -606,10 +608,14 @@ TEST(ServerContract, ChatAndCompletionLogprobs) {
 
 TEST(ServerContract, ResponseFormatJsonObjectAndSchema) {
   ByteCodec codec;
-  // The model stops before its JSON is complete; the grammar keeps it going until it is.
+  // The model stops before its JSON is complete; the grammar keeps it going until it is. Greedy: sampled, the
+  // boosted '}' (e^-5 against the script's token) is valid inside a json_object string and lands there ~1 in 10.
   Harness h(script_policy(codec, "{\"answer\": 42", "<|endoftext|>", {{int32_t('}'), 5.f}}));
   json r = h.post("/v1/chat/completions",
-                  {{"messages", {user("q")}}, {"response_format", {{"type", "json_object"}}}, {"max_tokens", 100}});
+                  {{"messages", {user("q")}},
+                   {"response_format", {{"type", "json_object"}}},
+                   {"max_tokens", 100},
+                   {"temperature", 0}});
   std::string content = r["choices"][0]["message"]["content"];
   EXPECT_EQ(json::parse(content, nullptr, false), json({{"answer", 42}})) << content;
   // json_schema: keys, types and required come from the schema, whatever the model prefers.

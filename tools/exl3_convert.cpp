@@ -1,10 +1,12 @@
 // exl3_convert <in_dir> <out_dir> [--bits K] [--head-bits K] [--codebook mul1|mcg|3inst] [--seed N] [--scale-search]
-// Quantizes a small bf16 HF model folder to EXL3 with the test encoder (no calibration; see exl3_convert.h).
+// Quantizes a small bf16 HF model folder to EXL3 with the test encoder (no calibration; see exl3_convert.h). The
+// tensors to quantize come from the model's tensor manifest (model/exl3_selection.h) when its architecture is
+// known, else from the name rule.
 #include <chrono>
 #include <cstdio>
 #include <string>
 
-#include "format/exl3_convert.h"
+#include "model/exl3_selection.h"
 #include "util/error.h"
 
 int main(int argc, char** argv) {
@@ -35,11 +37,12 @@ int main(int argc, char** argv) {
     }
     auto t0 = std::chrono::steady_clock::now();
     opt.on_tensor = [](const std::string& n) { std::fprintf(stderr, "  quantizing %s\n", n.c_str()); };
-    auto st = exl3_convert_model(argv[1], argv[2], opt);
+    auto st = exl3_convert_package(argv[1], argv[2], opt);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("%s: %d tensors quantized (K=%d, head K=%d, %s), %d kept; mean relative MSE %.5f; %.1f s\n", argv[2],
-                st.quantized, opt.bits, opt.head_bits, std::string(exl3_codebook_name(opt.codebook)).c_str(), st.kept,
-                st.mean_rel_mse, s);
+    std::printf(
+        "%s: %d tensors quantized (K=%d, head K=%d, %s; selected by %s), %d kept; mean relative MSE %.5f; %.1f s\n",
+        argv[2], st.quantized, opt.bits, opt.head_bits, std::string(exl3_codebook_name(opt.codebook)).c_str(),
+        st.selection.c_str(), st.kept, st.mean_rel_mse, s);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "exl3_convert: %s\n", e.what());
     return 1;

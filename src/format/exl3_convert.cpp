@@ -31,13 +31,15 @@ Exl3ConvertStats exl3_convert_model(const std::string& in_dir, const std::string
   auto pkg = ModelPackage::open(in_dir);
   fs::create_directories(out_dir);
   Exl3ConvertStats st;
+  st.selection = !opt.select ? "names" : opt.select_name.empty() ? "custom" : opt.select_name;
   std::deque<Exl3Encoded> encoded;  // stable addresses: views point into these
   std::vector<TensorView> views;
   std::map<std::string, std::string> meta = {{"format", "pt"}};
   double mse_sum = 0;
   for (const std::string& name : pkg->names()) {
     const TensorView& t = pkg->require(name);
-    if (!exl3_should_quantize(name, t) || (opt.filter && !opt.filter(name))) {
+    const bool selected = t.shape.size() == 2 && (opt.select ? opt.select(name, t) : exl3_should_quantize(name, t));
+    if (!selected || (opt.filter && !opt.filter(name))) {
       views.push_back(t);
       ++st.kept;
       continue;

@@ -40,6 +40,25 @@ struct BenchResult {
 
 BenchResult run_bench(const BenchOptions& opt);
 
+// `bench_glm5_next_cpu`: a synthetic model at real width on the CPU engine, timed layer by layer. Prefill and decode
+// tok/s; seconds per layer kind (mixer + feed-forward: KDA+dense, KDA+MoE, MLA+MoE, ...) and for lm_head; the
+// per-sequence state of each layer kind (model/state.h; KDA constant in context, MLA growing), checked against the
+// engine's buffers; everything projected to a full-size config by counting its layers of each kind.
+struct CpuLayerBenchOptions {
+  nlohmann::json config;       // default: glm5_next_config(4) with every layer kind of the full model: KDA+dense,
+                               // 2 x KDA+MoE, MLA+MoE
+  nlohmann::json full_config;  // the projected model (default: glm5_next_config(45), first 3 layers dense)
+  SyntheticOptions synthetic{1, 0.02f, 8};
+  std::vector<int64_t> prefill = {512, 2048};  // prompt lengths (each followed by decode at that context)
+  // Decode contexts beyond the longest prefill run on a state extended by tiling that prefill's growing buffers
+  // (MLA latent, indexer keys): same sizes, hence the same work, as a real prefill of that length.
+  std::vector<int64_t> extra_contexts = {8192, 32768};
+  int64_t decode_tokens = 4;
+  bool self_check = true;  // first: the per-layer loop reproduces CpuEngine::forward on a tiny model
+};
+
+BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt);
+
 // Host memcpy bandwidth (bytes copied per second / 1e9) over `bytes`-sized buffers.
 double measure_memcpy_gbps(size_t bytes = size_t(256) << 20, int reps = 5);
 

@@ -5,6 +5,7 @@
 
 #include "backend/cpu/ops.h"
 #include "backend/cpu/residual.h"
+#include "model/decoder.h"
 #include "model/state.h"
 #include "util/error.h"
 
@@ -131,33 +132,58 @@ void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
   }
 }
 
+namespace {
+
+// The CPU's blocks: fp32 activations on the host, one layer's state per layer.
+class CpuBlocks final : public BlockExecutor {
+ public:
+  CpuBlocks(const ModelWeights& w, const Rope& rope, CpuSequence& seq, float* x, int64_t S, int64_t pos0,
+            cpu::TokenSelection& selection, UsageStats& usage)
+      : w_(w), c_(w.config), rope_(rope), seq_(seq), x_(x), S_(S), pos0_(pos0), selection_(selection),
+        usage_(usage), h_(size_t(S * c_.hidden_size)), y_(size_t(S * c_.hidden_size)), residual_(c_) {}
+
+  void enter(int64_t l, Site site) override {
+    const LayerWeights& L = layer(l);
+    if (site == Site::Attention) residual_.enter(x_, S_, L.input_norm, L.attn_hc, h_.data());
+    else residual_.enter(x_, S_, L.post_attention_norm, L.ffn_hc, h_.data());
+  }
+  void leave(int64_t, Site) override { residual_.leave(x_, S_, y_.data()); }
+  void mla(int64_t l, IndexerKind indexer) override {
+    cpu::TokenSelection dense;
+    if (indexer == IndexerKind::Own) selection_.clear();  // recomputed by the layer's indexer
+    cpu::mla_forward(*layer(l).mla, c_, rope_, h_.data(), S_, pos0_, state(l),
+                     indexer == IndexerKind::None ? dense : selection_, y_.data());
+  }
+  void gqa(int64_t l) override { cpu::gqa_forward(*layer(l).gqa, c_, rope_, h_.data(), S_, pos0_, state(l), y_.data()); }
+  void kda(int64_t l) override { cpu::kda_forward(*layer(l).kda, c_, h_.data(), S_, state(l), y_.data()); }
+  void gated_delta(int64_t l) override {
+    cpu::gated_delta_forward(*layer(l).gated_delta, c_, h_.data(), S_, state(l), y_.data());
+  }
+  void mlp(int64_t l) override { cpu::mlp_forward(*layer(l).mlp, h_.data(), S_, y_.data()); }
+  void moe(int64_t l) override { cpu::moe_forward(*layer(l).moe, c_, h_.data(), S_, y_.data(), &usage_, l); }
+
+ private:
+  const LayerWeights& layer(int64_t l) const { return w_.layers[size_t(l)]; }
+  cpu::LayerState& state(int64_t l) { return seq_.layers[size_t(l)]; }
+
+  const ModelWeights& w_;
+  const ModelConfig& c_;
+  const Rope& rope_;
+  CpuSequence& seq_;
+  float* x_;
+  const int64_t S_, pos0_;
+  cpu::TokenSelection& selection_;
+  UsageStats& usage_;
+  std::vector<float> h_, y_;
+  cpu::Residual residual_;
+};
+
+}  // namespace
+
 void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
                                cpu::TokenSelection& selection) {
-  const ModelConfig& c = weights_->config;
-  if (begin < 0 || end > c.num_layers || begin > end) fail("forward_layers: range [{}, {}) outside {} layers", begin, end, c.num_layers);
-  const int64_t D = c.hidden_size;
-  std::vector<float> h(size_t(S * D)), y(size_t(S * D));
-  cpu::Residual residual(c);
-  for (int64_t l = begin; l < end; ++l) {
-    const LayerWeights& L = weights_->layers[size_t(l)];
-    const LayerSpec& spec = c.layers[size_t(l)];
-    cpu::LayerState& state = seq.layers[size_t(l)];
-    residual.enter(x, S, L.input_norm, L.attn_hc, h.data());
-    switch (spec.mixer) {
-      case Mixer::Mla:
-        if (spec.indexer == IndexerKind::Own) selection.clear();  // recomputed here; shared layers reuse it
-        cpu::mla_forward(*L.mla, c, rope_, h.data(), S, pos0, state, selection, y.data());
-        break;
-      case Mixer::Gqa: cpu::gqa_forward(*L.gqa, c, rope_, h.data(), S, pos0, state, y.data()); break;
-      case Mixer::Kda: cpu::kda_forward(*L.kda, c, h.data(), S, state, y.data()); break;
-      case Mixer::GatedDelta: cpu::gated_delta_forward(*L.gated_delta, c, h.data(), S, state, y.data()); break;
-    }
-    residual.leave(x, S, y.data());
-    residual.enter(x, S, L.post_attention_norm, L.ffn_hc, h.data());
-    if (L.moe) cpu::moe_forward(*L.moe, c, h.data(), S, y.data(), &usage_, l);
-    else cpu::mlp_forward(*L.mlp, h.data(), S, y.data());
-    residual.leave(x, S, y.data());
-  }
+  CpuBlocks blocks(*weights_, rope_, seq, x, S, pos0, selection, usage_);
+  run_decoder_layers(weights_->config, blocks, begin, end);
 }
 
 std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) const {

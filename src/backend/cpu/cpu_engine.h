@@ -55,8 +55,9 @@ class CpuEngine : public Engine {
   // The steps of forward(), public so a pipeline stage can run a layer range (forward() uses them too).
   // Token embeddings into x [S, stream_width] (copied into every residual stream).
   void embed(const std::vector<int32_t>& tokens, float* x) const;
-  // THE decoder loop: layers [begin, end) over x [S, stream_width] at positions [pos0, pos0+S); appends to
-  // seq's state of those layers (seq's length is left to the caller). `selection` is the DSA top-k in and out:
+  // Layers [begin, end) over x [S, stream_width] at positions [pos0, pos0+S) through the decoder loop
+  // (model/decoder.h) with the CPU's blocks; appends to seq's state of those layers (seq's length is left to the
+  // caller). `selection` is the DSA top-k in and out:
   // a shared layer reuses the selection of the last layer that ran its own indexer.
   void forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
                       cpu::TokenSelection& selection);
