@@ -1,4 +1,5 @@
 // Embedding, normalisation, rotary, activation, conversion and cache-store kernels.
+#include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
 
@@ -65,6 +66,15 @@ __global__ void silu_mul_kernel(const float* gu, int64_t n, int I, float* out) {
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / I, i = idx % I;
     const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
+    out[idx] = g / (1.0f + expf(-g)) * u;
+  }
+}
+
+// SwiGLU with clamping (swiglu_limit): gate = min(gate, limit), up = clamp(up, -limit, limit), then silu(gate) * up.
+__global__ void silu_mul_clamped_kernel(const float* gu, int64_t n, int I, float limit, float* out) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / I, i = idx % I;
+    const float g = fminf(gu[r * 2 * I + i], limit), u = fminf(fmaxf(gu[r * 2 * I + I + i], -limit), limit);
     out[idx] = g / (1.0f + expf(-g)) * u;
   }
 }
@@ -156,6 +166,14 @@ void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st) {
   const int64_t n = int64_t(rows) * I;
   if (n == 0) return;
   silu_mul_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out, cudaStream_t st) {
+  if (!(limit > 0.0f)) return silu_mul(gu, rows, I, out, st);
+  const int64_t n = int64_t(rows) * I;
+  if (n == 0) return;
+  silu_mul_clamped_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, limit, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

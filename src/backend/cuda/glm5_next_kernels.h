@@ -1,0 +1,84 @@
+// Launch wrappers of the GLM-5.3-Flash (glm5_next) block kernels: KDA linear attention (short conv + SiLU, l2norm,
+// gates, the gated delta rule, gated output norm), mHC hyper-connections, and the k-pool DSA indexer. fp32 device
+// pointers throughout; each matches the CPU reference in src/backend/cpu/ (delta_rule.h, kda.cpp, residual.cpp,
+// kpool_indexer.cpp) to fp32 rounding. Position-dependent kernels read the first new position from device memory
+// (`pos0`) so that a captured decode graph can be replayed.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moesrv::cuda {
+
+// ---- KDA / Gated DeltaNet
+
+// Causal depthwise conv over time + SiLU (cpu::causal_conv1d_silu). x [T, C] (rows x_stride apart, x_stride >= C);
+// w [C, K] (taps oldest..newest); state [K-1, C]: the K-1 inputs before x, updated in place to the last K-1 inputs
+// (taken from the old state when T < K-1). y [T, C] contiguous, must not alias x or state. T >= 0.
+void causal_conv1d_silu(const float* x, int64_t x_stride, int T, int C, const float* w, int K, float* state, float* y,
+                        cudaStream_t st);
+
+// In place over tokens x heads rows of n values, row (t, h) at x + t * token_stride + h * n:
+// x = x / sqrt(sum(x^2) + eps) * scale (FLA's l2norm, then the query scale d^-0.5 when scale != 1).
+void l2norm_rows(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale, cudaStream_t st);
+
+// KDA gates, in place. g [S, H*d] holds f_b(f_a x) on entry; on exit the log decay
+// g = lower_bound * sigmoid(exp(a_log[h]) * (f + dt_bias)) when lower_bound_set, else -exp(a_log[h]) * softplus(f +
+// dt_bias). beta [S*H] (may be null): beta = sigmoid(beta).
+void kda_gates(float* g, const float* dt_bias, const float* a_log, int S, int H, int d, bool lower_bound_set,
+               float lower_bound, float* beta, cudaStream_t st);
+
+// Gated delta rule recurrence over T tokens (any T >= 0), fp32 state in device memory (cpu::delta_rule_recurrent):
+// per head, S = diag(exp(g_t)) S; delta = beta_t (v_t - S^T k_t); S += k_t delta^T; o_t = S^T q_t.
+// q, k [T, H, dk] (l2-normalised, q scaled); v [T, H, dv]; g [T, H, dk] (per_channel_decay, KDA) or [T, H] (Gated
+// DeltaNet); beta [T, H]; state [H, dk, dv] in/out; out [T, H, dv]. dk a multiple of 32, <= 256.
+void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
+                const float* g, const float* beta, float* state, float* out, cudaStream_t st);
+
+// KDA output: per (token, head) row of d values, o = rms_norm(o) * w * sigmoid(gate) (eps inside the sqrt, mean
+// over d). o, gate: [rows, d] (rows = S * H); o in place.
+void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st);
+
+// ---- feed-forward
+
+// SwiGLU with the swiglu_limit clamp (defined in elementwise.cu next to silu_mul): gu rows are [gate(I) | up(I)];
+// out[r][i] = silu(min(gate, limit)) * clamp(up, -limit, limit). limit <= 0: plain silu_mul.
+void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out, cudaStream_t st);
+
+// ---- mHC hyper-connections (n residual streams of D values per token, x [S, n*D])
+
+// Sub-layer entry (cpu::Residual::enter + cpu::hyper_mix): per token, m = fn . x * rsqrt(mean(x^2) + rms_eps);
+// pre = sigmoid(m*scale[0] + base) + hc_eps, post = 2 sigmoid(m*scale[1] + base), comb = Sinkhorn(softmax rows
+// + hc_eps) with the column-first order; h = rms_norm(sum_i pre_i x_i) * norm_w. fn [(2+n)*n, n*D], base
+// [(2+n)*n], scale [3], norm_w [D]: fp32 device. Outputs h [S, D], post [S, n], comb [S, n, n]. n <= 8.
+void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
+                 const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
+                 float* comb, cudaStream_t st);
+// Sub-layer exit (cpu::Residual::leave): x_j = post_j * y + sum_i comb[i][j] * x_i (old values), in place.
+void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st);
+// x [S, n*D] = the embedding rows e [S, D] copied to every stream.
+void hyper_expand(const float* e, int S, int n, int D, float* x, cudaStream_t st);
+// out [S, D] = mean over the n streams of x [S, n*D] (before the final norm).
+void hyper_collapse_mean(const float* x, int S, int n, int D, float* out, cudaStream_t st);
+
+// ---- k-pool DSA indexer (cpu::kpool_select). Device state per layer: pool_k [max_pools, d] (one pooled key per
+// completed pool), open_k / open_g [kpool, d] (keys and gate logits of the open pool's tokens, slot = pos % kpool).
+// The number of completed pools and open tokens is implied by the position: pos / kpool and pos % kpool.
+
+// Appends S tokens at positions *pos0 .. *pos0+S-1: k [S, d] (already LayerNorm'd), g [S, d] gate logits,
+// ape [kpool, d]. Every pool completed by the batch gets its key: per channel, softmax over its kpool tokens of
+// (g + ape[t]) weights their keys. The tokens of the pool left open are stored in open_k / open_g.
+void kpool_append(const float* k, const float* g, const float* ape, int S, int d, int kpool, const int32_t* pos0,
+                  float* pool_k, float* open_k, float* open_g, cudaStream_t st);
+
+// Selection for queries at positions p = *pos0 + s (s < S), after kpool_append of the same batch:
+// score(P) = sum_h hw[s,h] * relu(q[s,h] . pool_k[P] / sqrt(d)) over pools P < (p+1)/kpool; keeps the top `budget`
+// pools (ties at the k-th score go to the lower pool index; the CPU follows torch.topk's order instead), expands
+// them to their kpool positions, then (select_tail) appends positions kpool*((p+1)/kpool) .. p. sel [S][sel_k]:
+// ascending positions, -1 padded; sel_k >= budget*kpool + (select_tail ? kpool-1 : 0). q [S, nh, d]; hw [S, nh]
+// already scaled by nh^-0.5. scratch: S * max_pools floats (max_pools = pool_k capacity, >= (*pos0+S)/kpool).
+void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
+                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, int32_t* sel, int sel_k,
+                  cudaStream_t st);
+
+}  // namespace moesrv::cuda

@@ -1,0 +1,223 @@
+// k-pool DSA indexer of GLM-5.3-Flash (cpu::kpool_select): the pooled-key state update (every kpool tokens close
+// a pool whose key is a per-channel softmax-weighted sum of its tokens' keys) and the per-query selection (ReLU-head
+// scores over the completed pools visible to the query, exact top-`budget` by radix select, expanded to positions,
+// plus the open pool's visible tail). Positions come from device memory (pos0) so a decode graph can be replayed.
+#include <cmath>
+#include <string>
+
+#include "backend/cuda/glm5_next_kernels.h"
+#include "backend/cuda/kernel_util.cuh"
+
+namespace moesrv::cuda {
+
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
+
+// Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
+// in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
+__global__ void kpool_close_kernel(const float* k, const float* g, const float* ape, int S, int d, int kpool,
+                                   const int32_t* pos0, float* pool_k, const float* open_k, const float* open_g) {
+  const int64_t p0 = *pos0;
+  const int64_t P = p0 / kpool + blockIdx.x;
+  if ((P + 1) * kpool > p0 + S) return;  // not completed by this batch
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    auto key = [&](int t) {
+      const int64_t pos = P * kpool + t;
+      return pos < p0 ? open_k[int64_t(t) * d + c] : k[(pos - p0) * d + c];
+    };
+    auto logit = [&](int t) {
+      const int64_t pos = P * kpool + t;
+      return (pos < p0 ? open_g[int64_t(t) * d + c] : g[(pos - p0) * d + c]) + ape[int64_t(t) * d + c];
+    };
+    float mx = -INFINITY;
+    for (int t = 0; t < kpool; ++t) mx = fmaxf(mx, logit(t));
+    float sum = 0.0f, acc = 0.0f;
+    for (int t = 0; t < kpool; ++t) sum += expf(logit(t) - mx);
+    for (int t = 0; t < kpool; ++t) acc += expf(logit(t) - mx) / sum * key(t);
+    pool_k[P * d + c] = acc;
+  }
+}
+
+// Stores the batch tokens of the pool left open after the batch (positions >= kpool * ((pos0+S)/kpool)).
+__global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, int kpool, const int32_t* pos0,
+                                  float* open_k, float* open_g) {
+  const int64_t p0 = *pos0, pos = p0 + blockIdx.x;
+  const int64_t open_start = (p0 + S) / kpool * kpool;
+  if (pos < open_start) return;
+  const int64_t slot = pos % kpool;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    open_k[slot * d + c] = k[int64_t(blockIdx.x) * d + c];
+    open_g[slot * d + c] = g[int64_t(blockIdx.x) * d + c];
+  }
+}
+
+// scores[s][P] for the pools P < (p+1)/kpool of query s (p = pos0 + s). Block (x, s): pools
+// [x*kPoolsPerBlock, (x+1)*kPoolsPerBlock); one warp per pool at a time.
+__global__ void __launch_bounds__(kThreads)
+    kpool_score_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
+                       const int32_t* pos0, int max_pools, float* scores) {
+  extern __shared__ float smem[];  // q [nh*d] | hw [nh] | per-warp pool key [kWarps][d]
+  const int s = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t p = int64_t(*pos0) + s;
+  const int64_t pools = min((p + 1) / kpool, int64_t(max_pools));
+  const int P_begin = blockIdx.x * kPoolsPerBlock;
+  if (P_begin >= pools) return;  // uniform over the block
+  float* q_s = smem;
+  float* w_s = q_s + nh * d;
+  float* pk_s = w_s + nh + warp * d;
+  for (int i = tid; i < nh * d; i += kThreads) q_s[i] = q[int64_t(s) * nh * d + i];
+  for (int i = tid; i < nh; i += kThreads) w_s[i] = hw[int64_t(s) * nh + i];
+  __syncthreads();
+  const float scale = 1.0f / sqrtf(float(d));
+  const int P_end = int(min(pools, int64_t(P_begin + kPoolsPerBlock)));
+  for (int P = P_begin + warp; P < P_end; P += kWarps) {
+    for (int c = lane; c < d; c += 32) pk_s[c] = pool_k[int64_t(P) * d + c];
+    __syncwarp();
+    float acc = 0.0f;
+    for (int h = 0; h < nh; ++h) {
+      float dot = 0.0f;
+      for (int c = lane; c < d; c += 32) dot += q_s[h * d + c] * pk_s[c];
+      dot = warp_sum(dot);
+      acc += w_s[h] * fmaxf(dot * scale, 0.0f);
+    }
+    if (lane == 0) scores[int64_t(s) * max_pools + P] = acc;
+    __syncwarp();
+  }
+}
+
+__device__ __forceinline__ uint32_t ordered_bits(float f) {
+  const uint32_t b = __float_as_uint(f + 0.0f);  // -0 -> +0
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block's count.
+__device__ int block_exclusive_count(bool flag, int& total) {
+  __shared__ int warp_counts[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  __syncthreads();
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0;
+  total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) before += warp_counts[w];
+    total += warp_counts[w];
+  }
+  return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+// One block per query: top `budget` of the visible pools' scores (radix select on order-preserving bits; ties at
+// the k-th score go to the lower pool index), written as ascending positions, then the tail, then -1.
+__global__ void __launch_bounds__(kThreads)
+    kpool_topk_kernel(const float* scores, int kpool, int budget, bool select_tail, const int32_t* pos0, int max_pools,
+                      int32_t* sel, int sel_k) {
+  __shared__ int hist[256];
+  __shared__ uint32_t prefix_s;
+  __shared__ int want_s;
+  const int s = blockIdx.x, tid = threadIdx.x;
+  const int p = *pos0 + s;
+  const int pools = min((p + 1) / kpool, max_pools);  // max_pools: the caller's bound (the scratch row)
+  const float* sc = scores + int64_t(s) * max_pools;
+  int32_t* out = sel + int64_t(s) * sel_k;
+  int written = 0;  // pools written
+  if (budget <= 0) {
+    // nothing but the tail
+  } else if (pools <= budget) {
+    for (int i = tid; i < pools * kpool; i += kThreads) out[i] = i;
+    written = pools;
+  } else {
+    if (tid == 0) {
+      prefix_s = 0;
+      want_s = budget;
+    }
+    __syncthreads();
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      const uint32_t hi_mask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
+      for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+      __syncthreads();
+      const uint32_t prefix = prefix_s;
+      for (int t = tid; t < pools; t += kThreads) {
+        const uint32_t u = ordered_bits(sc[t]);
+        if ((u & hi_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        int cum = 0, want = want_s;
+        for (int b = 255; b >= 0; --b) {
+          if (cum + hist[b] >= want) {
+            prefix_s = prefix | (uint32_t(b) << shift);
+            want_s = want - cum;
+            break;
+          }
+          cum += hist[b];
+        }
+      }
+      __syncthreads();
+    }
+    const uint32_t thr = prefix_s;
+    const int want_equal = want_s;
+    int equal_seen = 0;
+    for (int base = 0; base < pools; base += kThreads) {
+      const int P = base + tid;
+      const uint32_t u = P < pools ? ordered_bits(sc[P]) : 0u;
+      const bool greater = P < pools && u > thr, equal = P < pools && u == thr;
+      int eq_total = 0, take_total = 0;
+      const int eq_rank = block_exclusive_count(equal, eq_total) + equal_seen;
+      const bool take = greater || (equal && eq_rank < want_equal);
+      const int slot = block_exclusive_count(take, take_total) + written;
+      if (take)
+        for (int t = 0; t < kpool; ++t) out[slot * kpool + t] = P * kpool + t;
+      equal_seen += eq_total;
+      written += take_total;
+    }
+  }
+  int n = written * kpool;
+  if (select_tail) {
+    const int tail = min(p + 1 - pools * kpool, sel_k - n);  // positions pools*kpool .. p
+    for (int i = tid; i < tail; i += kThreads) out[n + i] = pools * kpool + i;
+    n += tail;
+  }
+  for (int i = n + tid; i < sel_k; i += kThreads) out[i] = -1;
+}
+
+}  // namespace
+
+void kpool_append(const float* k, const float* g, const float* ape, int S, int d, int kpool, const int32_t* pos0,
+                  float* pool_k, float* open_k, float* open_g, cudaStream_t st) {
+  if (S <= 0) return;
+  if (kpool < 1) throw std::runtime_error("kpool_append: kpool " + std::to_string(kpool));
+  const int threads = std::min(256, ceil_div(d, 32) * 32);
+  // The batch completes at most S/kpool + 1 pools (the first may have started before pos0). Pool keys first: they
+  // read the open slots that the open-pool store then overwrites.
+  kpool_close_kernel<<<S / kpool + 1, threads, 0, st>>>(k, g, ape, S, d, kpool, pos0, pool_k, open_k, open_g);
+  MOESRV_CUDA_LAUNCH_CHECK();
+  kpool_open_kernel<<<S, threads, 0, st>>>(k, g, S, d, kpool, pos0, open_k, open_g);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
+                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, int32_t* sel, int sel_k,
+                  cudaStream_t st) {
+  if (S <= 0) return;
+  if (kpool < 1 || budget < 0) throw std::runtime_error("kpool_select: kpool " + std::to_string(kpool));
+  if (sel_k < budget * kpool + (select_tail ? kpool - 1 : 0))
+    throw std::runtime_error("kpool_select: selection width " + std::to_string(sel_k) + " < " +
+                             std::to_string(budget * kpool + (select_tail ? kpool - 1 : 0)));
+  const size_t smem = size_t(nh * d + nh + kWarps * d) * sizeof(float);
+  if (smem > 48 * 1024)
+    throw std::runtime_error("kpool_select: indexer query of " + std::to_string(nh * d) +
+                             " floats exceeds shared memory");
+  if (max_pools > 0) {
+    const dim3 grid(unsigned(ceil_div(max_pools, kPoolsPerBlock)), unsigned(S));
+    kpool_score_kernel<<<grid, kThreads, smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  }
+  kpool_topk_kernel<<<S, kThreads, 0, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools, sel, sel_k);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moesrv::cuda

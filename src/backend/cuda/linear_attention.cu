@@ -1,0 +1,212 @@
+// KDA / Gated DeltaNet kernels: short causal conv + SiLU, l2norm, KDA gates, the gated delta rule recurrence and
+// the sigmoid-gated output RMSNorm. fp32 throughout; see glm5_next_kernels.h and src/backend/cpu/delta_rule.h.
+#include <cmath>
+#include <string>
+
+#include "backend/cuda/glm5_next_kernels.h"
+#include "backend/cuda/kernel_util.cuh"
+
+namespace moesrv::cuda {
+
+namespace {
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+int grid_1d(int64_t n, int threads) { return int(std::min<int64_t>((n + threads - 1) / threads, 65535)); }
+
+// ---- causal conv1d + SiLU: one thread per (token, channel); then the state update, one thread per channel.
+__global__ void conv1d_silu_kernel(const float* x, int64_t x_stride, int T, int C, const float* w, int K,
+                                   const float* state, float* y) {
+  const int64_t n = int64_t(T) * C;
+  const int P = K - 1;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int t = int(idx / C), c = int(idx % C);
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const int i = t - P + j;  // input row; < 0 reads the carried state
+      const float xv = i < 0 ? state[int64_t(P + i) * C + c] : x[int64_t(i) * x_stride + c];
+      acc += w[int64_t(c) * K + j] * xv;
+    }
+    y[idx] = acc / (1.0f + expf(-acc));
+  }
+}
+
+__global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int C, int K, float* state) {
+  const int P = K - 1;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+    // Ascending r: row r reads old row r + T (> r, not yet overwritten) or input row T - P + r.
+    for (int r = 0; r < P; ++r) {
+      const int i = T - P + r;
+      state[int64_t(r) * C + c] = i < 0 ? state[int64_t(r + T) * C + c] : x[int64_t(i) * x_stride + c];
+    }
+  }
+}
+
+// ---- l2norm: one warp per row.
+__global__ void l2norm_kernel(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= int64_t(tokens) * heads) return;  // whole warps leave together
+  float* p = x + (row / heads) * token_stride + (row % heads) * n;
+  float ss = 0.0f;
+  for (int i = lane; i < n; i += 32) ss += p[i] * p[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss + eps);
+  for (int i = lane; i < n; i += 32) p[i] = p[i] * inv * scale;
+}
+
+// ---- KDA gates: one thread per g element; the first S*H threads also do beta.
+__global__ void kda_gates_kernel(float* g, const float* dt_bias, const float* a_log, int S, int H, int d,
+                                 bool lower_bound_set, float lower_bound, float* beta) {
+  const int64_t n = int64_t(S) * H * d, nb = int64_t(S) * H;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t hd = idx % (int64_t(H) * d);
+    const int h = int(hd / d);
+    const float rate = expf(a_log[h]);
+    const float f = g[idx] + dt_bias[hd];
+    const float softplus = f > 20.0f ? f : log1pf(expf(f));
+    g[idx] = lower_bound_set ? lower_bound * sigmoidf(rate * f) : -rate * softplus;
+    if (beta && idx < nb) beta[idx] = sigmoidf(beta[idx]);  // nb <= n
+  }
+}
+
+// ---- gated delta rule. Columns j of a head's state are independent: one warp per (head, column), each lane holds
+// R = dk/32 state rows (c = lane + 32 i). A block of kDrWarps warps shares one head and kDrWarps adjacent columns
+// (one 32-byte sector per state row, moved through shared memory so that global accesses are whole sectors); token
+// rows of q, k, exp(g) and beta are staged in shared memory kDrTokens at a time.
+constexpr int kDrWarps = 8, kDrTokens = 8;
+
+template <int R>
+__global__ void __launch_bounds__(kDrWarps * 32)
+    delta_rule_kernel(int T, int H, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
+                      const float* g, const float* beta, float* state, float* out) {
+  constexpr int dk = 32 * R;
+  __shared__ float q_s[kDrTokens][dk], k_s[kDrTokens][dk], e_s[kDrTokens][dk], b_s[kDrTokens];
+  __shared__ float tile[dk][kDrWarps + 1];  // state columns j0 .. j0+kDrWarps-1 (padded: no bank conflicts)
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j0 = blockIdx.x * kDrWarps, j = j0 + warp;
+  const bool active = j < dv;  // uniform per warp
+  float* S = state + int64_t(h) * dk * dv;
+  for (int idx = threadIdx.x; idx < dk * kDrWarps; idx += blockDim.x) {
+    const int c = idx / kDrWarps, jj = idx % kDrWarps;
+    tile[c][jj] = j0 + jj < dv ? S[int64_t(c) * dv + j0 + jj] : 0.0f;
+  }
+  __syncthreads();
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = tile[lane + 32 * i][warp];
+
+  for (int t0 = 0; t0 < T; t0 += kDrTokens) {
+    const int n = min(kDrTokens, T - t0);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n * dk; idx += blockDim.x) {
+      const int r = idx / dk, c = idx % dk;
+      const int64_t ti = int64_t(t0 + r) * H + h;
+      q_s[r][c] = q[ti * dk + c];
+      k_s[r][c] = k[ti * dk + c];
+      e_s[r][c] = expf(per_channel_decay ? g[ti * dk + c] : g[ti]);
+    }
+    for (int r = threadIdx.x; r < n; r += blockDim.x) b_s[r] = beta[int64_t(t0 + r) * H + h];
+    __syncthreads();
+    if (!active) continue;
+    for (int r = 0; r < n; ++r) {
+      const int64_t ti = int64_t(t0 + r) * H + h;
+      float u = 0.0f;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        s[i] *= e_s[r][lane + 32 * i];
+        u += s[i] * k_s[r][lane + 32 * i];
+      }
+      u = warp_sum(u);
+      const float delta = b_s[r] * (v[ti * dv + j] - u);
+      float o = 0.0f;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        s[i] += k_s[r][lane + 32 * i] * delta;
+        o += s[i] * q_s[r][lane + 32 * i];
+      }
+      o = warp_sum(o);
+      if (lane == 0) out[ti * dv + j] = o;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) tile[lane + 32 * i][warp] = s[i];  // each warp its own column
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < dk * kDrWarps; idx += blockDim.x) {
+    const int c = idx / kDrWarps, jj = idx % kDrWarps;
+    if (j0 + jj < dv) S[int64_t(c) * dv + j0 + jj] = tile[c][jj];
+  }
+}
+
+template <int R>
+void launch_delta_rule(int T, int H, int dv, bool pcd, const float* q, const float* k, const float* v, const float* g,
+                       const float* beta, float* state, float* out, cudaStream_t st) {
+  const dim3 grid(unsigned(ceil_div(dv, kDrWarps)), unsigned(H));
+  delta_rule_kernel<R><<<grid, kDrWarps * 32, 0, st>>>(T, H, dv, pcd, q, k, v, g, beta, state, out);
+}
+
+// ---- KDA output: one warp per (token, head) row: rms_norm(o) * w * sigmoid(gate).
+__global__ void kda_output_norm_kernel(float* o, const float* gate, const float* w, int rows, int d, float eps) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  float* p = o + row * d;
+  const float* gr = gate + row * d;
+  float ss = 0.0f;
+  for (int i = lane; i < d; i += 32) ss += p[i] * p[i];
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / float(d) + eps);
+  for (int i = lane; i < d; i += 32) p[i] = (p[i] * inv) * w[i] * sigmoidf(gr[i]);
+}
+
+}  // namespace
+
+void causal_conv1d_silu(const float* x, int64_t x_stride, int T, int C, const float* w, int K, float* state, float* y,
+                        cudaStream_t st) {
+  if (T <= 0 || C <= 0) return;
+  if (K < 1) throw std::runtime_error("causal_conv1d_silu: kernel size " + std::to_string(K));
+  conv1d_silu_kernel<<<grid_1d(int64_t(T) * C, 256), 256, 0, st>>>(x, x_stride, T, C, w, K, state, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+  if (K == 1) return;
+  conv1d_state_kernel<<<grid_1d(C, 256), 256, 0, st>>>(x, x_stride, T, C, K, state);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void l2norm_rows(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale,
+                 cudaStream_t st) {
+  const int64_t rows = int64_t(tokens) * heads;
+  if (rows == 0) return;
+  l2norm_kernel<<<ceil_div(rows * 32, 256), 256, 0, st>>>(x, tokens, heads, token_stride, n, eps, scale);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void kda_gates(float* g, const float* dt_bias, const float* a_log, int S, int H, int d, bool lower_bound_set,
+               float lower_bound, float* beta, cudaStream_t st) {
+  const int64_t n = int64_t(S) * H * d;
+  if (n == 0) return;
+  kda_gates_kernel<<<grid_1d(n, 256), 256, 0, st>>>(g, dt_bias, a_log, S, H, d, lower_bound_set, lower_bound, beta);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
+                const float* g, const float* beta, float* state, float* out, cudaStream_t st) {
+  if (T <= 0 || H <= 0 || dv <= 0) return;
+  switch (dk) {
+    case 32: launch_delta_rule<1>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    case 64: launch_delta_rule<2>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    case 96: launch_delta_rule<3>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    case 128: launch_delta_rule<4>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    case 192: launch_delta_rule<6>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    case 256: launch_delta_rule<8>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
+    default: throw std::runtime_error("delta_rule: key head dim " + std::to_string(dk) + " not supported");
+  }
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st) {
+  if (rows <= 0) return;
+  kda_output_norm_kernel<<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, gate, w, rows, d, eps);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moesrv::cuda

@@ -1,0 +1,490 @@
+// GLM-5.3-Flash (glm5_next) CUDA block kernels vs their CPU references, on random inputs with fixed seeds, at the
+// tiny hf-tiny/glm5_next shapes and at the real model's widths. Skipped without a CUDA build or device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <iterator>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/delta_rule.h"
+#include "backend/cpu/linear.h"
+#include "backend/cpu/ops.h"
+#include "backend/cpu/residual.h"
+
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "backend/cuda/glm5_next_kernels.h"
+#include "backend/cuda/kernels.h"
+#endif
+
+namespace moesrv {
+namespace {
+
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+
+bool has_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define SKIP_WITHOUT_DEVICE() \
+  if (!has_device()) GTEST_SKIP() << "no CUDA device"
+
+void ok(cudaError_t e) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(e));
+}
+
+// A device array of T with host copies in and out (synchronous).
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(size_t n) : n_(n) {
+    ok(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)));
+    ok(cudaMemset(p_, 0, std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { put(h); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  ~Dev() { cudaFree(p_); }
+  T* get() const { return p_; }
+  void put(const std::vector<T>& h, size_t offset = 0) {
+    if (offset + h.size() > n_) throw std::runtime_error("Dev::put out of range");
+    ok(cudaMemcpy(p_ + offset, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> host(size_t count = size_t(-1)) const {
+    ok(cudaDeviceSynchronize());
+    std::vector<T> h(std::min(count, n_));
+    ok(cudaMemcpy(h.data(), p_, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+std::vector<float> uniform(size_t n, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// max |a - ref| / max |ref|.
+double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
+  if (a.size() != ref.size()) return INFINITY;
+  double diff = 0, mag = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(ref[i])));
+    mag = std::max(mag, std::abs(double(ref[i])));
+  }
+  return mag > 0 ? diff / mag : diff;
+}
+
+float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+// ---------------------------------------------------------------- conv + SiLU
+
+TEST(CudaGlm5NextKernels, CausalConv1dSiluCarriesState) {
+  SKIP_WITHOUT_DEVICE();
+  for (int C : {3 * 4 * 32, 3 * 64 * 128}) {
+    const int K = 4, P = K - 1, pad = 16;
+    const std::vector<float> w = uniform(size_t(C) * K, -0.5f, 0.5f, 11);
+    std::vector<float> state(size_t(P) * C, 0.0f);
+    Dev<float> dw(w), dstate(state);
+    uint32_t seed = 100;
+    for (int T : {5, 1, 2, 37, 1, 1, 3}) {
+      const std::vector<float> x = uniform(size_t(T) * C, -2.0f, 2.0f, seed++);
+      std::vector<float> xpad(size_t(T) * (C + pad), 7.0f);  // rows C + pad apart: the stride is honoured
+      for (int t = 0; t < T; ++t) std::copy_n(x.begin() + int64_t(t) * C, C, xpad.begin() + int64_t(t) * (C + pad));
+      std::vector<float> y(size_t(T) * C);
+      cpu::causal_conv1d_silu(x.data(), T, C, w.data(), K, state.data(), y.data());
+      Dev<float> dx(xpad), dy(size_t(T) * C);
+      cuda::causal_conv1d_silu(dx.get(), C + pad, T, C, dw.get(), K, dstate.get(), dy.get(), nullptr);
+      EXPECT_LT(rel_err(dy.host(), y), 1e-5) << "C " << C << " T " << T;
+      EXPECT_EQ(dstate.host(), state) << "C " << C << " T " << T;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- l2norm, gates, output norm
+
+TEST(CudaGlm5NextKernels, L2NormRowsWithScale) {
+  SKIP_WITHOUT_DEVICE();
+  for (auto [H, d] : {std::pair{4, 32}, std::pair{64, 128}}) {
+    const int T = 6, stride = 3 * H * d;  // the k slice of a [T, q | k | v] row
+    std::vector<float> mixed = uniform(size_t(T) * stride, -1.5f, 1.5f, 21);
+    std::vector<float> ref(size_t(T) * H * d);
+    for (int t = 0; t < T; ++t) std::copy_n(mixed.begin() + t * stride + H * d, H * d, ref.begin() + t * H * d);
+    cpu::l2_normalize_rows(ref.data(), int64_t(T) * H, d);
+    const float scale = 1.0f / std::sqrt(float(d));
+    for (float& e : ref) e *= scale;
+    Dev<float> dm(mixed);
+    cuda::l2norm_rows(dm.get() + H * d, T, H, stride, d, 1e-6f, scale, nullptr);
+    const std::vector<float> got = dm.host();
+    std::vector<float> gk(size_t(T) * H * d);
+    for (int t = 0; t < T; ++t) std::copy_n(got.begin() + t * stride + H * d, H * d, gk.begin() + t * H * d);
+    EXPECT_LT(rel_err(gk, ref), 1e-6) << "H " << H << " d " << d;
+    for (int t = 0; t < T; ++t)  // q and v slices untouched
+      for (int i = 0; i < H * d; ++i) ASSERT_EQ(got[size_t(t * stride + i)], mixed[size_t(t * stride + i)]);
+  }
+}
+
+TEST(CudaGlm5NextKernels, KdaGatesBothForms) {
+  SKIP_WITHOUT_DEVICE();
+  for (auto [H, d] : {std::pair{4, 32}, std::pair{64, 128}}) {
+    for (bool lb : {true, false}) {
+      const int S = 7;
+      const std::vector<float> f = uniform(size_t(S) * H * d, -30.0f, 30.0f, 31);  // both softplus branches
+      const std::vector<float> dt = uniform(size_t(H) * d, -1.0f, 1.0f, 32),
+                               a_log = uniform(size_t(H), -2.0f, 1.5f, 33);
+      const std::vector<float> b = uniform(size_t(S) * H, -4.0f, 4.0f, 34);
+      std::vector<float> g_ref(f.size()), b_ref(b.size());
+      for (int s = 0; s < S; ++s)  // kda.cpp's formula
+        for (int h = 0; h < H; ++h) {
+          const float rate = std::exp(a_log[size_t(h)]);
+          for (int j = 0; j < d; ++j) {
+            const size_t i = size_t(s * H * d + h * d + j);
+            const float x = f[i] + dt[size_t(h * d + j)];
+            const float sp = x > 20.0f ? x : std::log1p(std::exp(x));
+            g_ref[i] = lb ? -5.0f * sigmoid(rate * x) : -rate * sp;
+          }
+        }
+      for (size_t i = 0; i < b.size(); ++i) b_ref[i] = sigmoid(b[i]);
+      Dev<float> dg(f), ddt(dt), da(a_log), db(b);
+      cuda::kda_gates(dg.get(), ddt.get(), da.get(), S, H, d, lb, -5.0f, db.get(), nullptr);
+      EXPECT_LT(rel_err(dg.host(), g_ref), 1e-5) << "lower bound " << lb;
+      EXPECT_LT(rel_err(db.host(), b_ref), 1e-6);
+    }
+  }
+}
+
+TEST(CudaGlm5NextKernels, KdaOutputNorm) {
+  SKIP_WITHOUT_DEVICE();
+  for (auto [H, d] : {std::pair{4, 32}, std::pair{64, 128}}) {
+    const int S = 5, rows = S * H;
+    const std::vector<float> o = uniform(size_t(rows) * d, -3.0f, 3.0f, 41), gate = uniform(o.size(), -4.0f, 4.0f, 42);
+    const std::vector<float> w = uniform(size_t(d), 0.5f, 1.5f, 43);
+    std::vector<float> ref(o.size());
+    cpu::rms_norm(o.data(), w.data(), rows, d, 1e-6, ref.data());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] *= sigmoid(gate[i]);
+    Dev<float> dout(o), dgate(gate), dw(w);
+    cuda::kda_output_norm(dout.get(), dgate.get(), dw.get(), rows, d, 1e-6f, nullptr);
+    EXPECT_LT(rel_err(dout.host(), ref), 1e-5) << "H " << H << " d " << d;
+  }
+}
+
+// ---------------------------------------------------------------- delta rule
+
+struct DeltaInputs {
+  std::vector<float> q, k, v, g, beta;
+};
+
+DeltaInputs delta_inputs(int T, int H, int dk, int dv, bool per_channel, uint32_t seed) {
+  DeltaInputs in;
+  in.q = uniform(size_t(T) * H * dk, -1.0f, 1.0f, seed);
+  in.k = uniform(size_t(T) * H * dk, -1.0f, 1.0f, seed + 1);
+  in.v = uniform(size_t(T) * H * dv, -1.0f, 1.0f, seed + 2);
+  cpu::l2_normalize_rows(in.q.data(), int64_t(T) * H, dk);
+  cpu::l2_normalize_rows(in.k.data(), int64_t(T) * H, dk);
+  for (float& e : in.q) e /= std::sqrt(float(dk));
+  in.g = uniform(size_t(T) * H * (per_channel ? dk : 1), -0.4f, 0.0f,
+                 seed + 3);  // log decays: slow enough to keep history
+  in.beta = uniform(size_t(T) * H, 0.05f, 1.0f, seed + 4);
+  return in;
+}
+
+TEST(CudaGlm5NextKernels, DeltaRuleMatchesRecurrence) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    int H, dk, dv;
+    bool per_channel;
+  };
+  for (const Case& cs : {Case{4, 32, 32, true}, Case{64, 128, 128, true}, Case{4, 32, 32, false},
+                         Case{16, 128, 128, false}, Case{8, 64, 96, true}}) {
+    const int H = cs.H, dk = cs.dk, dv = cs.dv;
+    const cpu::DeltaRuleShape shape{H, dk, dv, cs.per_channel};
+    std::vector<float> state = uniform(size_t(H) * dk * dv, -0.1f, 0.1f, 51);  // a state carried in
+    Dev<float> dstate(state);
+    const std::string what = "H " + std::to_string(H) + " dk " + std::to_string(dk) + " dv " + std::to_string(dv) +
+                             (cs.per_channel ? " KDA" : " GDN");
+    // T = 70 in one call (covers several staged token groups and a partial one), then ten single tokens.
+    uint32_t seed = 60;
+    for (int T : {70, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+      const DeltaInputs in = delta_inputs(T, H, dk, dv, cs.per_channel, seed += 10);
+      std::vector<float> out(size_t(T) * H * dv);
+      cpu::delta_rule_recurrent(shape, T, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
+                                state.data(), out.data());
+      Dev<float> dq(in.q), dk_(in.k), dv_(in.v), dg(in.g), db(in.beta), dout(out.size());
+      cuda::delta_rule(T, H, dk, dv, cs.per_channel, dq.get(), dk_.get(), dv_.get(), dg.get(), db.get(), dstate.get(),
+                       dout.get(), nullptr);
+      EXPECT_LT(rel_err(dout.host(), out), 1e-4) << what << " T " << T;
+      EXPECT_LT(rel_err(dstate.host(), state), 1e-4) << what << " T " << T;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- mHC
+
+TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
+  SKIP_WITHOUT_DEVICE();
+  for (int D : {128, 4096}) {
+    const int n = 4, S = 6, W = n * D, mix = (2 + n) * n;
+    ModelConfig c;
+    c.hidden_size = D;
+    c.rms_eps = 1e-6;
+    c.residual.streams = n;
+    c.residual.sinkhorn_iters = 20;
+    c.residual.eps = 1e-6;
+    HyperWeights hw;
+    hw.fn = uniform(size_t(mix) * W, -1.0f, 1.0f, 71);
+    for (float& e : hw.fn) e /= std::sqrt(float(W));  // logits of order 1
+    hw.base = uniform(size_t(mix), -1.0f, 1.0f, 72);
+    hw.scale = uniform(3, 0.5f, 2.0f, 73);
+    NormWeights norm;
+    norm.weight = uniform(size_t(D), 0.5f, 1.5f, 74);
+    std::vector<float> x = uniform(size_t(S) * W, -2.0f, 2.0f, 75);
+    for (int s = 0; s < S; ++s)  // streams of different scales
+      for (int i = 0; i < n; ++i)
+        for (int d = 0; d < D; ++d) x[size_t(s * W + i * D + d)] *= 0.5f + float(i);
+    const std::vector<float> y = uniform(size_t(S) * D, -1.0f, 1.0f, 76);
+
+    Dev<float> dx(x), dfn(hw.fn), dbase(hw.base), dscale(hw.scale), dnorm(norm.weight), dy(y);
+    Dev<float> dh(size_t(S) * D), dpost(size_t(S) * n), dcomb(size_t(S) * n * n);
+    cuda::hyper_enter(dx.get(), S, n, D, dfn.get(), dscale.get(), dbase.get(), dnorm.get(), float(c.rms_eps),
+                      float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(), dpost.get(), dcomb.get(),
+                      nullptr);
+    cuda::hyper_leave(dx.get(), dy.get(), dpost.get(), dcomb.get(), S, n, D, nullptr);
+
+    std::vector<float> pre(static_cast<size_t>(n)), post(size_t(S) * n), comb(size_t(S) * n * n);
+    for (int s = 0; s < S; ++s)
+      cpu::hyper_mix(x.data() + s * W, hw, n, D, c.rms_eps, c.residual.eps, c.residual.sinkhorn_iters, pre.data(),
+                     post.data() + s * n, comb.data() + s * n * n);
+    cpu::Residual res(c);
+    std::vector<float> h(size_t(S) * D);
+    res.enter(x.data(), S, norm, hw, h.data());
+    res.leave(x.data(), S, y.data());
+
+    EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D;
+    EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D;
+    EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D;
+    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D;
+    // The Sinkhorn result is close to doubly stochastic: columns sum to ~1.
+    const std::vector<float> cg = dcomb.host();
+    for (int j = 0; j < n; ++j) {
+      float sum = 0;
+      for (int i = 0; i < n; ++i) sum += cg[size_t(i * n + j)];
+      EXPECT_NEAR(sum, 1.0f, 1e-3f);
+    }
+
+    // Embedding expansion and the final mean.
+    const std::vector<float> e = uniform(size_t(S) * D, -1.0f, 1.0f, 77);
+    Dev<float> de(e), dxe(size_t(S) * W), dmean(size_t(S) * D);
+    cuda::hyper_expand(de.get(), S, n, D, dxe.get(), nullptr);
+    cuda::hyper_collapse_mean(dx.get(), S, n, D, dmean.get(), nullptr);
+    const std::vector<float> xe = dxe.host();
+    for (int s = 0; s < S; ++s)
+      for (int i = 0; i < n; ++i)
+        for (int d = 0; d < D; ++d) ASSERT_EQ(xe[size_t(s * W + i * D + d)], e[size_t(s * D + d)]);
+    std::vector<float> mean(size_t(S) * D, 0.0f);
+    for (int s = 0; s < S; ++s) {
+      for (int i = 0; i < n; ++i) cpu::axpy(1.0f, x.data() + s * W + i * D, D, mean.data() + s * D);
+      for (int d = 0; d < D; ++d) mean[size_t(s * D + d)] /= float(n);
+    }
+    EXPECT_LT(rel_err(dmean.host(), mean), 1e-5) << "D " << D;
+  }
+}
+
+// ---------------------------------------------------------------- k-pool indexer
+
+// y = the columns [off, off + out) of x: lets the CPU indexer's projections pass prepared values through.
+class SliceLinear : public Linear {
+ public:
+  SliceLinear(int64_t in, int64_t off, int64_t out) : off_(off) {
+    in_ = in;
+    out_ = out;
+  }
+  void forward(const float* x, int64_t n, float* y) const override {
+    for (int64_t r = 0; r < n; ++r) std::copy_n(x + r * in_ + off_, out_, y + r * out_);
+  }
+  void dequant_rows(int64_t b, int64_t e, float* out) const override {
+    std::fill(out, out + (e - b) * in_, 0.0f);
+    for (int64_t r = b; r < e; ++r) out[(r - b) * in_ + off_ + r] = 1.0f;
+  }
+  std::string kind() const override { return "slice"; }
+  size_t stored_bytes() const override { return 0; }
+
+ private:
+  int64_t off_;
+};
+
+struct KpoolCase {
+  int nh, d, kpool, topk;
+  std::vector<int> batches;
+};
+
+void run_kpool_case(const KpoolCase& kc) {
+  const int nh = kc.nh, d = kc.d, kp = kc.kpool, budget = kc.topk / kp, sel_k = kc.topk + kp;
+  int total = 0;
+  for (int S : kc.batches) total += S;
+  const int max_pools = total / kp + 1;
+  ModelConfig c;
+  c.index_n_heads = nh;
+  c.index_head_dim = d;
+  c.index_kpool = kp;
+  c.index_topk = kc.topk;
+  c.index_select_tail = true;
+  // CPU indexer inputs per token: x = [k (d) | gate logits (d) | head weights (nh)], q_latent = q (nh*d).
+  const int64_t xw = 2 * d + nh;
+  IndexerWeights w;
+  w.wq_b = std::make_unique<SliceLinear>(int64_t(nh) * d, 0, int64_t(nh) * d);
+  w.wk = std::make_unique<SliceLinear>(xw, 0, d);
+  w.pool_gate = std::make_unique<SliceLinear>(xw, d, d);
+  w.weights_proj = std::make_unique<SliceLinear>(xw, 2 * d, nh);
+  w.k_norm.weight = uniform(size_t(d), 0.5f, 1.5f, 81);
+  w.k_norm.bias = uniform(size_t(d), -0.2f, 0.2f, 82);
+  w.pool_ape = uniform(size_t(kp) * d, -1.0f, 1.0f, 83);
+  cpu::LayerState st;
+
+  Dev<float> dpool(size_t(max_pools) * d), dopen_k(size_t(kp) * d), dopen_g(size_t(kp) * d), dape(w.pool_ape);
+  Dev<int32_t> dpos(1);
+  int pos0 = 0, near_ties = 0, queries = 0;
+  uint32_t seed = 90;
+  for (int S : kc.batches) {
+    std::vector<float> x = uniform(size_t(S) * xw, -2.0f, 2.0f, seed++);
+    const std::vector<float> qv = uniform(size_t(S) * nh * d, -1.0f, 1.0f, seed++);
+    for (int s = 0; s < S; ++s)  // head weights in [-0.5, 1.5]
+      for (int h = 0; h < nh; ++h) x[size_t(s * xw + 2 * d + h)] = 0.5f * x[size_t(s * xw + 2 * d + h)] + 0.5f;
+    const cpu::TokenSelection ref = cpu::kpool_select(w, c, x.data(), qv.data(), S, pos0, st);
+
+    // GPU inputs: LayerNorm'd keys, gate logits, head weights scaled by nh^-0.5 (what the engine will feed).
+    std::vector<float> k(size_t(S) * d), g(size_t(S) * d), hwv(size_t(S) * nh);
+    for (int s = 0; s < S; ++s) {
+      std::copy_n(x.begin() + s * xw, d, k.begin() + s * d);
+      std::copy_n(x.begin() + s * xw + d, d, g.begin() + s * d);
+      for (int h = 0; h < nh; ++h)
+        hwv[size_t(s * nh + h)] = x[size_t(s * xw + 2 * d + h)] * (1.0f / std::sqrt(float(nh)));
+    }
+    cpu::layer_norm(k.data(), w.k_norm.weight.data(), w.k_norm.bias.data(), S, d, 1e-6, k.data());
+    Dev<float> dk(k), dg(g), dq(qv), dhw(hwv), dscratch(size_t(S) * max_pools);
+    Dev<int32_t> dsel(size_t(S) * sel_k);
+    dpos.put({pos0});
+    cuda::kpool_append(dk.get(), dg.get(), dape.get(), S, d, kp, dpos.get(), dpool.get(), dopen_k.get(), dopen_g.get(),
+                       nullptr);
+    cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), S, nh, d, kp, budget, true, dpos.get(), max_pools,
+                       dscratch.get(), dsel.get(), sel_k, nullptr);
+
+    // State: pooled keys and the open pool's rows.
+    const int pools = (pos0 + S) / kp, open = (pos0 + S) % kp;
+    ASSERT_EQ(st.pool_k.size(), size_t(pools) * d);
+    EXPECT_LT(rel_err(dpool.host(size_t(pools) * d), st.pool_k), 1e-5) << "pos0 " << pos0 << " S " << S;
+    const std::vector<float> ok_ = dopen_k.host(), og = dopen_g.host();
+    for (int t = 0; t < open * d; ++t) {
+      ASSERT_EQ(ok_[size_t(t)], st.open_k[size_t(t)]) << "open key " << t;
+      ASSERT_EQ(og[size_t(t)], st.open_g[size_t(t)]) << "open gate " << t;
+    }
+
+    // Selection: equal sets, except where the k-th best pool nearly ties with another (fp32 summation order).
+    const std::vector<int32_t> sel = dsel.host();
+    for (int s = 0; s < S; ++s) {
+      const int p = pos0 + s;
+      ++queries;
+      std::vector<int32_t> got;
+      bool padded = false;
+      for (int i = 0; i < sel_k; ++i) {
+        const int32_t v = sel[size_t(s * sel_k + i)];
+        if (v < 0) {
+          padded = true;
+          continue;
+        }
+        ASSERT_FALSE(padded) << "position after -1 padding, query " << p;
+        if (!got.empty()) {
+          ASSERT_LT(got.back(), v) << "not ascending, query " << p;
+        }
+        got.push_back(v);
+      }
+      if (got == ref[size_t(s)]) continue;
+      // Differences must be pools scored within 1e-4 (relative) of the budget-th best score.
+      const int vis = (p + 1) / kp;
+      std::vector<double> sc(static_cast<size_t>(vis));
+      for (int P = 0; P < vis; ++P) {
+        double acc = 0;
+        for (int h = 0; h < nh; ++h) {
+          double dot = 0;
+          for (int j = 0; j < d; ++j) dot += double(qv[size_t((s * nh + h) * d + j)]) * st.pool_k[size_t(P * d + j)];
+          acc += double(hwv[size_t(s * nh + h)]) * std::max(dot / std::sqrt(double(d)), 0.0);
+        }
+        sc[size_t(P)] = acc;
+      }
+      ASSERT_GT(vis, budget) << "query " << p << ": every pool is selected, yet the selections differ";
+      std::vector<double> sorted = sc;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      const double kth = sorted[size_t(budget - 1)], mag = std::max(std::abs(sorted[0]), 1e-30);
+      std::vector<int32_t> diff;
+      std::set_symmetric_difference(got.begin(), got.end(), ref[size_t(s)].begin(), ref[size_t(s)].end(),
+                                    std::back_inserter(diff));
+      for (int32_t pos : diff) {
+        ASSERT_LT(pos, vis * kp) << "tail positions differ, query " << p;
+        EXPECT_LE(std::abs(sc[size_t(pos / kp)] - kth), 1e-4 * mag)
+            << "query " << p << " pool " << pos / kp << " score " << sc[size_t(pos / kp)] << " vs k-th " << kth;
+      }
+      ++near_ties;
+    }
+    pos0 += S;
+  }
+  std::printf("k-pool nh %d d %d kpool %d topk %d: %d of %d queries differ only at near-tied pools\n", nh, d, kp,
+              kc.topk, near_ties, queries);
+  EXPECT_LE(near_ties * 50, queries);
+}
+
+TEST(CudaGlm5NextKernels, KpoolIndexerTinyShapes) {
+  SKIP_WITHOUT_DEVICE();
+  run_kpool_case({16, 16, 4, 16, {37, 1, 1, 1, 1, 1, 6}});
+}
+
+TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
+  SKIP_WITHOUT_DEVICE();
+  run_kpool_case({32, 128, 4, 2048, {2999, 1, 1, 1, 1, 1, 7}});
+}
+
+// ---------------------------------------------------------------- clamped SwiGLU
+
+TEST(CudaGlm5NextKernels, SiluMulClamped) {
+  SKIP_WITHOUT_DEVICE();
+  const int rows = 5, I = 300;
+  const std::vector<float> gu = uniform(size_t(rows) * 2 * I, -3.0f, 3.0f, 99);
+  for (float limit : {0.25f, 10.0f, 0.0f}) {
+    std::vector<float> g(size_t(rows) * I), u(g.size()), ref(g.size());
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < I; ++i) {
+        g[size_t(r * I + i)] = gu[size_t(r * 2 * I + i)];
+        u[size_t(r * I + i)] = gu[size_t(r * 2 * I + I + i)];
+      }
+    if (limit > 0)  // moe.cpp's mlp_forward
+      for (size_t i = 0; i < g.size(); ++i) {
+        g[i] = std::min(g[i], limit);
+        u[i] = std::clamp(u[i], -limit, limit);
+      }
+    cpu::silu_mul(g.data(), u.data(), int64_t(g.size()), ref.data());
+    Dev<float> dgu(gu), dout(ref.size());
+    cuda::silu_mul_clamped(dgu.get(), rows, I, limit, dout.get(), nullptr);
+    EXPECT_LT(rel_err(dout.host(), ref), 1e-6) << "limit " << limit;
+  }
+}
+
+#else
+
+TEST(CudaGlm5NextKernels, SkippedWithoutCuda) { GTEST_SKIP() << "no CUDA backend"; }
+
+#endif
+
+}  // namespace
+}  // namespace moesrv
