@@ -232,6 +232,177 @@ TEST(CudaGlm5NextKernels, DeltaRuleMatchesRecurrence) {
   }
 }
 
+// ---------------------------------------------------------------- whole KDA / Gated DeltaNet layers
+
+// A dense fp32 linear with random weights (uniform in +-1/sqrt(in)).
+class F32Linear : public Linear {
+ public:
+  F32Linear(int64_t out, int64_t in, uint32_t seed) : w_(uniform(size_t(out * in), -1.0f, 1.0f, seed)) {
+    in_ = in;
+    out_ = out;
+    for (float& e : w_) e /= std::sqrt(float(in));
+  }
+  void forward(const float* x, int64_t n, float* y) const override { gemm_f32(x, n, w_.data(), out_, in_, y); }
+  void dequant_rows(int64_t b, int64_t e, float* out) const override {
+    std::copy(w_.begin() + b * in_, w_.begin() + e * in_, out);
+  }
+  std::string kind() const override { return "f32"; }
+  size_t stored_bytes() const override { return w_.size() * sizeof(float); }
+
+ private:
+  std::vector<float> w_;
+};
+
+// y = the columns [off, off + out) of x: lets the CPU layers' projections pass prepared values through.
+class SliceLinear : public Linear {
+ public:
+  SliceLinear(int64_t in, int64_t off, int64_t out) : off_(off) {
+    in_ = in;
+    out_ = out;
+  }
+  void forward(const float* x, int64_t n, float* y) const override {
+    for (int64_t r = 0; r < n; ++r) std::copy_n(x + r * in_ + off_, out_, y + r * out_);
+  }
+  void dequant_rows(int64_t b, int64_t e, float* out) const override {
+    std::fill(out, out + (e - b) * in_, 0.0f);
+    for (int64_t r = b; r < e; ++r) out[(r - b) * in_ + off_ + r] = 1.0f;
+  }
+  std::string kind() const override { return "slice"; }
+  size_t stored_bytes() const override { return 0; }
+
+ private:
+  int64_t off_;
+};
+
+std::vector<float> project(const Linear& l, const std::vector<float>& x, int64_t S) {
+  std::vector<float> y(size_t(S * l.out_features()));
+  l.forward(x.data(), S, y.data());
+  return y;
+}
+
+// cpu::kda_forward (chunked for S > 1, the recurrence for S == 1; o_proj = identity) vs the GPU chain the engine
+// runs on the same projections: conv on the [S, q | k | v] rows, l2norm in place, gates, the strided recurrence,
+// the gated norm.
+TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
+  SKIP_WITHOUT_DEVICE();
+  for (auto [H, d] : {std::pair{4, 32}, std::pair{64, 128}}) {
+    const int D = H == 4 ? 128 : 256, Hd = H * d, C = 3 * Hd, K = 4;
+    ModelConfig c;
+    c.hidden_size = D;
+    c.rms_eps = 1e-6;
+    c.linear.k_heads = c.linear.v_heads = H;
+    c.linear.dk = c.linear.dv = d;
+    c.linear.conv_kernel = K;
+    c.linear.lower_bound_set = true;
+    c.linear.lower_bound = -5.0;
+    KdaWeights w;
+    w.q = std::make_unique<F32Linear>(Hd, D, 201);
+    w.k = std::make_unique<F32Linear>(Hd, D, 202);
+    w.v = std::make_unique<F32Linear>(Hd, D, 203);
+    w.f_a = std::make_unique<F32Linear>(d, D, 204);
+    w.f_b = std::make_unique<F32Linear>(Hd, d, 205);
+    w.b = std::make_unique<F32Linear>(H, D, 206);
+    w.g_a = std::make_unique<F32Linear>(d, D, 207);
+    w.g_b = std::make_unique<F32Linear>(Hd, d, 208);
+    w.o = std::make_unique<SliceLinear>(Hd, 0, Hd);
+    w.conv = uniform(size_t(C) * K, -0.5f, 0.5f, 209);
+    w.dt_bias = uniform(size_t(Hd), -4.0f, 0.0f, 210);
+    w.a_log = uniform(size_t(H), -1.0f, 0.5f, 211);
+    w.o_norm.weight = uniform(size_t(d), 0.5f, 1.5f, 212);
+    cpu::LayerState st;
+
+    Dev<float> dconvw(w.conv), ddt(w.dt_bias), dalog(w.a_log), dnorm(w.o_norm.weight);
+    Dev<float> dconv_state(size_t(K - 1) * C), dstate(size_t(H) * d * d);
+    uint32_t seed = 220;
+    for (int S : {37, 1, 1, 1, 5}) {
+      const std::vector<float> x = uniform(size_t(S) * D, -1.0f, 1.0f, seed++);
+      std::vector<float> ref(size_t(S) * Hd);
+      cpu::kda_forward(w, c, x.data(), S, st, ref.data());
+
+      std::vector<float> raw(size_t(S) * C);
+      const std::vector<float> q = project(*w.q, x, S), k = project(*w.k, x, S), v = project(*w.v, x, S);
+      for (int s = 0; s < S; ++s) {
+        std::copy_n(q.begin() + s * Hd, Hd, raw.begin() + s * C);
+        std::copy_n(k.begin() + s * Hd, Hd, raw.begin() + s * C + Hd);
+        std::copy_n(v.begin() + s * Hd, Hd, raw.begin() + s * C + 2 * Hd);
+      }
+      const std::vector<float> f = project(*w.f_b, project(*w.f_a, x, S), S), b = project(*w.b, x, S);
+      const std::vector<float> gate = project(*w.g_b, project(*w.g_a, x, S), S);
+      Dev<float> draw(raw), dmixed(raw.size()), dg(f), dbeta(b), dgate(gate), dout(size_t(S) * Hd);
+      cuda::causal_conv1d_silu(draw.get(), C, S, C, dconvw.get(), K, dconv_state.get(), dmixed.get(), nullptr);
+      cuda::l2norm_rows(dmixed.get(), S, H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), nullptr);
+      cuda::l2norm_rows(dmixed.get() + Hd, S, H, C, d, 1e-6f, 1.0f, nullptr);
+      cuda::kda_gates(dg.get(), ddt.get(), dalog.get(), S, H, d, true, -5.0f, dbeta.get(), nullptr);
+      cuda::DeltaRuleArgs a;
+      a.T = S, a.heads = H, a.dk = d, a.dv = d, a.per_channel_decay = true;
+      a.q = dmixed.get(), a.k = dmixed.get() + Hd, a.qk_stride = C, a.v = dmixed.get() + 2 * Hd, a.v_stride = C;
+      a.g = dg.get(), a.beta = dbeta.get(), a.state = dstate.get(), a.out = dout.get();
+      cuda::delta_rule(a, nullptr);
+      cuda::kda_output_norm(dout.get(), dgate.get(), dnorm.get(), S * H, d, float(c.rms_eps), nullptr);
+      EXPECT_LT(rel_err(dout.host(), ref), 2e-4) << "H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(dstate.host(), st.recurrent), 2e-4) << "H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(dconv_state.host(), st.conv), 1e-6) << "H " << H << " d " << d << " S " << S;
+    }
+  }
+}
+
+// cpu::gated_delta_forward (Qwen3-Next) vs the GPU chain: regroup, gates, conv, l2norm of the key heads in place,
+// the recurrence with q/k shared by r value heads, the SiLU-gated norm.
+TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    int Hk, r, dk, dv, D;
+  };
+  for (const Case& cs : {Case{2, 2, 32, 32, 128}, Case{16, 2, 128, 128, 256}}) {
+    const int Hk = cs.Hk, r = cs.r, Hv = Hk * r, dk = cs.dk, dv = cs.dv, D = cs.D, K = 4;
+    const int QK = Hk * dk, V = Hv * dv, C = 2 * QK + V, group = 2 * dk + 2 * r * dv;
+    ModelConfig c;
+    c.hidden_size = D;
+    c.rms_eps = 1e-6;
+    c.linear.k_heads = Hk;
+    c.linear.v_heads = Hv;
+    c.linear.dk = dk;
+    c.linear.dv = dv;
+    c.linear.conv_kernel = K;
+    GatedDeltaWeights w;
+    w.qkvz = std::make_unique<F32Linear>(int64_t(Hk) * group, D, 301);
+    w.ba = std::make_unique<F32Linear>(2 * Hv, D, 302);
+    w.out = std::make_unique<SliceLinear>(V, 0, V);
+    w.conv = uniform(size_t(C) * K, -0.5f, 0.5f, 303);
+    w.dt_bias = uniform(size_t(Hv), -2.0f, 1.0f, 304);
+    w.a_log = uniform(size_t(Hv), -2.0f, 0.5f, 305);
+    w.norm.weight = uniform(size_t(dv), 0.5f, 1.5f, 306);
+    cpu::LayerState st;
+
+    Dev<float> dconvw(w.conv), ddt(w.dt_bias), dalog(w.a_log), dnorm(w.norm.weight);
+    Dev<float> dconv_state(size_t(K - 1) * C), dstate(size_t(Hv) * dk * dv);
+    uint32_t seed = 320;
+    for (int S : {37, 1, 1, 6}) {
+      const std::vector<float> x = uniform(size_t(S) * D, -1.0f, 1.0f, seed++);
+      std::vector<float> ref(size_t(S) * V);
+      cpu::gated_delta_forward(w, c, x.data(), S, st, ref.data());
+
+      Dev<float> dqkvz(project(*w.qkvz, x, S)), dba(project(*w.ba, x, S));
+      Dev<float> draw(size_t(S) * C), dmixed(size_t(S) * C), dz(size_t(S) * V), dg(size_t(S) * Hv),
+          dbeta(size_t(S) * Hv), dout(size_t(S) * V);
+      cuda::gdn_split_qkvz(dqkvz.get(), S, Hk, r, dk, dv, draw.get(), dz.get(), nullptr);
+      cuda::gdn_gates(dba.get(), ddt.get(), dalog.get(), S, Hk, r, dg.get(), dbeta.get(), nullptr);
+      cuda::causal_conv1d_silu(draw.get(), C, S, C, dconvw.get(), K, dconv_state.get(), dmixed.get(), nullptr);
+      cuda::l2norm_rows(dmixed.get(), S, Hk, C, dk, 1e-6f, 1.0f / std::sqrt(float(dk)), nullptr);
+      cuda::l2norm_rows(dmixed.get() + QK, S, Hk, C, dk, 1e-6f, 1.0f, nullptr);
+      cuda::DeltaRuleArgs a;
+      a.T = S, a.heads = Hv, a.dk = dk, a.dv = dv, a.qk_group = r, a.per_channel_decay = false;
+      a.q = dmixed.get(), a.k = dmixed.get() + QK, a.qk_stride = C, a.v = dmixed.get() + 2 * QK, a.v_stride = C;
+      a.g = dg.get(), a.beta = dbeta.get(), a.state = dstate.get(), a.out = dout.get();
+      cuda::delta_rule(a, nullptr);
+      cuda::gdn_output_norm(dout.get(), dz.get(), dnorm.get(), S * Hv, dv, float(c.rms_eps), nullptr);
+      EXPECT_LT(rel_err(dout.host(), ref), 2e-4) << "Hk " << Hk << " S " << S;
+      EXPECT_LT(rel_err(dstate.host(), st.recurrent), 2e-4) << "Hk " << Hk << " S " << S;
+      EXPECT_LT(rel_err(dconv_state.host(), st.conv), 1e-6) << "Hk " << Hk << " S " << S;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- mHC
 
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
@@ -304,27 +475,6 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
 }
 
 // ---------------------------------------------------------------- k-pool indexer
-
-// y = the columns [off, off + out) of x: lets the CPU indexer's projections pass prepared values through.
-class SliceLinear : public Linear {
- public:
-  SliceLinear(int64_t in, int64_t off, int64_t out) : off_(off) {
-    in_ = in;
-    out_ = out;
-  }
-  void forward(const float* x, int64_t n, float* y) const override {
-    for (int64_t r = 0; r < n; ++r) std::copy_n(x + r * in_ + off_, out_, y + r * out_);
-  }
-  void dequant_rows(int64_t b, int64_t e, float* out) const override {
-    std::fill(out, out + (e - b) * in_, 0.0f);
-    for (int64_t r = b; r < e; ++r) out[(r - b) * in_ + off_ + r] = 1.0f;
-  }
-  std::string kind() const override { return "slice"; }
-  size_t stored_bytes() const override { return 0; }
-
- private:
-  int64_t off_;
-};
 
 struct KpoolCase {
   int nh, d, kpool, topk;

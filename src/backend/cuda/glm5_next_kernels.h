@@ -34,10 +34,40 @@ void kda_gates(float* g, const float* dt_bias, const float* a_log, int S, int H,
 // DeltaNet); beta [T, H]; state [H, dk, dv] in/out; out [T, H, dv]. dk a multiple of 32, <= 256.
 void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
                 const float* g, const float* beta, float* state, float* out, cudaStream_t st);
+// The same over operands in place in a conv output row (strides) and with q/k heads shared by qk_group value heads
+// (Gated DeltaNet: v_heads / k_heads): value head h reads q/k head h / qk_group.
+struct DeltaRuleArgs {
+  int T = 0, heads = 0, dk = 0, dv = 0;  // heads: value heads (= state heads)
+  int qk_group = 1;
+  bool per_channel_decay = true;
+  const float* q = nullptr;  // [T][qk_stride]: head hk at hk * dk
+  const float* k = nullptr;
+  int64_t qk_stride = 0;        // 0: contiguous (heads / qk_group) * dk
+  const float* v = nullptr;     // [T][v_stride]: head h at h * dv
+  int64_t v_stride = 0;         // 0: contiguous heads * dv
+  const float* g = nullptr;     // [T, heads, dk] (per_channel_decay) or [T, heads], contiguous
+  const float* beta = nullptr;  // [T, heads]
+  float* state = nullptr;       // [heads, dk, dv]
+  float* out = nullptr;         // [T, heads, dv], contiguous
+};
+void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
 
 // KDA output: per (token, head) row of d values, o = rms_norm(o) * w * sigmoid(gate) (eps inside the sqrt, mean
 // over d). o, gate: [rows, d] (rows = S * H); o in place.
 void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st);
+
+// ---- Gated DeltaNet (Qwen3-Next) pieces, layouts as cpu::gated_delta_forward; the recurrence is delta_rule above
+// with per_channel_decay false and qk_group = r (or q/k expanded per value head).
+
+// qkvz [S, Hk, 2*dk + 2*r*dv] (per key head: q | k | v (r heads) | z (r heads)) -> mixed [S, C] = q (all heads) |
+// k | v, C = 2*Hk*dk + Hk*r*dv (the conv input), and z [S, Hk*r*dv].
+void gdn_split_qkvz(const float* qkvz, int S, int Hk, int r, int dk, int dv, float* mixed, float* z, cudaStream_t st);
+// ba [S, Hk, 2*r] (per key head: b (r) | a (r)) -> beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias),
+// both [S, Hk*r]; dt_bias, a_log [Hk*r].
+void gdn_gates(const float* ba, const float* dt_bias, const float* a_log, int S, int Hk, int r, float* g, float* beta,
+               cudaStream_t st);
+// o = rms_norm(o) * w * silu(z) per row of d (rows = S * Hv); o in place.
+void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, float eps, cudaStream_t st);
 
 // ---- feed-forward
 

@@ -77,16 +77,15 @@ __global__ void kda_gates_kernel(float* g, const float* dt_bias, const float* a_
 constexpr int kDrWarps = 8, kDrTokens = 8;
 
 template <int R>
-__global__ void __launch_bounds__(kDrWarps * 32)
-    delta_rule_kernel(int T, int H, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
-                      const float* g, const float* beta, float* state, float* out) {
+__global__ void __launch_bounds__(kDrWarps * 32) delta_rule_kernel(DeltaRuleArgs a) {
   constexpr int dk = 32 * R;
   __shared__ float q_s[kDrTokens][dk], k_s[kDrTokens][dk], e_s[kDrTokens][dk], b_s[kDrTokens];
   __shared__ float tile[dk][kDrWarps + 1];  // state columns j0 .. j0+kDrWarps-1 (padded: no bank conflicts)
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int T = a.T, H = a.heads, dv = a.dv, hk = h / a.qk_group;
   const int j0 = blockIdx.x * kDrWarps, j = j0 + warp;
   const bool active = j < dv;  // uniform per warp
-  float* S = state + int64_t(h) * dk * dv;
+  float* S = a.state + int64_t(h) * dk * dv;
   for (int idx = threadIdx.x; idx < dk * kDrWarps; idx += blockDim.x) {
     const int c = idx / kDrWarps, jj = idx % kDrWarps;
     tile[c][jj] = j0 + jj < dv ? S[int64_t(c) * dv + j0 + jj] : 0.0f;
@@ -101,12 +100,12 @@ __global__ void __launch_bounds__(kDrWarps * 32)
     __syncthreads();
     for (int idx = threadIdx.x; idx < n * dk; idx += blockDim.x) {
       const int r = idx / dk, c = idx % dk;
-      const int64_t ti = int64_t(t0 + r) * H + h;
-      q_s[r][c] = q[ti * dk + c];
-      k_s[r][c] = k[ti * dk + c];
-      e_s[r][c] = expf(per_channel_decay ? g[ti * dk + c] : g[ti]);
+      const int64_t ti = int64_t(t0 + r) * H + h, qk = int64_t(t0 + r) * a.qk_stride + int64_t(hk) * dk + c;
+      q_s[r][c] = a.q[qk];
+      k_s[r][c] = a.k[qk];
+      e_s[r][c] = expf(a.per_channel_decay ? a.g[ti * dk + c] : a.g[ti]);
     }
-    for (int r = threadIdx.x; r < n; r += blockDim.x) b_s[r] = beta[int64_t(t0 + r) * H + h];
+    for (int r = threadIdx.x; r < n; r += blockDim.x) b_s[r] = a.beta[int64_t(t0 + r) * H + h];
     __syncthreads();
     if (!active) continue;
     for (int r = 0; r < n; ++r) {
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(kDrWarps * 32)
         u += s[i] * k_s[r][lane + 32 * i];
       }
       u = warp_sum(u);
-      const float delta = b_s[r] * (v[ti * dv + j] - u);
+      const float delta = b_s[r] * (a.v[int64_t(t0 + r) * a.v_stride + int64_t(h) * dv + j] - u);
       float o = 0.0f;
 #pragma unroll
       for (int i = 0; i < R; ++i) {
@@ -126,7 +125,7 @@ __global__ void __launch_bounds__(kDrWarps * 32)
         o += s[i] * q_s[r][lane + 32 * i];
       }
       o = warp_sum(o);
-      if (lane == 0) out[ti * dv + j] = o;
+      if (lane == 0) a.out[ti * dv + j] = o;
     }
   }
 #pragma unroll
@@ -139,14 +138,15 @@ __global__ void __launch_bounds__(kDrWarps * 32)
 }
 
 template <int R>
-void launch_delta_rule(int T, int H, int dv, bool pcd, const float* q, const float* k, const float* v, const float* g,
-                       const float* beta, float* state, float* out, cudaStream_t st) {
-  const dim3 grid(unsigned(ceil_div(dv, kDrWarps)), unsigned(H));
-  delta_rule_kernel<R><<<grid, kDrWarps * 32, 0, st>>>(T, H, dv, pcd, q, k, v, g, beta, state, out);
+void launch_delta_rule(const DeltaRuleArgs& a, cudaStream_t st) {
+  const dim3 grid(unsigned(ceil_div(a.dv, kDrWarps)), unsigned(a.heads));
+  delta_rule_kernel<R><<<grid, kDrWarps * 32, 0, st>>>(a);
 }
 
-// ---- KDA output: one warp per (token, head) row: rms_norm(o) * w * sigmoid(gate).
-__global__ void kda_output_norm_kernel(float* o, const float* gate, const float* w, int rows, int d, float eps) {
+// ---- gated output RMSNorm: one warp per (token, head) row: rms_norm(o) * w * sigmoid(gate) (KDA) or
+// * silu(gate) (Gated DeltaNet).
+template <bool kSilu>
+__global__ void gated_rms_norm_kernel(float* o, const float* gate, const float* w, int rows, int d, float eps) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -156,7 +156,40 @@ __global__ void kda_output_norm_kernel(float* o, const float* gate, const float*
   for (int i = lane; i < d; i += 32) ss += p[i] * p[i];
   ss = warp_sum(ss);
   const float inv = 1.0f / sqrtf(ss / float(d) + eps);
-  for (int i = lane; i < d; i += 32) p[i] = (p[i] * inv) * w[i] * sigmoidf(gr[i]);
+  for (int i = lane; i < d; i += 32) {
+    const float z = gr[i];
+    p[i] = (p[i] * inv) * w[i] * (kSilu ? z / (1.0f + expf(-z)) : sigmoidf(z));
+  }
+}
+
+// ---- Gated DeltaNet input regrouping and gates (layouts of cpu::gated_delta_forward).
+__global__ void gdn_split_kernel(const float* qkvz, int S, int Hk, int r, int dk, int dv, float* mixed, float* z) {
+  const int group = 2 * dk + 2 * r * dv, QK = Hk * dk, V = Hk * r * dv, C = 2 * QK + V;
+  const int64_t n = int64_t(S) * Hk * group;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = idx / (int64_t(Hk) * group);
+    const int h = int(idx / group % Hk), o = int(idx % group);
+    const float x = qkvz[idx];
+    float* m = mixed + s * C;
+    if (o < dk) m[h * dk + o] = x;
+    else if (o < 2 * dk) m[QK + h * dk + (o - dk)] = x;
+    else if (o < 2 * dk + r * dv) m[2 * QK + h * r * dv + (o - 2 * dk)] = x;
+    else z[s * V + h * r * dv + (o - 2 * dk - r * dv)] = x;
+  }
+}
+
+__global__ void gdn_gates_kernel(const float* ba, const float* dt_bias, const float* a_log, int S, int Hk, int r,
+                                 float* g, float* beta) {
+  const int Hv = Hk * r;
+  const int64_t n = int64_t(S) * Hv;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = idx / Hv;
+    const int hv = int(idx % Hv), h = hv / r, i = hv % r;
+    const float b = ba[s * 2 * Hv + h * 2 * r + i], av = ba[s * 2 * Hv + h * 2 * r + r + i];
+    beta[idx] = sigmoidf(b);
+    const float f = av + dt_bias[hv];
+    g[idx] = -expf(a_log[hv]) * (f > 20.0f ? f : log1pf(expf(f)));
+  }
 }
 
 }  // namespace
@@ -188,24 +221,58 @@ void kda_gates(float* g, const float* dt_bias, const float* a_log, int S, int H,
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
-void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
-                const float* g, const float* beta, float* state, float* out, cudaStream_t st) {
-  if (T <= 0 || H <= 0 || dv <= 0) return;
-  switch (dk) {
-    case 32: launch_delta_rule<1>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    case 64: launch_delta_rule<2>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    case 96: launch_delta_rule<3>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    case 128: launch_delta_rule<4>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    case 192: launch_delta_rule<6>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    case 256: launch_delta_rule<8>(T, H, dv, per_channel_decay, q, k, v, g, beta, state, out, st); break;
-    default: throw std::runtime_error("delta_rule: key head dim " + std::to_string(dk) + " not supported");
+void delta_rule(const DeltaRuleArgs& args, cudaStream_t st) {
+  DeltaRuleArgs a = args;
+  if (a.T <= 0 || a.heads <= 0 || a.dv <= 0) return;
+  if (a.qk_group < 1 || a.heads % a.qk_group != 0)
+    throw std::runtime_error("delta_rule: " + std::to_string(a.heads) + " value heads in groups of " +
+                             std::to_string(a.qk_group));
+  if (a.qk_stride == 0) a.qk_stride = int64_t(a.heads / a.qk_group) * a.dk;
+  if (a.v_stride == 0) a.v_stride = int64_t(a.heads) * a.dv;
+  switch (a.dk) {
+    case 32: launch_delta_rule<1>(a, st); break;
+    case 64: launch_delta_rule<2>(a, st); break;
+    case 96: launch_delta_rule<3>(a, st); break;
+    case 128: launch_delta_rule<4>(a, st); break;
+    case 192: launch_delta_rule<6>(a, st); break;
+    case 256: launch_delta_rule<8>(a, st); break;
+    default: throw std::runtime_error("delta_rule: key head dim " + std::to_string(a.dk) + " not supported");
   }
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
+void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const float* q, const float* k, const float* v,
+                const float* g, const float* beta, float* state, float* out, cudaStream_t st) {
+  DeltaRuleArgs a;
+  a.T = T, a.heads = H, a.dk = dk, a.dv = dv, a.per_channel_decay = per_channel_decay;
+  a.q = q, a.k = k, a.v = v, a.g = g, a.beta = beta, a.state = state, a.out = out;
+  delta_rule(a, st);
+}
+
 void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st) {
   if (rows <= 0) return;
-  kda_output_norm_kernel<<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, gate, w, rows, d, eps);
+  gated_rms_norm_kernel<false><<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, gate, w, rows, d, eps);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, float eps, cudaStream_t st) {
+  if (rows <= 0) return;
+  gated_rms_norm_kernel<true><<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, z, w, rows, d, eps);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void gdn_split_qkvz(const float* qkvz, int S, int Hk, int r, int dk, int dv, float* mixed, float* z, cudaStream_t st) {
+  const int64_t n = int64_t(S) * Hk * (2 * dk + 2 * r * dv);
+  if (n <= 0) return;
+  gdn_split_kernel<<<grid_1d(n, 256), 256, 0, st>>>(qkvz, S, Hk, r, dk, dv, mixed, z);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void gdn_gates(const float* ba, const float* dt_bias, const float* a_log, int S, int Hk, int r, float* g, float* beta,
+               cudaStream_t st) {
+  const int64_t n = int64_t(S) * Hk * r;
+  if (n <= 0) return;
+  gdn_gates_kernel<<<grid_1d(n, 256), 256, 0, st>>>(ba, dt_bias, a_log, S, Hk, r, g, beta);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
