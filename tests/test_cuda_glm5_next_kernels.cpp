@@ -407,8 +407,9 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
 
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
-  for (int D : {128, 4096}) {
-    const int n = 4, S = 6, W = n * D, mix = (2 + n) * n;
+  // S = 6: the logits spread over blocks (decode path); S = 40: one block per token.
+  for (auto [D, S] : {std::pair{128, 6}, std::pair{4096, 6}, std::pair{128, 40}, std::pair{4096, 40}}) {
+    const int n = 4, W = n * D, mix = (2 + n) * n;
     ModelConfig c;
     c.hidden_size = D;
     c.rms_eps = 1e-6;
@@ -444,10 +445,10 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     res.enter(x.data(), S, norm, hw, h.data());
     res.leave(x.data(), S, y.data());
 
-    EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D;
-    EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D;
-    EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D;
-    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D;
+    EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D << " S " << S;
+    EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D << " S " << S;
+    EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D << " S " << S;
+    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D << " S " << S;
     // The Sinkhorn result is close to doubly stochastic: columns sum to ~1.
     const std::vector<float> cg = dcomb.host();
     for (int j = 0; j < n; ++j) {
@@ -470,7 +471,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
       for (int i = 0; i < n; ++i) cpu::axpy(1.0f, x.data() + s * W + i * D, D, mean.data() + s * D);
       for (int d = 0; d < D; ++d) mean[size_t(s * D + d)] /= float(n);
     }
-    EXPECT_LT(rel_err(dmean.host(), mean), 1e-5) << "D " << D;
+    EXPECT_LT(rel_err(dmean.host(), mean), 1e-5) << "D " << D << " S " << S;
   }
 }
 

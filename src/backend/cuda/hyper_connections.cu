@@ -12,15 +12,31 @@ namespace moesrv::cuda {
 namespace {
 
 constexpr int kMaxStreams = 8, kThreads = 256;
+constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens, the mixing logits use more blocks
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
+// Raw mixing logit fn[kk] . X of token s by a whole block (thread-strided partial sums, then block_sum): the same
+// summation order as hyper_enter_kernel's own loop.
+__global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, float* h) {
+  const int kk = blockIdx.x, s = blockIdx.y;
+  const int64_t W = int64_t(n) * D;
+  const float *X = x + s * W, *row = fn + kk * W;
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) acc += row[i] * X[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) h[int64_t(s) * D + kk] = acc;  // parked in the token's h row until hyper_enter_kernel
+}
+
+// One block per token. dots_ready: the raw logits fn . X were parked in h[s][0, mix) by hyper_dot_kernel (decode:
+// spread over mix blocks per token); else this block computes them, 8 rows per pass over X.
 __global__ void __launch_bounds__(kThreads)
     hyper_enter_kernel(const float* x, int n, int D, const float* fn, const float* scale, const float* base,
-                       const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post_out,
-                       float* comb_out) {
+                       const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, bool dots_ready, float* h,
+                       float* post_out, float* comb_out) {
+  constexpr int kRows = 8;
   __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
-  const int s = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  const int s = blockIdx.x, tid = threadIdx.x;
   const int64_t W = int64_t(n) * D;
   const int mix = (2 + n) * n;
   const float* X = x + s * W;
@@ -30,12 +46,25 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = tid; i < W; i += blockDim.x) ss += X[i] * X[i];
   ss = block_sum(ss);
   const float r = 1.0f / sqrtf(ss / float(W) + rms_eps);
-  for (int kk = warp; kk < mix; kk += warps) {
-    const float* row = fn + kk * W;
-    float acc = 0.0f;
-    for (int64_t i = lane; i < W; i += 32) acc += row[i] * X[i];
-    acc = warp_sum(acc);
-    if (lane == 0) m_s[kk] = acc * r;
+  if (dots_ready) {
+    for (int kk = tid; kk < mix; kk += blockDim.x) m_s[kk] = h[int64_t(s) * D + kk] * r;
+  } else {
+    for (int k0 = 0; k0 < mix; k0 += kRows) {
+      float acc[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) acc[j] = 0.0f;
+      for (int64_t i = tid; i < W; i += blockDim.x) {
+        const float xv = X[i];
+#pragma unroll
+        for (int j = 0; j < kRows; ++j)
+          if (k0 + j < mix) acc[j] += fn[(k0 + j) * W + i] * xv;
+      }
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const float dot = block_sum(acc[j]);  // uniform over the block
+        if (tid == 0 && k0 + j < mix) m_s[k0 + j] = dot * r;
+      }
+    }
   }
   __syncthreads();
 
@@ -136,8 +165,16 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
                  float* comb, cudaStream_t st) {
   check_streams(n, "hyper_enter");
   if (S <= 0) return;
-  hyper_enter_kernel<<<S, kThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
-                                             comb);
+  // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM; spread the logits over
+  // (2+n)*n blocks per token first.
+  const int mix = (2 + n) * n;
+  const bool split = S <= kSplitTokens && D >= mix;
+  if (split) {
+    hyper_dot_kernel<<<dim3(unsigned(mix), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, h);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  }
+  hyper_enter_kernel<<<S, kThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, split,
+                                             h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
