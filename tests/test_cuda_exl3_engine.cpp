@@ -8,12 +8,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
 #include "format/exl3_convert.h"
+#include "model/exl3_selection.h"
 #include "format/safetensors.h"
 
 namespace moesrv {
@@ -35,11 +37,15 @@ struct Variant {
   Exl3Codebook cb;
 };
 // deepseek_v3: MLA, padded projections (experts 32x128 -> 128x128); glm4_moe: GQA with q/k/v biases.
-const Variant kVariants[] = {{"deepseek_v3", 2, 4, Exl3Codebook::Mul1}, {"glm4_moe", 2, 3, Exl3Codebook::Inst3}};
+// glm5_next_clamp: KDA, NoPE MLA with the k-pool indexer, mHC, clamped SwiGLU (tensors chosen by the manifest).
+const Variant kVariants[] = {{"deepseek_v3", 2, 4, Exl3Codebook::Mul1},
+                             {"glm4_moe", 2, 3, Exl3Codebook::Inst3},
+                             {"glm5_next_clamp", 4, 6, Exl3Codebook::Mul1}};
 
-int layer_of(const std::string& name) {
-  const std::string p = "model.layers.";
-  return name.starts_with(p) ? std::atoi(name.c_str() + p.size()) : -1;
+int layer_of(const std::string& name) {  // model.layers.N. or model.language_model.layers.N.
+  for (const char* p : {"model.layers.", "model.language_model.layers."})
+    if (name.starts_with(p)) return std::atoi(name.c_str() + std::strlen(p));
+  return -1;
 }
 
 // The EXL3 package of a variant: every projection the converter takes, except the MTP layers the engines skip.
@@ -48,14 +54,14 @@ std::string exl3_tiny(const Variant& v) {
   const fs::path dir = fs::path(cache ? cache : fs::temp_directory_path().string()) /
                        fmt::format("moesrv_exl3_{}_k{}_h{}_{}", v.model, v.bits, v.head_bits, exl3_codebook_name(v.cb));
   if (fs::exists(dir / "converted")) return dir.string();
-  const int64_t layers = ModelPackage::open(tiny(v.model))->config()["num_hidden_layers"].get<int64_t>();
+  const int64_t layers = ModelConfig::from_json(ModelPackage::open(tiny(v.model))->config()).num_layers;
   Exl3ConvertOptions opt;
   opt.bits = v.bits;
   opt.head_bits = v.head_bits;
   opt.codebook = v.cb;
   opt.filter = [layers](const std::string& n) { return layer_of(n) < layers; };
   auto t0 = std::chrono::steady_clock::now();
-  exl3_convert_model(tiny(v.model), dir.string(), opt);
+  exl3_convert_package(tiny(v.model), dir.string(), opt);
   std::printf("[ info ] converted %s to EXL3 K=%d in %.1f s\n", v.model, v.bits,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::ofstream(dir / "converted") << "ok\n";

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <deque>
 #include <map>
+#include <vector>
 
 #include "backend/cuda/cuda_engine.h"
 #include "format/exl3_convert.h"
@@ -136,6 +137,59 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
         variant == 0 ? "bf16" : "EXL3 K=4", load, double(st.weight_bytes) / double(1ull << 30),
         double(st.exl3_weight_bytes) / double(1ull << 30), double(st.vram_used) / double(1ull << 30), prefill * 1e3,
         2048 / prefill, decode * 1e3, 1.0 / decode, long(st.graph_replays));
+  }
+}
+
+// GLM-5.3-Flash (glm5_next) at real width, EXL3 K=4 (random trellis; 288 experts aliasing 8 host weight sets, each
+// uploaded as its own block), all in VRAM: slices of 4 and 8 layers (i % 4 == 3 MLA with the k-pool indexer, the
+// rest KDA; all MoE; mHC 4 streams). The difference of the two slices is the time of 4 layers (3 KDA + 1 MLA, the
+// full model's 34:11 mix within 3%); the rest of the 4-layer slice is the embedding + head. Projection to 45 layers:
+// head + 45/4 x (4 layers). Decode after prefills of 8K and 32K tokens. Opt-in: MOESRV_CUDA_BENCH=1.
+TEST(CudaExl3SyntheticGlm5Next, Throughput) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
+  if (!std::getenv("MOESRV_CUDA_BENCH")) GTEST_SKIP() << "set MOESRV_CUDA_BENCH=1";
+  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
+  const std::vector<int64_t> contexts = {8192, 32768};
+  std::map<int, std::vector<std::pair<double, double>>> t;  // layers -> per context (prefill s, decode s/token)
+  for (int layers : {4, 8}) {
+    SyntheticOptions so;
+    so.distinct_experts = 8;
+    auto cfg = glm5_next_config(layers);
+    auto q = synthetic_exl3(make_synthetic_model(cfg, so), 4);
+    CudaEngineOptions opt;
+    opt.max_ctx = contexts.back() + 64;
+    opt.prefill_chunk = 8192;
+    auto t0 = std::chrono::steady_clock::now();
+    CudaEngine e(q, opt);
+    const double load = secs(t0);
+    for (int64_t ctx : contexts) {
+      auto seq = e.new_sequence();
+      std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
+      t0 = std::chrono::steady_clock::now();
+      auto l = e.forward(*seq, prompt);
+      const double prefill = secs(t0);
+      for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});  // capture + warm
+      t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 32; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
+      const double decode = secs(t0) / 32;
+      t[layers].push_back({prefill, decode});
+      const auto st = e.stats();
+      std::printf("[ perf ] glm5_next %d layers EXL3 K=4, ctx %ld: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM "
+                  "%.2f GiB, prefill %.2f s (%.0f tok/s), decode %.2f ms/token, graph replays %ld\n",
+                  layers, long(ctx), load, double(st.weight_bytes) / double(1ull << 30),
+                  double(st.exl3_weight_bytes) / double(1ull << 30), double(st.vram_used) / double(1ull << 30),
+                  prefill, double(ctx) / prefill, decode * 1e3, long(st.graph_replays));
+    }
+  }
+  for (size_t i = 0; i < contexts.size(); ++i) {
+    const auto [p4, d4] = t[4][i];
+    const auto [p8, d8] = t[8][i];
+    const double pl = (p8 - p4) / 4, dl = (d8 - d4) / 4;  // per layer (mixed)
+    const double p45 = p4 - 4 * pl + 45 * pl, d45 = d4 - 4 * dl + 45 * dl;
+    std::printf("[ perf ] glm5_next projected to 45 layers, ctx %ld: decode %.2f ms/token (%.1f tok/s; %.3f ms per "
+                "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s)\n",
+                long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, double(contexts[i]) / p45);
   }
 }
 

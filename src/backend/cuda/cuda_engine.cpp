@@ -3,9 +3,11 @@
 #include "backend/cuda/cuda_engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "backend/cuda/engine_internal.h"
+#include "model/decoder.h"
 
 namespace moesrv {
 
@@ -13,62 +15,168 @@ using namespace moesrv::cuda;
 
 namespace {
 
-// One sequence's caches on the device, max_ctx tokens each, allocated against the engine's budget.
+// One sequence's state on the device, max_ctx tokens, allocated against the engine's budget: per softmax-attention
+// layer its KV (or latent) cache and indexer keys (per token, or pooled with the k-pool indexer and its open
+// pool), per linear-attention layer its conv and recurrent state. Fixed-size state cannot be rewound per token:
+// it is checkpointed (device copies) at the end of every multi-token forward, and truncate() goes back to those.
 class CudaSequence : public SequenceState {
  public:
-  CudaSequence(const CudaEngine::Impl& e) : owner(&e) {
+  static constexpr size_t kMaxCheckpoints = 4;
+
+  explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()) {
     const ModelConfig& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
     layers.resize(size_t(c.num_layers));
     table.resize(size_t(c.num_layers));
     for (int64_t l = 0; l < c.num_layers; ++l) {
+      const LayerSpec& spec = c.layers[size_t(l)];
       auto& L = layers[size_t(l)];
-      L.kv = DeviceBuffer(e.budget, T * size_t(e.kv_row) * elem, "KV cache");
-      if (e.opt.kv_q8) L.kv_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
-      if (e.v_row) {
-        L.v = DeviceBuffer(e.budget, T * size_t(e.v_row) * elem, "KV cache");
-        if (e.opt.kv_q8) L.v_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
+      if (spec.recurrent()) {
+        L.conv = fixed(e, size_t((c.linear.conv_kernel - 1) * c.linear.conv_channels()), "conv state");
+        L.recurrent = fixed(e, size_t(c.linear.state_floats()), "recurrent state");
+      } else {
+        L.kv = DeviceBuffer(e.budget, T * size_t(e.kv_row) * elem, "KV cache");
+        if (e.opt.kv_q8) L.kv_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
+        if (e.v_row) {
+          L.v = DeviceBuffer(e.budget, T * size_t(e.v_row) * elem, "KV cache");
+          if (e.opt.kv_q8) L.v_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
+        }
       }
-      if (c.dsa) L.index_k = DeviceBuffer(e.budget, T * size_t(c.index_head_dim) * 2, "indexer key cache");
+      if (spec.indexer == IndexerKind::Own) {
+        if (c.index_kpool > 1) {
+          L.pool_k = DeviceBuffer(e.budget, size_t(e.max_pools() * c.index_head_dim) * 4, "indexer pooled keys");
+          L.open = fixed(e, size_t(2 * c.index_kpool * c.index_head_dim), "indexer open pool");
+        } else {
+          L.index_k = DeviceBuffer(e.budget, T * size_t(c.index_head_dim) * 2, "indexer key cache");
+        }
+      }
       table[size_t(l)] = {L.kv.as<void>(), L.kv_scale.as<float>(), L.v.as<void>(), L.v_scale.as<float>(),
                           L.index_k.as<uint16_t>()};
+      fixed_state_ |= bool(L.conv.bytes()) || bool(L.open.bytes());
     }
+    MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
+  }
+  ~CudaSequence() override {
+    if (fixed_state_) owner->drop_sequence_graph(id);
   }
   int64_t length() const override { return length_; }
+  int64_t resume_point(int64_t n) const override {
+    n = std::min(n, length_);
+    if (!fixed_state_ || n == length_) return n;
+    int64_t best = 0;
+    for (const auto& cp : checkpoints_)
+      if (cp.length <= n) best = std::max(best, cp.length);
+    return best;
+  }
   void truncate(int64_t n) override {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
+    if (n == length_) return;
+    if (fixed_state_) {
+      if (resume_point(n) != n) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
+      const Checkpoint* cp = nullptr;
+      for (const auto& c : checkpoints_)
+        if (c.length == n) cp = &c;
+      for (size_t l = 0; l < layers.size(); ++l)
+        for (auto [buf, i] : fixed_buffers(l)) {
+          if (cp) copy(cp->fixed[l * 3 + i], *buf);
+          else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
+        }
+      while (!checkpoints_.empty() && checkpoints_.back().length > n) checkpoints_.pop_back();
+    }
     length_ = n;  // later positions are overwritten by the next forward
+  }
+  // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
+  void checkpoint() override {
+    if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back().length == length_)) return;
+    Checkpoint cp;
+    cp.length = length_;
+    cp.fixed.resize(layers.size() * 3);
+    for (size_t l = 0; l < layers.size(); ++l)
+      for (auto [buf, i] : fixed_buffers(l)) {
+        cp.fixed[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
+        copy(*buf, cp.fixed[l * 3 + i]);
+      }
+    checkpoints_.push_back(std::move(cp));
+    if (checkpoints_.size() > kMaxCheckpoints) checkpoints_.erase(checkpoints_.begin());
   }
   std::unique_ptr<SequenceState> clone() const override {
     auto s = std::make_unique<CudaSequence>(*owner);
-    MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
     const size_t T = size_t(owner->max_ctx), n = size_t(length_);
-    auto copy = [&](const DeviceBuffer& from, DeviceBuffer& to) {
-      if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpy(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice));
+    auto rows = [&](const DeviceBuffer& from, DeviceBuffer& to) {  // per-token caches: the first n rows
+      if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice, owner->stream));
     };
     for (size_t l = 0; l < layers.size(); ++l) {
-      copy(layers[l].kv, s->layers[l].kv);
-      copy(layers[l].kv_scale, s->layers[l].kv_scale);
-      copy(layers[l].v, s->layers[l].v);
-      copy(layers[l].v_scale, s->layers[l].v_scale);
-      copy(layers[l].index_k, s->layers[l].index_k);
+      rows(layers[l].kv, s->layers[l].kv);
+      rows(layers[l].kv_scale, s->layers[l].kv_scale);
+      rows(layers[l].v, s->layers[l].v);
+      rows(layers[l].v_scale, s->layers[l].v_scale);
+      rows(layers[l].index_k, s->layers[l].index_k);
+      if (layers[l].pool_k.bytes()) copy(layers[l].pool_k, s->layers[l].pool_k);
+      for (auto [buf, i] : fixed_buffers(l)) copy(*buf, *s->fixed_buffers(l)[size_t(i)].first);
     }
+    for (const auto& cp : checkpoints_) {
+      Checkpoint c2;
+      c2.length = cp.length;
+      for (const auto& b : cp.fixed) {
+        c2.fixed.emplace_back(owner->budget, b.bytes(), "state checkpoint");
+        copy(b, c2.fixed.back());
+      }
+      s->checkpoints_.push_back(std::move(c2));
+    }
+    MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
     s->length_ = length_;
     return s;
   }
   size_t bytes() const override {
     size_t b = 0;
-    for (const auto& L : layers) b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes();
+    for (const auto& L : layers)
+      b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes() + L.pool_k.bytes() +
+           L.open.bytes() + L.conv.bytes() + L.recurrent.bytes();
+    for (const auto& cp : checkpoints_)
+      for (const auto& f : cp.fixed) b += f.bytes();
     return b;
   }
+  // Raw pointers of the fixed-size and pooled state for the engine's pass.
+  CudaEngine::Impl::LayerState state(size_t l) const {
+    const Layer& L = layers[l];
+    return {L.conv.as<float>(), L.recurrent.as<float>(), L.pool_k.as<float>(), L.open.as<float>()};
+  }
+  bool has_fixed_state() const { return fixed_state_; }
 
   struct Layer {
-    DeviceBuffer kv, kv_scale, v, v_scale, index_k;
+    DeviceBuffer kv, kv_scale, v, v_scale, index_k;  // per token
+    DeviceBuffer pool_k;                            // per completed pool (fp32)
+    DeviceBuffer open, conv, recurrent;             // fixed size (fp32)
   };
   const CudaEngine::Impl* owner;
+  const uint64_t id;  // never reused: keys the sequence's decode graph
   std::vector<Layer> layers;
   std::vector<DeviceLayerCache> table;
   int64_t length_ = 0;
+
+ private:
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
+  struct Checkpoint {
+    int64_t length = 0;
+    std::vector<DeviceBuffer> fixed;  // [layer * 3 + i]: open, conv, recurrent (empty where the layer has none)
+  };
+  static DeviceBuffer fixed(const CudaEngine::Impl& e, size_t floats, const char* what) {
+    DeviceBuffer b(e.budget, floats * 4, what);
+    MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), e.stream));
+    return b;
+  }
+  void copy(const DeviceBuffer& from, DeviceBuffer& to) const {
+    if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
+  }
+  std::array<std::pair<DeviceBuffer*, int>, 3> fixed_buffers(size_t l) const {
+    Layer& L = const_cast<Layer&>(layers[l]);
+    return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
+  }
+  bool fixed_state_ = false;
+  std::vector<Checkpoint> checkpoints_;
 };
 
 }  // namespace
@@ -93,7 +201,7 @@ void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, flo
 
 void CudaEngine::Impl::mlp(const DevMlp& m, const float* x, int64_t n, float* y) {
   linear(m.gate_up, x, n, s.gu.as<float>());
-  silu_mul(s.gu.as<float>(), int(n), int(m.inter), s.act.as<float>(), stream);
+  silu_mul_clamped(s.gu.as<float>(), int(n), int(m.inter), m.limit, s.act.as<float>(), stream);
   linear(m.down, s.act.as<float>(), n, y);
 }
 
@@ -113,7 +221,7 @@ void CudaEngine::Impl::dsa_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
              d_pos0.as<int32_t>(), max_ctx, s.dsa_scores.as<float>(), s.sel.as<int32_t>(), stream);
 }
 
-void CudaEngine::Impl::attention_mla(int64_t l, int64_t S) {
+void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) {
   const DevAttention& a = layers[size_t(l)].attn;
   const int H = int(c.num_heads), dn = int(c.qk_nope_dim), dr = int(c.qk_rope_dim), r = int(c.kv_lora_rank);
   const int qk = dn + dr, dv = int(c.v_head_dim), lat = r + dr;
@@ -131,7 +239,11 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S) {
   rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
   rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
-  if (a.indexer) dsa_indexer(*a.indexer, l, S);
+  if (indexer == IndexerKind::Own) {  // the selection in s.sel is the current one from here on
+    if (!a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
+    if (c.index_kpool > 1) kpool_indexer(*a.indexer, l, S);
+    else dsa_indexer(*a.indexer, l, S);
+  }
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
     const int n = int(std::min(attn_rows, S - s0));
@@ -150,9 +262,9 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S) {
     args.mla = true;
     args.q8 = opt.kv_q8;
     args.lc = layer_cache(l);
-    if (c.dsa) {
-      args.selection = s.sel.as<int32_t>() + s0 * c.index_topk;
-      args.sel_k = int(c.index_topk);
+    if (indexer != IndexerKind::None) {
+      args.selection = s.sel.as<int32_t>() + s0 * sel_width();
+      args.sel_k = int(sel_width());
     }
     args.pos0 = pos;
     args.scale = float(c.softmax_scale);
@@ -195,22 +307,74 @@ void CudaEngine::Impl::attention_gqa(int64_t l, int64_t S) {
   linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
 }
 
-// Embedding through the final norm for S tokens at device positions; leaves normalised rows in s.h.
-void CudaEngine::Impl::run_layers(int64_t S) {
-  const int D = int(c.hidden_size);
-  const float eps = float(c.rms_eps);
-  float *x = s.x.as<float>(), *h = s.h.as<float>(), *y = s.y.as<float>();
-  embed_gather(embed.as<uint16_t>(), d_tokens.as<int32_t>(), int(S), D, x, stream);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    DevLayer& L = layers[size_t(l)];
-    add_rms_norm(x, l == 0 ? nullptr : y, L.input_norm.w.as<float>(), int(S), D, eps, h, stream);
-    if (c.attention == AttentionKind::MLA) attention_mla(l, S);
-    else attention_gqa(l, S);
-    add_rms_norm(x, y, L.post_norm.w.as<float>(), int(S), D, eps, h, stream);
-    if (L.moe) moe(l, S);
-    else mlp(*L.mlp, h, S, y);
+namespace {
+
+// The CUDA engine's blocks for the decoder loop (model/decoder.h): activations stay on the device. A plain
+// residual's x += y is deferred into the next norm (one fused add_rms_norm); mHC mixes its streams at every site.
+class CudaBlocks final : public BlockExecutor {
+ public:
+  CudaBlocks(CudaEngine::Impl& m, int64_t S) : m_(m), S_(S), D_(int(m.c.hidden_size)), n_(int(m.c.residual.streams)) {}
+
+  void enter(int64_t l, Site site) override {
+    const DevLayer& L = m_.layers[size_t(l)];
+    const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
+    if (n_ == 1) {
+      add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
+      pending_ = false;
+      return;
+    }
+    const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
+    const ResidualSpec& r = m_.c.residual;
+    hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(), norm.w.as<float>(),
+                eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(), m_.s.comb.as<float>(),
+                m_.stream);
   }
-  add_rms_norm(x, y, final_norm.w.as<float>(), int(S), D, eps, h, stream);
+  void leave(int64_t, Site) override {
+    if (n_ == 1) pending_ = true;
+    else hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
+  }
+  void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
+  void gqa(int64_t l) override { m_.attention_gqa(l, S_); }
+  void kda(int64_t l) override { m_.kda(l, S_); }
+  void gated_delta(int64_t l) override { fail("layer {}: Gated DeltaNet is not implemented on CUDA yet", l); }
+  void mlp(int64_t l) override { m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y()); }
+  void moe(int64_t l) override { m_.moe(l, S_); }
+
+  // Token embeddings (gathered on the device from d_tokens) into every residual stream.
+  void embed() {
+    embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, n_ == 1 ? x() : h(), m_.stream);
+    if (n_ > 1) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
+  }
+  // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
+  void final_norm(const DevNorm& norm) {
+    if (n_ == 1) {
+      add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
+      pending_ = false;
+      return;
+    }
+    hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
+    rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
+  }
+
+ private:
+  float* x() const { return m_.s.x.as<float>(); }
+  float* h() const { return m_.s.h.as<float>(); }
+  float* y() const { return m_.s.y.as<float>(); }
+  float eps() const { return float(m_.c.rms_eps); }
+  CudaEngine::Impl& m_;
+  const int64_t S_;
+  const int D_, n_;
+  bool pending_ = false;
+};
+
+}  // namespace
+
+// Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
+void CudaEngine::Impl::run_layers(int64_t S) {
+  CudaBlocks blocks(*this, S);
+  blocks.embed();
+  run_decoder_layers(c, blocks, 0, c.num_layers);
+  blocks.final_norm(final_norm);
 }
 
 void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
@@ -222,6 +386,31 @@ void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
     std::memcpy(host_out + r * V, h_logits.as<float>(), size_t(m * V) * 4);
   }
+}
+
+cudaGraphExec_t& CudaEngine::Impl::sequence_graph(uint64_t id) {
+  std::lock_guard<std::mutex> lock(graphs_mu);
+  for (size_t i = 0; i < seq_graphs.size(); ++i)
+    if (seq_graphs[i].first == id) {
+      std::rotate(seq_graphs.begin() + long(i), seq_graphs.begin() + long(i) + 1, seq_graphs.end());  // most recent last
+      return seq_graphs.back().second;
+    }
+  if (seq_graphs.size() == kMaxSequenceGraphs) {
+    cudaGraphExecDestroy(seq_graphs.front().second);
+    seq_graphs.erase(seq_graphs.begin());
+  }
+  seq_graphs.push_back({id, nullptr});
+  return seq_graphs.back().second;
+}
+
+void CudaEngine::Impl::drop_sequence_graph(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(graphs_mu);
+  for (size_t i = 0; i < seq_graphs.size(); ++i)
+    if (seq_graphs[i].first == id) {
+      if (seq_graphs[i].second) cudaGraphExecDestroy(seq_graphs[i].second);
+      seq_graphs.erase(seq_graphs.begin() + long(i));
+      return;
+    }
 }
 
 bool CudaEngine::Impl::graph_ok() const {
@@ -259,6 +448,8 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
   std::vector<float> logits(size_t((all_logits ? S : 1) * V));
+  m.cur_state.resize(seq->layers.size());
+  for (size_t l = 0; l < seq->layers.size(); ++l) m.cur_state[l] = seq->state(l);
   std::memcpy(m.h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
   MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
                                  seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
@@ -270,7 +461,9 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
     if (n == 1 && m.graph_ok()) {
-      if (!m.graph) {
+      // Kernels of fixed-size state take the sequence's pointers: such models keep one graph per sequence.
+      cudaGraphExec_t& graph = seq->has_fixed_state() ? m.sequence_graph(seq->id) : m.graph;
+      if (!graph) {
         cudaGraph_t g = nullptr;
         MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
         try {
@@ -282,11 +475,11 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
           throw;
         }
         MOESRV_CUDA_OK(cudaStreamEndCapture(m.stream, &g));
-        MOESRV_CUDA_OK(cudaGraphInstantiate(&m.graph, g, 0));
+        MOESRV_CUDA_OK(cudaGraphInstantiate(&graph, g, 0));
         cudaGraphDestroy(g);
         ++m.stats.graph_captures;
       }
-      MOESRV_CUDA_OK(cudaGraphLaunch(m.graph, m.stream));
+      MOESRV_CUDA_OK(cudaGraphLaunch(graph, m.stream));
       ++m.stats.graph_replays;
       MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>(), size_t(V) * 4, cudaMemcpyDeviceToHost, m.stream));
       MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
@@ -298,6 +491,7 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     }
     seq->length_ = pos0 + c0 + n;
   }
+  if (S > 1) seq->checkpoint();
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
   return logits;
 }

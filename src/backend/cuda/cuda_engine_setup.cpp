@@ -6,6 +6,7 @@
 
 #include "backend/cuda/engine_internal.h"
 #include "model/rope.h"
+#include "model/state.h"
 
 namespace moesrv {
 
@@ -69,8 +70,12 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   } else {
     kv_row = v_row = c.num_kv_heads * c.head_dim;
   }
-  const int64_t per_token = (kv_row + v_row) * elem + (opt.kv_q8 ? (v_row ? 8 : 4) : 0) + (c.dsa ? c.index_head_dim * 2 : 0);
-  seq_bytes = size_t(per_token * max_ctx * c.num_layers);
+  // model/state.h's formula: bf16 (or int8) KV, bf16 DSA keys, fp32 pooled k-pool keys and fixed state; int8
+  // caches add a per-token fp32 scale per softmax-attention layer and cache.
+  int64_t attn_layers = 0;
+  for (const LayerSpec& L : c.layers) attn_layers += !L.recurrent();
+  seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, 0, -1, c.index_kpool > 1 ? 4 : 2)) +
+              (opt.kv_q8 ? size_t(max_ctx * attn_layers * (v_row ? 8 : 4)) : 0);
 
   upload_weights();
   allocate_scratch();
@@ -82,6 +87,8 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 CudaEngine::Impl::~Impl() {
   if (stream) cudaStreamSynchronize(stream);
   if (graph) cudaGraphExecDestroy(graph);
+  for (auto& [id, g] : seq_graphs)
+    if (g) cudaGraphExecDestroy(g);
   for (auto& L : layers)
     if (L.moe)
       for (auto& s : L.moe->slots) {
@@ -132,7 +139,28 @@ void CudaEngine::Impl::upload_weights() {
     d.input_norm = up.norm(L.input_norm);
     d.post_norm = up.norm(L.post_attention_norm);
     DevAttention& a = d.attn;
-    if (L.mla) {
+    if (c.residual.streams > 1) {
+      d.attn_hc = {up.vec(L.attn_hc.fn, "mHC fn"), up.vec(L.attn_hc.base, "mHC base"), up.vec(L.attn_hc.scale, "mHC scale")};
+      d.ffn_hc = {up.vec(L.ffn_hc.fn, "mHC fn"), up.vec(L.ffn_hc.base, "mHC base"), up.vec(L.ffn_hc.scale, "mHC scale")};
+    }
+    if (L.kda) {
+      const KdaWeights& k = *L.kda;
+      DevKda x;
+      x.qkv = up.linear({k.q.get(), k.k.get(), k.v.get()}, "KDA q/k/v");
+      x.f_a = up.linear({k.f_a.get()}, "KDA f_a");
+      x.f_b = up.linear({k.f_b.get()}, "KDA f_b");
+      x.b = up.linear({k.b.get()}, "KDA b");
+      x.g_a = up.linear({k.g_a.get()}, "KDA g_a");
+      x.g_b = up.linear({k.g_b.get()}, "KDA g_b");
+      x.o = up.linear({k.o.get()}, "KDA o_proj");
+      x.conv = up.vec(k.conv, "KDA conv");
+      x.dt_bias = up.vec(k.dt_bias, "KDA dt_bias");
+      x.a_log = up.vec(k.a_log, "KDA A_log");
+      x.o_norm = up.norm(k.o_norm);
+      d.kda = std::move(x);
+    } else if (L.gated_delta) {
+      fail("layer {}: Gated DeltaNet (qwen3_next) is not implemented on CUDA yet", l);
+    } else if (L.mla) {
       const MlaWeights& m = *L.mla;
       if (m.q_a) {
         a.q_a = up.linear({m.q_a.get()}, "q_a_proj");
@@ -152,6 +180,10 @@ void CudaEngine::Impl::upload_weights() {
         ix.wk = up.linear({m.indexer->wk.get()}, "indexer wk");
         ix.weights_proj = up.linear({m.indexer->weights_proj.get()}, "indexer weights_proj");
         ix.k_norm = up.norm(m.indexer->k_norm);
+        if (m.indexer->pool_gate) {
+          ix.pool_gate = up.linear({m.indexer->pool_gate.get()}, "indexer pool gate");
+          ix.pool_ape = up.vec(m.indexer->pool_ape, "indexer pool ape");
+        }
         a.indexer = std::move(ix);
       }
     } else {
@@ -171,6 +203,9 @@ void CudaEngine::Impl::upload_weights() {
       m.router = up.vec(L.moe->router, "router");
       m.router_bias = up.vec(L.moe->router_bias, "router bias");
       if (L.moe->shared) m.shared = up.mlp(*L.moe->shared, "shared expert");
+      if (!L.moe->shared_gate.empty()) fail("layer {}: a gated shared expert (qwen3_next) is not implemented on CUDA yet", l);
+      if (c.router != RouterKind::SigmoidGroup) fail("layer {}: the softmax router is not implemented on CUDA yet", l);
+      m.limit = L.moe->experts.empty() ? 0.0f : L.moe->experts[0].limit;
       layout_experts(*L.moe, m);
       d.moe = std::move(m);
     }
@@ -264,9 +299,11 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
 void CudaEngine::Impl::allocate_scratch() {
   const int64_t R = rows, D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
   const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
+  const LinearAttnDims& la = c.linear;
   int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
-                             c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts)});
-  s.x = f32(R * D, "hidden");
+                             c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
+                             la.v_heads * la.dv});
+  s.x = f32(R * c.stream_width(), "residual streams");
   s.h = f32(R * D, "hidden");
   s.y = f32(R * D, "hidden");
   s.xb = DeviceBuffer(budget, size_t(R * max_in) * 2, "bf16 input");
@@ -281,19 +318,38 @@ void CudaEngine::Impl::allocate_scratch() {
     s.olat = f32(attn_rows * H * c.kv_lora_rank, "latent out");
     s.attn_out = f32(R * H * c.v_head_dim, "attention out");
     if (c.dsa) {
-      dsa_rows = std::clamp<int64_t>(kSliceFloats / max_ctx, 1, R);
+      const int64_t keys = c.index_kpool > 1 ? max_pools() : max_ctx;  // scored per query
+      dsa_rows = std::clamp<int64_t>(kSliceFloats / keys, 1, R);
       s.iq = f32(R * c.index_n_heads * c.index_head_dim, "indexer q");
       s.ik = f32(R * c.index_head_dim, "indexer k");
       s.ihw = f32(R * c.index_n_heads, "indexer weights");
-      s.sel = DeviceBuffer(budget, size_t(R * c.index_topk) * 4, "dsa selection");
-      s.dsa_scores = f32(dsa_rows * max_ctx, "dsa scores");
+      if (c.index_kpool > 1) s.ig = f32(R * c.index_head_dim, "indexer pool gate");
+      s.sel = DeviceBuffer(budget, size_t(R * sel_width()) * 4, "dsa selection");
+      s.dsa_scores = f32(dsa_rows * keys, "dsa scores");
     }
-  } else {
+  } else if (c.attention == AttentionKind::GQA) {
     attn_rows = R;
     s.q = f32(R * H * c.head_dim, "q");
     s.k = f32(R * c.num_kv_heads * c.head_dim, "k");
     s.v = f32(R * c.num_kv_heads * c.head_dim, "v");
     s.attn_out = f32(R * H * c.head_dim, "attention out");
+  }
+  if (c.residual.streams > 1) {
+    s.post = f32(R * c.residual.streams, "mHC post");
+    s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
+  }
+  if (c.has_recurrent_layers()) {
+    const int64_t Hd = la.v_heads * la.dk;
+    s.lraw = f32(R * la.conv_channels(), "KDA q/k/v projection");
+    s.lqkv = f32(R * la.conv_channels(), "KDA q/k/v");
+    s.lq = f32(R * Hd, "KDA q");
+    s.lk = f32(R * Hd, "KDA k");
+    s.lv = f32(R * Hd, "KDA v");
+    s.lg = f32(R * Hd, "KDA decay");
+    s.lbeta = f32(R * la.v_heads, "KDA beta");
+    s.lo = f32(R * Hd, "KDA out");
+    s.lfa = f32(R * la.dk, "KDA low rank");
+    s.lgate = f32(R * Hd, "KDA gate");
   }
   const int64_t inter = std::max(c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts));
   s.gu = f32(R * 2 * inter, "mlp gate/up");

@@ -186,6 +186,7 @@ DevMlp WeightUploader::mlp(const MlpWeights& m, const char* what) {
   d.gate_up = linear({m.gate.get(), m.up.get()}, what);
   d.down = linear({m.down.get()}, what);
   d.inter = m.gate->out_features();
+  d.limit = m.limit;
   return d;
 }
 

@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_engine.h"
 #include "backend/cuda/exl3_ops.h"
+#include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernels.h"
 #include "model/weights.h"
 #include "util/error.h"
@@ -100,10 +101,23 @@ struct DevNorm {
 struct DevMlp {  // gate and up fused: [2I][D]
   DevLinear gate_up, down;
   int64_t inter = 0;
+  float limit = 0;  // > 0: clamped SwiGLU
 };
 struct DevIndexer {
   DevLinear wq_b, wk, weights_proj;
   DevNorm k_norm;
+  DevLinear pool_gate;   // k-pool only
+  DeviceBuffer pool_ape;  // fp32 [kpool][d]
+};
+// KDA linear attention (q, k, v fused into one linear: rows [q | k | v]); fp32 conv taps, decay and norm.
+struct DevKda {
+  DevLinear qkv, f_a, f_b, b, g_a, g_b, o;
+  DeviceBuffer conv, dt_bias, a_log;
+  DevNorm o_norm;
+};
+// mHC weights of one residual site, fp32.
+struct DevHyper {
+  DeviceBuffer fn, base, scale;
 };
 struct DevAttention {
   DevLinear q_a, q_b, q, kv_a, o;  // MLA (q only without q_lora)
@@ -135,6 +149,7 @@ struct DevMoe {
   std::vector<std::array<Exl3Dev, 3>> x3_off;
   DeviceBuffer x3_tab;  // Exl3Dev [3][E] of the Vram experts (grouped decode)
   bool all_vram = true;
+  float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
   std::vector<PinnedBuffer> pinned;       // per expert, Cache placement only
   std::vector<CacheSlot> slots;
   std::vector<int> slot_of;               // expert -> slot or -1
@@ -163,6 +178,8 @@ size_t expert_block(const MlpWeights& m, bool exl3, std::array<Exl3Dev, 3>* off,
 struct DevLayer {
   DevNorm input_norm, post_norm;
   DevAttention attn;
+  std::optional<DevKda> kda;
+  DevHyper attn_hc, ffn_hc;  // residual streams > 1
   std::optional<DevMlp> mlp;
   std::optional<DevMoe> moe;
 };
@@ -203,6 +220,9 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer q_lat, q, kv, qcat, olat, attn_out;      // attention
     cuda::DeviceBuffer k, v;                                    // GQA keys/values of the pass
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
+    cuda::DeviceBuffer ig;                                      // k-pool gate logits
+    cuda::DeviceBuffer post, comb;                              // mHC mixing of the current site
+    cuda::DeviceBuffer lraw, lqkv, lq, lk, lv, lg, lbeta, lo, lfa, lgate;  // KDA
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
@@ -212,8 +232,14 @@ struct CudaEngine::Impl {
   } s;
   cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_logits;
 
-  // Decode graph (one token, all experts in VRAM).
+  // Decode graph (one token, all experts in VRAM); models with fixed-size state keep one per sequence (its
+  // pointers are baked in), the most recent kMaxSequenceGraphs, keyed by sequence id.
   cudaGraphExec_t graph = nullptr;
+  static constexpr size_t kMaxSequenceGraphs = 4;
+  mutable std::vector<std::pair<uint64_t, cudaGraphExec_t>> seq_graphs;
+  mutable std::mutex graphs_mu;
+  cudaGraphExec_t& sequence_graph(uint64_t id);  // the entry (null until captured), created if missing
+  void drop_sequence_graph(uint64_t id) const;   // a sequence is gone
   bool use_graph = true;
   CudaEngineStats stats;
 
@@ -237,15 +263,25 @@ struct CudaEngine::Impl {
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
   // One expert over `cnt` sorted rows from row0: inputs h rows through rows[row0..], out s.ysorted rows.
   void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t cnt);
-  void attention_mla(int64_t l, int64_t S);
+  void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
+  void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);  // (linear_attention_engine.cpp)
+  void kda(int64_t l, int64_t S);                                         // (linear_attention_engine.cpp)
+  // The current sequence's fixed-size and pooled state of layer l (set by forward()).
+  struct LayerState {
+    float *conv = nullptr, *recurrent = nullptr, *pool_k = nullptr, *open = nullptr;
+  };
+  std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
   const void* expert_weights(cuda::DevMoe& m, int e);  // block in VRAM or a cache slot (loads on a miss)
   void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;
+  // Selection row width: index_topk positions, + the open pool's tail with a k-pool indexer.
+  int64_t sel_width() const { return c.index_kpool > 1 ? c.index_topk + c.index_kpool : c.index_topk; }
+  int64_t max_pools() const { return max_ctx / std::max<int64_t>(1, c.index_kpool) + 1; }
   const cuda::DeviceLayerCache* layer_cache(int64_t l) const {
     return d_layer_cache.as<cuda::DeviceLayerCache>() + l;
   }

@@ -97,7 +97,7 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
     exl3_gemv_rotated(shape, g, xh, M, yr, Exl3Gemv::Auto, stream);
     if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream);
     else exl3_rotate_out(shape, g, yr, M, s.ysorted.as<float>(), D, nullptr, stream);
-    if (p == 1) silu_mul(gu, M, int(I), s.mact.as<float>(), stream);
+    if (p == 1) silu_mul_clamped(gu, M, int(I), m.limit, s.mact.as<float>(), stream);
   }
 }
 
@@ -109,7 +109,7 @@ void CudaEngine::Impl::expert_exl3(DevMoe& m, int e, const void* block, const fl
   const Exl3Src in{h, D, s.sorted_tok.as<int32_t>() + row0};
   exl3_forward(rebase(off[0], block), in, cnt, gu, 2 * I, nullptr);
   exl3_forward(rebase(off[1], block), in, cnt, gu + I, 2 * I, nullptr);
-  silu_mul(gu, int(cnt), int(I), act, stream);
+  silu_mul_clamped(gu, int(cnt), int(I), m.limit, act, stream);
   exl3_forward(rebase(off[2], block), Exl3Src{act, I}, cnt, s.ysorted.as<float>() + row0 * D, D, nullptr);
 }
 

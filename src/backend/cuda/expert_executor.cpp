@@ -39,7 +39,8 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     if (m.exl3) moe_exl3_grouped(m, S);
     else
       moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
-               m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream);
+               m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream,
+               m.limit);
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
     return;
   }
@@ -125,7 +126,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       const uint16_t* w = static_cast<const uint16_t*>(block);
       float* gu = s.mgu.as<float>() + row0 * 2 * I;
       gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + row0 * D, cnt, gu);
-      silu_mul(gu, int(cnt), int(I), s.mact.as<float>() + row0 * I, stream);
+      silu_mul_clamped(gu, int(cnt), int(I), m.limit, s.mact.as<float>() + row0 * I, stream);
       to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
       gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
     }

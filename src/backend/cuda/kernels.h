@@ -34,6 +34,8 @@ void rope(float* x, int S, int heads, int64_t tok_stride, int head_stride, int o
           const float* cos_sin, const int32_t* pos0, cudaStream_t st);
 // gu rows are [gate(I) | up(I)]; out[r][i] = silu(gate) * up.
 void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st);
+// SwiGLU clamp (swiglu_limit): silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 is plain silu_mul.
+void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out, cudaStream_t st);
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
 void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st);
 // out[i] = bf16(x[rows[i]]) for i < n (D values per row).
@@ -82,7 +84,8 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
 // Grouped expert GEMVs for small batches, experts picked on the device: entry i = token i / k, expert ids[i].
 // gate_up[e]: [2I][D] bf16, down[e]: [D][I] bf16 (device pointer tables). act: [S*k][I], y: [S*k][D].
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
-              const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st);
+              const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st,
+              float limit = 0.0f);  // limit > 0: clamped SwiGLU
 // out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j]] (rowmap -1: skipped; rowmap null: identity) + extra[s].
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
                  int k, int D, cudaStream_t st);

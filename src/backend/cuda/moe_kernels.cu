@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernels.h"
 
 namespace moesrv::cuda {
@@ -102,12 +103,12 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
 }
 
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
-              const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st) {
+              const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st, float limit) {
   const int entries = S * k;
   expert_gemv_kernel<<<dim3(ceil_div(2 * I, kGemvWarps), entries), kGemvWarps * 32, 0, st>>>(x, D, k, ids, gate_up,
                                                                                               2 * I, D, gu_scratch);
   MOESRV_CUDA_LAUNCH_CHECK();
-  silu_mul(gu_scratch, entries, I, act, st);
+  silu_mul_clamped(gu_scratch, entries, I, limit, act, st);
   expert_gemv_kernel<<<dim3(ceil_div(D, kGemvWarps), entries), kGemvWarps * 32, 0, st>>>(act, I, 1, ids, down, D, I, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
