@@ -69,11 +69,7 @@ void gdn_gates(const float* ba, const float* dt_bias, const float* a_log, int S,
 // o = rms_norm(o) * w * silu(z) per row of d (rows = S * Hv); o in place.
 void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, float eps, cudaStream_t st);
 
-// ---- feed-forward
-
-// SwiGLU with the swiglu_limit clamp (defined in elementwise.cu next to silu_mul): gu rows are [gate(I) | up(I)];
-// out[r][i] = silu(min(gate, limit)) * clamp(up, -limit, limit). limit <= 0: plain silu_mul.
-void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out, cudaStream_t st);
+// (The clamped SwiGLU of the feed-forward blocks, silu_mul_clamped, is in kernels.h beside silu_mul.)
 
 // ---- mHC hyper-connections (n residual streams of D values per token, x [S, n*D])
 

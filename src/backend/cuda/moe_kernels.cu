@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "backend/cuda/kernel_util.cuh"
-#include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernels.h"
 
 namespace moesrv::cuda {
