@@ -111,6 +111,17 @@ TEST(Preflight, ConfigOnlyFolderEstimatesGlm5NextFootprint) {
   EXPECT_EQ(r.kv_by_ctx[2].second, r.kv.bytes_per_token() * 262144 + r.kv.linear_state_bytes);
   EXPECT_TRUE(r.fits) << r.verdict;
   EXPECT_NE(r.text().find("ctx 262144"), std::string::npos);
+  // The usual budgets (no GPU detected: 22 and 44 GiB only): dense + KV + workspace first, then experts; the 22 GiB
+  // that 44 adds all go to experts, and what is left of the experts sits in RAM (128 GiB: fits at both).
+  ASSERT_EQ(r.by_budget.size(), 2u);
+  const auto &b22 = r.by_budget[0], &b44 = r.by_budget[1];
+  EXPECT_TRUE(b22.dense_fits && b44.dense_fits);
+  EXPECT_EQ(b22.vram_used, uint64_t(22) << 30);
+  EXPECT_EQ(b44.experts_on_gpu - b22.experts_on_gpu, uint64_t(22) << 30);
+  EXPECT_EQ(b22.experts_on_gpu + b22.ram_needed, r.params.experts);
+  EXPECT_EQ(b22.vram_used - b22.experts_on_gpu, r.params.dense + r.kv_bytes + r.overhead);
+  EXPECT_TRUE(b22.fits && b44.fits);
+  EXPECT_NE(r.text().find("at 44 GiB"), std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -271,7 +271,26 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
     r.verdict = fmt::format("does not fit: needs {} more RAM ({} needed for weights + KV cache, {} available; no GPU){}",
                             gib(all - avail), gib(all), gib(avail), paging);
   }
+  std::vector<std::pair<std::string, uint64_t>> budgets = {{"22 GiB", uint64_t(22 * kGiB)}, {"44 GiB", uint64_t(44 * kGiB)}};
+  if (free_vram > 0) budgets.push_back({"all GPUs", free_vram});
+  for (const auto& [label, b] : budgets) {
+    PreflightReport::BudgetPlan p{label, b};
+    p.dense_fits = gpu_min <= b;
+    p.experts_on_gpu = p.dense_fits ? std::min(r.params.experts, b - gpu_min) : 0;
+    p.vram_used = p.dense_fits ? gpu_min + p.experts_on_gpu : 0;
+    p.ram_needed = r.params.experts - p.experts_on_gpu + (p.dense_fits ? 0 : gpu_min);
+    p.fits = p.ram_needed <= avail;
+    r.by_budget.push_back(p);
+  }
   return r;
+}
+
+nlohmann::json PreflightReport::by_budget_json() const {
+  nlohmann::json a = nlohmann::json::array();
+  for (const BudgetPlan& p : by_budget)
+    a.push_back({{"label", p.label}, {"vram_budget", p.budget}, {"dense_fits", p.dense_fits}, {"vram_used", p.vram_used},
+                 {"experts_on_gpu", p.experts_on_gpu}, {"ram_needed", p.ram_needed}, {"fits", p.fits}});
+  return a;
 }
 
 std::string PreflightReport::text() const {
@@ -297,6 +316,13 @@ std::string PreflightReport::text() const {
   for (const auto& [c, b] : kv_by_ctx) o += fmt::format("         ctx {:>6} -> {}\n", c, human(b));
   o += fmt::format("Plan     VRAM budget {}, reserve {} for workspace\n", gib(vram_budget), gib(overhead));
   o += fmt::format("Verdict  {}\n", verdict);
+  for (const BudgetPlan& p : by_budget)
+    o += !p.dense_fits
+             ? fmt::format("  at {:<9} dense weights + KV cache + workspace do not fit ({} needed): CPU only, {} in RAM, {}\n",
+                           p.label, gib(params.dense + kv_bytes + overhead), gib(p.ram_needed), p.fits ? "fits" : "does not fit")
+             : fmt::format("  at {:<9} {} on GPU ({} of experts), {} of experts in RAM: {}\n", p.label, gib(p.vram_used),
+                           gib(p.experts_on_gpu), gib(p.ram_needed),
+                           p.fits ? "fits" : fmt::format("needs {} more RAM", gib(p.ram_needed - host.mem.available)));
   return o;
 }
 
@@ -325,6 +351,7 @@ json PreflightReport::to_json() const {
       {"plan", {{"vram_budget", vram_budget}, {"vram_used", vram_used}, {"ram_needed", ram_needed}, {"overhead", overhead}}},
       {"fits", fits},
       {"verdict", verdict},
+      {"by_budget", by_budget_json()},
   };
 }
 

@@ -78,6 +78,14 @@ struct PreflightReport {
   uint64_t vram_budget = 0, vram_used = 0, ram_needed = 0;
   bool fits = false;
   std::string verdict;
+  // The same plan at the usual budgets: 22 GiB (one 24 GB card), 44 GiB (two), and the detected GPUs' free VRAM.
+  struct BudgetPlan {
+    std::string label;
+    uint64_t budget = 0, vram_used = 0, experts_on_gpu = 0, ram_needed = 0;
+    bool dense_fits = false, fits = false;
+  };
+  std::vector<BudgetPlan> by_budget;
+  nlohmann::json by_budget_json() const;
   std::string text() const;
   nlohmann::json to_json() const;
 };
