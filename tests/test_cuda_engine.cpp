@@ -288,10 +288,10 @@ TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
   // A budget that fits the dense part and a few experts: the plan puts the rest on the CPU.
   auto full = gpu_engine(GetParam());
   const auto pkg = ModelPackage::open(tiny(GetParam()));
-  const auto& cfg = pkg->config();
+  const ModelConfig cfg = ModelConfig::from_json(pkg->config());  // flat or nested (text_config)
   int64_t experts = 0;
   for (auto& l : full->placement()) experts += int64_t(l.size());
-  const double expert_bytes = 6.0 * cfg["moe_intermediate_size"].get<double>() * cfg["hidden_size"].get<double>();
+  const double expert_bytes = 6.0 * double(cfg.moe_intermediate_size) * double(cfg.hidden_size);
   const double used = double(full->stats().vram_used), seq = double(full->new_sequence()->bytes());
   CudaEngineOptions part;
   part.vram_budget_gib = (used + seq - 0.5 * double(experts) * expert_bytes) / double(1ull << 30);

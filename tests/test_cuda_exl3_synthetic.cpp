@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <vector>
 
@@ -98,6 +99,12 @@ TEST(CudaExl3Footprint, PackageFootprintUsesStoredBytes) {
 
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 
+}  // namespace
+}  // namespace moesrv
+#include <cuda_runtime.h>
+namespace moesrv {
+namespace {
+
 int32_t argmax(const float* v, int64_t n) { return int32_t(std::max_element(v, v + n) - v); }
 
 // GLM-5 widths (2 layers, 32 experts top-8, synthetic weights), all experts in VRAM: bf16 vs EXL3 K=4 (random
@@ -144,18 +151,46 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 // uploaded as its own block), all in VRAM: slices of 4 and 8 layers (i % 4 == 3 MLA with the k-pool indexer, the
 // rest KDA; all MoE; mHC 4 streams). The difference of the two slices is the time of 4 layers (3 KDA + 1 MLA, the
 // full model's 34:11 mix within 3%); the rest of the 4-layer slice is the embedding + head. Projection to 45 layers:
-// head + 45/4 x (4 layers). Decode after prefills of 8K and 32K tokens. Opt-in: MOESRV_CUDA_BENCH=1.
+// head + 45/4 x (4 layers). Decode after prefills of 8K and 32K tokens; the floor is the bytes a decode step must
+// read (head, 45/4 x the dense weights + 8 routed experts of the 4 layers, the recurrent state read and written,
+// the MLA latent rows the indexer selects and its pooled keys) over the measured device copy bandwidth.
+// Opt-in: MOESRV_CUDA_BENCH=1; MOESRV_BENCH_JSON=<file> writes the results (docs/perf/glm5-next-h200.json format).
 TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
   if (!std::getenv("MOESRV_CUDA_BENCH")) GTEST_SKIP() << "set MOESRV_CUDA_BENCH=1";
   auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
+  // Device copy bandwidth (read + write), 1 GiB.
+  double copy_gbps = 0;
+  {
+    const size_t n = size_t(1) << 30;
+    void *a = nullptr, *b = nullptr;
+    ASSERT_EQ(cudaMalloc(&a, n), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&b, n), cudaSuccess);
+    cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+    copy_gbps = 2.0 * 10 * double(n) / secs(t0) / 1e9;
+    cudaFree(a);
+    cudaFree(b);
+  }
   const std::vector<int64_t> contexts = {8192, 32768};
   std::map<int, std::vector<std::pair<double, double>>> t;  // layers -> per context (prefill s, decode s/token)
+  double floor_bytes_4 = 0, head_bytes = 0;                // decode bytes of the first 4 layers, of the head
+  ModelConfig c4;
   for (int layers : {4, 8}) {
     SyntheticOptions so;
     so.distinct_experts = 8;
     auto cfg = glm5_next_config(layers);
     auto q = synthetic_exl3(make_synthetic_model(cfg, so), 4);
+    if (layers == 4) {
+      c4 = ModelConfig::from_json(cfg);
+      const ModelFootprint fp = footprint_from_package(c4, *q);
+      head_bytes = double(fp.head_bytes);
+      for (int64_t l = 0; l < 4; ++l)
+        floor_bytes_4 += double(fp.dense_bytes[size_t(l)] + uint64_t(c4.experts_per_token) * fp.expert_bytes[size_t(l)]);
+    }
     CudaEngineOptions opt;
     opt.max_ctx = contexts.back() + 64;
     opt.prefill_chunk = 8192;
@@ -182,14 +217,38 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                   prefill, double(ctx) / prefill, decode * 1e3, long(st.graph_replays));
     }
   }
+  nlohmann::json results = nlohmann::json::array();
+  const ModelConfig& c = c4;
   for (size_t i = 0; i < contexts.size(); ++i) {
     const auto [p4, d4] = t[4][i];
     const auto [p8, d8] = t[8][i];
     const double pl = (p8 - p4) / 4, dl = (d8 - d4) / 4;  // per layer (mixed)
     const double p45 = p4 - 4 * pl + 45 * pl, d45 = d4 - 4 * dl + 45 * dl;
+    // State traffic per decode step of the 4 layers: 3 KDA states read + written (fp32), one MLA layer's selected
+    // latent rows (bf16) and pooled indexer keys (fp32).
+    const double ctx = double(contexts[i]);
+    const double kda = 2.0 * double(c.linear.state_floats()) * 4;
+    const double mla = double(c.index_topk + c.index_kpool) * double(c.kv_lora_rank) * 2 +
+                       ctx / double(c.index_kpool) * double(c.index_head_dim) * 4;
+    const double bytes45 = head_bytes + 45.0 / 4 * (floor_bytes_4 + 3 * kda + mla);
+    const double floor_tok_s = copy_gbps * 1e9 / bytes45;
     std::printf("[ perf ] glm5_next projected to 45 layers, ctx %ld: decode %.2f ms/token (%.1f tok/s; %.3f ms per "
-                "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s)\n",
-                long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, double(contexts[i]) / p45);
+                "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s); floor %.1f tok/s (%.2f GB/token at %.0f "
+                "GB/s copy), %.0f%% of it\n",
+                long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, ctx / p45, floor_tok_s,
+                bytes45 / 1e9, copy_gbps, 100.0 / d45 / floor_tok_s);
+    results.push_back({{"vram_budget_gib", "all"}, {"routing", "uniform"}, {"context", contexts[i]},
+                       {"decode_tok_s", 1.0 / d45}, {"floor_tok_s", floor_tok_s}, {"prefill_tok_s", ctx / p45},
+                       {"ttft_s", p45}, {"hit_rate", 1.0}, {"decode_bytes_per_token", bytes45},
+                       {"copy_gbps", copy_gbps}});
+  }
+  if (const char* path = std::getenv("MOESRV_BENCH_JSON")) {
+    nlohmann::json j = {{"model", "glm5_next"},
+                        {"layers_measured", 8},
+                        {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
+                        {"projection", "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer"},
+                        {"results", results}};
+    std::ofstream(path) << j.dump(2) << "\n";
   }
 }
 

@@ -78,6 +78,7 @@ class CudaSequence : public SequenceState {
         if (c.length == n) cp = &c;
       for (size_t l = 0; l < layers.size(); ++l)
         for (auto [buf, i] : fixed_buffers(l)) {
+          if (!buf->bytes()) continue;
           if (cp) copy(cp->fixed[l * 3 + i], *buf);
           else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
         }
@@ -93,6 +94,7 @@ class CudaSequence : public SequenceState {
     cp.fixed.resize(layers.size() * 3);
     for (size_t l = 0; l < layers.size(); ++l)
       for (auto [buf, i] : fixed_buffers(l)) {
+        if (!buf->bytes()) continue;
         cp.fixed[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
         copy(*buf, cp.fixed[l * 3 + i]);
       }
@@ -117,10 +119,12 @@ class CudaSequence : public SequenceState {
     for (const auto& cp : checkpoints_) {
       Checkpoint c2;
       c2.length = cp.length;
-      for (const auto& b : cp.fixed) {
-        c2.fixed.emplace_back(owner->budget, b.bytes(), "state checkpoint");
-        copy(b, c2.fixed.back());
-      }
+      c2.fixed.resize(cp.fixed.size());
+      for (size_t i = 0; i < cp.fixed.size(); ++i)
+        if (cp.fixed[i].bytes()) {
+          c2.fixed[i] = DeviceBuffer(owner->budget, cp.fixed[i].bytes(), "state checkpoint");
+          copy(cp.fixed[i], c2.fixed[i]);
+        }
       s->checkpoints_.push_back(std::move(c2));
     }
     MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));

@@ -37,7 +37,11 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
     const DevAttention& a = L.attn;
     for (const DevLinear* l : {&a.q_a, &a.q_b, &a.q, &a.kv_a, &a.o, &a.gq, &a.gk, &a.gv}) all.see(*l);
     if (a.indexer)
-      for (const DevLinear* l : {&a.indexer->wq_b, &a.indexer->wk, &a.indexer->weights_proj}) all.see(*l);
+      for (const DevLinear* l : {&a.indexer->wq_b, &a.indexer->wk, &a.indexer->weights_proj, &a.indexer->pool_gate})
+        all.see(*l);
+    if (L.kda)
+      for (const DevLinear* l : {&L.kda->qkv, &L.kda->f_a, &L.kda->f_b, &L.kda->b, &L.kda->g_a, &L.kda->g_b, &L.kda->o})
+        all.see(*l);
     if (L.mlp) all.see(L.mlp->gate_up), all.see(L.mlp->down);
     if (!L.moe) continue;
     if (L.moe->shared) all.see(L.moe->shared->gate_up), all.see(L.moe->shared->down);
