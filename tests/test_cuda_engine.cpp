@@ -378,8 +378,8 @@ TEST(CudaSyntheticGlm5, Throughput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaVsCpu,
-                         ::testing::Values("deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-                                           "glm5_next", "glm5_next_clamp"));
+                         ::testing::Values("deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "glm4_moe_lite",
+                                           "glm_moe_dsa", "glm5_next", "glm5_next_clamp"));
 
 #else
 

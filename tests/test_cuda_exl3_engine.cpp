@@ -15,8 +15,8 @@
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
 #include "format/exl3_convert.h"
-#include "model/exl3_selection.h"
 #include "format/safetensors.h"
+#include "model/exl3_selection.h"
 
 namespace moesrv {
 namespace {

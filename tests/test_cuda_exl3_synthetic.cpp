@@ -177,7 +177,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   }
   const std::vector<int64_t> contexts = {8192, 32768};
   std::map<int, std::vector<std::pair<double, double>>> t;  // layers -> per context (prefill s, decode s/token)
-  double floor_bytes_4 = 0, head_bytes = 0;                // decode bytes of the first 4 layers, of the head
+  double floor_bytes_4 = 0, head_bytes = 0;                 // decode bytes of the first 4 layers, of the head
   ModelConfig c4;
   for (int layers : {4, 8}) {
     SyntheticOptions so;
@@ -189,7 +189,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       const ModelFootprint fp = footprint_from_package(c4, *q);
       head_bytes = double(fp.head_bytes);
       for (int64_t l = 0; l < 4; ++l)
-        floor_bytes_4 += double(fp.dense_bytes[size_t(l)] + uint64_t(c4.experts_per_token) * fp.expert_bytes[size_t(l)]);
+        floor_bytes_4 +=
+            double(fp.dense_bytes[size_t(l)] + uint64_t(c4.experts_per_token) * fp.expert_bytes[size_t(l)]);
     }
     CudaEngineOptions opt;
     opt.max_ctx = contexts.back() + 64;
@@ -210,11 +211,12 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       const double decode = secs(t0) / 32;
       t[layers].push_back({prefill, decode});
       const auto st = e.stats();
-      std::printf("[ perf ] glm5_next %d layers EXL3 K=4, ctx %ld: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM "
-                  "%.2f GiB, prefill %.2f s (%.0f tok/s), decode %.2f ms/token, graph replays %ld\n",
-                  layers, long(ctx), load, double(st.weight_bytes) / double(1ull << 30),
-                  double(st.exl3_weight_bytes) / double(1ull << 30), double(st.vram_used) / double(1ull << 30),
-                  prefill, double(ctx) / prefill, decode * 1e3, long(st.graph_replays));
+      std::printf(
+          "[ perf ] glm5_next %d layers EXL3 K=4, ctx %ld: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM "
+          "%.2f GiB, prefill %.2f s (%.0f tok/s), decode %.2f ms/token, graph replays %ld\n",
+          layers, long(ctx), load, double(st.weight_bytes) / double(1ull << 30),
+          double(st.exl3_weight_bytes) / double(1ull << 30), double(st.vram_used) / double(1ull << 30), prefill,
+          double(ctx) / prefill, decode * 1e3, long(st.graph_replays));
     }
   }
   nlohmann::json results = nlohmann::json::array();
@@ -232,22 +234,30 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                        ctx / double(c.index_kpool) * double(c.index_head_dim) * 4;
     const double bytes45 = head_bytes + 45.0 / 4 * (floor_bytes_4 + 3 * kda + mla);
     const double floor_tok_s = copy_gbps * 1e9 / bytes45;
-    std::printf("[ perf ] glm5_next projected to 45 layers, ctx %ld: decode %.2f ms/token (%.1f tok/s; %.3f ms per "
-                "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s); floor %.1f tok/s (%.2f GB/token at %.0f "
-                "GB/s copy), %.0f%% of it\n",
-                long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, ctx / p45, floor_tok_s,
-                bytes45 / 1e9, copy_gbps, 100.0 / d45 / floor_tok_s);
-    results.push_back({{"vram_budget_gib", "all"}, {"routing", "uniform"}, {"context", contexts[i]},
-                       {"decode_tok_s", 1.0 / d45}, {"floor_tok_s", floor_tok_s}, {"prefill_tok_s", ctx / p45},
-                       {"ttft_s", p45}, {"hit_rate", 1.0}, {"decode_bytes_per_token", bytes45},
+    std::printf(
+        "[ perf ] glm5_next projected to 45 layers, ctx %ld: decode %.2f ms/token (%.1f tok/s; %.3f ms per "
+        "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s); floor %.1f tok/s (%.2f GB/token at %.0f "
+        "GB/s copy), %.0f%% of it\n",
+        long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, ctx / p45, floor_tok_s,
+        bytes45 / 1e9, copy_gbps, 100.0 / d45 / floor_tok_s);
+    results.push_back({{"vram_budget_gib", "all"},
+                       {"routing", "uniform"},
+                       {"context", contexts[i]},
+                       {"decode_tok_s", 1.0 / d45},
+                       {"floor_tok_s", floor_tok_s},
+                       {"prefill_tok_s", ctx / p45},
+                       {"ttft_s", p45},
+                       {"hit_rate", 1.0},
+                       {"decode_bytes_per_token", bytes45},
                        {"copy_gbps", copy_gbps}});
   }
   if (const char* path = std::getenv("MOESRV_BENCH_JSON")) {
-    nlohmann::json j = {{"model", "glm5_next"},
-                        {"layers_measured", 8},
-                        {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
-                        {"projection", "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer"},
-                        {"results", results}};
+    nlohmann::json j = {
+        {"model", "glm5_next"},
+        {"layers_measured", 8},
+        {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
+        {"projection", "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer"},
+        {"results", results}};
     std::ofstream(path) << j.dump(2) << "\n";
   }
 }

@@ -611,11 +611,10 @@ TEST(ServerContract, ResponseFormatJsonObjectAndSchema) {
   // The model stops before its JSON is complete; the grammar keeps it going until it is. Greedy: sampled, the
   // boosted '}' (e^-5 against the script's token) is valid inside a json_object string and lands there ~1 in 10.
   Harness h(script_policy(codec, "{\"answer\": 42", "<|endoftext|>", {{int32_t('}'), 5.f}}));
-  json r = h.post("/v1/chat/completions",
-                  {{"messages", {user("q")}},
-                   {"response_format", {{"type", "json_object"}}},
-                   {"max_tokens", 100},
-                   {"temperature", 0}});
+  json r = h.post("/v1/chat/completions", {{"messages", {user("q")}},
+                                           {"response_format", {{"type", "json_object"}}},
+                                           {"max_tokens", 100},
+                                           {"temperature", 0}});
   std::string content = r["choices"][0]["message"]["content"];
   EXPECT_EQ(json::parse(content, nullptr, false), json({{"answer", 42}})) << content;
   // json_schema: keys, types and required come from the schema, whatever the model prefers.

@@ -271,7 +271,8 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
     r.verdict = fmt::format("does not fit: needs {} more RAM ({} needed for weights + KV cache, {} available; no GPU){}",
                             gib(all - avail), gib(all), gib(avail), paging);
   }
-  std::vector<std::pair<std::string, uint64_t>> budgets = {{"22 GiB", uint64_t(22 * kGiB)}, {"44 GiB", uint64_t(44 * kGiB)}};
+  std::vector<std::pair<std::string, uint64_t>> budgets = {{"22 GiB", uint64_t(22 * kGiB)},
+                                                           {"44 GiB", uint64_t(44 * kGiB)}};
   if (free_vram > 0) budgets.push_back({"all GPUs", free_vram});
   for (const auto& [label, b] : budgets) {
     PreflightReport::BudgetPlan p{label, b};
@@ -288,8 +289,13 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
 nlohmann::json PreflightReport::by_budget_json() const {
   nlohmann::json a = nlohmann::json::array();
   for (const BudgetPlan& p : by_budget)
-    a.push_back({{"label", p.label}, {"vram_budget", p.budget}, {"dense_fits", p.dense_fits}, {"vram_used", p.vram_used},
-                 {"experts_on_gpu", p.experts_on_gpu}, {"ram_needed", p.ram_needed}, {"fits", p.fits}});
+    a.push_back({{"label", p.label},
+                 {"vram_budget", p.budget},
+                 {"dense_fits", p.dense_fits},
+                 {"vram_used", p.vram_used},
+                 {"experts_on_gpu", p.experts_on_gpu},
+                 {"ram_needed", p.ram_needed},
+                 {"fits", p.fits}});
   return a;
 }
 
@@ -317,12 +323,14 @@ std::string PreflightReport::text() const {
   o += fmt::format("Plan     VRAM budget {}, reserve {} for workspace\n", gib(vram_budget), gib(overhead));
   o += fmt::format("Verdict  {}\n", verdict);
   for (const BudgetPlan& p : by_budget)
-    o += !p.dense_fits
-             ? fmt::format("  at {:<9} dense weights + KV cache + workspace do not fit ({} needed): CPU only, {} in RAM, {}\n",
-                           p.label, gib(params.dense + kv_bytes + overhead), gib(p.ram_needed), p.fits ? "fits" : "does not fit")
-             : fmt::format("  at {:<9} {} on GPU ({} of experts), {} of experts in RAM: {}\n", p.label, gib(p.vram_used),
-                           gib(p.experts_on_gpu), gib(p.ram_needed),
-                           p.fits ? "fits" : fmt::format("needs {} more RAM", gib(p.ram_needed - host.mem.available)));
+    o +=
+        !p.dense_fits
+            ? fmt::format(
+                  "  at {:<9} dense weights + KV cache + workspace do not fit ({} needed): CPU only, {} in RAM, {}\n",
+                  p.label, gib(params.dense + kv_bytes + overhead), gib(p.ram_needed), p.fits ? "fits" : "does not fit")
+            : fmt::format("  at {:<9} {} on GPU ({} of experts), {} of experts in RAM: {}\n", p.label, gib(p.vram_used),
+                          gib(p.experts_on_gpu), gib(p.ram_needed),
+                          p.fits ? "fits" : fmt::format("needs {} more RAM", gib(p.ram_needed - host.mem.available)));
   return o;
 }
 
@@ -334,21 +342,43 @@ json PreflightReport::to_json() const {
   return {
       {"model_dir", dir},
       {"model_type", model_type},
-      {"cpu", {{"model", host.cpu.model}, {"physical_cores", host.cpu.physical_cores}, {"logical_cores", host.cpu.logical_cores},
-               {"avx2", host.cpu.avx2}, {"fma", host.cpu.fma}, {"avx512f", host.cpu.avx512f}, {"avx512bw", host.cpu.avx512bw},
-               {"avx512_vnni", host.cpu.avx512_vnni}, {"avx512_bf16", host.cpu.avx512_bf16}, {"amx", host.cpu.amx}}},
+      {"cpu",
+       {{"model", host.cpu.model},
+        {"physical_cores", host.cpu.physical_cores},
+        {"logical_cores", host.cpu.logical_cores},
+        {"avx2", host.cpu.avx2},
+        {"fma", host.cpu.fma},
+        {"avx512f", host.cpu.avx512f},
+        {"avx512bw", host.cpu.avx512bw},
+        {"avx512_vnni", host.cpu.avx512_vnni},
+        {"avx512_bf16", host.cpu.avx512_bf16},
+        {"amx", host.cpu.amx}}},
       {"ram", {{"total", host.mem.total}, {"available", host.mem.available}}},
       {"gpus", gpus},
       {"disk", {{"total", host.disk.total}, {"free", host.disk.free}}},
       {"files", fl},
       {"lock", {{"present", has_lock}, {"ok", lock_ok}}},
-      {"params", {{"dense_bytes", params.dense}, {"expert_bytes", params.experts}, {"total_bytes", params.total()},
-                  {"dense_params", params.dense_params}, {"expert_params", params.expert_params}, {"tensors", params.tensors}}},
-      {"kv_cache", {{"kind", kv.kind}, {"attention_layers", kv.attention_layers}, {"linear_layers", kv.linear_layers},
-                    {"indexer_layers", kv.indexer_layers}, {"kv_bytes_per_token", kv.kv_bytes_per_token},
-                    {"indexer_bytes_per_token", kv.indexer_bytes_per_token}, {"bytes_per_token", kv.bytes_per_token()},
-                    {"linear_state_bytes", kv.linear_state_bytes}, {"ctx", ctx}, {"total_bytes", kv_bytes}, {"formula", kv.formula}}},
-      {"plan", {{"vram_budget", vram_budget}, {"vram_used", vram_used}, {"ram_needed", ram_needed}, {"overhead", overhead}}},
+      {"params",
+       {{"dense_bytes", params.dense},
+        {"expert_bytes", params.experts},
+        {"total_bytes", params.total()},
+        {"dense_params", params.dense_params},
+        {"expert_params", params.expert_params},
+        {"tensors", params.tensors}}},
+      {"kv_cache",
+       {{"kind", kv.kind},
+        {"attention_layers", kv.attention_layers},
+        {"linear_layers", kv.linear_layers},
+        {"indexer_layers", kv.indexer_layers},
+        {"kv_bytes_per_token", kv.kv_bytes_per_token},
+        {"indexer_bytes_per_token", kv.indexer_bytes_per_token},
+        {"bytes_per_token", kv.bytes_per_token()},
+        {"linear_state_bytes", kv.linear_state_bytes},
+        {"ctx", ctx},
+        {"total_bytes", kv_bytes},
+        {"formula", kv.formula}}},
+      {"plan",
+       {{"vram_budget", vram_budget}, {"vram_used", vram_used}, {"ram_needed", ram_needed}, {"overhead", overhead}}},
       {"fits", fits},
       {"verdict", verdict},
       {"by_budget", by_budget_json()},

@@ -139,8 +139,18 @@ class CpuBlocks final : public BlockExecutor {
  public:
   CpuBlocks(const ModelWeights& w, const Rope& rope, CpuSequence& seq, float* x, int64_t S, int64_t pos0,
             cpu::TokenSelection& selection, UsageStats& usage)
-      : w_(w), c_(w.config), rope_(rope), seq_(seq), x_(x), S_(S), pos0_(pos0), selection_(selection),
-        usage_(usage), h_(size_t(S * c_.hidden_size)), y_(size_t(S * c_.hidden_size)), residual_(c_) {}
+      : w_(w),
+        c_(w.config),
+        rope_(rope),
+        seq_(seq),
+        x_(x),
+        S_(S),
+        pos0_(pos0),
+        selection_(selection),
+        usage_(usage),
+        h_(size_t(S * c_.hidden_size)),
+        y_(size_t(S * c_.hidden_size)),
+        residual_(c_) {}
 
   void enter(int64_t l, Site site) override {
     const LayerWeights& L = layer(l);
@@ -154,7 +164,9 @@ class CpuBlocks final : public BlockExecutor {
     cpu::mla_forward(*layer(l).mla, c_, rope_, h_.data(), S_, pos0_, state(l),
                      indexer == IndexerKind::None ? dense : selection_, y_.data());
   }
-  void gqa(int64_t l) override { cpu::gqa_forward(*layer(l).gqa, c_, rope_, h_.data(), S_, pos0_, state(l), y_.data()); }
+  void gqa(int64_t l) override {
+    cpu::gqa_forward(*layer(l).gqa, c_, rope_, h_.data(), S_, pos0_, state(l), y_.data());
+  }
   void kda(int64_t l) override { cpu::kda_forward(*layer(l).kda, c_, h_.data(), S_, state(l), y_.data()); }
   void gated_delta(int64_t l) override {
     cpu::gated_delta_forward(*layer(l).gated_delta, c_, h_.data(), S_, state(l), y_.data());

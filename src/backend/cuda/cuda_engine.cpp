@@ -72,7 +72,8 @@ class CudaSequence : public SequenceState {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
     if (n == length_) return;
     if (fixed_state_) {
-      if (resume_point(n) != n) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
+      if (resume_point(n) != n)
+        fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
       const Checkpoint* cp = nullptr;
       for (const auto& c : checkpoints_)
         if (c.length == n) cp = &c;
@@ -105,7 +106,9 @@ class CudaSequence : public SequenceState {
     auto s = std::make_unique<CudaSequence>(*owner);
     const size_t T = size_t(owner->max_ctx), n = size_t(length_);
     auto rows = [&](const DeviceBuffer& from, DeviceBuffer& to) {  // per-token caches: the first n rows
-      if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice, owner->stream));
+      if (from.bytes())
+        MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice,
+                                       owner->stream));
     };
     for (size_t l = 0; l < layers.size(); ++l) {
       rows(layers[l].kv, s->layers[l].kv);
@@ -149,8 +152,8 @@ class CudaSequence : public SequenceState {
 
   struct Layer {
     DeviceBuffer kv, kv_scale, v, v_scale, index_k;  // per token
-    DeviceBuffer pool_k;                            // per completed pool (fp32)
-    DeviceBuffer open, conv, recurrent;             // fixed size (fp32)
+    DeviceBuffer pool_k;                             // per completed pool (fp32)
+    DeviceBuffer open, conv, recurrent;              // fixed size (fp32)
   };
   const CudaEngine::Impl* owner;
   const uint64_t id;  // never reused: keys the sequence's decode graph
@@ -173,7 +176,9 @@ class CudaSequence : public SequenceState {
     return b;
   }
   void copy(const DeviceBuffer& from, DeviceBuffer& to) const {
-    if (from.bytes()) MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
+    if (from.bytes())
+      MOESRV_CUDA_OK(
+          cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
   }
   std::array<std::pair<DeviceBuffer*, int>, 3> fixed_buffers(size_t l) const {
     Layer& L = const_cast<Layer&>(layers[l]);
@@ -396,7 +401,8 @@ cudaGraphExec_t& CudaEngine::Impl::sequence_graph(uint64_t id) {
   std::lock_guard<std::mutex> lock(graphs_mu);
   for (size_t i = 0; i < seq_graphs.size(); ++i)
     if (seq_graphs[i].first == id) {
-      std::rotate(seq_graphs.begin() + long(i), seq_graphs.begin() + long(i) + 1, seq_graphs.end());  // most recent last
+      std::rotate(seq_graphs.begin() + long(i), seq_graphs.begin() + long(i) + 1,
+                  seq_graphs.end());  // most recent last
       return seq_graphs.back().second;
     }
   if (seq_graphs.size() == kMaxSequenceGraphs) {

@@ -140,8 +140,10 @@ void CudaEngine::Impl::upload_weights() {
     d.post_norm = up.norm(L.post_attention_norm);
     DevAttention& a = d.attn;
     if (c.residual.streams > 1) {
-      d.attn_hc = {up.vec(L.attn_hc.fn, "mHC fn"), up.vec(L.attn_hc.base, "mHC base"), up.vec(L.attn_hc.scale, "mHC scale")};
-      d.ffn_hc = {up.vec(L.ffn_hc.fn, "mHC fn"), up.vec(L.ffn_hc.base, "mHC base"), up.vec(L.ffn_hc.scale, "mHC scale")};
+      d.attn_hc = {up.vec(L.attn_hc.fn, "mHC fn"), up.vec(L.attn_hc.base, "mHC base"),
+                   up.vec(L.attn_hc.scale, "mHC scale")};
+      d.ffn_hc = {up.vec(L.ffn_hc.fn, "mHC fn"), up.vec(L.ffn_hc.base, "mHC base"),
+                  up.vec(L.ffn_hc.scale, "mHC scale")};
     }
     if (L.kda) {
       const KdaWeights& k = *L.kda;
@@ -203,7 +205,8 @@ void CudaEngine::Impl::upload_weights() {
       m.router = up.vec(L.moe->router, "router");
       m.router_bias = up.vec(L.moe->router_bias, "router bias");
       if (L.moe->shared) m.shared = up.mlp(*L.moe->shared, "shared expert");
-      if (!L.moe->shared_gate.empty()) fail("layer {}: a gated shared expert (qwen3_next) is not implemented on CUDA yet", l);
+      if (!L.moe->shared_gate.empty())
+        fail("layer {}: a gated shared expert (qwen3_next) is not implemented on CUDA yet", l);
       if (c.router != RouterKind::SigmoidGroup) fail("layer {}: the softmax router is not implemented on CUDA yet", l);
       m.limit = L.moe->experts.empty() ? 0.0f : L.moe->experts[0].limit;
       layout_experts(*L.moe, m);
@@ -300,9 +303,9 @@ void CudaEngine::Impl::allocate_scratch() {
   const int64_t R = rows, D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
   const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
   const LinearAttnDims& la = c.linear;
-  int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
-                             c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
-                             la.v_heads * la.dv});
+  int64_t max_in =
+      std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim), c.kv_lora_rank,
+                c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts), la.v_heads * la.dv});
   s.x = f32(R * c.stream_width(), "residual streams");
   s.h = f32(R * D, "hidden");
   s.y = f32(R * D, "hidden");

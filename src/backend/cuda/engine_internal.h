@@ -106,7 +106,7 @@ struct DevMlp {  // gate and up fused: [2I][D]
 struct DevIndexer {
   DevLinear wq_b, wk, weights_proj;
   DevNorm k_norm;
-  DevLinear pool_gate;   // k-pool only
+  DevLinear pool_gate;    // k-pool only
   DeviceBuffer pool_ape;  // fp32 [kpool][d]
 };
 // KDA linear attention (q, k, v fused into one linear: rows [q | k | v]); fp32 conv taps, decay and norm.
@@ -267,7 +267,7 @@ struct CudaEngine::Impl {
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
   void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);  // (linear_attention_engine.cpp)
-  void kda(int64_t l, int64_t S);                                         // (linear_attention_engine.cpp)
+  void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
   struct LayerState {
     float *conv = nullptr, *recurrent = nullptr, *pool_k = nullptr, *open = nullptr;

@@ -23,8 +23,11 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   linear(w.qkv, h, S, s.lraw.as<float>());  // [S, q | k | v] before the conv
   causal_conv1d_silu(s.lraw.as<float>(), C, int(S), C, w.conv.as<float>(), K, st.conv, qkv, stream);
   for (int part = 0; part < 3; ++part)  // split into contiguous [S, H, d] operands
-    MOESRV_CUDA_OK(cudaMemcpy2DAsync(part == 0 ? q : part == 1 ? k : v, size_t(Hd) * 4, qkv + part * Hd,
-                                     size_t(C) * 4, size_t(Hd) * 4, size_t(S), cudaMemcpyDeviceToDevice, stream));
+    MOESRV_CUDA_OK(cudaMemcpy2DAsync(part == 0   ? q
+                                     : part == 1 ? k
+                                                 : v,
+                                     size_t(Hd) * 4, qkv + part * Hd, size_t(C) * 4, size_t(Hd) * 4, size_t(S),
+                                     cudaMemcpyDeviceToDevice, stream));
   l2norm_rows(q, int(S), H, Hd, d, 1e-6f, 1.0f / std::sqrt(float(d)), stream);
   l2norm_rows(k, int(S), H, Hd, d, 1e-6f, 1.0f, stream);
 
