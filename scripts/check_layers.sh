@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Layer rule for src/: an area may include its own headers and those of lower areas, never a higher one.
 #
-#   util(0) < format, tokenizer(1) < model(2) < backend(3) < runtime(4) < server(5) < cli(6) < src/main.cpp(7)
+#   util(0) < format, tokenizer(1) < model(2) < backend(3) < runtime, serving(4) < server(5) < tools(6) < cli(7) < src/main.cpp(8)
 #
 # Every `#include "area/..."` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include whose rank
 # is higher than the including file's is a violation. Areas of equal rank (format, tokenizer) may include each
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 allow=${1:-scripts/layer_allowlist.txt}
 
-ranks="util=0 format=1 tokenizer=1 model=2 backend=3 runtime=4 server=5 cli=6"  # src/main.cpp: 7 (top)
+ranks="util=0 format=1 tokenizer=1 model=2 backend=3 runtime=4 serving=4 server=5 tools=6 cli=7"  # src/main.cpp: 8 (top)
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -35,7 +35,7 @@ grep -rnE --include='*.h' --include='*.cpp' --include='*.cu' --include='*.cuh' -
           area = substr(rel, 1, index(rel, "/") - 1)
           if (!(area in rank)) { print area > (tmp "/unknown"); next }
           from = rank[area]
-        } else { area = "main"; from = 7 }
+        } else { area = "main"; from = 8 }
         if (!index(inc, "/")) next
         to_area = substr(inc, 1, index(inc, "/") - 1)
         if (!(to_area in rank)) next

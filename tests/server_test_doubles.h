@@ -7,7 +7,7 @@
 #include <mutex>
 #include <thread>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 #include "server/chat_codec.h"
 
 namespace moesrv::testing {

@@ -8,9 +8,9 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
-#include "backend/cuda/placement_bridge.h"
 #include "format/safetensors.h"
-#include "runtime/synthetic_model.h"
+#include "model/synthetic_model.h"
+#include "runtime/cuda_placement.h"
 #include "util/error.h"
 
 namespace moesrv {

@@ -13,8 +13,8 @@
 
 #include "backend/cuda/cuda_engine.h"
 #include "format/exl3_convert.h"
+#include "model/synthetic_model.h"
 #include "runtime/placement.h"
-#include "runtime/synthetic_model.h"
 
 namespace moesrv {
 namespace {

@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "format/lock.h"
-#include "runtime/download.h"
 #include "test_lock_helpers.h"
+#include "tools/download.h"
 #include "util/error.h"
 
 using namespace moesrv;

@@ -6,8 +6,8 @@
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/linear.h"
 #include "model/router.h"
+#include "model/synthetic_model.h"
 #include "runtime/cpu_expert_pool.h"
-#include "runtime/synthetic_model.h"
 #include "util/error.h"
 
 namespace moesrv {

@@ -12,11 +12,11 @@
 #include "format/index_repair.h"
 #include "format/lock.h"
 #include "format/safetensors.h"
+#include "model/synthetic_model.h"
 #include "reference_util.h"
-#include "util/error.h"
 #include "runtime/pipeline_cpu_stage.h"
-#include "runtime/prefix_cache.h"
-#include "runtime/synthetic_model.h"
+#include "serving/prefix_cache.h"
+#include "util/error.h"
 
 namespace moesrv {
 namespace {

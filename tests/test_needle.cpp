@@ -3,8 +3,8 @@
 
 #include <algorithm>
 
-#include "runtime/needle.h"
 #include "server_test_doubles.h"
+#include "tools/needle.h"
 #include "util/error.h"
 
 namespace moesrv {

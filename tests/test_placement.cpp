@@ -4,10 +4,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/usage_stats.h"
+#include "model/synthetic_model.h"
 #include "model/weights.h"
 #include "runtime/placement.h"
-#include "runtime/synthetic_model.h"
-#include "runtime/usage_stats.h"
 
 namespace moesrv {
 namespace {

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <unistd.h>
 
-#include "runtime/usage_stats.h"
+#include "backend/usage_stats.h"
 #include "util/error.h"
 
 namespace moesrv {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "runtime/prefix_cache.h"
 #include "server_test_doubles.h"
+#include "serving/prefix_cache.h"
 
 using namespace moesrv;
 using moesrv::testing::ScriptedSequence;

@@ -5,8 +5,8 @@
 
 #include "format/lock.h"
 #include "format/safetensors.h"
-#include "runtime/preflight.h"
 #include "test_lock_helpers.h"
+#include "tools/preflight.h"
 #include "util/error.h"
 
 using namespace moesrv;

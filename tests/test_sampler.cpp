@@ -3,7 +3,7 @@
 #include <cmath>
 #include <map>
 
-#include "runtime/sampler.h"
+#include "serving/sampler.h"
 
 using namespace moesrv;
 

@@ -13,7 +13,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "format/package.h"
-#include "runtime/synthetic_model.h"
+#include "model/synthetic_model.h"
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "server/turn_grammar.h"

@@ -2,7 +2,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "runtime/download.h"
+#include "tools/download.h"
 #include "util/error.h"
 
 namespace moesrv::cli {

@@ -6,7 +6,7 @@
 
 #include "cli/commands.h"
 #include "runtime/engine_factory.h"
-#include "runtime/sampler.h"
+#include "serving/sampler.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
 

@@ -6,8 +6,8 @@
 
 #include "cli/commands.h"
 #include "runtime/engine_factory.h"
-#include "runtime/needle.h"
 #include "server/tokenizer_codec.h"
+#include "tools/needle.h"
 #include "util/error.h"
 
 namespace moesrv::cli {

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
-#include "runtime/preflight.h"
+#include "tools/preflight.h"
 #include "util/error.h"
 
 namespace moesrv::cli {

@@ -6,7 +6,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
-#include "backend/cuda/placement_bridge.h"
+#include "runtime/cuda_placement.h"
 #include "runtime/multi_gpu.h"
 #include "runtime/usage_placement.h"
 #include "util/error.h"
@@ -22,9 +22,11 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
   if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
-  // The CUDA engine runs MLA/GQA models with a plain residual; hybrids (KDA, Gated DeltaNet, mHC) run on the CPU.
+  // The CUDA engine runs MLA/GQA and KDA layers, plain or mHC residuals, the DSA and k-pool indexers; Qwen3-Next
+  // (Gated DeltaNet, softmax router, gated shared expert and attention output) runs on the CPU.
   const ModelConfig spec = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
-  const bool cuda_ready = spec.residual.streams == 1 && !spec.has_recurrent_layers() && spec.index_kpool == 1;
+  bool cuda_ready = spec.router == RouterKind::SigmoidGroup && !spec.shared_expert_gate && !spec.attn_output_gate;
+  for (const LayerSpec& L : spec.layers) cuda_ready &= L.mixer != Mixer::GatedDelta;
   if (!cuda_ready) {
     if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
     return CpuEngine::open(model_dir, o.served_name);

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 
 namespace moesrv {
 

@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 #include "runtime/engine_factory.h"
 #include "runtime/multi_gpu_plan.h"
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 
 namespace moesrv {
 

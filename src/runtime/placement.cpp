@@ -10,11 +10,11 @@
 #include <map>
 #include <numeric>
 
+#include "backend/usage_stats.h"
+#include "format/package.h"
 #include "model/manifest.h"
 #include "model/state.h"
-#include "format/package.h"
 #include "model/weights.h"
-#include "runtime/usage_stats.h"
 #include "util/error.h"
 
 namespace moesrv {

@@ -4,10 +4,10 @@
 #include <optional>
 #include <string>
 
+#include "backend/engine.h"
+#include "backend/usage_stats.h"
 #include "model/config.h"
-#include "runtime/engine.h"
 #include "runtime/placement.h"
-#include "runtime/usage_stats.h"
 
 namespace moesrv {
 

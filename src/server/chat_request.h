@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/sampler.h"
 #include "server/json_schema.h"
+#include "serving/sampler.h"
 
 namespace moesrv {
 

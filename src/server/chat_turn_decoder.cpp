@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "runtime/sampler.h"
+#include "serving/sampler.h"
 
 namespace moesrv {
 

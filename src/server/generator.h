@@ -7,9 +7,9 @@
 #include <span>
 #include <vector>
 
-#include "runtime/engine.h"
-#include "runtime/prefix_cache.h"
-#include "runtime/sampler.h"
+#include "backend/engine.h"
+#include "serving/prefix_cache.h"
+#include "serving/sampler.h"
 
 namespace moesrv {
 

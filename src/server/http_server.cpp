@@ -14,8 +14,6 @@
 #include <deque>
 #include <thread>
 
-#include "runtime/prefix_cache.h"
-#include "runtime/scheduler.h"
 #include "server/api_error.h"
 #include "server/chat_request.h"
 #include "server/chat_turn_decoder.h"
@@ -24,6 +22,8 @@
 #include "server/reasoning_store.h"
 #include "server/text_decoder.h"
 #include "server/turn_grammar.h"
+#include "serving/prefix_cache.h"
+#include "serving/scheduler.h"
 #include "util/error.h"
 
 namespace moesrv {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 #include "server/chat_codec.h"
 
 namespace moesrv {

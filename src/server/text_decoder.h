@@ -5,10 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/sampler.h"
 #include "server/chat_codec.h"
 #include "server/generator.h"
 #include "server/stop_matcher.h"
+#include "serving/sampler.h"
 
 namespace moesrv {
 

@@ -4,9 +4,9 @@
 #include <string>
 
 #include "backend/cpu/cpu_layers.h"
+#include "backend/engine.h"
 #include "model/rope.h"
 #include "model/weights.h"
-#include "runtime/engine.h"
 
 namespace moesrv {
 

@@ -3,9 +3,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/usage_stats.h"
 #include "model/rope.h"
 #include "model/weights.h"
-#include "runtime/usage_stats.h"
 
 namespace moesrv::cpu {
 

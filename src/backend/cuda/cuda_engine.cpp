@@ -21,8 +21,6 @@ namespace {
 // it is checkpointed (device copies) at the end of every multi-token forward, and truncate() goes back to those.
 class CudaSequence : public SequenceState {
  public:
-  static constexpr size_t kMaxCheckpoints = 4;
-
   explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()) {
     const ModelConfig& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
@@ -90,6 +88,8 @@ class CudaSequence : public SequenceState {
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
     if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back().length == length_)) return;
+    if (checkpoints_.size() == CudaEngine::Impl::kMaxCheckpoints)
+      checkpoints_.erase(checkpoints_.begin());  // room first
     Checkpoint cp;
     cp.length = length_;
     cp.fixed.resize(layers.size() * 3);
@@ -100,7 +100,6 @@ class CudaSequence : public SequenceState {
         copy(*buf, cp.fixed[l * 3 + i]);
       }
     checkpoints_.push_back(std::move(cp));
-    if (checkpoints_.size() > kMaxCheckpoints) checkpoints_.erase(checkpoints_.begin());
   }
   std::unique_ptr<SequenceState> clone() const override {
     auto s = std::make_unique<CudaSequence>(*owner);

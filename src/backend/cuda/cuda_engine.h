@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/engine.h"
 #include "format/package.h"
-#include "runtime/engine.h"
 
 namespace moesrv {
 

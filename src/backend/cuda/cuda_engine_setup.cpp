@@ -76,6 +76,8 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   for (const LayerSpec& L : c.layers) attn_layers += !L.recurrent();
   seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, 0, -1, c.index_kpool > 1 ? 4 : 2)) +
               (opt.kv_q8 ? size_t(max_ctx * attn_layers * (v_row ? 8 : 4)) : 0);
+  // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too.
+  seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, 0, -1, 4));
 
   upload_weights();
   allocate_scratch();

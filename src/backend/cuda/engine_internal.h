@@ -209,7 +209,8 @@ struct CudaEngine::Impl {
   int64_t max_ctx = 0, rows = 0;        // rows: tokens per pass (prefill chunk)
   int64_t attn_rows = 0, moe_rows = 0, dsa_rows = 0, lm_rows = 0;
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
-  size_t seq_bytes = 0;                 // device bytes of one sequence's caches
+  size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
+  static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
 
   // Per-pass device state: positions, tokens, the current sequence's cache table.
   cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache;

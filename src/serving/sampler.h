@@ -11,9 +11,9 @@
 namespace moesrv {
 
 struct SamplingParams {
-  float temperature = 1.0f;  // 0: greedy
-  float top_p = 1.0f;        // nucleus mass kept, [0, 1]; 0: greedy
-  int top_k = 0;             // 0: all tokens
+  float temperature = 1.0f;      // 0: greedy
+  float top_p = 1.0f;            // nucleus mass kept, [0, 1]; 0: greedy
+  int top_k = 0;                 // 0: all tokens
   std::optional<uint64_t> seed;  // unset: random
 };
 

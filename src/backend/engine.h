@@ -26,12 +26,13 @@ class SequenceState {
 class Engine {
  public:
   virtual ~Engine() = default;
-  virtual std::string name() const = 0;   // model id served on /v1/models
+  virtual std::string name() const = 0;  // model id served on /v1/models
   virtual int64_t vocab_size() const = 0;
   virtual int64_t max_context() const = 0;
   virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
-  virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) = 0;
+  virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens,
+                                     bool all_logits = false) = 0;
   // Routed-expert selections recorded so far, when the engine records them (persisted for pinning).
   virtual const UsageStats* expert_usage() const { return nullptr; }
 };

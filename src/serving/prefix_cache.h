@@ -9,7 +9,7 @@
 #include <mutex>
 #include <vector>
 
-#include "runtime/engine.h"
+#include "backend/engine.h"
 
 namespace moesrv {
 

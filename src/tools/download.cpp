@@ -1,6 +1,6 @@
-#include "runtime/download.h"
+#include "tools/download.h"
 
-#include "runtime/download_http.h"
+#include "tools/download_http.h"
 
 #include <fcntl.h>
 #include <fnmatch.h>
@@ -18,31 +18,35 @@
 
 #include "format/lock.h"
 #include "util/error.h"
-#include "util/sha256.h"
 #include "util/progress.h"
+#include "util/sha256.h"
 
 namespace moesrv {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using http::Response;
 using http::lower;
+using http::Response;
 using http::retryable;
 using http::url_escape;
 
 namespace {
 
-Response http_get(const std::string& url, const DownloadOptions& opt, uint64_t range_from, const http::DataFn& on_data) {
+Response http_get(const std::string& url, const DownloadOptions& opt, uint64_t range_from,
+                  const http::DataFn& on_data) {
   return http::get(url, {opt.token, opt.connect_timeout_s, opt.stall_timeout_s}, range_from, on_data);
 }
 
 // A clear message for a failure that retrying cannot fix.
-[[noreturn]] void fail_http(const std::string& what, const std::string& url, const Response& r, const DownloadOptions& opt) {
+[[noreturn]] void fail_http(const std::string& what, const std::string& url, const Response& r,
+                            const DownloadOptions& opt) {
   std::string body = r.error_body.empty() ? "" : ": " + r.error_body.substr(0, 200);
   if (r.status == 404) fail("{}: not found (HTTP 404) at {}{}", what, url, body);
   if (r.status == 401 || r.status == 403)
     fail("{}: access denied (HTTP {}) at {}{}{}", what, r.status, url,
-         opt.token.empty() ? "; private or gated repos need --token or $HF_TOKEN" : "; check that the token can read this repo", body);
+         opt.token.empty() ? "; private or gated repos need --token or $HF_TOKEN"
+                           : "; check that the token can read this repo",
+         body);
   fail("{}: HTTP {} at {}{}", what, r.status, url, body);
 }
 
@@ -63,7 +67,8 @@ uint64_t range_start(const std::string& content_range) {  // "bytes START-END/TO
 
 uint64_t total_from(const Response& r, uint64_t start) {
   auto slash = r.content_range.find('/');
-  if (slash != std::string::npos && r.content_range[slash + 1] != '*') return std::strtoull(r.content_range.c_str() + slash + 1, nullptr, 10);
+  if (slash != std::string::npos && r.content_range[slash + 1] != '*')
+    return std::strtoull(r.content_range.c_str() + slash + 1, nullptr, 10);
   if (!r.content_length.empty()) return start + std::strtoull(r.content_length.c_str(), nullptr, 10);
   return 0;  // unknown (chunked)
 }
@@ -89,7 +94,8 @@ bool write_all(int fd, const char* p, size_t n) {
 }  // namespace
 
 std::string hf_api_url(const DownloadOptions& opt) {
-  return fmt::format("{}/api/models/{}/revision/{}", opt.endpoint, url_escape(opt.repo, true), url_escape(opt.revision, false));
+  return fmt::format("{}/api/models/{}/revision/{}", opt.endpoint, url_escape(opt.repo, true),
+                     url_escape(opt.revision, false));
 }
 
 std::string hf_file_url(const DownloadOptions& opt, const std::string& path) {
@@ -113,7 +119,8 @@ std::vector<RemoteFile> list_remote_files(const DownloadOptions& opt) {
       } catch (const json::exception& e) {
         fail("{}: the API answer is not JSON ({}) at {}", what, e.what(), url);
       }
-      if (!j.contains("siblings") || !j["siblings"].is_array()) fail("{}: the API answer has no \"siblings\" list at {}", what, url);
+      if (!j.contains("siblings") || !j["siblings"].is_array())
+        fail("{}: the API answer has no \"siblings\" list at {}", what, url);
       std::vector<RemoteFile> out;
       for (const auto& s : j["siblings"]) {
         if (!s.contains("rfilename") || !s["rfilename"].is_string()) continue;
@@ -163,12 +170,14 @@ DownloadedFile download_file(const std::string& url, const std::string& dest, co
   for (;;) {
     bool complete = expect.size && have == *expect.size;
     if (!complete) {
-      if (out.attempts >= opt.max_attempts) fail("{}: download failed after {} attempts: {} ({})", out.path, out.attempts, last_error, url);
+      if (out.attempts >= opt.max_attempts)
+        fail("{}: download failed after {} attempts: {} ({})", out.path, out.attempts, last_error, url);
       if (failures > 0) sleep_backoff(opt, failures);
       ++out.attempts;
       int fd = ::open(part.c_str(), O_WRONLY | O_CREAT, 0644);
       if (fd < 0) fail("{}: cannot write: {}", part, std::strerror(errno));
-      if (::ftruncate(fd, off_t(have)) != 0 || ::lseek(fd, off_t(have), SEEK_SET) < 0) fail("{}: cannot seek: {}", part, std::strerror(errno));
+      if (::ftruncate(fd, off_t(have)) != 0 || ::lseek(fd, off_t(have), SEEK_SET) < 0)
+        fail("{}: cannot seek: {}", part, std::strerror(errno));
       uint64_t start = have;
       bool first = true, bad_range = false, write_failed = false;
       Response r = http_get(url, opt, have, [&](const char* p, size_t n, Response& resp) {
@@ -216,7 +225,8 @@ DownloadedFile download_file(const std::string& url, const std::string& dest, co
       }
       if (!complete) {
         ++failures;
-        log_line(opt, fmt::format("{}: {} (attempt {}/{}); resuming at byte {}", out.path, last_error, out.attempts, opt.max_attempts, have));
+        log_line(opt, fmt::format("{}: {} (attempt {}/{}); resuming at byte {}", out.path, last_error, out.attempts,
+                                  opt.max_attempts, have));
         continue;
       }
     }
@@ -229,12 +239,14 @@ DownloadedFile download_file(const std::string& url, const std::string& dest, co
       std::string source = expect.sha256.empty() ? "X-Linked-Etag/ETag" : "lock/API";
       if (!fresh_retry_used) {
         fresh_retry_used = true;
-        log_line(opt, fmt::format("{}: sha256 mismatch (expected {} from {}, got {}); downloading again from scratch", out.path, want_sha, source, sha));
+        log_line(opt, fmt::format("{}: sha256 mismatch (expected {} from {}, got {}); downloading again from scratch",
+                                  out.path, want_sha, source, sha));
         hasher.reset();
         have = 0;
         continue;
       }
-      fail("{}: sha256 mismatch after download: expected {} (from {}), got {}; the corrupt file was removed", out.path, want_sha, source, sha);
+      fail("{}: sha256 mismatch after download: expected {} (from {}), got {}; the corrupt file was removed", out.path,
+           want_sha, source, sha);
     }
     int fd = ::open(part.c_str(), O_RDONLY);
     if (fd >= 0) ::fsync(fd), ::close(fd);
@@ -254,8 +266,8 @@ std::string DownloadReport::text() const {
     out += fmt::format("{} {} ({} bytes, sha256 {}{})\n", f.skipped ? "kept      " : "downloaded", f.path, f.size,
                        f.sha256.substr(0, 16), f.verified ? ", verified" : ", no reference hash");
   }
-  out += fmt::format("{} files, {:.2f} GiB on disk, {:.2f} GiB transferred\n", files.size(), double(total) / (1ull << 30),
-                     double(bytes_transferred) / (1ull << 30));
+  out += fmt::format("{} files, {:.2f} GiB on disk, {:.2f} GiB transferred\n", files.size(),
+                     double(total) / (1ull << 30), double(bytes_transferred) / (1ull << 30));
   return out;
 }
 
@@ -268,7 +280,8 @@ static void check_relative_path(const std::string& p) {
 
 DownloadReport download_repo(const DownloadOptions& in) {
   DownloadOptions opt = in;
-  if (opt.repo.empty() || opt.repo.find('/') == std::string::npos) fail("--repo must look like owner/name, got '{}'", opt.repo);
+  if (opt.repo.empty() || opt.repo.find('/') == std::string::npos)
+    fail("--repo must look like owner/name, got '{}'", opt.repo);
   if (opt.dir.empty()) fail("no destination directory (--dir)");
   if (opt.token.empty())
     for (const char* var : {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
@@ -288,7 +301,8 @@ DownloadReport download_repo(const DownloadOptions& in) {
   if (!opt.include.empty())
     std::erase_if(files, [&](const RemoteFile& f) {
       if (f.path == kLockFileName) return false;
-      return std::none_of(opt.include.begin(), opt.include.end(), [&](const std::string& g) { return fnmatch(g.c_str(), f.path.c_str(), 0) == 0; });
+      return std::none_of(opt.include.begin(), opt.include.end(),
+                          [&](const std::string& g) { return fnmatch(g.c_str(), f.path.c_str(), 0) == 0; });
     });
   for (const auto& f : files) check_relative_path(f.path);
 

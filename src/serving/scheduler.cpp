@@ -1,4 +1,4 @@
-#include "runtime/scheduler.h"
+#include "serving/scheduler.h"
 
 namespace moesrv {
 

@@ -23,9 +23,9 @@ struct Response {
 using DataFn = std::function<bool(const char*, size_t, Response&)>;  // 2xx body bytes; false aborts
 
 struct GetOptions {
-  std::string token;            // sent as "Authorization: Bearer" (not forwarded to other hosts on redirect)
+  std::string token;  // sent as "Authorization: Bearer" (not forwarded to other hosts on redirect)
   long connect_timeout_s = 30;
-  long stall_timeout_s = 60;    // abort when under 1 KiB/s for this long
+  long stall_timeout_s = 60;  // abort when under 1 KiB/s for this long
 };
 
 Response get(const std::string& url, const GetOptions& opt, uint64_t range_from, const DataFn& on_data);

@@ -8,28 +8,28 @@
 #include <string>
 #include <vector>
 
-#include "runtime/synthetic_model.h"
+#include "model/synthetic_model.h"
 
 namespace moesrv {
 
 struct BenchOptions {
-  std::string model_dir;             // empty: synthetic model from synthetic_config
-  nlohmann::json synthetic_config;   // default: glm5_config(1)
+  std::string model_dir;            // empty: synthetic model from synthetic_config
+  nlohmann::json synthetic_config;  // default: glm5_config(1)
   SyntheticOptions synthetic{1, 0.02f, 16};
-  std::vector<int64_t> contexts = {512, 2048};        // measured on the engine
+  std::vector<int64_t> contexts = {512, 2048};                  // measured on the engine
   std::vector<int64_t> model_contexts = {8192, 32768, 131072};  // projected
   int64_t decode_tokens = 4;
-  int64_t full_layers = 78;          // layers of the projected model (0: the model's own)
-  int64_t full_dense_layers = 3;     // leading dense layers of the projected model (-1: keep the config's)
+  int64_t full_layers = 78;       // layers of the projected model (0: the model's own)
+  int64_t full_dense_layers = 3;  // leading dense layers of the projected model (-1: keep the config's)
   double vram_budget_gib = 22;
   double hbm_gbps = 1000, pcie_gbps = 25, gpu_tflops = 150;  // device numbers (flags until the GPU run measures)
-  double host_mem_gbps = 0, cpu_gflops = 0;                   // 0: measured here
+  double host_mem_gbps = 0, cpu_gflops = 0;                  // 0: measured here
   int64_t prefill_chunk = 2048;
   double workspace_gib = 1;
   double expert_bits = 0, dense_bits = 0;  // storage of the projected model (0: as loaded / 16)
-  int kv_elem_bytes = 2;                  // KV cache element size of the projection (1: fp8)
-  double usage_zipf = 0;                  // > 0 and no usage file: model skewed routing with this Zipf exponent
-  std::string usage_path;            // expert usage for pinning (default: the model's, if any)
+  int kv_elem_bytes = 2;                   // KV cache element size of the projection (1: fp8)
+  double usage_zipf = 0;                   // > 0 and no usage file: model skewed routing with this Zipf exponent
+  std::string usage_path;                  // expert usage for pinning (default: the model's, if any)
   bool measure_engine = true;
 };
 

@@ -1,4 +1,4 @@
-#include "runtime/usage_stats.h"
+#include "backend/usage_stats.h"
 
 #include <unistd.h>
 
@@ -16,8 +16,11 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 UsageStats::UsageStats(int64_t layers, int64_t experts, int64_t experts_per_token)
-    : layers_(layers), experts_(experts), k_(experts_per_token),
-      counts_(size_t(layers * experts), 0.0), tokens_(size_t(layers), 0.0) {
+    : layers_(layers),
+      experts_(experts),
+      k_(experts_per_token),
+      counts_(size_t(layers * experts), 0.0),
+      tokens_(size_t(layers), 0.0) {
   if (layers < 0 || experts <= 0 || experts_per_token <= 0 || experts_per_token > experts)
     fail("usage stats: invalid shape {} layers x {} experts, top-{}", layers, experts, experts_per_token);
 }
@@ -119,8 +122,13 @@ json UsageStats::to_json(const std::string& model_id) const {
     auto b = counts_.begin() + l * experts_;
     layers.push_back(json{{"tokens", tokens_[size_t(l)]}, {"counts", std::vector<double>(b, b + experts_)}});
   }
-  return json{{"format", "moesrv-expert-usage"}, {"version", 1}, {"model", model_id}, {"num_layers", layers_},
-              {"n_routed_experts", experts_}, {"experts_per_token", k_}, {"layers", layers}};
+  return json{{"format", "moesrv-expert-usage"},
+              {"version", 1},
+              {"model", model_id},
+              {"num_layers", layers_},
+              {"n_routed_experts", experts_},
+              {"experts_per_token", k_},
+              {"layers", layers}};
 }
 
 UsageStats UsageStats::from_json(const json& j, int64_t expect_layers, int64_t expect_experts) {
@@ -134,10 +142,12 @@ UsageStats UsageStats::from_json(const json& j, int64_t expect_layers, int64_t e
     if (expect_experts > 0 && s.experts_ != expect_experts)
       fail("expert usage: {} experts per layer, the model has {}", s.experts_, expect_experts);
     const json& layers = j.at("layers");
-    if (!layers.is_array() || int64_t(layers.size()) != s.layers_) fail("expert usage: layers array has the wrong length");
+    if (!layers.is_array() || int64_t(layers.size()) != s.layers_)
+      fail("expert usage: layers array has the wrong length");
     for (int64_t l = 0; l < s.layers_; ++l) {
       auto c = layers[size_t(l)].at("counts").get<std::vector<double>>();
-      if (int64_t(c.size()) != s.experts_) fail("expert usage: layer {} has {} counts, expected {}", l, c.size(), s.experts_);
+      if (int64_t(c.size()) != s.experts_)
+        fail("expert usage: layer {} has {} counts, expected {}", l, c.size(), s.experts_);
       for (double v : c)
         if (!(v >= 0) || !std::isfinite(v)) fail("expert usage: layer {} has an invalid count", l);
       std::copy(c.begin(), c.end(), s.counts_.begin() + l * s.experts_);
@@ -160,7 +170,8 @@ void UsageStats::save(const std::string& path, const std::string& model_id) cons
   std::string text = to_json(model_id).dump(1);
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) fail("{}: cannot write", tmp);
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  bool ok =
+      std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
   ok = std::fclose(f) == 0 && ok;
   if (!ok) {
     fs::remove(tmp);

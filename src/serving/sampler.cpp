@@ -1,4 +1,4 @@
-#include "runtime/sampler.h"
+#include "serving/sampler.h"
 
 #include <algorithm>
 #include <cmath>

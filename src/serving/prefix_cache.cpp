@@ -1,4 +1,4 @@
-#include "runtime/prefix_cache.h"
+#include "serving/prefix_cache.h"
 
 #include <algorithm>
 
@@ -43,7 +43,8 @@ void PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceSt
   std::lock_guard lock(mu_);
   if (b > max_bytes_) return;
   for (auto it = lru_.begin(); it != lru_.end();) {
-    bool redundant = it->tokens.size() <= tokens.size() && common_prefix(it->tokens, tokens) == int64_t(it->tokens.size());
+    bool redundant =
+        it->tokens.size() <= tokens.size() && common_prefix(it->tokens, tokens) == int64_t(it->tokens.size());
     if (redundant) {
       bytes_ -= it->bytes;
       it = lru_.erase(it);

@@ -1,4 +1,4 @@
-#include "runtime/preflight.h"
+#include "tools/preflight.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -96,7 +96,8 @@ std::optional<KvCacheSpec> kv_cache_spec_from_model(const json& config, int dtyp
       const bool indexer = b.indexer;
       if (indexer && b.growth != Growth::Fixed) ++k.indexer_layers;
       if (b.growth == Growth::Fixed) fixed += uint64_t(b.elems) * 4;
-      else if (indexer) index += uint64_t(b.elems) * uint64_t(dtype_bytes) * uint64_t(b.growth == Growth::PerPool ? 1 : st.pool);
+      else if (indexer)
+        index += uint64_t(b.elems) * uint64_t(dtype_bytes) * uint64_t(b.growth == Growth::PerPool ? 1 : st.pool);
       else kv += uint64_t(b.elems) * uint64_t(dtype_bytes);
     }
   }
@@ -105,10 +106,13 @@ std::optional<KvCacheSpec> kv_cache_spec_from_model(const json& config, int dtyp
   // Pooled indexer keys grow by one key per index_kpool tokens: per token, their share (rounded up).
   k.indexer_bytes_per_token = (index + uint64_t(s.index_kpool) - 1) / uint64_t(s.index_kpool);
   k.linear_state_bytes = fixed;
-  k.formula = fmt::format("model/state.h over {} layers: {} with a per-token cache ({} B/token), indexer keys {} B/token",
-                          s.num_layers, k.attention_layers, kv, k.indexer_bytes_per_token);
+  k.formula =
+      fmt::format("model/state.h over {} layers: {} with a per-token cache ({} B/token), indexer keys {} B/token",
+                  s.num_layers, k.attention_layers, kv, k.indexer_bytes_per_token);
   if (s.index_kpool > 1) k.formula += fmt::format(" (one pooled key per {} tokens)", s.index_kpool);
-  if (fixed) k.formula += fmt::format("; fixed state per sequence {} ({} recurrent layers, fp32)", human(fixed), k.linear_layers);
+  if (fixed)
+    k.formula +=
+        fmt::format("; fixed state per sequence {} ({} recurrent layers, fp32)", human(fixed), k.linear_layers);
   return k;
 }
 
@@ -122,7 +126,9 @@ KvCacheSpec kv_cache_spec(const json& config, int dtype_bytes) {
   json types = c.value("layer_types", json());
   json indexer_types = c.value("indexer_types", json());
   auto type_of = [&](int64_t i) -> std::string {
-    return types.is_array() && size_t(i) < types.size() && types[size_t(i)].is_string() ? types[size_t(i)].get<std::string>() : "";
+    return types.is_array() && size_t(i) < types.size() && types[size_t(i)].is_string()
+               ? types[size_t(i)].get<std::string>()
+               : "";
   };
   int64_t index_dim = geti(c, "index_head_dim");
   for (int64_t i = 0; i < layers; ++i) {
@@ -147,7 +153,8 @@ KvCacheSpec kv_cache_spec(const json& config, int dtype_bytes) {
     int64_t rope = geti(c, "qk_rope_head_dim");
     k.kind = "MLA";
     k.kv_bytes_per_token = uint64_t(kv_lora + rope) * b * uint64_t(k.attention_layers);
-    k.formula = fmt::format("MLA: (kv_lora_rank {} + qk_rope_head_dim {}) x {} B x {} layers", kv_lora, rope, b, k.attention_layers);
+    k.formula = fmt::format("MLA: (kv_lora_rank {} + qk_rope_head_dim {}) x {} B x {} layers", kv_lora, rope, b,
+                            k.attention_layers);
   } else {
     int64_t heads = geti(c, "num_attention_heads", 1);
     int64_t kv_heads = geti(c, "num_key_value_heads", heads);
@@ -155,11 +162,13 @@ KvCacheSpec kv_cache_spec(const json& config, int dtype_bytes) {
     if (head_dim <= 0) head_dim = geti(c, "hidden_size") / std::max<int64_t>(1, heads);
     k.kind = "GQA";
     k.kv_bytes_per_token = uint64_t(2 * kv_heads * head_dim) * b * uint64_t(k.attention_layers);
-    k.formula = fmt::format("GQA: 2 x {} kv heads x head_dim {} x {} B x {} layers", kv_heads, head_dim, b, k.attention_layers);
+    k.formula =
+        fmt::format("GQA: 2 x {} kv heads x head_dim {} x {} B x {} layers", kv_heads, head_dim, b, k.attention_layers);
   }
   if (k.indexer_layers > 0) {
     k.indexer_bytes_per_token = uint64_t(index_dim) * b * uint64_t(k.indexer_layers);
-    k.formula += fmt::format(" + DSA indexer keys: index_head_dim {} x {} B x {} layers", index_dim, b, k.indexer_layers);
+    k.formula +=
+        fmt::format(" + DSA indexer keys: index_head_dim {} x {} B x {} layers", index_dim, b, k.indexer_layers);
   }
   if (k.linear_layers > 0) {  // gated-delta-net style: fp32 recurrent state + conv window, per sequence
     int64_t nv = geti(c, "linear_num_value_heads", geti(c, "linear_num_heads"));
@@ -169,12 +178,15 @@ KvCacheSpec kv_cache_spec(const json& config, int dtype_bytes) {
     int64_t kernel = geti(c, "linear_conv_kernel_dim", 4);
     uint64_t per_layer = uint64_t(nv * dk * dv) * 4 + uint64_t(kernel * (2 * nk * dk + nv * dv)) * b;
     k.linear_state_bytes = per_layer * uint64_t(k.linear_layers);
-    k.formula += fmt::format("; {} linear-attention layers keep {} of state per sequence", k.linear_layers, human(k.linear_state_bytes));
+    k.formula += fmt::format("; {} linear-attention layers keep {} of state per sequence", k.linear_layers,
+                             human(k.linear_state_bytes));
   }
   return k;
 }
 
-HostInfo probe_host(const std::string& model_dir) { return {probe_cpu(), probe_memory(), probe_gpus(), probe_disk(model_dir)}; }
+HostInfo probe_host(const std::string& model_dir) {
+  return {probe_cpu(), probe_memory(), probe_gpus(), probe_disk(model_dir)};
+}
 
 static std::vector<PackageFileStatus> check_files(const std::string& dir, bool hash, bool& has_lock, bool& lock_ok) {
   std::vector<PackageFileStatus> out;
@@ -182,7 +194,8 @@ static std::vector<PackageFileStatus> check_files(const std::string& dir, bool h
   has_lock = fs::exists(lp);
   lock_ok = true;
   if (!has_lock) {
-    for (const auto& rel : list_package_files(dir)) out.push_back({rel, fs::file_size(fs::path(dir) / rel), "no lock", false});
+    for (const auto& rel : list_package_files(dir))
+      out.push_back({rel, fs::file_size(fs::path(dir) / rel), "no lock", false});
     return out;
   }
   PackageLock lock = read_lock(lp.string());
@@ -215,7 +228,9 @@ static std::vector<PackageFileStatus> check_files(const std::string& dir, bool h
   return out;
 }
 
-PreflightReport run_preflight(const std::string& dir, const PreflightOptions& opt) { return run_preflight(dir, opt, probe_host(dir)); }
+PreflightReport run_preflight(const std::string& dir, const PreflightOptions& opt) {
+  return run_preflight(dir, opt, probe_host(dir));
+}
 
 PreflightReport run_preflight(const std::string& dir, const PreflightOptions& opt, const HostInfo& host) {
   PreflightReport r;
@@ -227,7 +242,8 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
     return f.path.size() > 12 && f.path.compare(f.path.size() - 12, 12, ".safetensors") == 0;
   });
   r.model_type = cfg.value("model_type", std::string("?"));
-  r.params = r.estimated ? estimate_parameter_bytes(cfg, opt.assume_bits) : count_parameter_bytes(*ModelPackage::open(dir));
+  r.params =
+      r.estimated ? estimate_parameter_bytes(cfg, opt.assume_bits) : count_parameter_bytes(*ModelPackage::open(dir));
   r.kv = kv_cache_spec(cfg, opt.kv_dtype_bytes);
   int64_t max_pos = geti(text_config(cfg), "max_position_embeddings", 32768);
   r.ctx = opt.ctx > 0 ? opt.ctx : std::min<int64_t>(max_pos, 32768);
@@ -248,10 +264,13 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
     r.vram_used = gpu_min + experts_on_gpu;
     r.ram_needed = r.params.experts - experts_on_gpu;
     r.fits = r.ram_needed <= avail;
-    r.verdict = r.fits ? fmt::format("fits: {} on GPU (dense weights + KV cache + {} of experts), {} of experts in RAM ({} available)",
-                                      gib(r.vram_used), gib(experts_on_gpu), gib(r.ram_needed), gib(avail))
-                       : fmt::format("does not fit: needs {} more RAM (or as much more VRAM): {} of experts in RAM, {} available{}",
-                                     gib(r.ram_needed - avail), gib(r.ram_needed), gib(avail), paging);
+    r.verdict =
+        r.fits ? fmt::format(
+                     "fits: {} on GPU (dense weights + KV cache + {} of experts), {} of experts in RAM ({} available)",
+                     gib(r.vram_used), gib(experts_on_gpu), gib(r.ram_needed), gib(avail))
+               : fmt::format(
+                     "does not fit: needs {} more RAM (or as much more VRAM): {} of experts in RAM, {} available{}",
+                     gib(r.ram_needed - avail), gib(r.ram_needed), gib(avail), paging);
   } else if (all <= avail) {
     r.ram_needed = all;
     r.fits = true;
@@ -264,12 +283,13 @@ PreflightReport run_preflight(const std::string& dir, const PreflightOptions& op
     r.verdict = fmt::format("does not fit: needs {} more VRAM for dense weights + KV cache ({} needed, {} budget)",
                             gib(gpu_min - r.vram_budget), gib(gpu_min), gib(r.vram_budget));
     if (r.params.experts > avail)
-      r.verdict += fmt::format(" and {} more RAM for the experts ({} needed, {} available)", gib(r.params.experts - avail),
-                               gib(r.params.experts), gib(avail));
+      r.verdict += fmt::format(" and {} more RAM for the experts ({} needed, {} available)",
+                               gib(r.params.experts - avail), gib(r.params.experts), gib(avail));
   } else {
     r.ram_needed = all;
-    r.verdict = fmt::format("does not fit: needs {} more RAM ({} needed for weights + KV cache, {} available; no GPU){}",
-                            gib(all - avail), gib(all), gib(avail), paging);
+    r.verdict =
+        fmt::format("does not fit: needs {} more RAM ({} needed for weights + KV cache, {} available; no GPU){}",
+                    gib(all - avail), gib(all), gib(avail), paging);
   }
   std::vector<std::pair<std::string, uint64_t>> budgets = {{"22 GiB", uint64_t(22 * kGiB)},
                                                            {"44 GiB", uint64_t(44 * kGiB)}};
@@ -312,12 +332,17 @@ std::string PreflightReport::text() const {
   uint64_t bytes = 0;
   for (const auto& f : files) bytes += f.size;
   o += fmt::format("Files    {} files, {}; lock: {}\n", files.size(), human(bytes),
-                   !has_lock ? "none (create one with `moesrv lock`)" : lock_ok ? "all files match" : "PROBLEMS (see below)");
-  for (const auto& f : files) o += fmt::format("  {:<48} {:>12}  {}{}\n", f.path, human(f.size), f.problem ? "!! " : "", f.status);
-  o += fmt::format("Params   {} = {} dense + {} routed experts ({} tensors, {:.3f} B params){}\n", human(params.total()),
-                   human(params.dense), human(params.experts), params.tensors, double(params.dense_params + params.expert_params) / 1e9,
+                   !has_lock ? "none (create one with `moesrv lock`)"
+                   : lock_ok ? "all files match"
+                             : "PROBLEMS (see below)");
+  for (const auto& f : files)
+    o += fmt::format("  {:<48} {:>12}  {}{}\n", f.path, human(f.size), f.problem ? "!! " : "", f.status);
+  o += fmt::format("Params   {} = {} dense + {} routed experts ({} tensors, {:.3f} B params){}\n",
+                   human(params.total()), human(params.dense), human(params.experts), params.tensors,
+                   double(params.dense_params + params.expert_params) / 1e9,
                    estimated ? " [no weights here: estimated from the config's tensor manifest]" : "");
-  o += fmt::format("KV cache {} B/token = {}\n", kv.bytes_per_token(), kv.formula.empty() ? "no attention layers" : kv.formula);
+  o += fmt::format("KV cache {} B/token = {}\n", kv.bytes_per_token(),
+                   kv.formula.empty() ? "no attention layers" : kv.formula);
   o += fmt::format("         ctx {} -> {}\n", ctx, human(kv_bytes));
   for (const auto& [c, b] : kv_by_ctx) o += fmt::format("         ctx {:>6} -> {}\n", c, human(b));
   o += fmt::format("Plan     VRAM budget {}, reserve {} for workspace\n", gib(vram_budget), gib(overhead));
@@ -336,9 +361,11 @@ std::string PreflightReport::text() const {
 
 json PreflightReport::to_json() const {
   json gpus = json::array();
-  for (const auto& g : host.gpus) gpus.push_back({{"name", g.name}, {"memory_total", g.total}, {"memory_used", g.used}});
+  for (const auto& g : host.gpus)
+    gpus.push_back({{"name", g.name}, {"memory_total", g.total}, {"memory_used", g.used}});
   json fl = json::array();
-  for (const auto& f : files) fl.push_back({{"path", f.path}, {"size", f.size}, {"status", f.status}, {"problem", f.problem}});
+  for (const auto& f : files)
+    fl.push_back({{"path", f.path}, {"size", f.size}, {"status", f.status}, {"problem", f.problem}});
   return {
       {"model_dir", dir},
       {"model_type", model_type},

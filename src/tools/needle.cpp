@@ -1,10 +1,10 @@
-#include "runtime/needle.h"
+#include "tools/needle.h"
 
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
-#include "runtime/sampler.h"
+#include "serving/sampler.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -43,7 +43,8 @@ NeedlePrompt build_needle_prompt(const ChatCodec& codec, const NeedleCase& c, co
   if (c.depth < 0 || c.depth > 1) fail("needle depth {} outside [0, 1]", c.depth);
   // Token cost of the fixed parts, then fill the rest with whole paragraphs.
   int64_t fixed = int64_t(codec.encode(render(codec, o.needle, o)).size());
-  if (fixed >= c.context_tokens) fail("needle context {} tokens is smaller than the question itself ({} tokens)", c.context_tokens, fixed);
+  if (fixed >= c.context_tokens)
+    fail("needle context {} tokens is smaller than the question itself ({} tokens)", c.context_tokens, fixed);
   std::vector<std::string> paragraphs;
   int64_t budget = c.context_tokens - fixed, used = 0;
   for (size_t i = 0;; ++i) {
@@ -72,12 +73,14 @@ NeedleResult run_needle(Engine& engine, const ChatCodec& codec, const NeedleCase
   NeedlePrompt p = build_needle_prompt(codec, c, o);
   r.prompt_tokens = int64_t(p.tokens.size());
   if (r.prompt_tokens + o.max_new_tokens > engine.max_context())
-    fail("needle prompt of {} tokens + {} new exceeds the model context {}", r.prompt_tokens, o.max_new_tokens, engine.max_context());
+    fail("needle prompt of {} tokens + {} new exceeds the model context {}", r.prompt_tokens, o.max_new_tokens,
+         engine.max_context());
   auto seq = engine.new_sequence();
   auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
   for (size_t b = 0; b < p.tokens.size(); b += size_t(o.prefill_chunk)) {
-    std::vector<int32_t> chunk(p.tokens.begin() + long(b), p.tokens.begin() + long(std::min(p.tokens.size(), b + size_t(o.prefill_chunk))));
+    std::vector<int32_t> chunk(p.tokens.begin() + long(b),
+                               p.tokens.begin() + long(std::min(p.tokens.size(), b + size_t(o.prefill_chunk))));
     logits = engine.forward(*seq, chunk);
   }
   auto t1 = std::chrono::steady_clock::now();

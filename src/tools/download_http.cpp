@@ -1,4 +1,4 @@
-#include "runtime/download_http.h"
+#include "tools/download_http.h"
 
 #include <algorithm>
 #include <memory>

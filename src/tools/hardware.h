@@ -11,7 +11,8 @@ struct CpuInfo {
   std::string model;
   int logical_cores = 0;
   int physical_cores = 0;
-  bool avx2 = false, fma = false, avx512f = false, avx512bw = false, avx512_vnni = false, avx512_bf16 = false, amx = false;
+  bool avx2 = false, fma = false, avx512f = false, avx512bw = false, avx512_vnni = false, avx512_bf16 = false,
+       amx = false;
   std::string flags_summary() const;  // e.g. "AVX2 FMA AVX-512F AVX-512BW"
 };
 

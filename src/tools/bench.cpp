@@ -1,4 +1,4 @@
-#include "runtime/bench.h"
+#include "tools/bench.h"
 
 #include <fmt/format.h>
 
@@ -13,10 +13,10 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "backend/usage_stats.h"
 #include "model/state.h"
 #include "runtime/cpu_expert_pool.h"
 #include "runtime/placement.h"
-#include "runtime/usage_stats.h"
 #include "util/error.h"
 #include "util/thread_pool.h"
 
@@ -45,8 +45,8 @@ struct Calibration {
   double memcpy_gbps = 0;
   double expert_1tok_s = 0, expert_gemv_gbps = 0;  // one routed expert, one token
   int64_t gemm_tokens = 0;
-  double expert_gemm_s = 0, cpu_gflops = 0;         // one routed expert, gemm_tokens tokens
-  double head_s = 0;                                // lm_head for one row
+  double expert_gemm_s = 0, cpu_gflops = 0;  // one routed expert, gemm_tokens tokens
+  double head_s = 0;                         // lm_head for one row
 };
 
 Calibration calibrate(const ModelWeights& w, const ModelFootprint& fp) {
@@ -159,7 +159,8 @@ struct Projection {
 };
 
 double floor_seconds(const StepEstimate& e, const CostModel& m) {
-  return std::max({e.hbm_bytes / (m.hbm_gbps * 1e9), e.pcie_bytes / (m.pcie_gbps * 1e9), e.host_bytes / (m.host_mem_gbps * 1e9)});
+  return std::max(
+      {e.hbm_bytes / (m.hbm_gbps * 1e9), e.pcie_bytes / (m.pcie_gbps * 1e9), e.host_bytes / (m.host_mem_gbps * 1e9)});
 }
 
 Projection project(const std::string& name, const ModelConfig& c, const ModelFootprint& fp, PlacementRequest req,
@@ -187,7 +188,9 @@ Projection project(const std::string& name, const ModelConfig& c, const ModelFoo
   return p;
 }
 
-std::string fmt_rate(double per_s) { return per_s >= 100 ? fmt::format("{:.0f}", per_s) : fmt::format("{:.2f}", per_s); }
+std::string fmt_rate(double per_s) {
+  return per_s >= 100 ? fmt::format("{:.0f}", per_s) : fmt::format("{:.2f}", per_s);
+}
 
 // GPU measurement (CUDA builds with a visible device): the same engine runs under three expert placements on
 // the loaded layers. The hybrid one copies the per-layer homes of the full model's hybrid plan, so each measured
@@ -204,7 +207,9 @@ void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& p
     }
   if (!tmpl) return;
   auto map_home = [](ExpertHome h) {
-    return h == ExpertHome::Pinned ? ExpertPlacement::Vram : h == ExpertHome::Cpu ? ExpertPlacement::Cpu : ExpertPlacement::Cache;
+    return h == ExpertHome::Pinned ? ExpertPlacement::Vram
+           : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
+                                   : ExpertPlacement::Cache;
   };
   struct Variant {
     std::string name;
@@ -218,11 +223,15 @@ void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& p
   const double head_s = double(fp.head_bytes) / (opt.hbm_gbps * 1e9);  // lm_head on the GPU, bandwidth-bound
   auto full = [&](double t) { return head_s + std::max(0.0, t - head_s) / double(c.num_layers) * double(full_layers); };
   std::string& md = r.markdown;
-  md += fmt::format("\n**Measured on the GPU** (CUDA engine, {} layer(s); full = step time x {} layers, "
-                    "pessimistic as it also scales fixed per-step costs; ratios are of the measured steps; hybrid "
-                    "layer: {} pinned, {} LRU slots, {} fetch, {} CPU experts)\n\n", c.num_layers, full_layers,
-                    tmpl->pinned, tmpl->slots - tmpl->pinned, tmpl->count(ExpertHome::Fetch), tmpl->count(ExpertHome::Cpu));
-  md += "| context | placement | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full decode tok/s | decode vs baseline |\n";
+  md += fmt::format(
+      "\n**Measured on the GPU** (CUDA engine, {} layer(s); full = step time x {} layers, "
+      "pessimistic as it also scales fixed per-step costs; ratios are of the measured steps; hybrid "
+      "layer: {} pinned, {} LRU slots, {} fetch, {} CPU experts)\n\n",
+      c.num_layers, full_layers, tmpl->pinned, tmpl->slots - tmpl->pinned, tmpl->count(ExpertHome::Fetch),
+      tmpl->count(ExpertHome::Cpu));
+  md +=
+      "| context | placement | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full decode tok/s | decode vs "
+      "baseline |\n";
   md += "|---:|---|---:|---:|---:|---:|---:|---:|\n";
   std::vector<std::vector<Measured>> runs;
   for (const Variant& v : variants) {
@@ -245,11 +254,15 @@ void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& p
       const Measured& m = runs[vi][ci];
       // Ratios of the measured step times: extrapolation would also scale fixed per-step costs.
       const double ratio = runs.back()[ci].decode_s / m.decode_s, mine = full(m.decode_s);
-      md += fmt::format("| {} | {} | {:.3f} | {} | {} | {:.2f} | {} | {:.2f}x |\n", m.context, variants[vi].name, m.ttft_s,
-                        fmt_rate(double(m.context) / m.ttft_s), fmt_rate(1 / m.decode_s), full(m.ttft_s), fmt_rate(1 / mine),
-                        ratio);
-      gj.push_back({{"context", m.context}, {"placement", variants[vi].name}, {"ttft_s", m.ttft_s},
-                    {"decode_tps", 1 / m.decode_s}, {"full_ttft_s", full(m.ttft_s)}, {"full_decode_tps", 1 / mine},
+      md += fmt::format("| {} | {} | {:.3f} | {} | {} | {:.2f} | {} | {:.2f}x |\n", m.context, variants[vi].name,
+                        m.ttft_s, fmt_rate(double(m.context) / m.ttft_s), fmt_rate(1 / m.decode_s), full(m.ttft_s),
+                        fmt_rate(1 / mine), ratio);
+      gj.push_back({{"context", m.context},
+                    {"placement", variants[vi].name},
+                    {"ttft_s", m.ttft_s},
+                    {"decode_tps", 1 / m.decode_s},
+                    {"full_ttft_s", full(m.ttft_s)},
+                    {"full_decode_tps", 1 / mine},
                     {"decode_vs_baseline", ratio}});
     }
   r.json["measured_gpu"] = gj;
@@ -307,7 +320,8 @@ BenchResult run_bench(const BenchOptions& opt) {
     double b = double(fp.head_bytes), per_layer = 0;
     for (int64_t l = 0; l < c.num_layers; ++l) {
       per_layer += double(fp.dense_bytes[size_t(l)]) + double(c.experts_per_token) * double(fp.expert_bytes[size_t(l)]);
-      per_layer += double(c.kv_elements_per_token_layer()) * 4 * double(c.dsa ? std::min<int64_t>(ctx, c.index_topk) : ctx);
+      per_layer +=
+          double(c.kv_elements_per_token_layer()) * 4 * double(c.dsa ? std::min<int64_t>(ctx, c.index_topk) : ctx);
     }
     return b + per_layer / double(c.num_layers) * double(layers);
   };
@@ -317,9 +331,10 @@ BenchResult run_bench(const BenchOptions& opt) {
   const ModelConfig fc = ModelConfig::from_json(full_cfg_json);
   int64_t moe_layer = 0;
   while (moe_layer < c.num_layers && !c.layer_is_moe[size_t(moe_layer)]) ++moe_layer;
-  double loaded_expert_bits = moe_layer < c.num_layers && fp.expert_params[size_t(moe_layer)] > 0
-                                  ? 8.0 * double(fp.expert_bytes[size_t(moe_layer)]) / fp.expert_params[size_t(moe_layer)]
-                                  : 16;
+  double loaded_expert_bits =
+      moe_layer < c.num_layers && fp.expert_params[size_t(moe_layer)] > 0
+          ? 8.0 * double(fp.expert_bytes[size_t(moe_layer)]) / fp.expert_params[size_t(moe_layer)]
+          : 16;
   const double expert_bits = opt.expert_bits > 0 ? opt.expert_bits : loaded_expert_bits;
   const double dense_bits = opt.dense_bits > 0 ? opt.dense_bits : 16;
   const ModelFootprint ffp = footprint_from_config(fc, expert_bits, dense_bits);
@@ -327,7 +342,8 @@ BenchResult run_bench(const BenchOptions& opt) {
   std::string usage_source = "uniform routing";
   if (!opt.usage_path.empty()) {
     usage = UsageStats::load(opt.usage_path, fc.num_layers, fc.n_routed_experts);
-    if (!usage) fail("{}: no usable expert usage for {} layers x {} experts", opt.usage_path, fc.num_layers, fc.n_routed_experts);
+    if (!usage)
+      fail("{}: no usable expert usage for {} layers x {} experts", opt.usage_path, fc.num_layers, fc.n_routed_experts);
     usage_source = opt.usage_path;
   } else if (opt.usage_zipf > 0) {
     usage = zipf_usage(fc, opt.usage_zipf, opt.synthetic.seed);
@@ -351,9 +367,11 @@ BenchResult run_bench(const BenchOptions& opt) {
     PlacementRequest all = base, hybrid = base, cpu_experts = base;
     all.vram_budget = uint64_t(1) << 62;
     hybrid.vram_budget = uint64_t(opt.vram_budget_gib * double(kGiB));
-    cpu_experts.vram_budget = ffp.dense_total() + kv_cache_bytes(fc, ctx, opt.kv_elem_bytes, opt.kv_elem_bytes) + base.workspace_bytes;  // no expert slots
+    cpu_experts.vram_budget = ffp.dense_total() + kv_cache_bytes(fc, ctx, opt.kv_elem_bytes, opt.kv_elem_bytes) +
+                              base.workspace_bytes;  // no expert slots
     proj.push_back(project("all-in-VRAM", fc, ffp, all, ctx, opt.prefill_chunk, up));
-    proj.push_back(project(fmt::format("hybrid {:g} GiB", opt.vram_budget_gib), fc, ffp, hybrid, ctx, opt.prefill_chunk, up));
+    proj.push_back(
+        project(fmt::format("hybrid {:g} GiB", opt.vram_budget_gib), fc, ffp, hybrid, ctx, opt.prefill_chunk, up));
     proj.push_back(project("baseline: GPU dense, CPU experts", fc, ffp, cpu_experts, ctx, opt.prefill_chunk, up));
   }
 
@@ -364,44 +382,66 @@ BenchResult run_bench(const BenchOptions& opt) {
   j["layers_measured"] = c.num_layers;
   j["full_layers"] = full_layers;
   j["load_s"] = load_s;
-  j["calibration"] = {{"memcpy_gbps", cal.memcpy_gbps}, {"expert_bytes", fp.expert_bytes[size_t(std::min(moe_layer, c.num_layers - 1))]},
-                      {"expert_1tok_s", cal.expert_1tok_s}, {"expert_gemv_gbps", cal.expert_gemv_gbps},
-                      {"gemm_tokens", cal.gemm_tokens}, {"expert_gemm_s", cal.expert_gemm_s},
-                      {"cpu_gflops", cal.cpu_gflops}, {"lm_head_s", cal.head_s}};
+  j["calibration"] = {{"memcpy_gbps", cal.memcpy_gbps},
+                      {"expert_bytes", fp.expert_bytes[size_t(std::min(moe_layer, c.num_layers - 1))]},
+                      {"expert_1tok_s", cal.expert_1tok_s},
+                      {"expert_gemv_gbps", cal.expert_gemv_gbps},
+                      {"gemm_tokens", cal.gemm_tokens},
+                      {"expert_gemm_s", cal.expert_gemm_s},
+                      {"cpu_gflops", cal.cpu_gflops},
+                      {"lm_head_s", cal.head_s}};
   j["cost_model"] = base.cost.to_json();
-  j["projection"] = {{"expert_bits", expert_bits}, {"dense_bits", dense_bits}, {"usage", usage_source},
-                     {"dense_gib", double(ffp.dense_total()) / kGiB}, {"experts_gib", double(ffp.experts_total(fc)) / kGiB}};
+  j["projection"] = {{"expert_bits", expert_bits},
+                     {"dense_bits", dense_bits},
+                     {"usage", usage_source},
+                     {"dense_gib", double(ffp.dense_total()) / kGiB},
+                     {"experts_gib", double(ffp.experts_total(fc)) / kGiB}};
   std::string& md = r.markdown;
   md += fmt::format("### moesrv bench: {}\n\n", model_name);
-  md += fmt::format("Host calibration (measured): memcpy {:.1f} GB/s; one routed expert ({:.1f} MB) on the CPU: {:.3f} ms "
-                    "for 1 token = {:.1f} GB/s, {:.2f} ms for {} tokens = {:.0f} GFLOP/s; lm_head {:.2f} ms/token.\n\n",
-                    cal.memcpy_gbps, double(j["calibration"]["expert_bytes"].get<uint64_t>()) / 1e6, 1e3 * cal.expert_1tok_s,
-                    cal.expert_gemv_gbps, 1e3 * cal.expert_gemm_s, cal.gemm_tokens, cal.cpu_gflops, 1e3 * cal.head_s);
+  md += fmt::format(
+      "Host calibration (measured): memcpy {:.1f} GB/s; one routed expert ({:.1f} MB) on the CPU: {:.3f} ms "
+      "for 1 token = {:.1f} GB/s, {:.2f} ms for {} tokens = {:.0f} GFLOP/s; lm_head {:.2f} ms/token.\n\n",
+      cal.memcpy_gbps, double(j["calibration"]["expert_bytes"].get<uint64_t>()) / 1e6, 1e3 * cal.expert_1tok_s,
+      cal.expert_gemv_gbps, 1e3 * cal.expert_gemm_s, cal.gemm_tokens, cal.cpu_gflops, 1e3 * cal.head_s);
   if (!measured.empty()) {
-    md += fmt::format("**Measured** (CPU engine, {} layer(s); full = per-layer cost x {} layers + lm_head; floor = bytes a "
-                      "decode token reads / {:.1f} GB/s, the best host rate measured)\n\n", c.num_layers, full_layers, host_gbps);
-    md += "| context | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full prefill tok/s | full decode tok/s | full decode floor tok/s |\n";
+    md += fmt::format(
+        "**Measured** (CPU engine, {} layer(s); full = per-layer cost x {} layers + lm_head; floor = bytes a "
+        "decode token reads / {:.1f} GB/s, the best host rate measured)\n\n",
+        c.num_layers, full_layers, host_gbps);
+    md +=
+        "| context | TTFT s | prefill tok/s | decode tok/s | full TTFT s | full prefill tok/s | full decode tok/s | "
+        "full decode floor tok/s |\n";
     md += "|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     json mj = json::array();
     for (const Measured& m : measured) {
       double full_ttft = extrapolate(m.ttft_s, cal.head_s), full_dec = extrapolate(m.decode_s, cal.head_s);
       double floor_s = cpu_decode_bytes(m.context, full_layers) / (host_gbps * 1e9);
       md += fmt::format("| {} | {:.3f} | {} | {} | {:.2f} | {} | {} | {} |\n", m.context, m.ttft_s,
-                        fmt_rate(double(m.context) / m.ttft_s), m.decode_s > 0 ? fmt_rate(1 / m.decode_s) : "-", full_ttft,
-                        fmt_rate(double(m.context) / full_ttft), full_dec > 0 ? fmt_rate(1 / full_dec) : "-", fmt_rate(1 / floor_s));
-      mj.push_back({{"context", m.context}, {"ttft_s", m.ttft_s}, {"prefill_tps", double(m.context) / m.ttft_s},
-                    {"decode_tps", m.decode_s > 0 ? 1 / m.decode_s : 0.0}, {"full_ttft_s", full_ttft},
-                    {"full_decode_tps", full_dec > 0 ? 1 / full_dec : 0.0}, {"full_decode_floor_tps", 1 / floor_s}});
+                        fmt_rate(double(m.context) / m.ttft_s), m.decode_s > 0 ? fmt_rate(1 / m.decode_s) : "-",
+                        full_ttft, fmt_rate(double(m.context) / full_ttft), full_dec > 0 ? fmt_rate(1 / full_dec) : "-",
+                        fmt_rate(1 / floor_s));
+      mj.push_back({{"context", m.context},
+                    {"ttft_s", m.ttft_s},
+                    {"prefill_tps", double(m.context) / m.ttft_s},
+                    {"decode_tps", m.decode_s > 0 ? 1 / m.decode_s : 0.0},
+                    {"full_ttft_s", full_ttft},
+                    {"full_decode_tps", full_dec > 0 ? 1 / full_dec : 0.0},
+                    {"full_decode_floor_tps", 1 / floor_s}});
     }
     j["measured"] = mj;
     md += "\n";
   }
-  md += fmt::format("**Projected** (cost model; {} layers, experts {:.2f} bits, dense {:.2f} bits, KV {} byte(s)/element: dense {:.1f} GiB, experts "
-                    "{:.1f} GiB; {}; HBM {:g} GB/s, PCIe {:g} GB/s, GPU {:g} TFLOP/s from flags; CPU numbers from the "
-                    "calibration above; prefill in {}-token chunks; floor = max over HBM/PCIe/host of bytes moved / bandwidth)\n\n",
-                    fc.num_layers, expert_bits, dense_bits, opt.kv_elem_bytes, double(ffp.dense_total()) / kGiB, double(ffp.experts_total(fc)) / kGiB,
-                    usage_source, opt.hbm_gbps, opt.pcie_gbps, opt.gpu_tflops, opt.prefill_chunk);
-  md += "| context | placement | VRAM GiB | VRAM hit rate | TTFT s | prefill tok/s | decode tok/s | decode floor tok/s | decode vs baseline |\n";
+  md += fmt::format(
+      "**Projected** (cost model; {} layers, experts {:.2f} bits, dense {:.2f} bits, KV {} byte(s)/element: dense "
+      "{:.1f} GiB, experts "
+      "{:.1f} GiB; {}; HBM {:g} GB/s, PCIe {:g} GB/s, GPU {:g} TFLOP/s from flags; CPU numbers from the "
+      "calibration above; prefill in {}-token chunks; floor = max over HBM/PCIe/host of bytes moved / bandwidth)\n\n",
+      fc.num_layers, expert_bits, dense_bits, opt.kv_elem_bytes, double(ffp.dense_total()) / kGiB,
+      double(ffp.experts_total(fc)) / kGiB, usage_source, opt.hbm_gbps, opt.pcie_gbps, opt.gpu_tflops,
+      opt.prefill_chunk);
+  md +=
+      "| context | placement | VRAM GiB | VRAM hit rate | TTFT s | prefill tok/s | decode tok/s | decode floor tok/s | "
+      "decode vs baseline |\n";
   md += "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
   json pj = json::array();
   for (size_t i = 0; i < proj.size(); ++i) {
@@ -412,10 +452,17 @@ BenchResult run_bench(const BenchOptions& opt) {
     md += fmt::format("| {} | {} | {} | {:.1f}% | {:.1f} | {} | {} | {} | {:.2f}x |\n", p.context, p.placement, vram,
                       100 * p.hit_rate, p.ttft_s, fmt_rate(double(p.context) / p.ttft_s), fmt_rate(1 / p.decode_s),
                       fmt_rate(1 / p.floor_s), baseline.decode_s / p.decode_s);
-    pj.push_back({{"context", p.context}, {"placement", p.placement}, {"fits", fits}, {"note", p.decode_plan.note},
-                  {"vram_bytes", p.decode_plan.vram_total()}, {"hit_rate", p.hit_rate}, {"ttft_s", p.ttft_s},
-                  {"prefill_tps", double(p.context) / p.ttft_s}, {"decode_tps", 1 / p.decode_s},
-                  {"decode_floor_tps", 1 / p.floor_s}, {"decode_vs_baseline", baseline.decode_s / p.decode_s}});
+    pj.push_back({{"context", p.context},
+                  {"placement", p.placement},
+                  {"fits", fits},
+                  {"note", p.decode_plan.note},
+                  {"vram_bytes", p.decode_plan.vram_total()},
+                  {"hit_rate", p.hit_rate},
+                  {"ttft_s", p.ttft_s},
+                  {"prefill_tps", double(p.context) / p.ttft_s},
+                  {"decode_tps", 1 / p.decode_s},
+                  {"decode_floor_tps", 1 / p.floor_s},
+                  {"decode_vs_baseline", baseline.decode_s / p.decode_s}});
   }
   j["projected"] = pj;
   if (opt.measure_engine && !proj.empty()) measure_gpu(opt, pkg, c, proj[1].decode_plan, fp, r);

@@ -7,12 +7,12 @@
 #include <vector>
 
 #include "format/package.h"
-#include "runtime/hardware.h"
+#include "tools/hardware.h"
 
 namespace moesrv {
 
 struct ParamBytes {
-  uint64_t dense = 0, experts = 0;  // bytes as stored (EXL3: trellis + scales); experts = *.mlp.experts.*
+  uint64_t dense = 0, experts = 0;               // bytes as stored (EXL3: trellis + scales); experts = *.mlp.experts.*
   uint64_t dense_params = 0, expert_params = 0;  // weights (an EXL3 trellis counts its in x out)
   size_t tensors = 0;
   uint64_t total() const { return dense + experts; }
@@ -49,9 +49,9 @@ struct PreflightOptions {
   double vram_budget_gib = -1;  // <0: free VRAM of all detected GPUs
   int64_t ctx = 0;              // 0: min(max_position_embeddings, 32768)
   int kv_dtype_bytes = 2;
-  double overhead_gib = 1.0;    // workspace/activations reserve on the device that runs attention
-  bool hash = false;            // SHA-256 every file against the lock (slow); default: sizes only
-  double assume_bits = 16;      // config-only folder: bits per matrix weight for the estimate
+  double overhead_gib = 1.0;  // workspace/activations reserve on the device that runs attention
+  bool hash = false;          // SHA-256 every file against the lock (slow); default: sizes only
+  double assume_bits = 16;    // config-only folder: bits per matrix weight for the estimate
 };
 
 struct PackageFileStatus {
@@ -70,9 +70,9 @@ struct PreflightReport {
   ParamBytes params;
   KvCacheSpec kv;
   int64_t ctx = 0;
-  uint64_t kv_bytes = 0;      // at ctx, plus linear state
+  uint64_t kv_bytes = 0;                                // at ctx, plus linear state
   std::vector<std::pair<int64_t, uint64_t>> kv_by_ctx;  // KV + state bytes at 8K / 128K / 256K (within max position)
-  bool estimated = false;     // no weights in the folder: parameter bytes from the manifest at assume_bits
+  bool estimated = false;  // no weights in the folder: parameter bytes from the manifest at assume_bits
   uint64_t overhead = 0;
   // Plan: dense weights + KV cache + overhead on the GPU, then as many experts as fit; the rest in RAM.
   uint64_t vram_budget = 0, vram_used = 0, ram_needed = 0;

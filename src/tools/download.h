@@ -13,25 +13,25 @@ namespace moesrv {
 class ProgressBar;
 
 struct RemoteFile {
-  std::string path;               // relative path in the repo
-  std::optional<uint64_t> size;   // when known (API blobs, lock)
-  std::string sha256;             // when known (LFS, lock); lowercase hex
+  std::string path;              // relative path in the repo
+  std::optional<uint64_t> size;  // when known (API blobs, lock)
+  std::string sha256;            // when known (LFS, lock); lowercase hex
 };
 
 struct DownloadOptions {
   std::string endpoint = "https://huggingface.co";
-  std::string repo;                 // owner/name
+  std::string repo;  // owner/name
   std::string revision = "main";
-  std::string dir;                  // destination folder
-  std::string token;                // bearer token (default: $HF_TOKEN)
-  std::vector<std::string> files;   // explicit file list: skips the API listing
-  std::vector<std::string> include; // glob patterns (fnmatch) filtering the listing; empty: everything
-  std::string lock_file;            // local checkpoint.lock.json to verify against (else the repo's own, if any)
-  int max_attempts = 6;             // per file, counting the first
-  double backoff_s = 1.0;           // doubled after each failed attempt
+  std::string dir;                   // destination folder
+  std::string token;                 // bearer token (default: $HF_TOKEN)
+  std::vector<std::string> files;    // explicit file list: skips the API listing
+  std::vector<std::string> include;  // glob patterns (fnmatch) filtering the listing; empty: everything
+  std::string lock_file;             // local checkpoint.lock.json to verify against (else the repo's own, if any)
+  int max_attempts = 6;              // per file, counting the first
+  double backoff_s = 1.0;            // doubled after each failed attempt
   double backoff_max_s = 60.0;
   long connect_timeout_s = 30;
-  long stall_timeout_s = 60;        // abort + resume when under 1 KiB/s for this long
+  long stall_timeout_s = 60;  // abort + resume when under 1 KiB/s for this long
   bool progress = true;
   std::function<void(const std::string&)> log;  // retry/skip notes; default: stderr
 };
@@ -39,10 +39,10 @@ struct DownloadOptions {
 struct DownloadedFile {
   std::string path;
   uint64_t size = 0;
-  std::string sha256;       // of the file on disk
-  bool verified = false;    // sha256 matched a known value (lock, API, or X-Linked-Etag)
-  bool skipped = false;     // already complete on disk
-  int attempts = 0;         // HTTP requests made
+  std::string sha256;     // of the file on disk
+  bool verified = false;  // sha256 matched a known value (lock, API, or X-Linked-Etag)
+  bool skipped = false;   // already complete on disk
+  int attempts = 0;       // HTTP requests made
   uint64_t bytes_transferred = 0;
 };
 
@@ -52,7 +52,7 @@ struct DownloadReport {
   std::string text() const;
 };
 
-std::string hf_api_url(const DownloadOptions& opt);                      // {endpoint}/api/models/{repo}/revision/{rev}
+std::string hf_api_url(const DownloadOptions& opt);  // {endpoint}/api/models/{repo}/revision/{rev}
 std::string hf_file_url(const DownloadOptions& opt, const std::string& path);  // {endpoint}/{repo}/resolve/{rev}/{path}
 
 // The repo's files from the API ("siblings"; sizes and LFS sha256 when the endpoint reports them).

@@ -10,8 +10,8 @@ namespace moesrv {
 
 struct SyntheticOptions {
   uint64_t seed = 1;
-  float stddev = 0.02f;           // matrices ~ N(0, stddev) in bf16; norms 1, biases 0
-  int64_t distinct_experts = 0;   // 0: each routed expert owns its weights; N: experts alias N weight sets (saves RAM)
+  float stddev = 0.02f;          // matrices ~ N(0, stddev) in bf16; norms 1, biases 0
+  int64_t distinct_experts = 0;  // 0: each routed expert owns its weights; N: experts alias N weight sets (saves RAM)
 };
 
 // GLM-5 shapes (hidden 6144, MLA 2048/512/64+192/256, DSA 32x128 top-2048, 256 experts top-8, inter 2048,

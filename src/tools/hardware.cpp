@@ -1,4 +1,4 @@
-#include "runtime/hardware.h"
+#include "tools/hardware.h"
 
 #include <sys/statvfs.h>
 
@@ -26,9 +26,7 @@ std::string trim(std::string s) {
 }
 
 // "81559 MiB" or "81559" -> bytes (nvidia-smi reports MiB).
-uint64_t mib_field(const std::string& s) {
-  return uint64_t(std::strtoull(trim(s).c_str(), nullptr, 10)) << 20;
-}
+uint64_t mib_field(const std::string& s) { return uint64_t(std::strtoull(trim(s).c_str(), nullptr, 10)) << 20; }
 
 }  // namespace
 
@@ -115,7 +113,8 @@ CpuInfo probe_cpu() {
 MemInfo probe_memory() { return parse_meminfo(slurp("/proc/meminfo")); }
 
 std::vector<GpuInfo> probe_gpus() {
-  FILE* p = popen("nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader,nounits 2>/dev/null", "r");
+  FILE* p =
+      popen("nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader,nounits 2>/dev/null", "r");
   if (!p) return {};
   std::string text;
   char buf[512];
