@@ -7,12 +7,13 @@
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/radix_topk.cuh"
 
 namespace moesrv::cuda {
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kThreads = kTopkThreads, kWarps = kTopkWarps;
 constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
 
 // Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
@@ -87,36 +88,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__device__ __forceinline__ uint32_t ordered_bits(float f) {
-  const uint32_t b = __float_as_uint(f + 0.0f);  // -0 -> +0
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block's count.
-__device__ int block_exclusive_count(bool flag, int& total) {
-  __shared__ int warp_counts[kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  __syncthreads();
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0;
-  total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    if (w < warp) before += warp_counts[w];
-    total += warp_counts[w];
-  }
-  return before + __popc(ballot & ((1u << lane) - 1u));
-}
-
-// One block per query: top `budget` of the visible pools' scores (radix select on order-preserving bits; ties at
-// the k-th score go to the lower pool index), written as ascending positions, then the tail, then -1.
+// One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
+// lower pool index), written as ascending positions, then the tail, then -1.
 __global__ void __launch_bounds__(kThreads)
     kpool_topk_kernel(const float* scores, int kpool, int budget, bool select_tail, const int32_t* pos0, int max_pools,
                       int32_t* sel, int sel_k) {
-  __shared__ int hist[256];
-  __shared__ uint32_t prefix_s;
-  __shared__ int want_s;
   const int s = blockIdx.x, tid = threadIdx.x;
   const int p = *pos0 + s;
   const int pools = min((p + 1) / kpool, max_pools);  // max_pools: the caller's bound (the scratch row)
@@ -129,51 +105,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = tid; i < pools * kpool; i += kThreads) out[i] = i;
     written = pools;
   } else {
-    if (tid == 0) {
-      prefix_s = 0;
-      want_s = budget;
-    }
-    __syncthreads();
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      const uint32_t hi_mask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
-      for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
-      __syncthreads();
-      const uint32_t prefix = prefix_s;
-      for (int t = tid; t < pools; t += kThreads) {
-        const uint32_t u = ordered_bits(sc[t]);
-        if ((u & hi_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        int cum = 0, want = want_s;
-        for (int b = 255; b >= 0; --b) {
-          if (cum + hist[b] >= want) {
-            prefix_s = prefix | (uint32_t(b) << shift);
-            want_s = want - cum;
-            break;
-          }
-          cum += hist[b];
-        }
-      }
-      __syncthreads();
-    }
-    const uint32_t thr = prefix_s;
-    const int want_equal = want_s;
-    int equal_seen = 0;
-    for (int base = 0; base < pools; base += kThreads) {
-      const int P = base + tid;
-      const uint32_t u = P < pools ? ordered_bits(sc[P]) : 0u;
-      const bool greater = P < pools && u > thr, equal = P < pools && u == thr;
-      int eq_total = 0, take_total = 0;
-      const int eq_rank = block_exclusive_count(equal, eq_total) + equal_seen;
-      const bool take = greater || (equal && eq_rank < want_equal);
-      const int slot = block_exclusive_count(take, take_total) + written;
-      if (take)
-        for (int t = 0; t < kpool; ++t) out[slot * kpool + t] = P * kpool + t;
-      equal_seen += eq_total;
-      written += take_total;
-    }
+    block_radix_topk(sc, pools, budget, [&](int P, int slot) {
+      for (int t = 0; t < kpool; ++t) out[slot * kpool + t] = P * kpool + t;
+    });
+    written = budget;
   }
   int n = written * kpool;
   if (select_tail) {
