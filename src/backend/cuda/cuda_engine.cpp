@@ -63,7 +63,7 @@ class CudaSequence : public SequenceState {
     if (!fixed_state_ || n == length_) return n;
     int64_t best = 0;
     for (const auto& cp : checkpoints_)
-      if (cp.length <= n) best = std::max(best, cp.length);
+      if (cp->length <= n) best = std::max(best, cp->length);
     return best;
   }
   void truncate(int64_t n) override {
@@ -74,30 +74,30 @@ class CudaSequence : public SequenceState {
         fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
       const Checkpoint* cp = nullptr;
       for (const auto& c : checkpoints_)
-        if (c.length == n) cp = &c;
+        if (c->length == n) cp = c.get();
       for (size_t l = 0; l < layers.size(); ++l)
         for (auto [buf, i] : fixed_buffers(l)) {
           if (!buf->bytes()) continue;
           if (cp) copy(cp->fixed[l * 3 + i], *buf);
           else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
         }
-      while (!checkpoints_.empty() && checkpoints_.back().length > n) checkpoints_.pop_back();
+      while (!checkpoints_.empty() && checkpoints_.back()->length > n) checkpoints_.pop_back();
     }
     length_ = n;  // later positions are overwritten by the next forward
   }
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
-    if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back().length == length_)) return;
+    if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back()->length == length_)) return;
     if (checkpoints_.size() == CudaEngine::Impl::kMaxCheckpoints)
       checkpoints_.erase(checkpoints_.begin());  // room first
-    Checkpoint cp;
-    cp.length = length_;
-    cp.fixed.resize(layers.size() * 3);
+    auto cp = std::make_shared<Checkpoint>();
+    cp->length = length_;
+    cp->fixed.resize(layers.size() * 3);
     for (size_t l = 0; l < layers.size(); ++l)
       for (auto [buf, i] : fixed_buffers(l)) {
         if (!buf->bytes()) continue;
-        cp.fixed[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
-        copy(*buf, cp.fixed[l * 3 + i]);
+        cp->fixed[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
+        copy(*buf, cp->fixed[l * 3 + i]);
       }
     checkpoints_.push_back(std::move(cp));
   }
@@ -118,17 +118,7 @@ class CudaSequence : public SequenceState {
       if (layers[l].pool_k.bytes()) copy(layers[l].pool_k, s->layers[l].pool_k);
       for (auto [buf, i] : fixed_buffers(l)) copy(*buf, *s->fixed_buffers(l)[size_t(i)].first);
     }
-    for (const auto& cp : checkpoints_) {
-      Checkpoint c2;
-      c2.length = cp.length;
-      c2.fixed.resize(cp.fixed.size());
-      for (size_t i = 0; i < cp.fixed.size(); ++i)
-        if (cp.fixed[i].bytes()) {
-          c2.fixed[i] = DeviceBuffer(owner->budget, cp.fixed[i].bytes(), "state checkpoint");
-          copy(cp.fixed[i], c2.fixed[i]);
-        }
-      s->checkpoints_.push_back(std::move(c2));
-    }
+    s->checkpoints_ = checkpoints_;  // immutable: shared with the clone
     MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
     s->length_ = length_;
     return s;
@@ -139,7 +129,7 @@ class CudaSequence : public SequenceState {
       b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes() + L.pool_k.bytes() +
            L.open.bytes() + L.conv.bytes() + L.recurrent.bytes();
     for (const auto& cp : checkpoints_)
-      for (const auto& f : cp.fixed) b += f.bytes();
+      for (const auto& f : cp->fixed) b += f.bytes();
     return b;
   }
   // Raw pointers of the fixed-size and pooled state for the engine's pass.
@@ -184,7 +174,7 @@ class CudaSequence : public SequenceState {
     return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
   }
   bool fixed_state_ = false;
-  std::vector<Checkpoint> checkpoints_;
+  std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
 };
 
 }  // namespace
