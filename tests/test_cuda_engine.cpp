@@ -313,6 +313,44 @@ TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
   }
 }
 
+// The CUDA engine counts routed-expert selections on the device (also inside the decode graph): every MoE layer
+// saw every token, k experts each, and the per-expert counts agree with the CPU engine's but for near-tied picks.
+TEST_P(CudaVsCpu, ExpertUsageIsRecorded) {
+  SKIP_WITHOUT_CUDA();
+  auto cpu = CpuEngine::open(tiny(GetParam()));
+  auto g = gpu_engine(GetParam());
+  auto in = ids(GetParam(), "gen_ids");
+  auto cs = cpu->new_sequence();
+  auto gs = g->new_sequence();
+  std::vector<int32_t> prompt(in.begin(), in.begin() + 40);
+  cpu->forward(*cs, prompt);
+  g->forward(*gs, prompt);
+  for (int i = 40; i < 48; ++i) {
+    cpu->forward(*cs, {in[size_t(i)]});
+    g->forward(*gs, {in[size_t(i)]});
+  }
+  const UsageStats* gu = g->expert_usage();
+  const UsageStats* cu = cpu->expert_usage();
+  ASSERT_TRUE(gu && cu);
+  EXPECT_GT(g->stats().graph_replays, 0);
+  double differ = 0, total = 0;
+  for (int64_t l = 0; l < gu->layers(); ++l) {
+    if (cu->empty(l)) {
+      EXPECT_TRUE(gu->empty(l)) << "layer " << l;
+      continue;
+    }
+    EXPECT_DOUBLE_EQ(gu->tokens(l), 48) << "layer " << l;
+    double sum = 0;
+    for (int64_t e = 0; e < gu->experts(); ++e) {
+      sum += gu->count(l, e);
+      differ += std::abs(gu->count(l, e) - cu->count(l, e));
+    }
+    EXPECT_DOUBLE_EQ(sum, 48.0 * double(gu->experts_per_token())) << "layer " << l;
+    total += sum;
+  }
+  EXPECT_LE(differ, 0.1 * total) << "GPU and CPU expert counts differ by " << differ << " of " << total;
+}
+
 // Decode throughput on hf-tiny (latency-bound: launches, not bandwidth).
 TEST_P(CudaVsCpu, DecodeThroughput) {
   SKIP_WITHOUT_CUDA();

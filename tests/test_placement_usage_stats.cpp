@@ -38,6 +38,20 @@ TEST(UsageStats, CountsDecayAndRanks) {
   EXPECT_THROW(u.decay(0), Error);
 }
 
+// Counts gathered elsewhere (the CUDA engine's device counters) add up like the same selections recorded here.
+TEST(UsageStats, AddCountsEqualsRecording) {
+  UsageStats a(2, 4, 2), b(2, 4, 2);
+  a.record(1, {0, 3});
+  a.record(1, {3, 2});
+  a.record(1, {3, 0});
+  const uint32_t per_expert[4] = {2, 0, 1, 3};
+  b.add_counts(1, per_expert, 3);
+  for (int64_t e = 0; e < 4; ++e) EXPECT_DOUBLE_EQ(a.count(1, e), b.count(1, e)) << e;
+  EXPECT_DOUBLE_EQ(a.tokens(1), b.tokens(1));
+  EXPECT_TRUE(b.empty(0));
+  EXPECT_THROW(b.add_counts(2, per_expert, 1), Error);
+}
+
 TEST(UsageStats, FileRoundTripIsAtomic) {
   fs::path dir = fs::temp_directory_path() / ("moesrv_usage_" + std::to_string(::getpid()));
   fs::remove_all(dir);

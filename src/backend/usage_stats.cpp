@@ -50,6 +50,13 @@ void UsageStats::record(int64_t layer, const int32_t* ids, size_t n) {
   tokens_[size_t(layer)] += 1.0;
 }
 
+void UsageStats::add_counts(int64_t layer, const uint32_t* per_expert, double tokens) {
+  if (layer < 0 || layer >= layers_) fail("usage stats: layer {} out of range [0, {})", layer, layers_);
+  std::lock_guard lk(mu_);
+  for (int64_t e = 0; e < experts_; ++e) counts_[size_t(layer * experts_ + e)] += double(per_expert[e]);
+  tokens_[size_t(layer)] += tokens;
+}
+
 void UsageStats::decay(double factor) {
   if (!(factor > 0 && factor <= 1)) fail("usage stats: decay factor {} outside (0, 1]", factor);
   std::lock_guard lk(mu_);

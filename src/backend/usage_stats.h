@@ -23,6 +23,8 @@ class UsageStats {
   // One routed token's selected expert ids (any count); thread-safe.
   void record(int64_t layer, const int32_t* ids, size_t n);
   void record(int64_t layer, const std::vector<int32_t>& ids) { record(layer, ids.data(), ids.size()); }
+  // Adds counts gathered elsewhere (a GPU's counters): per expert of `layer` (experts() values) and tokens.
+  void add_counts(int64_t layer, const uint32_t* per_expert, double tokens);
   // Multiplies every count by `factor` (0..1], so recent traffic dominates.
   void decay(double factor);
   // Adds another recording of the same model's shape.

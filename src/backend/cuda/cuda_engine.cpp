@@ -412,6 +412,21 @@ void CudaEngine::Impl::drop_sequence_graph(uint64_t id) const {
     }
 }
 
+// Adds the device counters into `usage` and zeroes them (32-bit counters: drained at every read).
+const UsageStats* CudaEngine::Impl::drain_usage() const {
+  if (!usage) return nullptr;
+  const int64_t E = c.n_routed_experts, L = c.num_layers;
+  std::vector<uint32_t> counts(static_cast<size_t>(L * E)), tokens(static_cast<size_t>(L));
+  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  MOESRV_CUDA_OK(cudaMemcpy(counts.data(), d_usage.as<void>(), counts.size() * 4, cudaMemcpyDeviceToHost));
+  MOESRV_CUDA_OK(cudaMemcpy(tokens.data(), d_usage_tokens.as<void>(), tokens.size() * 4, cudaMemcpyDeviceToHost));
+  MOESRV_CUDA_OK(cudaMemset(d_usage.as<void>(), 0, d_usage.bytes()));
+  MOESRV_CUDA_OK(cudaMemset(d_usage_tokens.as<void>(), 0, d_usage_tokens.bytes()));
+  for (int64_t l = 0; l < L; ++l)
+    if (tokens[size_t(l)]) usage->add_counts(l, counts.data() + l * E, double(tokens[size_t(l)]));
+  return usage.get();
+}
+
 bool CudaEngine::Impl::graph_ok() const {
   if (!use_graph) return false;
   for (const auto& L : layers)
@@ -428,6 +443,7 @@ int64_t CudaEngine::vocab_size() const { return impl_->c.vocab_size; }
 int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
 void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
+const UsageStats* CudaEngine::expert_usage() const { return impl_->drain_usage(); }
 const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const { return impl_->placement; }
 CudaEngineStats CudaEngine::stats() const {
   CudaEngineStats st = impl_->stats;

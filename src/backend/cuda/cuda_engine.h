@@ -59,6 +59,8 @@ class CudaEngine : public Engine {
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
 
+  // Routed-expert selections counted on the device so far (for pinning hot experts at the next start).
+  const UsageStats* expert_usage() const override;
   CudaEngineStats stats() const;
   void set_use_graph(bool on);
   // The placement in effect (after automatic planning).

@@ -380,6 +380,11 @@ void CudaEngine::Impl::allocate_scratch() {
     h_extra = PinnedBuffer(size_t(moe_rows * D) * 4);
     h_rowmap = PinnedBuffer(size_t(M) * 4);
     h_sorted_tok = PinnedBuffer(size_t(M) * 4);
+    d_usage = DeviceBuffer(budget, size_t(c.num_layers * E) * 4, "expert usage counters");
+    d_usage_tokens = DeviceBuffer(budget, size_t(c.num_layers) * 4, "expert usage counters");
+    MOESRV_CUDA_OK(cudaMemsetAsync(d_usage.as<void>(), 0, d_usage.bytes(), stream));
+    MOESRV_CUDA_OK(cudaMemsetAsync(d_usage_tokens.as<void>(), 0, d_usage_tokens.bytes(), stream));
+    usage = std::make_unique<UsageStats>(c.num_layers, E, k);
   }
   lm_rows = std::clamp<int64_t>(kSliceFloats / V, 1, R);
   s.logits = f32(lm_rows * V, "logits");

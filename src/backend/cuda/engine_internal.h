@@ -14,6 +14,7 @@
 #include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernels.h"
+#include "backend/usage_stats.h"
 #include "model/weights.h"
 #include "util/error.h"
 
@@ -232,6 +233,10 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
   } s;
   cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_logits;
+  // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
+  cuda::DeviceBuffer d_usage, d_usage_tokens;
+  mutable std::unique_ptr<UsageStats> usage;
+  const UsageStats* drain_usage() const;
 
   // Decode graph (one token, all experts in VRAM); models with fixed-size state keep one per sequence (its
   // pointers are baked in), the most recent kMaxSequenceGraphs, keyed by sequence id.

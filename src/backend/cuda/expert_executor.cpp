@@ -33,6 +33,8 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.norm_topk = c.norm_topk_prob;
   ra.scaling = float(c.routed_scaling_factor);
   route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+  count_experts(s.ids.as<int32_t>(), int(S), int(k), d_usage.as<uint32_t>() + l * E, d_usage_tokens.as<uint32_t>() + l,
+                stream);
   if (m.shared) mlp(*m.shared, h, S, y);
   else MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
   if (m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped)) {

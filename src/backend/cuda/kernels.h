@@ -81,6 +81,9 @@ struct RouterArgs {
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st);
 
+// Routed-expert usage on the device (graph safe): counts[ids[i]] += 1 for i < S * k, tokens[0] += S.
+void count_experts(const int32_t* ids, int S, int k, uint32_t* counts, uint32_t* tokens, cudaStream_t st);
+
 // Grouped expert GEMVs for small batches, experts picked on the device: entry i = token i / k, expert ids[i].
 // gate_up[e]: [2I][D] bf16, down[e]: [D][I] bf16 (device pointer tables). act: [S*k][I], y: [S*k][D].
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,

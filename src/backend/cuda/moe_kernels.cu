@@ -101,6 +101,21 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+__global__ void count_experts_kernel(const int32_t* ids, int n, int S, uint32_t* counts, uint32_t* tokens) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    atomicAdd(&counts[ids[i]], 1u);
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(tokens, uint32_t(S));
+}
+}  // namespace
+
+void count_experts(const int32_t* ids, int S, int k, uint32_t* counts, uint32_t* tokens, cudaStream_t st) {
+  const int n = S * k;
+  if (n == 0) return;
+  count_experts_kernel<<<std::min(ceil_div(n, 256), 64), 256, 0, st>>>(ids, n, S, counts, tokens);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
               const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st, float limit) {
   const int entries = S * k;
