@@ -21,7 +21,7 @@ namespace {
 // it is checkpointed (device copies) at the end of every multi-token forward, and truncate() goes back to those.
 class CudaSequence : public SequenceState {
  public:
-  explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()) {
+  explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
     const ModelConfig& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
     layers.resize(size_t(c.num_layers));
@@ -55,7 +55,7 @@ class CudaSequence : public SequenceState {
     MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
   }
   ~CudaSequence() override {
-    if (fixed_state_) owner->drop_sequence_graph(id);
+    if (fixed_state_) graphs_->drop(id);
   }
   int64_t length() const override { return length_; }
   int64_t resume_point(int64_t n) const override {
@@ -173,6 +173,7 @@ class CudaSequence : public SequenceState {
     Layer& L = const_cast<Layer&>(layers[l]);
     return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
   }
+  std::shared_ptr<SequenceGraphs> graphs_;  // the engine's, kept alive by the sequence
   bool fixed_state_ = false;
   std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
 };
@@ -386,30 +387,39 @@ void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
   }
 }
 
-cudaGraphExec_t& CudaEngine::Impl::sequence_graph(uint64_t id) {
-  std::lock_guard<std::mutex> lock(graphs_mu);
-  for (size_t i = 0; i < seq_graphs.size(); ++i)
-    if (seq_graphs[i].first == id) {
-      std::rotate(seq_graphs.begin() + long(i), seq_graphs.begin() + long(i) + 1,
-                  seq_graphs.end());  // most recent last
-      return seq_graphs.back().second;
-    }
-  if (seq_graphs.size() == kMaxSequenceGraphs) {
-    cudaGraphExecDestroy(seq_graphs.front().second);
-    seq_graphs.erase(seq_graphs.begin());
+cudaGraphExec_t& SequenceGraphs::get(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = graphs.find(id);
+  if (it != graphs.end()) {
+    order.erase(std::find(order.begin(), order.end(), id));
+    order.push_back(id);
+    return it->second;
   }
-  seq_graphs.push_back({id, nullptr});
-  return seq_graphs.back().second;
+  if (graphs.size() == kMax) {
+    auto old = graphs.find(order.front());
+    if (old->second) cudaGraphExecDestroy(old->second);
+    graphs.erase(old);
+    order.pop_front();
+  }
+  order.push_back(id);
+  return graphs[id];
 }
 
-void CudaEngine::Impl::drop_sequence_graph(uint64_t id) const {
-  std::lock_guard<std::mutex> lock(graphs_mu);
-  for (size_t i = 0; i < seq_graphs.size(); ++i)
-    if (seq_graphs[i].first == id) {
-      if (seq_graphs[i].second) cudaGraphExecDestroy(seq_graphs[i].second);
-      seq_graphs.erase(seq_graphs.begin() + long(i));
-      return;
-    }
+void SequenceGraphs::drop(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = graphs.find(id);
+  if (it == graphs.end()) return;
+  if (it->second) cudaGraphExecDestroy(it->second);
+  graphs.erase(it);
+  order.erase(std::find(order.begin(), order.end(), id));
+}
+
+void SequenceGraphs::clear() {
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& [id, g] : graphs)
+    if (g) cudaGraphExecDestroy(g);
+  graphs.clear();
+  order.clear();
 }
 
 // Adds the device counters into `usage` and zeroes them (32-bit counters: drained at every read).
@@ -477,7 +487,7 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
     if (n == 1 && m.graph_ok()) {
       // Kernels of fixed-size state take the sequence's pointers: such models keep one graph per sequence.
-      cudaGraphExec_t& graph = seq->has_fixed_state() ? m.sequence_graph(seq->id) : m.graph;
+      cudaGraphExec_t& graph = seq->has_fixed_state() ? m.sequence_graphs->get(seq->id) : m.graph;
       if (!graph) {
         cudaGraph_t g = nullptr;
         MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));

@@ -89,8 +89,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 CudaEngine::Impl::~Impl() {
   if (stream) cudaStreamSynchronize(stream);
   if (graph) cudaGraphExecDestroy(graph);
-  for (auto& [id, g] : seq_graphs)
-    if (g) cudaGraphExecDestroy(g);
+  sequence_graphs->clear();
   for (auto& L : layers)
     if (L.moe)
       for (auto& s : L.moe->slots) {

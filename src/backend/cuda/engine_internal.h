@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -176,6 +178,17 @@ bool exl3_experts(const MoeWeights& m);
 // with their layout (offsets into the block) in *off. Returns its bytes; fills *blob when given.
 size_t expert_block(const MlpWeights& m, bool exl3, std::array<Exl3Dev, 3>* off, std::vector<uint8_t>* blob);
 
+// Decode graphs of sequences with fixed-size state, keyed by sequence id (never reused), the most recent kMax.
+struct SequenceGraphs {
+  static constexpr size_t kMax = 4;
+  std::mutex mu;
+  std::map<uint64_t, cudaGraphExec_t> graphs;  // node references stay valid until that id is dropped or evicted
+  std::deque<uint64_t> order;                  // least recently used first
+  cudaGraphExec_t& get(uint64_t id);           // the entry (null until captured), created if missing
+  void drop(uint64_t id);                      // a sequence is gone
+  void clear();                                // the engine is gone
+};
+
 struct DevLayer {
   DevNorm input_norm, post_norm;
   DevAttention attn;
@@ -239,13 +252,9 @@ struct CudaEngine::Impl {
   const UsageStats* drain_usage() const;
 
   // Decode graph (one token, all experts in VRAM); models with fixed-size state keep one per sequence (its
-  // pointers are baked in), the most recent kMaxSequenceGraphs, keyed by sequence id.
+  // pointers are baked in): sequence_graphs, shared with the sequences so one that outlives the engine is safe.
   cudaGraphExec_t graph = nullptr;
-  static constexpr size_t kMaxSequenceGraphs = 4;
-  mutable std::vector<std::pair<uint64_t, cudaGraphExec_t>> seq_graphs;
-  mutable std::mutex graphs_mu;
-  cudaGraphExec_t& sequence_graph(uint64_t id);  // the entry (null until captured), created if missing
-  void drop_sequence_graph(uint64_t id) const;   // a sequence is gone
+  std::shared_ptr<cuda::SequenceGraphs> sequence_graphs = std::make_shared<cuda::SequenceGraphs>();
   bool use_graph = true;
   CudaEngineStats stats;
 
