@@ -23,6 +23,7 @@
 #include <sstream>
 
 #include "backend/cpu/cpu_engine.h"
+#include "backend/cpu/linear.h"
 #include "format/exl3_config.h"
 #include "model/exl3_selection.h"
 #include "reference_util.h"

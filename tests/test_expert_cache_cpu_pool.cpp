@@ -40,7 +40,7 @@ std::vector<float> random_rows(int64_t S, int64_t D, uint32_t seed) {
 }
 
 TEST(CpuExpertPool, MatchesMoeForward) {
-  auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)));
+  auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)), load_linear);
   const ModelConfig& c = w->config;
   const MoeWeights& moe = *w->layers[0].moe;
   const int64_t D = c.hidden_size;
@@ -67,7 +67,7 @@ TEST(CpuExpertPool, MatchesMoeForward) {
 }
 
 TEST(CpuExpertPool, SplitBatchesAccumulateAndErrorsPropagate) {
-  auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)));
+  auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)), load_linear);
   const ModelConfig& c = w->config;
   const MoeWeights& moe = *w->layers[0].moe;
   const int64_t D = c.hidden_size, S = 5;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cpu/linear.h"
 #include "backend/usage_stats.h"
 #include "model/synthetic_model.h"
 #include "model/weights.h"
@@ -31,7 +32,7 @@ TEST(Placement, KvCacheBytesMlaPlusIndexer) {
 
 TEST(Placement, FootprintMatchesLoadedWeights) {
   auto cfg = tiny_moe_config(2);
-  auto w = ModelWeights::load(make_synthetic_model(cfg));
+  auto w = ModelWeights::load(make_synthetic_model(cfg), load_linear);
   ModelFootprint a = footprint_from_config(w->config), b = footprint_from_weights(*w);
   ASSERT_EQ(a.expert_bytes.size(), 2u);
   for (size_t l = 0; l < 2; ++l) {

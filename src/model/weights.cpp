@@ -25,36 +25,39 @@ NormWeights load_norm(const ModelPackage& pkg, const std::string& prefix, int64_
   return n;
 }
 
-std::unique_ptr<Linear> linear(const ModelPackage& pkg, const std::string& prefix, int64_t in, int64_t out) {
-  auto l = load_linear(pkg, prefix);
+std::unique_ptr<Linear> linear(const LinearLoader& make, const ModelPackage& pkg, const std::string& prefix, int64_t in,
+                               int64_t out) {
+  auto l = make(pkg, prefix);
   if (l->in_features() != in || l->out_features() != out)
     fail("{}: {} is {}x{} (out x in), config expects {}x{}", pkg.dir(), prefix, l->out_features(), l->in_features(), out, in);
   return l;
 }
 
-MlpWeights load_mlp(const ModelPackage& pkg, const std::string& prefix, int64_t hidden, int64_t inter, double limit) {
+MlpWeights load_mlp(const LinearLoader& make, const ModelPackage& pkg, const std::string& prefix, int64_t hidden,
+                    int64_t inter, double limit) {
   MlpWeights m;
   m.limit = float(limit);
-  m.gate = linear(pkg, prefix + ".gate_proj", hidden, inter);
-  m.up = linear(pkg, prefix + ".up_proj", hidden, inter);
-  m.down = linear(pkg, prefix + ".down_proj", inter, hidden);
+  m.gate = linear(make, pkg, prefix + ".gate_proj", hidden, inter);
+  m.up = linear(make, pkg, prefix + ".up_proj", hidden, inter);
+  m.down = linear(make, pkg, prefix + ".down_proj", inter, hidden);
   return m;
 }
 
-MlaWeights load_mla(const ModelPackage& pkg, const ModelConfig& c, const std::string& p, int64_t layer) {
+MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p,
+                    int64_t layer) {
   MlaWeights a;
   int64_t H = c.num_heads, qk = c.qk_head_dim(), r = c.kv_lora_rank, dn = c.qk_nope_dim, dv = c.v_head_dim;
   if (c.q_lora_rank > 0) {
-    a.q_a = linear(pkg, p + ".q_a_proj", c.hidden_size, c.q_lora_rank);
+    a.q_a = linear(make, pkg, p + ".q_a_proj", c.hidden_size, c.q_lora_rank);
     a.q_a_norm = load_norm(pkg, p + ".q_a_layernorm", c.q_lora_rank);
-    a.q_b = linear(pkg, p + ".q_b_proj", c.q_lora_rank, H * qk);
+    a.q_b = linear(make, pkg, p + ".q_b_proj", c.q_lora_rank, H * qk);
   } else {
-    a.q = linear(pkg, p + ".q_proj", c.hidden_size, H * qk);
+    a.q = linear(make, pkg, p + ".q_proj", c.hidden_size, H * qk);
   }
-  a.kv_a = linear(pkg, p + ".kv_a_proj_with_mqa", c.hidden_size, r + c.qk_rope_dim);
+  a.kv_a = linear(make, pkg, p + ".kv_a_proj_with_mqa", c.hidden_size, r + c.qk_rope_dim);
   a.kv_a_norm = load_norm(pkg, p + ".kv_a_layernorm", r);
-  a.kv_b = linear(pkg, p + ".kv_b_proj", r, H * (dn + dv));
-  a.o = linear(pkg, p + ".o_proj", H * dv, c.hidden_size);
+  a.kv_b = linear(make, pkg, p + ".kv_b_proj", r, H * (dn + dv));
+  a.o = linear(make, pkg, p + ".o_proj", H * dv, c.hidden_size);
   std::vector<float> kvb(size_t(H * (dn + dv) * r));
   a.kv_b->dequant_rows(0, H * (dn + dv), kvb.data());
   a.w_uk.resize(size_t(H * dn * r));
@@ -67,15 +70,13 @@ MlaWeights load_mla(const ModelPackage& pkg, const ModelConfig& c, const std::st
   if (c.layers[size_t(layer)].indexer == IndexerKind::Own) {
     IndexerWeights ix;
     std::string ip = p + ".indexer";
-    ix.wq_b = linear(pkg, ip + ".wq_b", c.q_lora_rank, c.index_n_heads * c.index_head_dim);
-    ix.wk = linear(pkg, ip + ".wk", c.hidden_size, c.index_head_dim);
-    ix.weights_proj = linear(pkg, ip + ".weights_proj", c.hidden_size, c.index_n_heads);
+    ix.wq_b = linear(make, pkg, ip + ".wq_b", c.q_lora_rank, c.index_n_heads * c.index_head_dim);
+    ix.wk = linear(make, pkg, ip + ".wk", c.hidden_size, c.index_head_dim);
+    ix.weights_proj = linear(make, pkg, ip + ".weights_proj", c.hidden_size, c.index_n_heads);
     ix.k_norm = load_norm(pkg, ip + ".k_norm", c.index_head_dim, true);
     if (c.index_kpool > 1) {
-      const TensorView& gate = pkg.require(ip + ".index_kpool_compress_gate");  // a bare tensor, kept unquantized
-      if (gate.numel() != c.index_head_dim * c.hidden_size)
-        fail("{}: {}.index_kpool_compress_gate is {}, expected [{}, {}]", pkg.dir(), ip, gate.shape_str(), c.index_head_dim, c.hidden_size);
-      ix.pool_gate = std::make_unique<DenseLinear>(gate, nullptr, nullptr);
+      pkg.require(ip + ".index_kpool_compress_gate");  // a bare matrix (no .weight suffix), kept unquantized
+      ix.pool_gate = linear(make, pkg, ip + ".index_kpool_compress_gate", c.hidden_size, c.index_head_dim);
       ix.pool_ape = load_f32(pkg, ip + ".index_kpool_compress_ape", c.index_kpool * c.index_head_dim);
     }
     a.indexer = std::move(ix);
@@ -83,13 +84,13 @@ MlaWeights load_mla(const ModelPackage& pkg, const ModelConfig& c, const std::st
   return a;
 }
 
-GqaWeights load_gqa(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+GqaWeights load_gqa(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
   GqaWeights g;
   int64_t hd = c.head_dim;
-  g.q = linear(pkg, p + ".q_proj", c.hidden_size, c.num_heads * hd * (c.attn_output_gate ? 2 : 1));
-  g.k = linear(pkg, p + ".k_proj", c.hidden_size, c.num_kv_heads * hd);
-  g.v = linear(pkg, p + ".v_proj", c.hidden_size, c.num_kv_heads * hd);
-  g.o = linear(pkg, p + ".o_proj", c.num_heads * hd, c.hidden_size);
+  g.q = linear(make, pkg, p + ".q_proj", c.hidden_size, c.num_heads * hd * (c.attn_output_gate ? 2 : 1));
+  g.k = linear(make, pkg, p + ".k_proj", c.hidden_size, c.num_kv_heads * hd);
+  g.v = linear(make, pkg, p + ".v_proj", c.hidden_size, c.num_kv_heads * hd);
+  g.o = linear(make, pkg, p + ".o_proj", c.num_heads * hd, c.hidden_size);
   if (c.attention_bias)
     for (auto* l : {g.q.get(), g.k.get(), g.v.get()})
       if (l->bias().empty()) fail("{}: attention_bias is set but a q/k/v bias is missing in {}", pkg.dir(), p);
@@ -100,7 +101,7 @@ GqaWeights load_gqa(const ModelPackage& pkg, const ModelConfig& c, const std::st
   return g;
 }
 
-MoeWeights load_moe(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+MoeWeights load_moe(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
   MoeWeights m;
   const TensorView& gate = pkg.require(p + ".gate.weight");
   if (gate.numel() != c.n_routed_experts * c.hidden_size)
@@ -110,11 +111,12 @@ MoeWeights load_moe(const ModelPackage& pkg, const ModelConfig& c, const std::st
   if (const TensorView* b = pkg.find(p + ".gate.e_score_correction_bias")) m.router_bias = b->to_f32();
   else m.router_bias.assign(size_t(c.n_routed_experts), 0.0f);
   for (int64_t e = 0; e < c.n_routed_experts; ++e)
-    m.experts.push_back(load_mlp(pkg, fmt::format("{}.experts.{}", p, e), c.hidden_size, c.moe_intermediate_size, lim));
+    m.experts.push_back(
+        load_mlp(make, pkg, fmt::format("{}.experts.{}", p, e), c.hidden_size, c.moe_intermediate_size, lim));
   if (c.n_shared_experts > 0) {
     const std::string sp = pkg.has(p + ".shared_expert.gate_proj.weight") || pkg.has(p + ".shared_expert.gate_proj.trellis")
                                ? p + ".shared_expert" : p + ".shared_experts";
-    m.shared = load_mlp(pkg, sp, c.hidden_size, c.shared_intermediate_size, lim);
+    m.shared = load_mlp(make, pkg, sp, c.hidden_size, c.shared_intermediate_size, lim);
   }
   if (c.shared_expert_gate) m.shared_gate = load_f32(pkg, p + ".shared_expert_gate.weight", c.hidden_size);
   return m;
@@ -132,37 +134,38 @@ std::vector<float> load_conv(const ModelPackage& pkg, const std::string& p, cons
   return w;
 }
 
-KdaWeights load_kda(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+KdaWeights load_kda(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
   const LinearAttnDims& la = c.linear;
   const int64_t D = c.hidden_size, H = la.v_heads, d = la.dk, Hd = H * d;
   KdaWeights w;
-  w.q = linear(pkg, p + ".q_proj", D, Hd);
-  w.k = linear(pkg, p + ".k_proj", D, Hd);
-  w.v = linear(pkg, p + ".v_proj", D, Hd);
+  w.q = linear(make, pkg, p + ".q_proj", D, Hd);
+  w.k = linear(make, pkg, p + ".k_proj", D, Hd);
+  w.v = linear(make, pkg, p + ".v_proj", D, Hd);
   w.conv = load_conv(pkg, p, {"q", "k", "v"}, 3 * Hd, la.conv_kernel);
-  w.f_a = linear(pkg, p + ".f_a_proj", D, d);
-  w.f_b = linear(pkg, p + ".f_b_proj", d, Hd);
+  w.f_a = linear(make, pkg, p + ".f_a_proj", D, d);
+  w.f_b = linear(make, pkg, p + ".f_b_proj", d, Hd);
   w.dt_bias = load_f32(pkg, p + ".dt_bias", Hd);
   w.a_log = load_f32(pkg, p + ".A_log", H);
-  w.b = linear(pkg, p + ".b_proj", D, H);
-  w.g_a = linear(pkg, p + ".g_a_proj", D, d);
-  w.g_b = linear(pkg, p + ".g_b_proj", d, Hd);
+  w.b = linear(make, pkg, p + ".b_proj", D, H);
+  w.g_a = linear(make, pkg, p + ".g_a_proj", D, d);
+  w.g_b = linear(make, pkg, p + ".g_b_proj", d, Hd);
   w.o_norm = load_norm(pkg, p + ".o_norm", d);
-  w.o = linear(pkg, p + ".o_proj", Hd, D);
+  w.o = linear(make, pkg, p + ".o_proj", Hd, D);
   return w;
 }
 
-GatedDeltaWeights load_gated_delta(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+GatedDeltaWeights load_gated_delta(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c,
+                                   const std::string& p) {
   const LinearAttnDims& la = c.linear;
   const int64_t D = c.hidden_size;
   GatedDeltaWeights w;
-  w.qkvz = linear(pkg, p + ".in_proj_qkvz", D, 2 * la.k_heads * la.dk + 2 * la.v_heads * la.dv);
-  w.ba = linear(pkg, p + ".in_proj_ba", D, 2 * la.v_heads);
+  w.qkvz = linear(make, pkg, p + ".in_proj_qkvz", D, 2 * la.k_heads * la.dk + 2 * la.v_heads * la.dv);
+  w.ba = linear(make, pkg, p + ".in_proj_ba", D, 2 * la.v_heads);
   w.conv = load_conv(pkg, p, {}, la.conv_channels(), la.conv_kernel);
   w.dt_bias = load_f32(pkg, p + ".dt_bias", la.v_heads);
   w.a_log = load_f32(pkg, p + ".A_log", la.v_heads);
   w.norm = load_norm(pkg, p + ".norm", la.dv);
-  w.out = linear(pkg, p + ".out_proj", la.v_heads * la.dv, D);
+  w.out = linear(make, pkg, p + ".out_proj", la.v_heads * la.dv, D);
   return w;
 }
 
@@ -209,7 +212,7 @@ void refuse_missing(const ModelPackage& pkg, const ModelConfig& c, const std::st
 
 }  // namespace
 
-std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> pkg) {
+std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> pkg, const LinearLoader& make) {
   auto w = std::make_unique<ModelWeights>();
   w->package = pkg;
   w->config = ModelConfig::from_json(pkg->config());
@@ -225,9 +228,9 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     fail("{}: {}embed_tokens.weight is {}, expected [{}, {}]", pkg->dir(), R, w->embed->shape_str(), c.vocab_size, c.hidden_size);
   w->final_norm = load_norm(*pkg, R + "norm", c.hidden_size, false, c.norm_weight_offset);
   if (pkg->has("lm_head.weight") || pkg->has("lm_head.trellis"))
-    w->lm_head = linear(*pkg, "lm_head", c.hidden_size, c.vocab_size);
+    w->lm_head = linear(make, *pkg, "lm_head", c.hidden_size, c.vocab_size);
   else if (c.tie_embeddings)
-    w->lm_head = std::make_unique<DenseLinear>(*w->embed, nullptr, nullptr);
+    w->lm_head = linear(make, *pkg, R + "embed_tokens", c.hidden_size, c.vocab_size);  // the embedding, tied
   else
     pkg->require("lm_head.weight");
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -237,13 +240,13 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     L.input_norm = load_norm(*pkg, p + ".input_layernorm", c.hidden_size, false, c.norm_weight_offset);
     L.post_attention_norm = load_norm(*pkg, p + ".post_attention_layernorm", c.hidden_size, false, c.norm_weight_offset);
     switch (spec.mixer) {
-      case Mixer::Mla: L.mla = load_mla(*pkg, c, p + ".self_attn", i); break;
-      case Mixer::Gqa: L.gqa = load_gqa(*pkg, c, p + ".self_attn"); break;
-      case Mixer::Kda: L.kda = load_kda(*pkg, c, p + ".self_attn"); break;
-      case Mixer::GatedDelta: L.gated_delta = load_gated_delta(*pkg, c, p + ".linear_attn"); break;
+      case Mixer::Mla: L.mla = load_mla(make, *pkg, c, p + ".self_attn", i); break;
+      case Mixer::Gqa: L.gqa = load_gqa(make, *pkg, c, p + ".self_attn"); break;
+      case Mixer::Kda: L.kda = load_kda(make, *pkg, c, p + ".self_attn"); break;
+      case Mixer::GatedDelta: L.gated_delta = load_gated_delta(make, *pkg, c, p + ".linear_attn"); break;
     }
-    if (spec.ffn == FfnKind::Moe) L.moe = load_moe(*pkg, c, p + ".mlp");
-    else L.mlp = load_mlp(*pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
+    if (spec.ffn == FfnKind::Moe) L.moe = load_moe(make, *pkg, c, p + ".mlp");
+    else L.mlp = load_mlp(make, *pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
     if (c.residual.streams > 1) {
       L.attn_hc = load_hyper(*pkg, c, p + ".hc_attn");
       L.ffn_hc = load_hyper(*pkg, c, p + ".hc_ffn");

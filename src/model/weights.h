@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/linear.h"
 #include "format/package.h"
 #include "model/config.h"
+#include "model/linear.h"
 
 namespace moesrv {
 
@@ -96,7 +96,8 @@ struct ModelWeights {
   std::vector<const TensorView*> mtp;
 
   // Loads every tensor the config needs; a missing tensor is an error naming it.
-  static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg);
+  // Every matrix through `make_linear` (the CPU's load_linear keeps each as stored).
+  static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg, const LinearLoader& make_linear);
 };
 
 }  // namespace moesrv

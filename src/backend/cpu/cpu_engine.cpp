@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/residual.h"
 #include "model/decoder.h"
@@ -98,7 +99,7 @@ size_t CpuSequence::bytes() const {
 }
 
 CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
-    : weights_(ModelWeights::load(pkg)),
+    : weights_(ModelWeights::load(pkg, load_linear)),
       rope_(weights_->config.rope),
       name_(std::move(served_name)),
       usage_(weights_->config.num_layers, std::max<int64_t>(1, weights_->config.n_routed_experts),

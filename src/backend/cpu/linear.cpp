@@ -137,6 +137,8 @@ void DenseLinear::forward(const float* x, int64_t n, float* y) const {
 
 std::unique_ptr<Linear> load_linear(const ModelPackage& pkg, const std::string& prefix) {
   if (pkg.has(prefix + ".trellis")) return make_exl3_linear(pkg, prefix);
+  if (!pkg.has(prefix + ".weight") && pkg.has(prefix))  // a bare matrix (e.g. index_kpool_compress_gate)
+    return std::make_unique<DenseLinear>(pkg.require(prefix), nullptr, nullptr);
   const TensorView& w = pkg.require(prefix + ".weight");
   return std::make_unique<DenseLinear>(w, pkg.find(prefix + ".weight_scale_inv"), pkg.find(prefix + ".bias"));
 }

@@ -6,25 +6,9 @@
 #include <vector>
 
 #include "format/package.h"
+#include "model/linear.h"
 
 namespace moesrv {
-
-class Linear {
- public:
-  virtual ~Linear() = default;
-  int64_t in_features() const { return in_; }
-  int64_t out_features() const { return out_; }
-  virtual void forward(const float* x, int64_t n, float* y) const = 0;
-  // Dequantized weight rows [row_begin, row_end) of W (out x in), fp32: for reference paths and GPU upload.
-  virtual void dequant_rows(int64_t row_begin, int64_t row_end, float* out) const = 0;
-  virtual std::string kind() const = 0;        // "bf16", "fp8", "exl3-k3-mul1", ...
-  virtual size_t stored_bytes() const = 0;     // bytes of weights as stored
-  const std::vector<float>& bias() const { return bias_; }
-
- protected:
-  int64_t in_ = 0, out_ = 0;
-  std::vector<float> bias_;
-};
 
 // Dense weight from safetensors: BF16/F16/F32, or F8_E4M3 with 128x128 block `weight_scale_inv`.
 class DenseLinear : public Linear {
@@ -42,7 +26,8 @@ class DenseLinear : public Linear {
   int64_t scale_cols_ = 0;
 };
 
-// Loads `<prefix>.weight` (dense) or `<prefix>.trellis` (EXL3) with optional `<prefix>.bias`.
+// Loads `<prefix>.weight` (dense), `<prefix>.trellis` (EXL3) or a bare 2-D tensor named `<prefix>`, with optional
+// `<prefix>.bias` (a LinearLoader).
 std::unique_ptr<Linear> load_linear(const ModelPackage& pkg, const std::string& prefix);
 
 // Raw kernel: y[n, out] = x[n, in] · W^T for a bf16 weight matrix, parallel over output rows.

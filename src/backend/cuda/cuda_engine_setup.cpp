@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/cpu/linear.h"
 #include "backend/cuda/engine_internal.h"
 #include "model/rope.h"
 #include "model/state.h"
@@ -46,7 +47,11 @@ void layout_experts(const MoeWeights& hw, DevMoe& m) {
 }  // namespace
 
 CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o)
-    : opt(o), weights(ModelWeights::load(pkg)), c(weights->config), name(o.served_name), use_graph(o.use_graph) {
+    : opt(o),
+      weights(ModelWeights::load(pkg, load_linear)),
+      c(weights->config),
+      name(o.served_name),
+      use_graph(o.use_graph) {
   if (name.empty()) name = pkg->dir().substr(pkg->dir().find_last_of('/') + 1);
   MOESRV_CUDA_OK(cudaSetDevice(opt.device));
   size_t free_b = 0, total_b = 0;
