@@ -246,11 +246,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
     const int n = int(std::min(attn_rows, S - s0));
-    const int32_t* pos = d_pos0.as<int32_t>();
-    if (s0 > 0) {
-      offset_position(d_pos0.as<int32_t>(), int(s0), d_slice_pos.as<int32_t>(), stream);
-      pos = d_slice_pos.as<int32_t>();
-    }
+    const int32_t* pos = slice_pos0(s0);
     mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
     AttentionArgs args;
     args.q = s.qcat.as<float>();
@@ -317,11 +313,7 @@ class CudaBlocks final : public BlockExecutor {
   void enter(int64_t l, Site site) override {
     const DevLayer& L = m_.layers[size_t(l)];
     const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
-    if (n_ == 1) {
-      add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
-      pending_ = false;
-      return;
-    }
+    if (n_ == 1) return add_pending_and_norm(norm);
     const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
     const ResidualSpec& r = m_.c.residual;
     hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(), norm.w.as<float>(),
@@ -346,16 +338,17 @@ class CudaBlocks final : public BlockExecutor {
   }
   // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
   void final_norm(const DevNorm& norm) {
-    if (n_ == 1) {
-      add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
-      pending_ = false;
-      return;
-    }
+    if (n_ == 1) return add_pending_and_norm(norm);
     hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
     rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
   }
 
  private:
+  // Plain residual: x += the pending sub-layer output (if any), then h = rms_norm(x) with `norm`.
+  void add_pending_and_norm(const DevNorm& norm) {
+    add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
+    pending_ = false;
+  }
   float* x() const { return m_.s.x.as<float>(); }
   float* h() const { return m_.s.h.as<float>(); }
   float* y() const { return m_.s.y.as<float>(); }
@@ -385,6 +378,12 @@ void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
     std::memcpy(host_out + r * V, h_logits.as<float>(), size_t(m * V) * 4);
   }
+}
+
+const int32_t* CudaEngine::Impl::slice_pos0(int64_t s0) {
+  if (s0 == 0) return d_pos0.as<int32_t>();
+  offset_position(d_pos0.as<int32_t>(), int(s0), d_slice_pos.as<int32_t>(), stream);
+  return d_slice_pos.as<int32_t>();
 }
 
 cudaGraphExec_t& SequenceGraphs::get(uint64_t id) {

@@ -351,9 +351,6 @@ void CudaEngine::Impl::allocate_scratch() {
     const int64_t Hd = la.v_heads * la.dk;
     s.lraw = f32(R * la.conv_channels(), "KDA q/k/v projection");
     s.lqkv = f32(R * la.conv_channels(), "KDA q/k/v");
-    s.lq = f32(R * Hd, "KDA q");
-    s.lk = f32(R * Hd, "KDA k");
-    s.lv = f32(R * Hd, "KDA v");
     s.lg = f32(R * Hd, "KDA decay");
     s.lbeta = f32(R * la.v_heads, "KDA beta");
     s.lo = f32(R * Hd, "KDA out");

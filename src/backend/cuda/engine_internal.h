@@ -237,7 +237,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
     cuda::DeviceBuffer ig;                                      // k-pool gate logits
     cuda::DeviceBuffer post, comb;                              // mHC mixing of the current site
-    cuda::DeviceBuffer lraw, lqkv, lq, lk, lv, lg, lbeta, lo, lfa, lgate;  // KDA
+    cuda::DeviceBuffer lraw, lqkv, lg, lbeta, lo, lfa, lgate;   // KDA
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
@@ -294,6 +294,8 @@ struct CudaEngine::Impl {
   void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;
+  // The device position of row s0 of the pass: d_pos0 itself, or d_pos0 + s0 written to d_slice_pos (stream order).
+  const int32_t* slice_pos0(int64_t s0);
   // Selection row width: index_topk positions, + the open pool's tail with a k-pool indexer.
   int64_t sel_width() const { return c.index_kpool > 1 ? c.index_topk + c.index_kpool : c.index_topk; }
   int64_t max_pools() const { return max_ctx / std::max<int64_t>(1, c.index_kpool) + 1; }

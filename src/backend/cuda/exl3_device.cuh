@@ -1,11 +1,21 @@
 // EXL3 device helpers shared by the GEMV/dequant kernels (exl3_gemv.cu) and the codebook check
 // (exl3_linear_cuda.cu): codebook decode, a lane's trellis states, the m16n8k16 mma, the 128-point Hadamard,
-// and the GEMV kernels' tile staging and split-K reduction.
+// and the GEMV kernels' tile staging and split-K reduction; EXL3_CHECK for their host-side CUDA calls.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+
+// Throws std::runtime_error naming the failed CUDA call.
+#define EXL3_CHECK(expr)                                                                                 \
+  do {                                                                                                   \
+    cudaError_t err_ = (expr);                                                                           \
+    if (err_ != cudaSuccess)                                                                             \
+      throw std::runtime_error(std::string("CUDA error in ") + #expr + ": " + cudaGetErrorString(err_)); \
+  } while (0)
 
 namespace moesrv::cuda::exl3 {
 

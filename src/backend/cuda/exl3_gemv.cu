@@ -16,13 +16,6 @@ using namespace exl3;
 
 namespace {
 
-#define EXL3_CHECK(expr)                                                                                 \
-  do {                                                                                                   \
-    cudaError_t err_ = (expr);                                                                           \
-    if (err_ != cudaSuccess)                                                                             \
-      throw std::runtime_error(std::string("CUDA error in ") + #expr + ": " + cudaGetErrorString(err_)); \
-  } while (0)
-
 constexpr int kMaxTilesPerBlock = 64;
 
 struct RotArgs {  // both Hadamard kernels

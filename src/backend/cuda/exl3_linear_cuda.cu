@@ -15,13 +15,6 @@ using cuda::Exl3Dev;
 
 namespace {
 
-#define EXL3_CHECK(expr)                                                                                 \
-  do {                                                                                                   \
-    cudaError_t err_ = (expr);                                                                           \
-    if (err_ != cudaSuccess)                                                                             \
-      throw std::runtime_error(std::string("CUDA error in ") + #expr + ": " + cudaGetErrorString(err_)); \
-  } while (0)
-
 template <typename T>
 struct DeviceBuffer {
   T* p = nullptr;

@@ -16,27 +16,25 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   const LinearAttnDims& la = c.linear;
   const int H = int(la.v_heads), d = int(la.dk), Hd = H * d, C = 3 * Hd, K = int(la.conv_kernel);
   const float* h = s.h.as<float>();
-  float *qkv = s.lqkv.as<float>(), *q = s.lq.as<float>(), *k = s.lk.as<float>(), *v = s.lv.as<float>();
-  float *g = s.lg.as<float>(), *beta = s.lbeta.as<float>(), *o = s.lo.as<float>(), *low = s.lfa.as<float>();
-  float* gate = s.lgate.as<float>();
+  float *qkv = s.lqkv.as<float>(), *g = s.lg.as<float>(), *beta = s.lbeta.as<float>(), *o = s.lo.as<float>();
+  float *low = s.lfa.as<float>(), *gate = s.lgate.as<float>();
 
   linear(w.qkv, h, S, s.lraw.as<float>());  // [S, q | k | v] before the conv
   causal_conv1d_silu(s.lraw.as<float>(), C, int(S), C, w.conv.as<float>(), K, st.conv, qkv, stream);
-  for (int part = 0; part < 3; ++part)  // split into contiguous [S, H, d] operands
-    MOESRV_CUDA_OK(cudaMemcpy2DAsync(part == 0   ? q
-                                     : part == 1 ? k
-                                                 : v,
-                                     size_t(Hd) * 4, qkv + part * Hd, size_t(C) * 4, size_t(Hd) * 4, size_t(S),
-                                     cudaMemcpyDeviceToDevice, stream));
-  l2norm_rows(q, int(S), H, Hd, d, 1e-6f, 1.0f / std::sqrt(float(d)), stream);
-  l2norm_rows(k, int(S), H, Hd, d, 1e-6f, 1.0f, stream);
+  // q and k normalised in place inside the conv output rows; the delta rule reads all three operands from there.
+  l2norm_rows(qkv, int(S), H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), stream);
+  l2norm_rows(qkv + Hd, int(S), H, C, d, 1e-6f, 1.0f, stream);
 
   linear(w.f_a, h, S, low);
   linear(w.f_b, low, S, g);
   linear(w.b, h, S, beta);
   kda_gates(g, w.dt_bias.as<float>(), w.a_log.as<float>(), int(S), H, d, la.lower_bound_set, float(la.lower_bound),
             beta, stream);
-  delta_rule(int(S), H, d, d, /*per_channel_decay=*/true, q, k, v, g, beta, st.recurrent, o, stream);
+  DeltaRuleArgs dr;
+  dr.T = int(S), dr.heads = H, dr.dk = d, dr.dv = d, dr.per_channel_decay = true;
+  dr.q = qkv, dr.k = qkv + Hd, dr.qk_stride = C, dr.v = qkv + 2 * Hd, dr.v_stride = C;
+  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o;
+  delta_rule(dr, stream);
 
   linear(w.g_a, h, S, low);
   linear(w.g_b, low, S, gate);
@@ -60,11 +58,7 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
   const int W = int(sel_width());
   for (int64_t s0 = 0; s0 < S; s0 += dsa_rows) {
     const int n = int(std::min(dsa_rows, S - s0));
-    const int32_t* pos = d_pos0.as<int32_t>();
-    if (s0 > 0) {
-      offset_position(d_pos0.as<int32_t>(), int(s0), d_slice_pos.as<int32_t>(), stream);
-      pos = d_slice_pos.as<int32_t>();
-    }
+    const int32_t* pos = slice_pos0(s0);
     kpool_select(iq + s0 * nh * d, ihw + s0 * nh, st.pool_k, n, nh, d, kp, int(c.index_topk / kp), c.index_select_tail,
                  pos, int(max_pools()), s.dsa_scores.as<float>(), s.sel.as<int32_t>() + s0 * W, W, stream);
   }
