@@ -102,6 +102,9 @@ TEST(Jinja, Errors) {
   EXPECT_THROW(render("{% if %}"), Error);
   EXPECT_THROW(render("{% for x in y %}"), Error);
   EXPECT_THROW(render("{{ x | nosuchfilter }}"), Error);
+  // An endraw without a closing tag (found by fuzz_jinja: the lexer used to loop forever).
+  EXPECT_THROW(render("{% raw %}x endraw"), Error);
+  EXPECT_THROW(render("{% raw %}x{% endraw"), Error);
   try {
     render("{{ raise_exception('Only user and assistant roles') }}");
   } catch (const Error& e) {

@@ -5,7 +5,7 @@
 #include <set>
 #include <thread>
 
-#include "runtime/expert_cache.h"
+#include "backend/expert_cache.h"
 #include "util/error.h"
 
 namespace moesrv {

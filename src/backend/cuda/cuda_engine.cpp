@@ -456,6 +456,11 @@ const UsageStats* CudaEngine::expert_usage() const { return impl_->drain_usage()
 const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const { return impl_->placement; }
 CudaEngineStats CudaEngine::stats() const {
   CudaEngineStats st = impl_->stats;
+  if (impl_->expert_cache) {
+    const ExpertCacheStats cs = impl_->expert_cache->total_stats();
+    st.cache_hits = int64_t(cs.hits);
+    st.cache_misses = int64_t(cs.misses);
+  }
   st.vram_used = impl_->budget->used();
   st.weight_bytes = impl_->up.weight_bytes;
   st.exl3_weight_bytes = impl_->up.exl3_bytes;

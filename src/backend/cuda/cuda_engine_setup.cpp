@@ -245,8 +245,13 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
         planned += bytes[size_t(e)];
       }
   }
+  std::vector<int32_t> slots(size_t(c.num_layers), 0);
   for (int64_t l = 0; l < c.num_layers; ++l)
-    if (layers[size_t(l)].moe) upload_moe(l);
+    if (layers[size_t(l)].moe) {
+      upload_moe(l);
+      slots[size_t(l)] = int32_t(layers[size_t(l)].moe->slots.size());
+    }
+  expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
 }
 
 void CudaEngine::Impl::upload_moe(int64_t l) {
@@ -256,7 +261,6 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   m.placement = placement[size_t(l)];
   m.vram.resize(size_t(E));
   m.pinned.resize(size_t(E));
-  m.slot_of.assign(size_t(E), -1);
   m.h_gate_up.assign(size_t(E), nullptr);
   m.h_down.assign(size_t(E), nullptr);
   std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * E) : 0);  // [projection][expert]

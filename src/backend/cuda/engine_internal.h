@@ -16,6 +16,7 @@
 #include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernels.h"
+#include "backend/expert_cache.h"
 #include "backend/usage_stats.h"
 #include "model/weights.h"
 #include "util/error.h"
@@ -132,10 +133,10 @@ struct DevAttention {
 };
 
 // Routed experts of one MoE layer with their placement. Expert weights are one block: gate|up [2I][D], down [D][I].
+// Which expert a slot holds is the engine's ExpertCache's bookkeeping (backend/expert_cache.h, shared with the
+// runtime's planner and tests); a slot here is the device memory and the events that order its reuse.
 struct CacheSlot {
   DeviceBuffer mem;
-  int expert = -1;
-  uint64_t last_use = 0;
   cudaEvent_t ready = nullptr, free = nullptr;  // copy finished / last compute use finished
 };
 // EXL3 experts: each expert's block is gate | up | down as trellis | suh | svh; x3_off[e] holds the three with
@@ -154,9 +155,7 @@ struct DevMoe {
   bool all_vram = true;
   float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
   std::vector<PinnedBuffer> pinned;       // per expert, Cache placement only
-  std::vector<CacheSlot> slots;
-  std::vector<int> slot_of;               // expert -> slot or -1
-  uint64_t clock = 0;
+  std::vector<CacheSlot> slots;           // LRU slots of this layer (ExpertCache says which expert is where)
 };
 
 // Uploads host weights against the budget, counting weight bytes (and the EXL3 bytes among them).
@@ -290,7 +289,9 @@ struct CudaEngine::Impl {
   std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
-  const void* expert_weights(cuda::DevMoe& m, int e);  // block in VRAM or a cache slot (loads on a miss)
+  // Expert e's block of layer l in VRAM or a cache slot (loaded on a miss; *slot = -1 for a VRAM expert).
+  const void* expert_weights(int64_t l, int e, int* slot);
+  std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
   void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;

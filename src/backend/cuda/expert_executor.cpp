@@ -49,29 +49,25 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   for (int64_t s0 = 0; s0 < S; s0 += moe_rows) moe_hybrid(l, s0, std::min(moe_rows, S - s0));
 }
 
-const void* CudaEngine::Impl::expert_weights(DevMoe& m, int e) {
+const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  *slot = -1;
   if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.vram[size_t(e)].as<void>();
-  ++m.clock;
-  int slot = m.slot_of[size_t(e)];
-  if (slot >= 0) {
-    ++stats.cache_hits;
+  if (std::optional<int32_t> hit = expert_cache->lookup(int32_t(l), e)) {
+    *slot = *hit;
   } else {
-    ++stats.cache_misses;
-    slot = 0;
-    for (int i = 1; i < int(m.slots.size()); ++i)
-      if (m.slots[size_t(i)].last_use < m.slots[size_t(slot)].last_use) slot = i;
-    CacheSlot& cs = m.slots[size_t(slot)];
-    if (cs.expert >= 0) m.slot_of[size_t(cs.expert)] = -1;
+    // No slot is ever retained: the events below order a slot's reuse after the GPU's last read of it.
+    std::optional<Admission> a = expert_cache->admit(int32_t(l), e);
+    if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
+    *slot = a->slot;
+    CacheSlot& cs = m.slots[size_t(*slot)];
     // Overwrite only after the GPU finished with the evicted expert; compute waits for the copy below.
     MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
     MOESRV_CUDA_OK(cudaMemcpyAsync(cs.mem.as<void>(), m.pinned[size_t(e)].as<void>(), m.block_bytes[size_t(e)],
                                    cudaMemcpyHostToDevice, copy_stream));
     MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
-    cs.expert = e;
-    m.slot_of[size_t(e)] = slot;
   }
-  CacheSlot& cs = m.slots[size_t(slot)];
-  cs.last_use = m.clock;
+  CacheSlot& cs = m.slots[size_t(*slot)];
   MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, cs.ready, 0));
   return cs.mem.as<void>();
 }
@@ -121,7 +117,8 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   for (size_t r = 0; r < gpu_runs.size(); ++r) {
     const int e = gpu_runs[r].first;
     const int64_t row0 = gpu_runs[r].second, cnt = int64_t(by_expert[size_t(e)].size());
-    const void* block = expert_weights(m, e);
+    int slot = -1;
+    const void* block = expert_weights(l, e, &slot);
     if (m.exl3) {
       expert_exl3(m, e, block, h, row0, cnt);
     } else {
@@ -132,8 +129,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
       gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
     }
-    if (m.placement[size_t(e)] == ExpertPlacement::Cache)
-      MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(m.slot_of[size_t(e)])].free, stream));
+    if (slot >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot)].free, stream));
   }
   // CPU experts while the GPU works through the queue above.
   const float* extra = nullptr;

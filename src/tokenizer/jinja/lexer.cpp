@@ -118,6 +118,8 @@ class Lexer {
     if (end == std::string::npos) fail("jinja: unclosed raw block at line {}", line_);
     size_t tag = s_.rfind("{%", end);
     size_t close = s_.find("%}", end);
+    if (tag == std::string::npos || tag < body || close == std::string::npos)
+      fail("jinja: malformed endraw tag at line {}", line_);
     out_.push_back({Token::Text, s_.substr(body, tag - body), line_});
     count_lines(pos_, close);
     pos_ = close + 2;

@@ -56,11 +56,11 @@ class ExpertCache {
   std::optional<int32_t> find(int32_t layer, int32_t expert, bool retain);
   struct Layer {
     int32_t slots = 0;
-    std::vector<int32_t> slot_of;                  // [experts] -> slot or -1
-    std::vector<int32_t> expert_in;                // [slots] -> expert or -1
-    std::vector<uint8_t> pinned;                   // [experts]
-    std::vector<int32_t> retained;                 // [experts] retain count
-    std::list<int32_t> lru;                        // unpinned resident experts, front = least recent
+    std::vector<int32_t> slot_of;                   // [experts] -> slot or -1
+    std::vector<int32_t> expert_in;                 // [slots] -> expert or -1
+    std::vector<uint8_t> pinned;                    // [experts]
+    std::vector<int32_t> retained;                  // [experts] retain count
+    std::list<int32_t> lru;                         // unpinned resident experts, front = least recent
     std::vector<std::list<int32_t>::iterator> pos;  // [experts] position in lru
     std::vector<int32_t> free_slots;
     ExpertCacheStats stats;

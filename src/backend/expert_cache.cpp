@@ -1,4 +1,4 @@
-#include "runtime/expert_cache.h"
+#include "backend/expert_cache.h"
 
 #include "util/error.h"
 
@@ -117,7 +117,8 @@ void ExpertCache::release(int32_t layer, int32_t expert) {
   check_expert(expert);
   Layer& L = layer_(layer);
   std::lock_guard lk(L.mu);
-  if (L.retained[size_t(expert)] <= 0) fail("expert cache: release of expert {} in layer {} without retain", expert, layer);
+  if (L.retained[size_t(expert)] <= 0)
+    fail("expert cache: release of expert {} in layer {} without retain", expert, layer);
   --L.retained[size_t(expert)];
 }
 
