@@ -2,8 +2,12 @@
 # Runs on the GPU machine, from the repo root, after `scripts/gpu_carry.sh` here and `tar -cJf .gpurun/gpu.tar.xz
 # .gpu` (carry .gpurun): the CUDA suites and, with BENCH=1, the real-width glm5_next slice whose JSON lands in
 # $OUT/glm5-next-h200.json (copy it to docs/perf/). Logs go to $OUT; a summary is printed.
-#   scripts/gpu_suite.sh            kernels + engine + EXL3 suites (~15 s on an H200)
-#   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 8-layer real-width slices)
+#   scripts/gpu_suite.sh            kernels + engine + pipeline + EXL3 suites (~15 s on an H200, before the pipeline)
+#   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 8-layer real-width slices), + the
+#                                   pipeline hand-off overhead per decode token
+#   The bench's matrix comes from the environment (defaults: contexts 8192,32768, budget all, uniform routing), e.g.
+#   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072
+#   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -14,10 +18,13 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 summary() { grep -E "FAILED|PASSED|tests ran|exception|Failure|perf" "$1" | grep -v "^\[       OK" | head -60; }
 timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
 timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
+timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1
 summary "$OUT/exl3.log"
 if [[ ${BENCH:-0} == 1 ]]; then
-  MOESRV_CUDA_BENCH=1 MOESRV_BENCH_JSON="$OUT/glm5-next-h200.json" timeout 300 .gpu/test_cuda_exl3_synthetic \
+  MOESRV_CUDA_BENCH=1 MOESRV_BENCH_JSON="$OUT/glm5-next-h200.json" timeout "${BENCH_TIMEOUT:-300}" .gpu/test_cuda_exl3_synthetic \
     --gtest_filter='*Glm5Next*' >"$OUT/bench.log" 2>&1
   summary "$OUT/bench.log"
+  MOESRV_CUDA_BENCH=1 timeout 120 .gpu/test_cuda_pipeline --gtest_filter='CudaPipelineBench.*' >"$OUT/pipeline_bench.log" 2>&1
+  summary "$OUT/pipeline_bench.log"
 fi

@@ -69,6 +69,7 @@ TEST(CudaPlacementBridge, PlanMapsToEngineOptions) {
   plan.layers[1].home = {ExpertHome::Pinned, ExpertHome::Cached, ExpertHome::Fetch, ExpertHome::Cpu};
   plan.layers[1].slots = 3;
   plan.layers[1].pinned = 1;
+  plan.layers[1].fetch_min_tokens = 48;
   CudaEngineOptions opt;
   apply_placement_plan(plan, opt);
   ASSERT_EQ(opt.placement.size(), 2u);
@@ -76,6 +77,7 @@ TEST(CudaPlacementBridge, PlanMapsToEngineOptions) {
   EXPECT_EQ(opt.placement[1], (std::vector<ExpertPlacement>{ExpertPlacement::Vram, ExpertPlacement::Cache,
                                                             ExpertPlacement::Cache, ExpertPlacement::Cpu}));
   EXPECT_EQ(opt.cache_slots_per_layer[1], 2);
+  EXPECT_EQ(opt.stream_min_tokens_per_layer[1], 48);  // a cold expert with 48+ tokens in a pass streams
   EXPECT_EQ(opt.max_ctx, 4096);
   EXPECT_DOUBLE_EQ(opt.vram_budget_gib, 2.0);
 }
@@ -117,6 +119,17 @@ bool same_or_tied(const float* ref, const float* out, int64_t V) {
 
 std::unique_ptr<CudaEngine> gpu_engine(const std::string& model, CudaEngineOptions opt = {}) {
   return std::make_unique<CudaEngine>(ModelPackage::open(tiny(model)), opt);
+}
+
+// Device bytes of one sequence at its largest, what the automatic plan reserves per sequence: its caches and, with
+// fixed-size (recurrent) state, the most checkpoints it keeps (one per multi-token forward; MBs per checkpoint for
+// qwen3_next's delta-rule state).
+double largest_sequence_bytes(CudaEngine& e, const std::string& model) {
+  auto in = ids(model, "input_ids");
+  auto seq = e.new_sequence();
+  for (size_t i = 0; i + 2 <= std::min<size_t>(in.size(), 16); i += 2)
+    e.forward(*seq, std::vector<int32_t>(in.begin() + int64_t(i), in.begin() + int64_t(i) + 2));
+  return double(seq->bytes());
 }
 
 class CudaVsCpu : public ::testing::TestWithParam<std::string> {};
@@ -292,7 +305,7 @@ TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
   int64_t experts = 0;
   for (auto& l : full->placement()) experts += int64_t(l.size());
   const double expert_bytes = 6.0 * double(cfg.moe_intermediate_size) * double(cfg.hidden_size);
-  const double used = double(full->stats().vram_used), seq = double(full->new_sequence()->bytes());
+  const double used = double(full->stats().vram_used), seq = largest_sequence_bytes(*full, GetParam());
   CudaEngineOptions part;
   part.vram_budget_gib = (used + seq - 0.5 * double(experts) * expert_bytes) / double(1ull << 30);
   part.max_ctx = full->max_context();
@@ -417,7 +430,8 @@ TEST(CudaSyntheticGlm5, Throughput) {
 
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaVsCpu,
                          ::testing::Values("deepseek_v3", "deepseek_v3_yarn", "glm4_moe", "glm4_moe_lite",
-                                           "glm_moe_dsa", "glm5_next", "glm5_next_clamp"));
+                                           "glm_moe_dsa", "glm5_next", "glm5_next_clamp", "qwen3_next"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });  // filter by model
 
 #else
 

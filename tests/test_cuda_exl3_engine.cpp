@@ -38,9 +38,11 @@ struct Variant {
 };
 // deepseek_v3: MLA, padded projections (experts 32x128 -> 128x128); glm4_moe: GQA with q/k/v biases.
 // glm5_next_clamp: KDA, NoPE MLA with the k-pool indexer, mHC, clamped SwiGLU (tensors chosen by the manifest).
+// qwen3_next: Gated DeltaNet, gated GQA, softmax router with a gated shared expert.
 const Variant kVariants[] = {{"deepseek_v3", 2, 4, Exl3Codebook::Mul1},
                              {"glm4_moe", 2, 3, Exl3Codebook::Inst3},
-                             {"glm5_next_clamp", 4, 6, Exl3Codebook::Mul1}};
+                             {"glm5_next_clamp", 4, 6, Exl3Codebook::Mul1},
+                             {"qwen3_next", 4, 6, Exl3Codebook::Mul1}};
 
 int layer_of(const std::string& name) {  // model.layers.N. or model.language_model.layers.N.
   for (const char* p : {"model.layers.", "model.language_model.layers."})
@@ -241,6 +243,7 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   for (int variant = 0; variant < 2; ++variant) {
     CudaEngineOptions opt;
     opt.cache_slots = 2;
+    opt.stream_min_tokens = 0;  // CPU experts stay on the CPU (streaming: below)
     opt.placement = ref_engine->placement();
     for (auto& layer : opt.placement)
       for (size_t e = 0; e < layer.size(); ++e)
@@ -250,6 +253,27 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
     EXPECT_GT(e->stats().cache_misses, 2);
     EXPECT_EQ(e->stats().graph_replays, 0);
   }
+  // Every expert on the CPU, streamed through 2 LRU slots from the host weights when a pass routes it at least
+  // `min` tokens: 1 streams them all (nothing runs on the CPU), 4 streams in the 40-token prefill only (decode
+  // runs the rest on the CPU, and on the GPU those still in a slot).
+  for (int64_t min : {1, 4}) {
+    CudaEngineOptions opt;
+    opt.stream_min_tokens = min;
+    opt.placement = ref_engine->placement();
+    for (auto& layer : opt.placement) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cpu);
+    auto e = gpu(dir, opt);
+    expect_close(run(*e), ref, V, 1e-2,
+                 min == 1 ? "EXL3 all streamed vs all-VRAM" : "EXL3 prefill streamed vs all-VRAM");
+    const CudaEngineStats st = e->stats();
+    std::printf("[ info ] %s stream >= %ld tokens: misses %ld, fetched %.2f MiB, cpu expert tokens %ld\n",
+                GetParam().model, long(min), long(st.cache_misses), st.fetched_bytes / double(1 << 20),
+                long(st.cpu_expert_tokens));
+    EXPECT_GT(st.fetched_bytes, 0.0);
+    if (min == 1) EXPECT_EQ(st.cpu_expert_tokens, 0);
+    else EXPECT_GT(st.cpu_expert_tokens, 0);
+    EXPECT_GT(st.routed_selections, 0);
+    EXPECT_LE(st.vram_selections, st.routed_selections);
+  }
   // Budget: everything but half of the routed experts' bytes.
   size_t expert_bytes = 0;
   auto pkg = ModelPackage::open(dir);
@@ -257,11 +281,16 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
     if (n.find(".mlp.experts.") != std::string::npos &&
         (n.ends_with(".trellis") || n.ends_with(".suh") || n.ends_with(".svh")))
       expert_bytes += pkg->require(n).nbytes;
+  // What the plan reserves per sequence: its caches and, with recurrent state, the most checkpoints it keeps (one per
+  // multi-token forward).
+  const double used = double(ref_engine->stats().vram_used);
+  auto largest = ref_engine->new_sequence();
+  for (size_t i = 0; i + 2 <= 16; i += 2)
+    ref_engine->forward(*largest, std::vector<int32_t>(prompt.begin() + int64_t(i), prompt.begin() + int64_t(i) + 2));
   CudaEngineOptions part;
   part.max_ctx = ref_engine->max_context();
-  part.vram_budget_gib = (double(ref_engine->stats().vram_used) + double(ref_engine->new_sequence()->bytes()) -
-                          0.5 * double(expert_bytes)) /
-                         double(1ull << 30);
+  part.stream_min_tokens = 0;  // no streaming slots reserved: the budget is split between VRAM and CPU experts only
+  part.vram_budget_gib = (used + double(largest->bytes()) - 0.5 * double(expert_bytes)) / double(1ull << 30);
   auto e = gpu(dir, part);
   int cpu = 0, vram = 0;
   for (auto& l : e->placement())

@@ -6,15 +6,19 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <map>
 #include <vector>
 
 #include "backend/cuda/cuda_engine.h"
+#include "backend/usage_stats.h"
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
+#include "runtime/cuda_placement.h"
 #include "runtime/placement.h"
+#include "tools/bench.h"
 
 namespace moesrv {
 namespace {
@@ -148,115 +152,244 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 }
 
 // GLM-5.3-Flash (glm5_next) at real width, EXL3 K=4 (random trellis; 288 experts aliasing 8 host weight sets, each
-// uploaded as its own block), all in VRAM: slices of 4 and 8 layers (i % 4 == 3 MLA with the k-pool indexer, the
-// rest KDA; all MoE; mHC 4 streams). The difference of the two slices is the time of 4 layers (3 KDA + 1 MLA, the
-// full model's 34:11 mix within 3%); the rest of the 4-layer slice is the embedding + head. Projection to 45 layers:
-// head + 45/4 x (4 layers). Decode after prefills of 8K and 32K tokens; the floor is the bytes a decode step must
-// read (head, 45/4 x the dense weights + 8 routed experts of the 4 layers, the recurrent state read and written,
-// the MLA latent rows the indexer selects and its pooled keys) over the measured device copy bandwidth.
-// Opt-in: MOESRV_CUDA_BENCH=1; MOESRV_BENCH_JSON=<file> writes the results (docs/perf/glm5-next-h200.json format).
+// uploaded or cached as its own block): slices of 4 and 8 layers (i % 4 == 3 MLA with the k-pool indexer, the rest
+// KDA; all MoE; mHC 4 streams). The difference of the two slices is the time of 4 layers (3 KDA + 1 MLA, the full
+// model's 34:11 mix within 3%); the rest of the 4-layer slice is the embedding + head. Projection to 45 layers:
+// head + 45/4 x (4 layers).
+// Placements: "all" (every expert in VRAM) and --vram-budget 22 / 44 GiB scaled to the slice: the planner
+// (runtime/placement.h) plans the whole 45-layer model (footprint and usage of the slice repeated every 4 layers)
+// at the largest context of the run, and the slice's layers get the plan's homes for its first layers (pinned ->
+// VRAM, cached/fetch -> LRU slots fed from pinned RAM, cpu -> computed on the host). Usage statistics come from a
+// recording run of the 4-layer slice with the same routing. Routing: "uniform" (random router) or "skewed" (router
+// bias -0.05 ln(1 + rank), SyntheticOptions::router_skew; the measured share of the hottest half is reported).
+// Floor per placement: max over HBM (dense weights, VRAM-served experts, recurrent state, selected latent rows and
+// pooled keys), PCIe (expert bytes fetched per token) and host RAM (expert bytes the CPU read per token) of bytes /
+// measured bandwidth (device copy, pinned H2D, host memcpy); expert traffic is counted by the engine (CudaEngineStats).
+// Opt-in: MOESRV_CUDA_BENCH=1. MOESRV_BENCH_JSON=<file> writes docs/perf/glm5-next-h200.json's format;
+// MOESRV_BENCH_CONTEXTS (default 8192,32768), MOESRV_BENCH_BUDGETS (default all; e.g. all,44,22),
+// MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix.
+std::vector<std::string> env_list(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  std::string s = v && *v ? v : fallback;
+  std::vector<std::string> out;
+  for (size_t b = 0; b <= s.size();) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+struct Bandwidths {
+  double device_copy = 0, pcie_h2d = 0, host = 0;  // GB/s
+};
+
+Bandwidths measure_bandwidths() {
+  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
+  Bandwidths bw;
+  const size_t n = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr, *h = nullptr;
+  EXPECT_EQ(cudaMalloc(&a, n), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&b, n), cudaSuccess);
+  EXPECT_EQ(cudaMallocHost(&h, n), cudaSuccess);
+  std::memset(h, 1, n);
+  cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+  cudaMemcpy(a, h, n, cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 10; ++i) cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+  cudaDeviceSynchronize();
+  bw.device_copy = 2.0 * 10 * double(n) / secs(t0) / 1e9;  // read + write
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 5; ++i) cudaMemcpy(a, h, n, cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();
+  bw.pcie_h2d = 5.0 * double(n) / secs(t0) / 1e9;
+  cudaFree(a);
+  cudaFree(b);
+  cudaFreeHost(h);
+  bw.host = measure_memcpy_gbps();
+  return bw;
+}
+
+// One placement of one slice at one context: prefill, then decode with the engine's expert traffic per token.
+struct SliceRun {
+  double prefill_s = 0, decode_s = 0;          // whole prompt, per token
+  double selections = 0, vram_selections = 0;  // per decode token (host-planned passes only)
+  double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
+  bool hybrid = false;
+};
+
+SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
+  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
+  SliceRun r;
+  auto seq = e.new_sequence();
+  std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
+  auto t0 = std::chrono::steady_clock::now();
+  auto l = e.forward(*seq, prompt);
+  r.prefill_s = secs(t0);
+  for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});  // capture + warm
+  const CudaEngineStats a = e.stats();
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < decode_tokens; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
+  r.decode_s = secs(t0) / decode_tokens;
+  const CudaEngineStats b = e.stats();
+  const double n = decode_tokens;
+  r.selections = double(b.routed_selections - a.routed_selections) / n;
+  r.vram_selections = double(b.vram_selections - a.vram_selections) / n;
+  r.fetched_bytes = (b.fetched_bytes - a.fetched_bytes) / n;
+  r.cpu_bytes = (b.cpu_expert_bytes - a.cpu_expert_bytes) / n;
+  r.hybrid = r.selections > 0;
+  return r;
+}
+
 TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
   if (!std::getenv("MOESRV_CUDA_BENCH")) GTEST_SKIP() << "set MOESRV_CUDA_BENCH=1";
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
-  // Device copy bandwidth (read + write), 1 GiB.
-  double copy_gbps = 0;
-  {
-    const size_t n = size_t(1) << 30;
-    void *a = nullptr, *b = nullptr;
-    ASSERT_EQ(cudaMalloc(&a, n), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&b, n), cudaSuccess);
-    cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
-    cudaDeviceSynchronize();
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 10; ++i) cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
-    cudaDeviceSynchronize();
-    copy_gbps = 2.0 * 10 * double(n) / secs(t0) / 1e9;
-    cudaFree(a);
-    cudaFree(b);
-  }
-  const std::vector<int64_t> contexts = {8192, 32768};
-  std::map<int, std::vector<std::pair<double, double>>> t;  // layers -> per context (prefill s, decode s/token)
-  double floor_bytes_4 = 0, head_bytes = 0;                 // decode bytes of the first 4 layers, of the head
-  ModelConfig c4;
-  for (int layers : {4, 8}) {
+  const Bandwidths bw = measure_bandwidths();
+  std::printf("[ perf ] bandwidths: device copy %.0f GB/s, pinned H2D %.1f GB/s, host memcpy %.1f GB/s\n",
+              bw.device_copy, bw.pcie_h2d, bw.host);
+  std::vector<int64_t> contexts;
+  for (const std::string& s : env_list("MOESRV_BENCH_CONTEXTS", "8192,32768")) contexts.push_back(std::stoll(s));
+  const std::vector<std::string> budgets = env_list("MOESRV_BENCH_BUDGETS", "all");
+  const std::vector<std::string> routings = env_list("MOESRV_BENCH_ROUTING", "uniform");
+  const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
+  constexpr int kFull = 45, kDecode = 32;
+  const ModelConfig c45 = ModelConfig::from_json(glm5_next_config(kFull));
+  const int64_t E = c45.n_routed_experts, K = c45.experts_per_token;
+  nlohmann::json results = nlohmann::json::array();
+
+  for (const std::string& routing : routings) {
     SyntheticOptions so;
     so.distinct_experts = 8;
-    auto cfg = glm5_next_config(layers);
-    auto q = synthetic_exl3(make_synthetic_model(cfg, so), 4);
-    if (layers == 4) {
-      c4 = ModelConfig::from_json(cfg);
-      const ModelFootprint fp = footprint_from_package(c4, *q);
-      head_bytes = double(fp.head_bytes);
-      for (int64_t l = 0; l < 4; ++l)
-        floor_bytes_4 +=
-            double(fp.dense_bytes[size_t(l)] + uint64_t(c4.experts_per_token) * fp.expert_bytes[size_t(l)]);
+    so.router_skew = routing == "skewed" ? 0.05 : 0.0;
+    std::map<int, std::shared_ptr<ModelPackage>> pkg;
+    for (int layers : {4, 8}) pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4);
+    const ModelConfig c4 = ModelConfig::from_json(pkg[4]->config());
+    const ModelFootprint fp4 = footprint_from_package(c4, *pkg[4]);
+    // The whole model's footprint and usage: the slice's 4 layers repeated.
+    ModelFootprint fp45 = fp4;
+    fp45.expert_bytes.clear(), fp45.expert_params.clear(), fp45.dense_bytes.clear(), fp45.dense_params.clear();
+    UsageStats usage45(kFull, E, K);
+    double hot_half_share = 0;
+    {
+      CudaEngineOptions opt;
+      opt.max_ctx = 4096 + 64;
+      CudaEngine rec(pkg[4], opt);
+      auto seq = rec.new_sequence();
+      std::vector<int32_t> prompt(4096);
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 104729) % 150000);
+      rec.forward(*seq, prompt);
+      const UsageStats& u4 = *rec.expert_usage();
+      double top = 0, all = 0;
+      for (int64_t l = 0; l < kFull; ++l) {
+        const int64_t s = l % 4;
+        fp45.expert_bytes.push_back(fp4.expert_bytes[size_t(s)]);
+        fp45.expert_params.push_back(fp4.expert_params[size_t(s)]);
+        fp45.dense_bytes.push_back(fp4.dense_bytes[size_t(s)]);
+        fp45.dense_params.push_back(fp4.dense_params[size_t(s)]);
+        std::vector<double> cnt = u4.counts(s);
+        std::vector<uint32_t> c32(cnt.size());
+        for (size_t i = 0; i < cnt.size(); ++i) c32[i] = uint32_t(cnt[i]);
+        usage45.add_counts(l, c32.data(), u4.tokens(s));
+        if (l < 4) {
+          std::sort(cnt.rbegin(), cnt.rend());
+          for (size_t i = 0; i < cnt.size(); ++i) (i < cnt.size() / 2 ? top : all) += cnt[i];
+        }
+      }
+      hot_half_share = top / std::max(1.0, top + all);
     }
-    CudaEngineOptions opt;
-    opt.max_ctx = contexts.back() + 64;
-    opt.prefill_chunk = 8192;
-    auto t0 = std::chrono::steady_clock::now();
-    CudaEngine e(q, opt);
-    const double load = secs(t0);
-    for (int64_t ctx : contexts) {
-      auto seq = e.new_sequence();
-      std::vector<int32_t> prompt(static_cast<size_t>(ctx));
-      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
-      t0 = std::chrono::steady_clock::now();
-      auto l = e.forward(*seq, prompt);
-      const double prefill = secs(t0);
-      for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});  // capture + warm
-      t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < 32; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-      const double decode = secs(t0) / 32;
-      t[layers].push_back({prefill, decode});
-      const auto st = e.stats();
-      std::printf(
-          "[ perf ] glm5_next %d layers EXL3 K=4, ctx %ld: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM "
-          "%.2f GiB, prefill %.2f s (%.0f tok/s), decode %.2f ms/token, graph replays %ld\n",
-          layers, long(ctx), load, double(st.weight_bytes) / double(1ull << 30),
-          double(st.exl3_weight_bytes) / double(1ull << 30), double(st.vram_used) / double(1ull << 30), prefill,
-          double(ctx) / prefill, decode * 1e3, long(st.graph_replays));
+    std::printf("[ perf ] routing %s: hottest half of each layer's experts takes %.1f%% of the selections\n",
+                routing.c_str(), 100 * hot_half_share);
+
+    for (const std::string& budget : budgets) {
+      CudaEngineOptions base;
+      base.max_ctx = max_ctx + 64;
+      base.prefill_chunk = 8192;
+      PlacementPlan plan;
+      if (budget != "all") {
+        PlacementRequest req;
+        req.vram_budget = uint64_t(std::stod(budget) * double(kGiB));
+        req.context = max_ctx;
+        req.cost.hbm_gbps = bw.device_copy;
+        req.cost.pcie_gbps = bw.pcie_h2d;
+        req.cost.host_mem_gbps = bw.host;
+        plan = plan_placement(c45, fp45, req, &usage45);
+        ASSERT_TRUE(plan.fits) << plan.note;
+        std::printf("[ perf ] plan at %s GiB, ctx %ld: %s\n", budget.c_str(), long(max_ctx), plan.summary().c_str());
+      }
+      std::map<int, std::vector<SliceRun>> t;  // layers -> per context
+      for (int layers : {4, 8}) {
+        CudaEngineOptions opt = base;
+        if (budget != "all") {
+          PlacementPlan slice = plan;
+          slice.layers.resize(size_t(layers));
+          apply_placement_plan(slice, opt);
+          opt.vram_budget_gib = 0;  // the slice's homes are explicit; the device holds them
+          opt.max_ctx = max_ctx + 64;
+        }
+        CudaEngine e(pkg[layers], opt);
+        for (int64_t ctx : contexts) {
+          t[layers].push_back(run_slice(e, ctx, kDecode));
+          const SliceRun& r = t[layers].back();
+          std::printf(
+              "[ perf ] glm5_next %d layers, %s GiB, %s, ctx %ld: prefill %.2f s (%.0f tok/s), decode %.2f "
+              "ms/token, VRAM %.2f GiB\n",
+              layers, budget.c_str(), routing.c_str(), long(ctx), r.prefill_s, double(ctx) / r.prefill_s,
+              r.decode_s * 1e3, double(e.stats().vram_used) / double(kGiB));
+        }
+      }
+      for (size_t i = 0; i < contexts.size(); ++i) {
+        const SliceRun &r4 = t[4][i], &r8 = t[8][i];
+        const double pl = (r8.prefill_s - r4.prefill_s) / 4, dl = (r8.decode_s - r4.decode_s) / 4;  // per layer
+        const double p45 = r4.prefill_s - 4 * pl + kFull * pl, d45 = r4.decode_s - 4 * dl + kFull * dl;
+        const double ctx = double(contexts[i]);
+        // Bytes per decode token, 45 layers. Dense weights and the head from the footprint; state per 4 layers:
+        // 3 KDA states read + written (fp32), one MLA layer's selected latent rows (bf16) and pooled keys (fp32).
+        double dense4 = 0;
+        for (int64_t l = 0; l < 4; ++l) dense4 += double(fp4.dense_bytes[size_t(l)]);
+        const double state4 = 3 * 2.0 * double(c4.linear.state_floats()) * 4 +
+                              double(c4.index_topk + c4.index_kpool) * double(c4.kv_lora_rank) * 2 +
+                              ctx / double(c4.index_kpool) * double(c4.index_head_dim) * 4;
+        const double per_layer_expert = double(fp4.expert_bytes[0]);
+        // Expert traffic of the 8-layer slice per layer: measured on host-planned passes, else all in VRAM.
+        const double vram_sel = r8.hybrid ? r8.vram_selections / 8 : double(K);
+        const double hbm =
+            double(fp4.head_bytes) + kFull / 4.0 * (dense4 + state4) + kFull * vram_sel * per_layer_expert;
+        const double pcie = kFull * r8.fetched_bytes / 8, host = kFull * r8.cpu_bytes / 8;
+        const double floor_s =
+            std::max({hbm / (bw.device_copy * 1e9), pcie / (bw.pcie_h2d * 1e9), host / (bw.host * 1e9)});
+        const double hit = r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0;
+        std::printf(
+            "[ perf ] glm5_next 45 layers, %s GiB, %s, ctx %ld: decode %.1f tok/s (floor %.1f, %.0f%%), "
+            "prefill %.0f tok/s (TTFT %.1f s), hit rate %.3f, GB/token HBM %.2f PCIe %.3f host %.3f\n",
+            budget.c_str(), routing.c_str(), long(contexts[i]), 1 / d45, 1 / floor_s, 100 * floor_s / d45, ctx / p45,
+            p45, hit, hbm / 1e9, pcie / 1e9, host / 1e9);
+        nlohmann::json row = {
+            {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
+            {"routing", routing},
+            {"context", contexts[i]},
+            {"decode_tok_s", 1 / d45},
+            {"floor_tok_s", 1 / floor_s},
+            {"prefill_tok_s", ctx / p45},
+            {"ttft_s", p45},
+            {"hit_rate", hit},
+            {"hot_half_share", hot_half_share},
+            {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
+        results.push_back(row);
+      }
     }
-  }
-  nlohmann::json results = nlohmann::json::array();
-  const ModelConfig& c = c4;
-  for (size_t i = 0; i < contexts.size(); ++i) {
-    const auto [p4, d4] = t[4][i];
-    const auto [p8, d8] = t[8][i];
-    const double pl = (p8 - p4) / 4, dl = (d8 - d4) / 4;  // per layer (mixed)
-    const double p45 = p4 - 4 * pl + 45 * pl, d45 = d4 - 4 * dl + 45 * dl;
-    // State traffic per decode step of the 4 layers: 3 KDA states read + written (fp32), one MLA layer's selected
-    // latent rows (bf16) and pooled indexer keys (fp32).
-    const double ctx = double(contexts[i]);
-    const double kda = 2.0 * double(c.linear.state_floats()) * 4;
-    const double mla = double(c.index_topk + c.index_kpool) * double(c.kv_lora_rank) * 2 +
-                       ctx / double(c.index_kpool) * double(c.index_head_dim) * 4;
-    const double bytes45 = head_bytes + 45.0 / 4 * (floor_bytes_4 + 3 * kda + mla);
-    const double floor_tok_s = copy_gbps * 1e9 / bytes45;
-    std::printf(
-        "[ perf ] glm5_next projected to 45 layers, ctx %ld: decode %.2f ms/token (%.1f tok/s; %.3f ms per "
-        "layer, head+embed %.3f ms), prefill %.1f s (%.0f tok/s); floor %.1f tok/s (%.2f GB/token at %.0f "
-        "GB/s copy), %.0f%% of it\n",
-        long(contexts[i]), d45 * 1e3, 1.0 / d45, dl * 1e3, (d4 - 4 * dl) * 1e3, p45, ctx / p45, floor_tok_s,
-        bytes45 / 1e9, copy_gbps, 100.0 / d45 / floor_tok_s);
-    results.push_back({{"vram_budget_gib", "all"},
-                       {"routing", "uniform"},
-                       {"context", contexts[i]},
-                       {"decode_tok_s", 1.0 / d45},
-                       {"floor_tok_s", floor_tok_s},
-                       {"prefill_tok_s", ctx / p45},
-                       {"ttft_s", p45},
-                       {"hit_rate", 1.0},
-                       {"decode_bytes_per_token", bytes45},
-                       {"copy_gbps", copy_gbps}});
   }
   if (const char* path = std::getenv("MOESRV_BENCH_JSON")) {
     nlohmann::json j = {
         {"model", "glm5_next"},
         {"layers_measured", 8},
         {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
-        {"projection", "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer"},
+        {"projection",
+         "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer; "
+         "budgets: the 45-layer plan at the largest context, its first layers' homes on the slice"},
+        {"bandwidth_gbps", {{"device_copy", bw.device_copy}, {"pcie_h2d", bw.pcie_h2d}, {"host", bw.host}}},
         {"results", results}};
     std::ofstream(path) << j.dump(2) << "\n";
   }

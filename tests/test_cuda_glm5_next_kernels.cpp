@@ -1,5 +1,5 @@
-// GLM-5.3-Flash (glm5_next) CUDA block kernels vs their CPU references, on random inputs with fixed seeds, at the
-// tiny hf-tiny/glm5_next shapes and at the real model's widths. Skipped without a CUDA build or device.
+// GLM-5.3-Flash (glm5_next) and Qwen3-Next CUDA block kernels vs their CPU references, on random inputs with fixed
+// seeds, at the tiny hf-tiny shapes and at the real models' widths. Skipped without a CUDA build or device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/residual.h"
+#include "model/router.h"
 
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <cuda_runtime.h>
@@ -629,6 +630,78 @@ TEST(CudaGlm5NextKernels, SiluMulClamped) {
     cuda::silu_mul_clamped(dgu.get(), rows, I, limit, dout.get(), nullptr);
     EXPECT_LT(rel_err(dout.host(), ref), 1e-6) << "limit " << limit;
   }
+}
+
+// ---------------------------------------------------------------- Qwen3-Next: softmax router, gates
+
+// cuda::route with softmax scores vs model/router.cpp's route_token: the same experts in the same order, the same
+// weights (renormalised or not; group-limited as well).
+TEST(CudaQwen3NextKernels, SoftmaxRouterMatchesRouteToken) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    int E, k, groups, topk_groups;
+    bool norm;
+  };
+  for (const Case& cs :
+       {Case{16, 4, 1, 1, true}, Case{512, 10, 1, 1, true}, Case{64, 6, 1, 1, false}, Case{64, 4, 8, 3, true}}) {
+    const int S = 9;
+    ModelConfig c;
+    c.router = RouterKind::Softmax;
+    c.n_routed_experts = cs.E;
+    c.experts_per_token = cs.k;
+    c.n_group = cs.groups;
+    c.topk_group = cs.topk_groups;
+    c.norm_topk_prob = cs.norm;
+    c.routed_scaling_factor = 1.0;
+    const std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 400 + uint32_t(cs.E));
+    const std::vector<float> bias(size_t(cs.E), 0.0f);
+    Dev<float> dlogits(logits), dbias(bias), dw(size_t(S) * cs.k);
+    Dev<int32_t> dids(size_t(S) * cs.k);
+    cuda::RouterArgs ra;
+    ra.E = cs.E, ra.groups = cs.groups, ra.topk_groups = cs.topk_groups, ra.k = cs.k, ra.norm_topk = cs.norm;
+    ra.softmax = true;
+    cuda::route(dlogits.get(), dbias.get(), S, ra, dids.get(), dw.get(), nullptr);
+    const std::vector<int32_t> ids = dids.host();
+    const std::vector<float> w = dw.host();
+    for (int s = 0; s < S; ++s) {
+      const RoutedExperts r = route_token(logits.data() + int64_t(s) * cs.E, bias.data(), c);
+      for (int j = 0; j < cs.k; ++j) {
+        EXPECT_EQ(ids[size_t(s * cs.k + j)], r.ids[size_t(j)]) << "E " << cs.E << " token " << s << " pick " << j;
+        EXPECT_NEAR(w[size_t(s * cs.k + j)], r.weights[size_t(j)], 1e-6f * std::max(1.0f, r.weights[size_t(j)]))
+            << "E " << cs.E << " token " << s << " pick " << j;
+      }
+    }
+  }
+}
+
+// moe.cpp's gated shared expert: out[s] *= sigmoid(x[s] . w).
+TEST(CudaQwen3NextKernels, SharedExpertGate) {
+  SKIP_WITHOUT_DEVICE();
+  for (int D : {128, 2048}) {
+    const int S = 5;
+    const std::vector<float> x = uniform(size_t(S) * D, -1.0f, 1.0f, 410), w = uniform(size_t(D), -0.1f, 0.1f, 411);
+    std::vector<float> y = uniform(size_t(S) * D, -2.0f, 2.0f, 412);
+    Dev<float> dx(x), dw(w), dy(y);
+    cuda::shared_expert_gate(dx.get(), dw.get(), S, D, dy.get(), nullptr);
+    for (int s = 0; s < S; ++s) {
+      const float g = sigmoid(cpu::dot(x.data() + int64_t(s) * D, w.data(), D));
+      for (int d = 0; d < D; ++d) y[size_t(s * D + d)] *= g;
+    }
+    EXPECT_LT(rel_err(dy.host(), y), 1e-5) << "D " << D;
+  }
+}
+
+// attention_gqa.cpp's output gate: attention rows times sigmoid of the gate half of q_proj's [query | gate] heads.
+TEST(CudaQwen3NextKernels, SigmoidGateRows) {
+  SKIP_WITHOUT_DEVICE();
+  const int rows = 12, n = 64;
+  const std::vector<float> qg = uniform(size_t(rows) * 2 * n, -4.0f, 4.0f, 420);
+  std::vector<float> x = uniform(size_t(rows) * n, -1.0f, 1.0f, 421);
+  Dev<float> dqg(qg), dx(x);
+  cuda::sigmoid_gate_rows(dx.get(), dqg.get() + n, 2 * n, rows, n, nullptr);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) x[size_t(r * n + i)] *= sigmoid(qg[size_t(r * 2 * n + n + i)]);
+  EXPECT_LT(rel_err(dx.host(), x), 1e-6);
 }
 
 #else

@@ -107,6 +107,48 @@ TEST(PipelineDsa, SharedLayerSelectionCrossesStageBoundary) {
   EXPECT_EQ(pipe->forward(*ps, ref.input_ids, true), want);
 }
 
+// The CUDA engine keeps a selection as rows of selection_width() positions, -1 padded (backend/stage_activations.h);
+// a CUDA stage packs the host lists into that layout and unpacks it again. The CPU stage's lists (plain DSA and
+// the k-pool indexer) must survive the round trip unchanged, also for a later chunk of a pass (row offset).
+TEST(PipelineDsa, SelectionRoundTripsThroughTheDeviceLayout) {
+  for (const char* model : {"glm_moe_dsa", "glm5_next"}) {
+    SCOPED_TRACE(model);
+    std::shared_ptr<CpuEngine> cpu = CpuEngine::open(hf_tiny(model));
+    const ModelConfig& c = cpu->config();
+    int64_t own = -1;
+    for (int64_t l = 0; l < c.num_layers && own < 0; ++l)
+      if (c.layers[size_t(l)].indexer == IndexerKind::Own) own = l;
+    ASSERT_GE(own, 0);
+    Reference ref = load_reference(model);
+    CpuPipelineStage stage(cpu);
+    auto seq = stage.new_sequence();
+    StageActivations act;
+    act.tokens = int64_t(ref.input_ids.size());
+    stage.embed(ref.input_ids, act);
+    stage.forward_layers(*seq, act, 0, own + 1);
+    ASSERT_EQ(int64_t(act.selection.size()), act.tokens);
+    const int64_t S = act.tokens, W = selection_width(c);
+    for (int64_t s = 0; s < S; ++s)
+      for (int32_t t : act.selection[size_t(s)]) {  // positions only: -1 ends a device row
+        ASSERT_GE(t, 0);
+        ASSERT_LE(t, s);
+      }
+    std::vector<int32_t> rows(size_t(S * W), 7);
+    pack_selection(act.selection, 0, S, W, rows.data());
+    std::vector<std::vector<int32_t>> back(static_cast<size_t>(S));
+    unpack_selection(rows.data(), S, W, 0, back);
+    EXPECT_EQ(back, act.selection);
+    const int64_t row0 = S / 2, n = S - row0;  // a later chunk: rows [row0, S) at offset 0 of the device rows
+    std::vector<std::vector<int32_t>> part(size_t(S), std::vector<int32_t>{42});
+    pack_selection(act.selection, row0, n, W, rows.data());
+    unpack_selection(rows.data(), n, W, row0, part);
+    for (int64_t s = 0; s < S; ++s)
+      EXPECT_EQ(part[size_t(s)], s < row0 ? std::vector<int32_t>{42} : act.selection[size_t(s)]) << s;
+    EXPECT_THROW(pack_selection({std::vector<int32_t>(size_t(W + 1), 0)}, 0, 1, W, rows.data()), std::exception);
+    EXPECT_THROW(pack_selection(act.selection, S - 1, 2, W, rows.data()), std::exception);
+  }
+}
+
 TEST(PipelineEngine, RejectsBadRanges) {
   std::shared_ptr<CpuEngine> cpu = CpuEngine::open(hf_tiny("deepseek_v3"));
   const int64_t L = cpu->config().num_layers;

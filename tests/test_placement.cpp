@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cpu/cpu_engine.h"
 #include "backend/cpu/linear.h"
 #include "backend/usage_stats.h"
 #include "model/synthetic_model.h"
@@ -197,6 +198,36 @@ TEST(Placement, EstimatesImproveWithVram) {
   // token per MoE layer, all from VRAM.
   const double kv_read = 78.0 * (2048 * 576 * 2 + 8192 * 128 * 2);
   EXPECT_NEAR(e.hbm_bytes - double(fp.dense_total()) - kv_read, 75.0 * 8 * double(fp.expert_bytes[3]), 1e-6 * e.hbm_bytes);
+}
+
+// The bench's skewed routing: the synthetic router bias concentrates the selections the engine records on the
+// hottest experts, in each layer's own order (measured through CpuEngine's usage statistics, not assumed).
+TEST(SyntheticRouting, RouterSkewConcentratesRecordedSelections) {
+  auto cfg = tiny_glm5_next_config(4);
+  cfg["n_routed_experts"] = 32;
+  auto top_half_share = [&](double skew, std::vector<std::vector<int32_t>>* hottest) {
+    CpuEngine e(make_synthetic_model(cfg, {.seed = 3, .stddev = 0.05f, .router_skew = skew}));
+    auto seq = e.new_sequence();
+    std::vector<int32_t> prompt(256);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 512);
+    e.forward(*seq, prompt);
+    const UsageStats& u = *e.expert_usage();
+    double top = 0, all = 0;
+    for (int64_t l = 0; l < u.layers(); ++l) {
+      if (u.empty(l)) continue;
+      auto c = u.counts(l);
+      std::sort(c.rbegin(), c.rend());
+      for (size_t i = 0; i < c.size(); ++i) (i < c.size() / 2 ? top : all) += c[i];
+      if (hottest) hottest->push_back(u.hottest(l, 4));
+    }
+    return top / (top + all);
+  };
+  std::vector<std::vector<int32_t>> hot;
+  const double uniform = top_half_share(0, nullptr), skewed = top_half_share(0.1, &hot);
+  EXPECT_GT(skewed, uniform + 0.1) << "uniform " << uniform << ", skewed " << skewed;
+  EXPECT_GT(skewed, 0.8);
+  ASSERT_EQ(hot.size(), 4u);
+  EXPECT_NE(hot[0], hot[1]);  // each layer has its own hot set
 }
 
 }  // namespace

@@ -16,4 +16,13 @@ bool cuda_available() {
 #endif
 }
 
+int cuda_device_count() {
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace moesrv

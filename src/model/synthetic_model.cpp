@@ -185,6 +185,12 @@ class Builder {
     alias(name, std::move(shape), buf.data());
     return buf.data();
   }
+  // A tensor with the given values (rounded to bf16).
+  void add_values(const std::string& name, const std::vector<float>& values) {
+    auto& buf = storage_->buffers.emplace_back(values.size());
+    for (size_t i = 0; i < values.size(); ++i) buf[i] = f32_to_bf16(values[i]);
+    alias(name, {int64_t(values.size())}, buf.data());
+  }
   // A tensor over bytes another tensor owns.
   void alias(const std::string& name, std::vector<int64_t> shape, const uint16_t* data) {
     TensorView t;
@@ -205,6 +211,17 @@ class Builder {
   std::vector<TensorView> views_;
 };
 
+// -skew * ln(1 + rank) with the experts ranked in a random order of their own per layer.
+std::vector<float> skewed_router_bias(int64_t experts, int64_t layer, double skew, uint64_t seed) {
+  std::vector<int64_t> rank(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) rank[size_t(e)] = e;
+  uint64_t s = seed ^ (uint64_t(layer + 1) * 0x9e3779b97f4a7c15ull);
+  for (int64_t i = experts - 1; i > 0; --i) std::swap(rank[size_t(i)], rank[size_t(splitmix(s) % uint64_t(i + 1))]);
+  std::vector<float> bias(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) bias[size_t(e)] = float(-skew * std::log1p(double(rank[size_t(e)])));
+  return bias;
+}
+
 }  // namespace
 
 std::shared_ptr<ModelPackage> make_synthetic_model(const json& config, const SyntheticOptions& opt) {
@@ -219,6 +236,10 @@ std::shared_ptr<ModelPackage> make_synthetic_model(const json& config, const Syn
     const Fill fill = t.init == TensorInit::Ones    ? Fill::Ones
                       : t.init == TensorInit::Zeros ? Fill::Zeros
                                                     : Fill::Random;
+    if (opt.router_skew > 0 && t.name.ends_with(".gate.e_score_correction_bias")) {
+      b.add_values(t.name, skewed_router_bias(c.n_routed_experts, t.layer, opt.router_skew, opt.seed));
+      continue;
+    }
     if (t.role != TensorRole::Expert) {
       b.add(t.name, t.shape, fill);
       continue;

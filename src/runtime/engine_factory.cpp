@@ -22,11 +22,13 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
   if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
-  // The CUDA engine runs MLA/GQA and KDA layers, plain or mHC residuals, the DSA and k-pool indexers; Qwen3-Next
-  // (Gated DeltaNet, softmax router, gated shared expert and attention output) runs on the CPU.
+  // The CUDA engine runs every layer kind: MLA/GQA (with the gated output), KDA and Gated DeltaNet, plain or mHC
+  // residuals, the DSA and k-pool indexers, sigmoid-group and softmax routers, gated shared experts. Its delta-rule
+  // kernel takes key heads of 32, 64, 96, 128, 192 or 256 values; a linear-attention model with others runs on the CPU.
   const ModelConfig spec = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
-  bool cuda_ready = spec.router == RouterKind::SigmoidGroup && !spec.shared_expert_gate && !spec.attn_output_gate;
-  for (const LayerSpec& L : spec.layers) cuda_ready &= L.mixer != Mixer::GatedDelta;
+  const int64_t dk = spec.linear.dk;
+  const bool cuda_ready =
+      !spec.has_recurrent_layers() || (dk % 32 == 0 && dk >= 32 && dk <= 256 && dk != 160 && dk != 224);
   if (!cuda_ready) {
     if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
     return CpuEngine::open(model_dir, o.served_name);

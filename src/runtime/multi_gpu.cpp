@@ -5,6 +5,7 @@
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
 #include "runtime/pipeline_cpu_stage.h"
+#include "runtime/pipeline_cuda_stage.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -41,12 +42,25 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   req.kv_elem_bytes = o.kv_q8 ? 1 : 2;
   MultiGpuPlan plan = plan_model_split(c, footprint_from_weights(engine->weights()), req);
   if (!plan.fits) fail("--gpus {}: {}", o.gpus, plan.error);
-  if (!cpu)
-    fail("--gpus {}: planned split:\n{}but the CUDA engine cannot run a layer range yet (see docs/multi-gpu.md)",
-         o.gpus, plan.summary());
   std::vector<int64_t> splits;
   for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
-  return make_cpu_pipeline(engine, splits);
+  if (cpu) return make_cpu_pipeline(engine, splits);
+  // One CUDA stage per planned GPU: device g, that GPU's budget and layers; each engine places its experts in the
+  // VRAM its budget leaves (the rest on the CPU). The CPU engine above only served the plan.
+  if (cuda_device_count() < int(plan.gpus.size()))
+    fail("--gpus {}: {} CUDA devices are visible; planned split:\n{}", o.gpus, cuda_device_count(), plan.summary());
+  engine.reset();
+  std::vector<CudaEngineOptions> stages(plan.gpus.size());
+  for (size_t g = 0; g < stages.size(); ++g) {
+    CudaEngineOptions& s = stages[g];
+    s.served_name = o.served_name;
+    s.device = int(g);
+    s.vram_budget_gib = double(req.budgets[g]) / double(kGiB);
+    s.max_ctx = req.context;
+    s.prefill_chunk = o.prefill_chunk;
+    s.kv_q8 = o.kv_q8;
+  }
+  return make_cuda_pipeline(ModelPackage::open(model_dir), stages, splits);
 }
 
 }  // namespace moesrv

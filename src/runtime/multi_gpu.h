@@ -23,8 +23,8 @@ MultiGpuPlan plan_model_split(const ModelConfig& c, const ModelFootprint& fp, co
 
 // The engine for `--gpus N` (o.gpus >= 1): a PipelineEngine of one stage per planned GPU.
 // --backend cpu runs the planned stages on the CPU (the same pipeline path, for testing without GPUs).
-// CUDA: N = 1 is the plain CUDA engine; N > 1 fails with the plan until the CUDA engine runs a layer range
-// (docs/multi-gpu.md).
+// CUDA: N = 1 is the plain CUDA engine; N > 1 is one CUDA stage per GPU (device g, budget g, the planned layers;
+// runtime/pipeline_cuda_stage.h, docs/multi-gpu.md).
 std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, const EngineOptions& o);
 
 }  // namespace moesrv

@@ -8,17 +8,11 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "backend/stage_activations.h"
 
 namespace moesrv {
 
-// What travels from stage to stage: the residual stream and, for DSA models, the top-k key selection of the
-// last layer that ran its indexer (a "shared" layer at the start of the next stage reuses it).
-struct StageActivations {
-  int64_t tokens = 0;                           // S
-  int64_t pos0 = 0;                             // position of the first token
-  std::vector<float> hidden;                    // [S, stream_width] fp32 (the residual streams)
-  std::vector<std::vector<int32_t>> selection;  // DSA top-k per token; empty: none yet / dense attention
-};
+// StageActivations (what travels from stage to stage) is in backend/stage_activations.h, so engines can fill it.
 
 // One device's share of the model. Only the first stage embeds and only the last computes logits.
 class PipelineStage {

@@ -22,11 +22,12 @@ namespace {
 class CudaSequence : public SequenceState {
  public:
   explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
+    const DeviceGuard on(e.opt.device);
     const ModelConfig& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
     layers.resize(size_t(c.num_layers));
     table.resize(size_t(c.num_layers));
-    for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t l = e.layer_begin; l < e.layer_end; ++l) {  // a pipeline stage's layers only
       const LayerSpec& spec = c.layers[size_t(l)];
       auto& L = layers[size_t(l)];
       if (spec.recurrent()) {
@@ -55,7 +56,9 @@ class CudaSequence : public SequenceState {
     MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
   }
   ~CudaSequence() override {
-    if (fixed_state_) graphs_->drop(id);
+    if (!fixed_state_) return;
+    graphs_->drop(id);
+    graphs_->drop(id | CudaEngine::Impl::kStageGraph);
   }
   int64_t length() const override { return length_; }
   int64_t resume_point(int64_t n) const override {
@@ -70,6 +73,7 @@ class CudaSequence : public SequenceState {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
     if (n == length_) return;
     if (fixed_state_) {
+      const DeviceGuard on(owner->opt.device);
       if (resume_point(n) != n)
         fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
       const Checkpoint* cp = nullptr;
@@ -88,6 +92,7 @@ class CudaSequence : public SequenceState {
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
     if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back()->length == length_)) return;
+    const DeviceGuard on(owner->opt.device);
     if (checkpoints_.size() == CudaEngine::Impl::kMaxCheckpoints)
       checkpoints_.erase(checkpoints_.begin());  // room first
     auto cp = std::make_shared<Checkpoint>();
@@ -102,6 +107,7 @@ class CudaSequence : public SequenceState {
     checkpoints_.push_back(std::move(cp));
   }
   std::unique_ptr<SequenceState> clone() const override {
+    const DeviceGuard on(owner->opt.device);
     auto s = std::make_unique<CudaSequence>(*owner);
     const size_t T = size_t(owner->max_ctx), n = size_t(length_);
     auto rows = [&](const DeviceBuffer& from, DeviceBuffer& to) {  // per-token caches: the first n rows
@@ -274,12 +280,18 @@ void CudaEngine::Impl::attention_gqa(int64_t l, int64_t S) {
   const DevAttention& a = layers[size_t(l)].attn;
   const int H = int(c.num_heads), KV = int(c.num_kv_heads), hd = int(c.head_dim);
   float *q = s.q.as<float>(), *k = s.k.as<float>(), *v = s.v.as<float>(), *h = s.h.as<float>();
-  linear(a.gq, h, S, q);
+  float* qg = s.qgate.as<float>();  // attn_output_gate: q_proj rows per head [query | gate]
+  linear(a.gq, h, S, c.attn_output_gate ? qg : q);
   linear(a.gk, h, S, k);
   linear(a.gv, h, S, v);
-  if (c.qk_norm) {
-    rms_norm(q, hd, a.q_norm.w.as<float>(), int(S) * H, hd, float(c.rms_eps), q, hd, stream);
+  if (c.qk_norm) {  // the query half of qg's heads is normalised into q
+    const float* qin = c.attn_output_gate ? qg : q;
+    rms_norm(qin, c.attn_output_gate ? 2 * hd : hd, a.q_norm.w.as<float>(), int(S) * H, hd, float(c.rms_eps), q, hd,
+             stream);
     rms_norm(k, hd, a.k_norm.w.as<float>(), int(S) * KV, hd, float(c.rms_eps), k, hd, stream);
+  } else if (c.attn_output_gate) {
+    MOESRV_CUDA_OK(cudaMemcpy2DAsync(q, size_t(hd) * 4, qg, size_t(2 * hd) * 4, size_t(hd) * 4, size_t(S * H),
+                                     cudaMemcpyDeviceToDevice, stream));
   }
   const bool inter = c.rope.layout == RopeLayout::Interleaved;
   rope(q, int(S), H, int64_t(H) * hd, hd, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
@@ -299,6 +311,7 @@ void CudaEngine::Impl::attention_gqa(int64_t l, int64_t S) {
   args.scale = float(c.softmax_scale);
   args.out = s.attn_out.as<float>();
   attention(args, stream);
+  if (c.attn_output_gate) sigmoid_gate_rows(s.attn_out.as<float>(), qg + hd, 2 * hd, int(S) * H, hd, stream);
   linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
 }
 
@@ -327,7 +340,7 @@ class CudaBlocks final : public BlockExecutor {
   void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
   void gqa(int64_t l) override { m_.attention_gqa(l, S_); }
   void kda(int64_t l) override { m_.kda(l, S_); }
-  void gated_delta(int64_t l) override { fail("layer {}: Gated DeltaNet is not implemented on CUDA yet", l); }
+  void gated_delta(int64_t l) override { m_.gated_delta(l, S_); }
   void mlp(int64_t l) override { m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y()); }
   void moe(int64_t l) override { m_.moe(l, S_); }
 
@@ -335,6 +348,10 @@ class CudaBlocks final : public BlockExecutor {
   void embed() {
     embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, n_ == 1 ? x() : h(), m_.stream);
     if (n_ > 1) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
+  }
+  // A pipeline stage's end: the pending plain-residual output folded into x (any norm: s.h is scratch here).
+  void flush(const DevNorm& any_norm) {
+    if (pending_) add_pending_and_norm(any_norm);
   }
   // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
   void final_norm(const DevNorm& norm) {
@@ -467,10 +484,39 @@ CudaEngineStats CudaEngine::stats() const {
   return st;
 }
 
+namespace {
+
+// Replays `graph` on m.stream, first capturing `body` (the kernels it queues on m.stream) into it when empty.
+template <typename F>
+void replay_graph(CudaEngine::Impl& m, cudaGraphExec_t& graph, F&& body) {
+  if (!graph) {
+    cudaGraph_t g = nullptr;
+    MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(m.stream, &g);
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    MOESRV_CUDA_OK(cudaStreamEndCapture(m.stream, &g));
+    MOESRV_CUDA_OK(cudaGraphInstantiate(&graph, g, 0));
+    cudaGraphDestroy(g);
+    ++m.stats.graph_captures;
+  }
+  MOESRV_CUDA_OK(cudaGraphLaunch(graph, m.stream));
+  ++m.stats.graph_replays;
+}
+
+}  // namespace
+
 std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
   Impl& m = *impl_;
   auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
   if (!seq || seq->owner != impl_.get()) fail("forward: sequence state was not created by this engine");
+  if (m.layer_begin != 0 || m.layer_end != m.c.num_layers)
+    fail("forward: this engine holds layers [{}, {}) of {} (a pipeline stage: use embed / forward_layers / logits)",
+         m.layer_begin, m.layer_end, m.c.num_layers);
   const int64_t S = int64_t(tokens.size()), V = m.c.vocab_size, pos0 = seq->length();
   if (S == 0) fail("forward: no tokens");
   if (pos0 + S > m.max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, m.max_ctx);
@@ -492,24 +538,10 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     if (n == 1 && m.graph_ok()) {
       // Kernels of fixed-size state take the sequence's pointers: such models keep one graph per sequence.
       cudaGraphExec_t& graph = seq->has_fixed_state() ? m.sequence_graphs->get(seq->id) : m.graph;
-      if (!graph) {
-        cudaGraph_t g = nullptr;
-        MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
-        try {
-          m.run_layers(1);
-          m.linear(m.lm_head, m.s.h.as<float>(), 1, m.s.logits.as<float>());
-        } catch (...) {
-          cudaStreamEndCapture(m.stream, &g);
-          if (g) cudaGraphDestroy(g);
-          throw;
-        }
-        MOESRV_CUDA_OK(cudaStreamEndCapture(m.stream, &g));
-        MOESRV_CUDA_OK(cudaGraphInstantiate(&graph, g, 0));
-        cudaGraphDestroy(g);
-        ++m.stats.graph_captures;
-      }
-      MOESRV_CUDA_OK(cudaGraphLaunch(graph, m.stream));
-      ++m.stats.graph_replays;
+      replay_graph(m, graph, [&] {
+        m.run_layers(1);
+        m.linear(m.lm_head, m.s.h.as<float>(), 1, m.s.logits.as<float>());
+      });
       MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>(), size_t(V) * 4, cudaMemcpyDeviceToHost, m.stream));
       MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
       std::memcpy(logits.data() + (all_logits ? c0 * V : 0), m.h_logits.as<float>(), size_t(V) * 4);
@@ -523,6 +555,148 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
   if (S > 1) seq->checkpoint();
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
   return logits;
+}
+
+int64_t CudaEngine::num_layers() const { return impl_->c.num_layers; }
+int64_t CudaEngine::layer_begin() const { return impl_->layer_begin; }
+int64_t CudaEngine::layer_end() const { return impl_->layer_end; }
+int64_t CudaEngine::stream_width() const { return impl_->c.stream_width(); }
+
+namespace {
+
+// The sequence's caches and state for the kernels of the next passes (as forward() binds them).
+void bind_sequence(CudaEngine::Impl& m, const CudaSequence& seq) {
+  m.cur_state.resize(seq.layers.size());
+  for (size_t l = 0; l < seq.layers.size(); ++l) m.cur_state[l] = seq.state(l);
+  std::memcpy(m.h_layer_cache.as<void>(), seq.table.data(), seq.table.size() * sizeof(DeviceLayerCache));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
+                                 seq.table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
+}
+
+// Layers [begin, end) for S tokens whose residual is in s.x; leaves the residual (pending output folded in) in s.x.
+void run_stage_layers(CudaEngine::Impl& m, int64_t S, int64_t begin, int64_t end) {
+  CudaBlocks blocks(m, S);
+  run_decoder_layers(m.c, blocks, begin, end);
+  blocks.flush(m.layers[size_t(end - 1)].post_norm);
+}
+
+// Pinned staging for the hand-off of one pass (rows x stream_width floats), allocated on first use.
+float* stage_staging(CudaEngine::Impl& m) {
+  if (!m.h_stage.as<void>()) m.h_stage = PinnedBuffer(size_t(m.rows * m.c.stream_width()) * 4);
+  return m.h_stage.as<float>();
+}
+
+}  // namespace
+
+void CudaEngine::embed(const std::vector<int32_t>& tokens, StageActivations& a) {
+  Impl& m = *impl_;
+  const DeviceGuard on(m.opt.device);
+  if (m.layer_begin != 0)
+    fail("embed: this engine holds layers [{}, {}); the embedding is the first stage's", m.layer_begin, m.layer_end);
+  const int64_t S = int64_t(tokens.size()), W = m.c.stream_width(), V = m.c.vocab_size;
+  if (S == 0 || S != a.tokens) fail("embed: {} tokens for activations of {}", S, a.tokens);
+  for (int32_t t : tokens)
+    if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
+  a.hidden.resize(size_t(S * W));
+  float* staged = stage_staging(m);
+  for (int64_t c0 = 0; c0 < S; c0 += m.rows) {
+    const int64_t n = std::min(m.rows, S - c0);
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
+    std::memcpy(m.h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
+    CudaBlocks(m, n).embed();
+    MOESRV_CUDA_OK(cudaMemcpyAsync(staged, m.s.x.as<void>(), size_t(n * W) * 4, cudaMemcpyDeviceToHost, m.stream));
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+    std::memcpy(a.hidden.data() + c0 * W, staged, size_t(n * W) * 4);
+  }
+}
+
+void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, int64_t begin, int64_t end) {
+  Impl& m = *impl_;
+  const DeviceGuard on(m.opt.device);
+  auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
+  if (!seq || seq->owner != impl_.get()) fail("forward_layers: sequence state was not created by this engine");
+  if (begin < m.layer_begin || end > m.layer_end || begin >= end)
+    fail("forward_layers: layers [{}, {}) outside this engine's [{}, {})", begin, end, m.layer_begin, m.layer_end);
+  const int64_t S = a.tokens, W = m.c.stream_width(), pos0 = a.pos0;
+  if (S <= 0) fail("forward_layers: no tokens");
+  if (seq->length() != pos0) fail("pipeline stage: sequence holds {} tokens, batch starts at {}", seq->length(), pos0);
+  if (pos0 + S > m.max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, m.max_ctx);
+  if (int64_t(a.hidden.size()) != S * W) fail("pipeline stage: hidden state size mismatch");
+  // The DSA selection crosses the hand-off as host lists: packed into s.sel when a shared layer comes before any
+  // indexer of the range, read back when the range runs an indexer (s.sel then holds the last one's).
+  int64_t reader = -1;
+  bool writes = false;
+  for (int64_t l = begin; l < end; ++l) {
+    const LayerSpec& L = m.c.layers[size_t(l)];
+    if (L.indexer == IndexerKind::Own) writes = true;
+    else if (L.indexer == IndexerKind::Shared && !writes && reader < 0) reader = l;
+  }
+  if (reader >= 0 && int64_t(a.selection.size()) != S)
+    fail("forward_layers: layer {} reuses the DSA selection of layer {}, which the activations do not carry", reader,
+         m.c.layers[size_t(reader)].indexer_from);
+  if (writes) a.selection.resize(size_t(S));
+  const int64_t Wsel = m.sel_width();
+  if ((reader >= 0 || writes) && !m.h_stage_sel.as<void>()) m.h_stage_sel = PinnedBuffer(size_t(m.rows * Wsel) * 4);
+  float* staged = stage_staging(m);
+  // A decode graph holds the engine's whole range.
+  const bool whole_range = begin == m.layer_begin && end == m.layer_end;
+  MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
+  bind_sequence(m, *seq);
+  for (int64_t c0 = 0; c0 < S; c0 += m.rows) {
+    const int64_t n = std::min(m.rows, S - c0);
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+    *m.h_pos0.as<int32_t>() = int32_t(pos0 + c0);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
+    std::memcpy(staged, a.hidden.data() + c0 * W, size_t(n * W) * 4);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(m.s.x.as<void>(), staged, size_t(n * W) * 4, cudaMemcpyHostToDevice, m.stream));
+    if (reader >= 0) {
+      pack_selection(a.selection, c0, n, Wsel, m.h_stage_sel.as<int32_t>());
+      MOESRV_CUDA_OK(cudaMemcpyAsync(m.s.sel.as<void>(), m.h_stage_sel.as<void>(), size_t(n * Wsel) * 4,
+                                     cudaMemcpyHostToDevice, m.stream));
+    }
+    if (n == 1 && whole_range && m.graph_ok()) {
+      // As forward(): one graph of the stage's layers, per sequence for models with fixed-size state.
+      cudaGraphExec_t& graph =
+          seq->has_fixed_state() ? m.sequence_graphs->get(seq->id | Impl::kStageGraph) : m.stage_graph;
+      replay_graph(m, graph, [&] { run_stage_layers(m, 1, begin, end); });
+    } else {
+      run_stage_layers(m, n, begin, end);
+    }
+    MOESRV_CUDA_OK(cudaMemcpyAsync(staged, m.s.x.as<void>(), size_t(n * W) * 4, cudaMemcpyDeviceToHost, m.stream));
+    if (writes)
+      MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_stage_sel.as<void>(), m.s.sel.as<void>(), size_t(n * Wsel) * 4,
+                                     cudaMemcpyDeviceToHost, m.stream));
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+    std::memcpy(a.hidden.data() + c0 * W, staged, size_t(n * W) * 4);
+    if (writes) unpack_selection(m.h_stage_sel.as<int32_t>(), n, Wsel, c0, a.selection);
+    seq->length_ = pos0 + c0 + n;
+  }
+  if (S > 1) seq->checkpoint();
+  MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+}
+
+std::vector<float> CudaEngine::logits(const StageActivations& a, int64_t rows) {
+  Impl& m = *impl_;
+  const DeviceGuard on(m.opt.device);
+  if (m.layer_end != m.c.num_layers)
+    fail("logits: this engine holds layers [{}, {}); the final norm and lm_head are the last stage's", m.layer_begin,
+         m.layer_end);
+  const int64_t S = a.tokens, W = m.c.stream_width(), V = m.c.vocab_size;
+  if (rows < 1 || rows > S) fail("logits: {} rows of {} tokens", rows, S);
+  if (int64_t(a.hidden.size()) != S * W) fail("pipeline stage: hidden state size mismatch");
+  std::vector<float> out(size_t(rows * V));
+  float* staged = stage_staging(m);
+  for (int64_t r0 = 0; r0 < rows; r0 += m.rows) {
+    const int64_t n = std::min(m.rows, rows - r0);
+    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+    std::memcpy(staged, a.hidden.data() + (S - rows + r0) * W, size_t(n * W) * 4);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(m.s.x.as<void>(), staged, size_t(n * W) * 4, cudaMemcpyHostToDevice, m.stream));
+    CudaBlocks(m, n).final_norm(m.final_norm);
+    m.lm_head_rows(0, n, out.data() + r0 * V);
+  }
+  return out;
 }
 
 std::unique_ptr<Engine> make_cuda_engine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt) {

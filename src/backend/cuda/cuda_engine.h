@@ -1,6 +1,6 @@
 // The CUDA inference engine: every dense op on the GPU (bf16 weights, or EXL3 weights kept in their trellis form;
-// fp32 accumulation), routed experts in VRAM, in a per-layer LRU VRAM cache fed from pinned host memory, or on
-// the CPU (hybrid).
+// fp32 accumulation), routed experts in VRAM, in a per-layer LRU VRAM cache fed over PCIe from host memory, or on
+// the CPU (hybrid; streamed through the LRU slots instead when a pass routes them many tokens).
 // Plain C++ header (no CUDA types) so CPU-only code can include it; the engine exists only in CUDA builds.
 #pragma once
 #include <cstdint>
@@ -9,17 +9,20 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "backend/stage_activations.h"
 #include "format/package.h"
 
 namespace moesrv {
 
 // True when this build has the CUDA backend and a CUDA device is visible (always false in CPU builds).
 bool cuda_available();
+// Visible CUDA devices (0 in CPU builds).
+int cuda_device_count();
 
 // Where one routed expert's weights live and run.
 enum class ExpertPlacement : uint8_t {
   Vram,   // resident on the GPU
-  Cache,  // pinned host memory, copied into a per-layer LRU VRAM cache on use
+  Cache,  // host memory (EXL3 as stored, page-locked), copied into a per-layer LRU VRAM cache on use
   Cpu,    // computed on the host from the stored weights, overlapped with GPU work
 };
 
@@ -36,6 +39,15 @@ struct CudaEngineOptions {
   int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
   std::vector<int> cache_slots_per_layer;  // overrides cache_slots where given (> 0)
   int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for
+  // A Cpu-placed EXL3 expert routed at least this many tokens in one pass is copied over PCIe (as stored) into the
+  // layer's LRU slots and runs on the GPU (prefill: thousands of tokens per expert); 0: Cpu experts always run on
+  // the CPU. Per layer from the placement plan's fetch threshold where given (> 0).
+  int64_t stream_min_tokens = 64;
+  std::vector<int64_t> stream_min_tokens_per_layer;
+  // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
+  // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
+  // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.
+  int64_t layer_begin = 0, layer_end = -1;
 };
 
 // Counters for tests and benchmarks.
@@ -43,6 +55,11 @@ struct CudaEngineStats {
   int64_t graph_replays = 0, graph_captures = 0;
   int64_t cache_hits = 0, cache_misses = 0;
   int64_t cpu_expert_tokens = 0;
+  // Host-planned MoE passes (hybrid placements; the all-in-VRAM path is not counted): token-expert selections,
+  // those served from VRAM (resident or already-cached experts), expert bytes copied over PCIe on misses and
+  // expert bytes the CPU read (once per expert per pass).
+  int64_t routed_selections = 0, vram_selections = 0;
+  double fetched_bytes = 0, cpu_expert_bytes = 0;
   size_t vram_used = 0, vram_budget = 0;
   size_t weight_bytes = 0;       // device weights (dense + VRAM experts), as uploaded
   size_t exl3_weight_bytes = 0;  // of which EXL3 linears kept as stored (trellis | suh | svh)
@@ -65,6 +82,21 @@ class CudaEngine : public Engine {
   void set_use_graph(bool on);
   // The placement in effect (after automatic planning).
   const std::vector<std::vector<ExpertPlacement>>& placement() const;
+
+  // Pipeline stage entry points (runtime/pipeline_cuda_stage.h): each sets this engine's device, copies the
+  // activations in from host memory and out again. embed (needs layer 0): a.hidden = the embeddings of the
+  // a.tokens tokens, [S, stream_width].
+  void embed(const std::vector<int32_t>& tokens, StageActivations& a);
+  // Layers [begin, end) of this engine's range on a.hidden in place, appending to seq (length a.pos0 + a.tokens
+  // afterwards). a.selection as the CPU stage: read when the range starts with a shared-indexer layer, replaced
+  // when the range runs an indexer.
+  void forward_layers(SequenceState& seq, StageActivations& a, int64_t begin, int64_t end);
+  // Final norm + lm_head over the last `rows` tokens of a.hidden (needs the last layer): [rows, vocab].
+  std::vector<float> logits(const StageActivations& a, int64_t rows);
+  int64_t num_layers() const;
+  int64_t layer_begin() const;
+  int64_t layer_end() const;
+  int64_t stream_width() const;  // floats per token in StageActivations::hidden
 
   struct Impl;
 

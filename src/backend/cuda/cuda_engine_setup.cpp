@@ -57,7 +57,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   size_t free_b = 0, total_b = 0;
   MOESRV_CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
   size_t limit = opt.vram_budget_gib > 0 ? size_t(opt.vram_budget_gib * double(1ull << 30)) : free_b - std::min<size_t>(free_b, 512ull << 20);
-  budget = std::make_shared<DeviceBudget>(limit);
+  budget = std::make_shared<DeviceBudget>(limit, opt.device);
   up.budget = budget;
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
@@ -66,6 +66,10 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
   MOESRV_CUBLAS_OK(cublasSetWorkspace(cublas, cublas_workspace.as<void>(), cublas_workspace.bytes()));
 
+  layer_begin = opt.layer_begin;
+  layer_end = opt.layer_end < 0 ? c.num_layers : opt.layer_end;
+  if (layer_begin < 0 || layer_end > c.num_layers || layer_begin >= layer_end)
+    fail("CUDA engine: layer range [{}, {}) outside the model's {} layers", layer_begin, layer_end, c.num_layers);
   max_ctx = opt.max_ctx > 0 ? std::min(opt.max_ctx, c.max_position) : std::min<int64_t>(c.max_position, 32768);
   rows = std::max<int64_t>(1, std::min(opt.prefill_chunk, max_ctx));
   const int64_t elem = opt.kv_q8 ? 1 : 2;
@@ -78,11 +82,11 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   // model/state.h's formula: bf16 (or int8) KV, bf16 DSA keys, fp32 pooled k-pool keys and fixed state; int8
   // caches add a per-token fp32 scale per softmax-attention layer and cache.
   int64_t attn_layers = 0;
-  for (const LayerSpec& L : c.layers) attn_layers += !L.recurrent();
-  seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, 0, -1, c.index_kpool > 1 ? 4 : 2)) +
+  for (int64_t l = layer_begin; l < layer_end; ++l) attn_layers += !c.layers[size_t(l)].recurrent();
+  seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, layer_begin, layer_end, c.index_kpool > 1 ? 4 : 2)) +
               (opt.kv_q8 ? size_t(max_ctx * attn_layers * (v_row ? 8 : 4)) : 0);
   // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too.
-  seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, 0, -1, 4));
+  seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, layer_begin, layer_end, 4));
 
   upload_weights();
   allocate_scratch();
@@ -92,8 +96,10 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 }
 
 CudaEngine::Impl::~Impl() {
+  cudaSetDevice(opt.device);  // a pipeline's engines live on several devices
   if (stream) cudaStreamSynchronize(stream);
   if (graph) cudaGraphExecDestroy(graph);
+  if (stage_graph) cudaGraphExecDestroy(stage_graph);
   sequence_graphs->clear();
   for (auto& L : layers)
     if (L.moe)
@@ -108,7 +114,7 @@ CudaEngine::Impl::~Impl() {
 
 void CudaEngine::Impl::upload_weights() {
   const ModelWeights& W = *weights;
-  {
+  if (layer_begin == 0) {  // the first stage's
     std::vector<float> tmp;
     std::vector<uint16_t> e;
     const int64_t D = c.hidden_size, block = 4096;
@@ -136,10 +142,12 @@ void CudaEngine::Impl::upload_weights() {
     if (cs.empty()) cs.push_back(0.0f);
     cos_sin = upload(budget, cs, "rope table");
   }
-  final_norm = up.norm(W.final_norm);
-  lm_head = up.linear({W.lm_head.get()}, "lm_head");
-  layers.resize(size_t(c.num_layers));
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  if (layer_end == c.num_layers) {  // the last stage's
+    final_norm = up.norm(W.final_norm);
+    lm_head = up.linear({W.lm_head.get()}, "lm_head");
+  }
+  layers.resize(size_t(c.num_layers));  // indexed by model layer; only [layer_begin, layer_end) uploaded
+  for (int64_t l = layer_begin; l < layer_end; ++l) {
     const LayerWeights& L = W.layers[size_t(l)];
     DevLayer& d = layers[size_t(l)];
     d.input_norm = up.norm(L.input_norm);
@@ -167,7 +175,16 @@ void CudaEngine::Impl::upload_weights() {
       x.o_norm = up.norm(k.o_norm);
       d.kda = std::move(x);
     } else if (L.gated_delta) {
-      fail("layer {}: Gated DeltaNet (qwen3_next) is not implemented on CUDA yet", l);
+      const GatedDeltaWeights& g = *L.gated_delta;
+      DevGatedDelta x;
+      x.qkvz = up.linear({g.qkvz.get()}, "Gated DeltaNet in_proj_qkvz");
+      x.ba = up.linear({g.ba.get()}, "Gated DeltaNet in_proj_ba");
+      x.out = up.linear({g.out.get()}, "Gated DeltaNet out_proj");
+      x.conv = up.vec(g.conv, "Gated DeltaNet conv");
+      x.dt_bias = up.vec(g.dt_bias, "Gated DeltaNet dt_bias");
+      x.a_log = up.vec(g.a_log, "Gated DeltaNet A_log");
+      x.norm = up.norm(g.norm);
+      d.gated_delta = std::move(x);
     } else if (L.mla) {
       const MlaWeights& m = *L.mla;
       if (m.q_a) {
@@ -211,9 +228,7 @@ void CudaEngine::Impl::upload_weights() {
       m.router = up.vec(L.moe->router, "router");
       m.router_bias = up.vec(L.moe->router_bias, "router bias");
       if (L.moe->shared) m.shared = up.mlp(*L.moe->shared, "shared expert");
-      if (!L.moe->shared_gate.empty())
-        fail("layer {}: a gated shared expert (qwen3_next) is not implemented on CUDA yet", l);
-      if (c.router != RouterKind::SigmoidGroup) fail("layer {}: the softmax router is not implemented on CUDA yet", l);
+      if (!L.moe->shared_gate.empty()) m.shared_gate = up.vec(L.moe->shared_gate, "shared expert gate");
       m.limit = L.moe->experts.empty() ? 0.0f : L.moe->experts[0].limit;
       layout_experts(*L.moe, m);
       d.moe = std::move(m);
@@ -221,14 +236,42 @@ void CudaEngine::Impl::upload_weights() {
   }
 }
 
+int64_t CudaEngine::Impl::stream_min_tokens(int64_t l) const {
+  if (size_t(l) < opt.stream_min_tokens_per_layer.size() && opt.stream_min_tokens_per_layer[size_t(l)] > 0)
+    return opt.stream_min_tokens_per_layer[size_t(l)];
+  return std::max<int64_t>(0, opt.stream_min_tokens);
+}
+
+// LRU slots of MoE layer l with `cached` Cache experts and `streamable` Cpu experts that may stream through them:
+// the configured count, at least 2 with streaming (one expert's copy overlaps the previous one's compute), and
+// just those 2 when nothing is cached.
+int64_t CudaEngine::Impl::slot_count(int64_t l, int64_t cached, int64_t streamable) const {
+  if (cached == 0) return std::min<int64_t>(streamable, 2);
+  int64_t want = opt.cache_slots;
+  if (size_t(l) < opt.cache_slots_per_layer.size() && opt.cache_slots_per_layer[size_t(l)] > 0)
+    want = opt.cache_slots_per_layer[size_t(l)];
+  return std::min<int64_t>(cached + streamable, std::max<int64_t>(streamable > 0 ? 2 : 1, want));
+}
+
 // Places routed experts: the caller's map where given, else VRAM while the budget (less `reserve_bytes` for
-// KV caches) allows and the CPU after that. Then uploads them.
+// KV caches, and the LRU slots CPU experts stream through unless every expert fits) allows and the CPU after
+// that. Then uploads them.
 void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   const int64_t E = c.n_routed_experts;
   if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
     fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
   placement.assign(size_t(c.num_layers), {});
   size_t planned = budget->used() + reserve_bytes;
+  size_t auto_bytes = 0, stream_slot_bytes = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const bool auto_layer = layers[size_t(l)].moe && (opt.placement.empty() || opt.placement[size_t(l)].empty());
+    if (!auto_layer) continue;
+    const std::vector<size_t>& bytes = layers[size_t(l)].moe->block_bytes;
+    for (size_t b : bytes) auto_bytes += b;
+    if (layers[size_t(l)].moe->exl3 && stream_min_tokens(l) > 0 && !bytes.empty())
+      stream_slot_bytes += size_t(slot_count(l, 0, E)) * *std::max_element(bytes.begin(), bytes.end());
+  }
+  if (planned + auto_bytes > budget->limit()) planned += stream_slot_bytes;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     if (!layers[size_t(l)].moe) continue;
     auto& p = placement[size_t(l)];
@@ -251,6 +294,7 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
       upload_moe(l);
       slots[size_t(l)] = int32_t(layers[size_t(l)].moe->slots.size());
     }
+  host_registration->commit();  // page-lock the host expert weights the slots are filled from
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
 }
 
@@ -260,45 +304,45 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   const int64_t E = c.n_routed_experts, D = c.hidden_size, I = c.moe_intermediate_size;
   m.placement = placement[size_t(l)];
   m.vram.resize(size_t(E));
-  m.pinned.resize(size_t(E));
   m.h_gate_up.assign(size_t(E), nullptr);
   m.h_down.assign(size_t(E), nullptr);
   std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * E) : 0);  // [projection][expert]
-  int64_t cached = 0;
+  int64_t cached = 0, streamable = 0;
   size_t slot_bytes = 0;
+  std::vector<bool> host(size_t(E), false);  // experts a slot may be filled from host memory with
   for (int64_t e = 0; e < E; ++e) {
     const ExpertPlacement p = m.placement[size_t(e)];
     m.all_vram &= p == ExpertPlacement::Vram;
-    if (p == ExpertPlacement::Cpu) continue;
+    if (p != ExpertPlacement::Vram) {
+      // Only EXL3 experts stream: they are copied from the host weights as stored; a bf16 layer would need a
+      // second (pinned, converted) host copy of every CPU expert.
+      const bool streams = p == ExpertPlacement::Cpu && m.exl3 && stream_min_tokens(l) > 0;
+      if (p == ExpertPlacement::Cpu && !streams) continue;
+      host[size_t(e)] = true;
+      slot_bytes = std::max(slot_bytes, m.block_bytes[size_t(e)]);
+      (streams ? streamable : cached)++;
+      continue;
+    }
     std::vector<uint8_t> block;
     std::array<Exl3Dev, 3> off;
     expert_block(hw.experts[size_t(e)], m.exl3, &off, &block);
-    if (p == ExpertPlacement::Vram) {
-      DeviceBuffer& d = m.vram[size_t(e)] = up.raw(block.data(), block.size(), "routed expert");
-      if (m.exl3) {
-        up.exl3_bytes += block.size();
-        for (int j = 0; j < 3; ++j) tab[size_t(j * E + e)] = rebase(off[size_t(j)], d.as<void>());
-      } else {
-        m.h_gate_up[size_t(e)] = d.as<uint16_t>();
-        m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
-      }
-    } else {  // pinned host copy as stored, copied into a slot on use
-      m.pinned[size_t(e)] = PinnedBuffer(block.size());
-      std::memcpy(m.pinned[size_t(e)].as<void>(), block.data(), block.size());
-      slot_bytes = std::max(slot_bytes, block.size());
-      ++cached;
+    DeviceBuffer& d = m.vram[size_t(e)] = up.raw(block.data(), block.size(), "routed expert");
+    if (m.exl3) {
+      up.exl3_bytes += block.size();
+      for (int j = 0; j < 3; ++j) tab[size_t(j * E + e)] = rebase(off[size_t(j)], d.as<void>());
+    } else {
+      m.h_gate_up[size_t(e)] = d.as<uint16_t>();
+      m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
     }
   }
+  if (cached + streamable > 0) m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration);
   if (m.exl3) {
     if (m.x3_grouped) m.x3_tab = upload(budget, tab, "expert table");
   } else {
     m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
     m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
   }
-  int want = opt.cache_slots;
-  if (size_t(l) < opt.cache_slots_per_layer.size() && opt.cache_slots_per_layer[size_t(l)] > 0)
-    want = opt.cache_slots_per_layer[size_t(l)];
-  const int64_t n_slots = std::min<int64_t>(cached, std::max(1, want));
+  const int64_t n_slots = slot_count(l, cached, streamable);
   for (int64_t i = 0; i < n_slots; ++i) {
     CacheSlot s;
     s.mem = DeviceBuffer(budget, slot_bytes, "expert cache slot");
@@ -313,9 +357,9 @@ void CudaEngine::Impl::allocate_scratch() {
   const int64_t R = rows, D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
   const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
   const LinearAttnDims& la = c.linear;
-  int64_t max_in =
-      std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim), c.kv_lora_rank,
-                c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts), la.v_heads * la.dv});
+  int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
+                             c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
+                             c.shared_intermediate_size, la.v_heads * la.dv});
   s.x = f32(R * c.stream_width(), "residual streams");
   s.h = f32(R * D, "hidden");
   s.y = f32(R * D, "hidden");
@@ -346,22 +390,29 @@ void CudaEngine::Impl::allocate_scratch() {
     s.k = f32(R * c.num_kv_heads * c.head_dim, "k");
     s.v = f32(R * c.num_kv_heads * c.head_dim, "v");
     s.attn_out = f32(R * H * c.head_dim, "attention out");
+    if (c.attn_output_gate) s.qgate = f32(R * H * 2 * c.head_dim, "q and output gate");
   }
   if (c.residual.streams > 1) {
     s.post = f32(R * c.residual.streams, "mHC post");
     s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
   }
   if (c.has_recurrent_layers()) {
-    const int64_t Hd = la.v_heads * la.dk;
-    s.lraw = f32(R * la.conv_channels(), "KDA q/k/v projection");
-    s.lqkv = f32(R * la.conv_channels(), "KDA q/k/v");
-    s.lg = f32(R * Hd, "KDA decay");
-    s.lbeta = f32(R * la.v_heads, "KDA beta");
-    s.lo = f32(R * Hd, "KDA out");
-    s.lfa = f32(R * la.dk, "KDA low rank");
-    s.lgate = f32(R * Hd, "KDA gate");
+    // KDA: q/k/v projection, conv output, decay, beta, out, low rank, gate. Gated DeltaNet: qkvz then the conv
+    // output, the conv input q | k | v, decay, beta, out, ba, z.
+    const bool gdn =
+        std::any_of(c.layers.begin(), c.layers.end(), [](const LayerSpec& L) { return L.mixer == Mixer::GatedDelta; });
+    const int64_t Hd = la.v_heads * std::max(la.dk, la.dv);
+    s.lraw = f32(R * (la.conv_channels() + (gdn ? la.v_heads * la.dv : 0)), "linear attention projection");
+    s.lqkv = f32(R * la.conv_channels(), "linear attention q/k/v");
+    s.lg = f32(R * Hd, "linear attention decay");
+    s.lbeta = f32(R * la.v_heads, "linear attention beta");
+    s.lo = f32(R * Hd, "linear attention out");
+    s.lfa = f32(R * std::max(la.dk, 2 * la.v_heads), "linear attention low rank / ba");
+    s.lgate = f32(R * Hd, "linear attention gate");
   }
-  const int64_t inter = std::max(c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts));
+  const int64_t inter =
+      std::max({c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
+                c.shared_intermediate_size});
   s.gu = f32(R * 2 * inter, "mlp gate/up");
   s.act = f32(R * inter, "mlp act");
   if (c.n_routed_experts > 0) {
@@ -392,8 +443,10 @@ void CudaEngine::Impl::allocate_scratch() {
     usage = std::make_unique<UsageStats>(c.num_layers, E, k);
   }
   lm_rows = std::clamp<int64_t>(kSliceFloats / V, 1, R);
-  s.logits = f32(lm_rows * V, "logits");
-  h_logits = PinnedBuffer(size_t(lm_rows * V) * 4);
+  if (layer_end == c.num_layers) {  // lm_head's output: the last stage only
+    s.logits = f32(lm_rows * V, "logits");
+    h_logits = PinnedBuffer(size_t(lm_rows * V) * 4);
+  }
   d_pos0 = DeviceBuffer(budget, 4, "position");
   d_slice_pos = DeviceBuffer(budget, 4, "position");
   d_tokens = DeviceBuffer(budget, size_t(R) * 4, "tokens");

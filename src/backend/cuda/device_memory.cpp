@@ -9,8 +9,20 @@
 
 namespace moesrv::cuda {
 
+// Never throws (also used on release paths); a failed switch shows in the next CUDA call.
+DeviceGuard::DeviceGuard(int device) {
+  int cur = 0;
+  if (cudaGetDevice(&cur) != cudaSuccess || cur == device) return;
+  if (cudaSetDevice(device) == cudaSuccess) prev_ = cur;
+}
+DeviceGuard::~DeviceGuard() {
+  if (prev_ >= 0) cudaSetDevice(prev_);
+}
+
 void* DeviceBudget::alloc(size_t bytes, const char* what) {
   std::lock_guard lk(mu_);
+  std::optional<DeviceGuard> on;
+  if (device_ >= 0) on.emplace(device_);
   if (used_ + bytes > limit_)
     fail("VRAM budget exceeded: {} needs {:.1f} MiB, {:.1f} of {:.1f} MiB in use", what, double(bytes) / 1048576.0,
          double(used_) / 1048576.0, double(limit_) / 1048576.0);
@@ -23,6 +35,8 @@ void* DeviceBudget::alloc(size_t bytes, const char* what) {
 
 void DeviceBudget::release(void* p, size_t bytes) {
   std::lock_guard lk(mu_);
+  std::optional<DeviceGuard> on;
+  if (device_ >= 0) on.emplace(device_);
   cudaFree(p);
   used_ -= bytes;
 }

@@ -79,6 +79,13 @@ __global__ void silu_mul_clamped_kernel(const float* gu, int64_t n, int I, float
   }
 }
 
+__global__ void sigmoid_gate_rows_kernel(float* x, const float* gate, int64_t gate_stride, int64_t n, int cols) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const float g = gate[idx / cols * gate_stride + idx % cols];
+    x[idx] *= 1.0f / (1.0f + expf(-g));
+  }
+}
+
 __global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = f32_to_bf16(x[i]);
@@ -174,6 +181,13 @@ void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out,
   const int64_t n = int64_t(rows) * I;
   if (n == 0) return;
   silu_mul_clamped_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, limit, out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st) {
+  const int64_t total = int64_t(rows) * n;
+  if (total == 0) return;
+  sigmoid_gate_rows_kernel<<<grid_for(total), 256, 0, st>>>(x, gate, gate_stride, total, n);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

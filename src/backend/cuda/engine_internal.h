@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_engine.h"
 #include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/glm5_next_kernels.h"
+#include "backend/cuda/host_experts.h"
 #include "backend/cuda/kernels.h"
 #include "backend/expert_cache.h"
 #include "backend/usage_stats.h"
@@ -34,10 +35,11 @@ namespace moesrv::cuda {
     if (st_ != CUBLAS_STATUS_SUCCESS) ::moesrv::fail("cuBLAS error {} in {}", int(st_), #expr); \
   } while (0)
 
-// Every device allocation goes through here and counts against the VRAM budget.
+// Every device allocation goes through here and counts against the VRAM budget (on `device` when >= 0, whichever
+// device is current).
 class DeviceBudget {
  public:
-  explicit DeviceBudget(size_t limit) : limit_(limit) {}
+  explicit DeviceBudget(size_t limit, int device = -1) : limit_(limit), device_(device) {}
   void* alloc(size_t bytes, const char* what);
   void release(void* p, size_t bytes);
   size_t used() const { return used_; }
@@ -47,6 +49,7 @@ class DeviceBudget {
  private:
   std::mutex mu_;
   size_t limit_, used_ = 0;
+  int device_ = -1;
 };
 
 class DeviceBuffer {
@@ -67,6 +70,18 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// Makes `device` current for a scope and restores the previous one (stages of one host thread on several GPUs).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // Pinned host memory (cudaHostAlloc), freed on destruction.
 class PinnedBuffer {
  public:
@@ -77,6 +92,7 @@ class PinnedBuffer {
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
   template <typename T>
   T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
@@ -119,6 +135,13 @@ struct DevKda {
   DeviceBuffer conv, dt_bias, a_log;
   DevNorm o_norm;
 };
+// Gated DeltaNet (Qwen3-Next): qkvz and ba as stored (grouped per key head), fp32 conv taps over q | k | v, decay
+// parameters and the SiLU-gated output norm.
+struct DevGatedDelta {
+  DevLinear qkvz, ba, out;
+  DeviceBuffer conv, dt_bias, a_log;
+  DevNorm norm;
+};
 // mHC weights of one residual site, fp32.
 struct DevHyper {
   DeviceBuffer fn, base, scale;
@@ -144,6 +167,7 @@ struct CacheSlot {
 struct DevMoe {
   DeviceBuffer router, router_bias;  // fp32 [E][D], [E]
   std::optional<DevMlp> shared;
+  DeviceBuffer shared_gate;  // fp32 [D] (empty: ungated): shared output scaled by sigmoid(x . shared_gate)
   std::vector<ExpertPlacement> placement;
   std::vector<DeviceBuffer> vram;         // per expert, empty unless Vram
   std::vector<size_t> block_bytes;        // per expert: device bytes of its block (bf16 or EXL3)
@@ -154,7 +178,7 @@ struct DevMoe {
   DeviceBuffer x3_tab;  // Exl3Dev [3][E] of the Vram experts (grouped decode)
   bool all_vram = true;
   float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
-  std::vector<PinnedBuffer> pinned;       // per expert, Cache placement only
+  std::unique_ptr<HostExperts> host;      // what a slot is filled from: Cache experts (+ streamable Cpu ones)
   std::vector<CacheSlot> slots;           // LRU slots of this layer (ExpertCache says which expert is where)
 };
 
@@ -192,6 +216,7 @@ struct DevLayer {
   DevNorm input_norm, post_norm;
   DevAttention attn;
   std::optional<DevKda> kda;
+  std::optional<DevGatedDelta> gated_delta;
   DevHyper attn_hc, ffn_hc;  // residual streams > 1
   std::optional<DevMlp> mlp;
   std::optional<DevMoe> moe;
@@ -204,8 +229,11 @@ namespace moesrv {
 struct CudaEngine::Impl {
   CudaEngineOptions opt;
   std::unique_ptr<ModelWeights> weights;  // host weights: CPU experts and upload source
+  // Page-locked host expert weights (declared before `layers`, so it outlives every HostExperts using it).
+  std::unique_ptr<cuda::HostRegistration> host_registration = std::make_unique<cuda::HostRegistration>();
   ModelConfig c;
   std::string name;
+  int64_t layer_begin = 0, layer_end = 0;  // the layers held (CudaEngineOptions); the whole model by default
   std::shared_ptr<cuda::DeviceBudget> budget;
   cudaStream_t stream = nullptr, copy_stream = nullptr;
   cublasHandle_t cublas = nullptr;
@@ -233,10 +261,11 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer x, h, y, xb;                             // residual, normed, layer output, bf16 input
     cuda::DeviceBuffer q_lat, q, kv, qcat, olat, attn_out;      // attention
     cuda::DeviceBuffer k, v;                                    // GQA keys/values of the pass
+    cuda::DeviceBuffer qgate;                                   // GQA q_proj rows [H][query | gate] (output gate)
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
     cuda::DeviceBuffer ig;                                      // k-pool gate logits
     cuda::DeviceBuffer post, comb;                              // mHC mixing of the current site
-    cuda::DeviceBuffer lraw, lqkv, lg, lbeta, lo, lfa, lgate;   // KDA
+    cuda::DeviceBuffer lraw, lqkv, lg, lbeta, lo, lfa, lgate;   // KDA, Gated DeltaNet
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
@@ -253,6 +282,11 @@ struct CudaEngine::Impl {
   // Decode graph (one token, all experts in VRAM); models with fixed-size state keep one per sequence (its
   // pointers are baked in): sequence_graphs, shared with the sequences so one that outlives the engine is safe.
   cudaGraphExec_t graph = nullptr;
+  // A stage's decode graph (its layer range, no embedding or head); with fixed-size state per sequence, keyed
+  // id | kStageGraph in sequence_graphs. h_stage / h_stage_sel: pinned staging of the hand-off (allocated on use).
+  cudaGraphExec_t stage_graph = nullptr;
+  static constexpr uint64_t kStageGraph = uint64_t(1) << 63;
+  cuda::PinnedBuffer h_stage, h_stage_sel;
   std::shared_ptr<cuda::SequenceGraphs> sequence_graphs = std::make_shared<cuda::SequenceGraphs>();
   bool use_graph = true;
   CudaEngineStats stats;
@@ -282,6 +316,7 @@ struct CudaEngine::Impl {
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
   void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);  // (linear_attention_engine.cpp)
   void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
+  void gated_delta(int64_t l, int64_t S);                                // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
   struct LayerState {
     float *conv = nullptr, *recurrent = nullptr, *pool_k = nullptr, *open = nullptr;
@@ -289,6 +324,8 @@ struct CudaEngine::Impl {
   std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
+  int64_t stream_min_tokens(int64_t l) const;         // a Cpu expert with this many tokens in a pass streams (0: never)
+  int64_t slot_count(int64_t l, int64_t cached, int64_t streamable) const;
   // Expert e's block of layer l in VRAM or a cache slot (loaded on a miss; *slot = -1 for a VRAM expert).
   const void* expert_weights(int64_t l, int e, int* slot);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
@@ -298,7 +335,7 @@ struct CudaEngine::Impl {
   // The device position of row s0 of the pass: d_pos0 itself, or d_pos0 + s0 written to d_slice_pos (stream order).
   const int32_t* slice_pos0(int64_t s0);
   // Selection row width: index_topk positions, + the open pool's tail with a k-pool indexer.
-  int64_t sel_width() const { return c.index_kpool > 1 ? c.index_topk + c.index_kpool : c.index_topk; }
+  int64_t sel_width() const { return selection_width(c); }
   int64_t max_pools() const { return max_ctx / std::max<int64_t>(1, c.index_kpool) + 1; }
   const cuda::DeviceLayerCache* layer_cache(int64_t l) const {
     return d_layer_cache.as<cuda::DeviceLayerCache>() + l;

@@ -1,10 +1,11 @@
 // The MoE layer on the GPU and its expert-execution seam. Routing always runs on the device. Small batches
 // whose experts are all in VRAM run as grouped GEMVs (bf16, or EXL3 decoding the trellis) with no host
 // involvement (CUDA-graph safe). Otherwise the routing comes back to the host, which plans per placement: VRAM
-// experts and LRU-cached experts (their stored bytes copied from pinned memory on the copy stream, ordered by
-// events) run over their tokens in expert order (bf16: cuBLAS GEMMs; EXL3: GEMV or dequant + GEMM), while CPU
-// experts run on the host thread pool from the stored weights (EXL3: the trellis, decoded on the fly),
-// overlapped with the GPU work; their weighted sum is uploaded and added in the final combine.
+// experts and LRU-cached experts (their stored bytes copied from host memory on the copy stream, host_experts.h,
+// ordered by events) run over their tokens in expert order (bf16: cuBLAS GEMMs; EXL3: GEMV or dequant + GEMM),
+// while CPU experts run on the host thread pool from the stored weights (EXL3: the trellis, decoded on the fly),
+// overlapped with the GPU work; their weighted sum is uploaded and added in the final combine. A CPU expert that
+// a pass routes many tokens (prefill) is streamed through the LRU slots and runs on the GPU instead.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cstring>
@@ -31,12 +32,17 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.topk_groups = int(c.topk_group);
   ra.k = int(k);
   ra.norm_topk = c.norm_topk_prob;
+  ra.softmax = c.router == RouterKind::Softmax;
   ra.scaling = float(c.routed_scaling_factor);
   route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
   count_experts(s.ids.as<int32_t>(), int(S), int(k), d_usage.as<uint32_t>() + l * E, d_usage_tokens.as<uint32_t>() + l,
                 stream);
-  if (m.shared) mlp(*m.shared, h, S, y);
-  else MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
+  if (m.shared) {
+    mlp(*m.shared, h, S, y);
+    if (m.shared_gate.bytes()) shared_expert_gate(h, m.shared_gate.as<float>(), int(S), int(D), y, stream);
+  } else {
+    MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
+  }
   if (m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped)) {
     if (m.exl3) moe_exl3_grouped(m, S);
     else
@@ -60,11 +66,11 @@ const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
     std::optional<Admission> a = expert_cache->admit(int32_t(l), e);
     if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
     *slot = a->slot;
+    stats.fetched_bytes += double(m.block_bytes[size_t(e)]);
     CacheSlot& cs = m.slots[size_t(*slot)];
     // Overwrite only after the GPU finished with the evicted expert; compute waits for the copy below.
     MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-    MOESRV_CUDA_OK(cudaMemcpyAsync(cs.mem.as<void>(), m.pinned[size_t(e)].as<void>(), m.block_bytes[size_t(e)],
-                                   cudaMemcpyHostToDevice, copy_stream));
+    m.host->copy(e, cs.mem.as<void>(), copy_stream);
     MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
   }
   CacheSlot& cs = m.slots[size_t(*slot)];
@@ -97,10 +103,15 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   std::vector<std::pair<int, int32_t>> gpu_runs;  // (expert, first row)
   std::vector<int> cpu_experts;
   int32_t rows = 0;
+  const int64_t stream_min = stream_min_tokens(l);
   for (int64_t e = 0; e < E; ++e) {
     const auto& entries = by_expert[size_t(e)];
     if (entries.empty()) continue;
-    if (m.placement[size_t(e)] == ExpertPlacement::Cpu) {
+    // A CPU expert runs on the GPU instead when this pass routes it many tokens (streamed into a slot) or when
+    // an earlier pass left it in one.
+    const bool streams = m.placement[size_t(e)] == ExpertPlacement::Cpu && m.host && m.host->has(int(e)) &&
+                         (int64_t(entries.size()) >= stream_min || expert_cache->peek(int32_t(l), int32_t(e)));
+    if (m.placement[size_t(e)] == ExpertPlacement::Cpu && !streams) {
       cpu_experts.push_back(int(e));
       for (int32_t i : entries) rowmap[i] = -1;
       continue;
@@ -118,7 +129,10 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
     const int e = gpu_runs[r].first;
     const int64_t row0 = gpu_runs[r].second, cnt = int64_t(by_expert[size_t(e)].size());
     int slot = -1;
+    const bool resident = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
     const void* block = expert_weights(l, e, &slot);
+    stats.routed_selections += cnt;
+    if (resident) stats.vram_selections += cnt;
     if (m.exl3) {
       expert_exl3(m, e, block, h, row0, cnt);
     } else {
@@ -147,6 +161,9 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       for (int64_t i = 0; i < cnt; ++i)
         std::memcpy(xs.data() + i * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
       cpu::mlp_forward(hw.experts[size_t(e)], xs.data(), cnt, ys.data());
+      stats.routed_selections += cnt;
+      const MlpWeights& ew = hw.experts[size_t(e)];
+      stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
       for (int64_t i = 0; i < cnt; ++i)
         cpu::axpy(wts[entries[size_t(i)]], ys.data() + i * D, D, out + (entries[size_t(i)] / k) * D);
       stats.cpu_expert_tokens += cnt;

@@ -36,6 +36,8 @@ void rope(float* x, int S, int heads, int64_t tok_stride, int head_stride, int o
 void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st);
 // SwiGLU clamp (swiglu_limit): silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 is plain silu_mul.
 void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out, cudaStream_t st);
+// Gated attention output (attn_output_gate): x[r][i] *= sigmoid(gate[r * gate_stride + i]), rows of n values.
+void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st);
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
 void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st);
 // out[i] = bf16(x[rows[i]]) for i < n (D values per row).
@@ -72,14 +74,20 @@ void attention(const AttentionArgs& a, cudaStream_t st);
 void dsa_topk(const float* q, const float* hw, const DeviceLayerCache* lc, int s_begin, int n, int nh, int d, int K,
               const int32_t* pos0, int64_t max_ctx, float* scratch, int32_t* sel, cudaStream_t st);
 
-// Sigmoid router with correction bias and group-limited top-k, one block per token.
+// Router (model/router.cpp's route_token), one block per token: scores are sigmoid(logit) with the correction
+// bias added for the choice, or (softmax) the softmax over all E experts with no bias; then group-limited top-k
+// (ties to the lower index), weights = scores of the picks, renormalised when norm_topk, times scaling.
 struct RouterArgs {
   int E = 0, groups = 1, topk_groups = 1, k = 0;
   bool norm_topk = true;
+  bool softmax = false;  // Qwen3-Next: softmax top-k (bias unused)
   float scaling = 1.0f;
 };
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st);
+
+// Gated shared expert (Qwen3-Next): y[s] *= sigmoid(x[s] . w) per token; x, y [S][D], w [D] (fp32).
+void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st);
 
 // Routed-expert usage on the device (graph safe): counts[ids[i]] += 1 for i < S * k, tokens[0] += S.
 void count_experts(const int32_t* ids, int S, int k, uint32_t* counts, uint32_t* tokens, cudaStream_t st);

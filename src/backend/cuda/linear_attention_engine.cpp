@@ -1,6 +1,6 @@
-// The CUDA engine's GLM-5.3-Flash blocks: KDA linear attention and the k-pool DSA indexer, over the kernels of
-// glm5_next_kernels.h and the engine's linears (bf16 or EXL3). Same steps as src/backend/cpu/kda.cpp and
-// kpool_indexer.cpp, fp32 throughout.
+// The CUDA engine's linear-attention blocks, KDA (GLM-5.3-Flash) and Gated DeltaNet (Qwen3-Next), and the k-pool
+// DSA indexer, over the kernels of glm5_next_kernels.h and the engine's linears (bf16 or EXL3). Same steps as
+// src/backend/cpu/kda.cpp, gated_delta.cpp and kpool_indexer.cpp, fp32 throughout.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <cmath>
 
@@ -40,6 +40,35 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   linear(w.g_b, low, S, gate);
   kda_output_norm(o, gate, w.o_norm.w.as<float>(), int(S) * H, d, float(c.rms_eps), stream);
   linear(w.o, o, S, s.y.as<float>());
+}
+
+// Gated DeltaNet (cpu::gated_delta_forward): qkvz regrouped into the conv channels q | k | v (key heads) and z, the
+// conv + SiLU, q/k l2-normalised per key head in the conv output, the delta rule with q/k shared by r = Hv / Hk
+// value heads and a per-head decay, the SiLU(z)-gated RMSNorm, out_proj.
+void CudaEngine::Impl::gated_delta(int64_t l, int64_t S) {
+  const DevGatedDelta& w = *layers[size_t(l)].gated_delta;
+  const LayerState& st = cur_state[size_t(l)];
+  const LinearAttnDims& la = c.linear;
+  const int Hk = int(la.k_heads), Hv = int(la.v_heads), dk = int(la.dk), dv = int(la.dv), r = Hv / Hk;
+  const int QK = Hk * dk, C = int(la.conv_channels()), K = int(la.conv_kernel);
+  const float* h = s.h.as<float>();
+  float *raw = s.lraw.as<float>(), *mixed = s.lqkv.as<float>(), *z = s.lgate.as<float>(), *ba = s.lfa.as<float>();
+  float *g = s.lg.as<float>(), *beta = s.lbeta.as<float>(), *o = s.lo.as<float>();
+
+  linear(w.qkvz, h, S, raw);  // [S, Hk, q | k | v (r heads) | z (r heads)]
+  gdn_split_qkvz(raw, int(S), Hk, r, dk, dv, mixed, z, stream);
+  linear(w.ba, h, S, ba);
+  gdn_gates(ba, w.dt_bias.as<float>(), w.a_log.as<float>(), int(S), Hk, r, g, beta, stream);
+  causal_conv1d_silu(mixed, C, int(S), C, w.conv.as<float>(), K, st.conv, raw, stream);  // qkvz is consumed
+  l2norm_rows(raw, int(S), Hk, C, dk, 1e-6f, 1.0f / std::sqrt(float(dk)), stream);
+  l2norm_rows(raw + QK, int(S), Hk, C, dk, 1e-6f, 1.0f, stream);
+  DeltaRuleArgs dr;
+  dr.T = int(S), dr.heads = Hv, dr.dk = dk, dr.dv = dv, dr.qk_group = r, dr.per_channel_decay = false;
+  dr.q = raw, dr.k = raw + QK, dr.qk_stride = C, dr.v = raw + 2 * QK, dr.v_stride = C;
+  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o;
+  delta_rule(dr, stream);
+  gdn_output_norm(o, z, w.norm.w.as<float>(), int(S) * Hv, dv, float(c.rms_eps), stream);
+  linear(w.out, o, S, s.y.as<float>());
 }
 
 void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S) {

@@ -1,5 +1,5 @@
-// Router (sigmoid, correction bias, group-limited top-k), grouped expert GEMVs for decode, and the weighted
-// combine of expert outputs.
+// Router (sigmoid with correction bias, or softmax; group-limited top-k), the shared expert's sigmoid gate, grouped
+// expert GEMVs for decode, and the weighted combine of expert outputs.
 #include <cmath>
 
 #include "backend/cuda/kernel_util.cuh"
@@ -13,13 +13,34 @@ namespace {
 // (equal scores go to the lower index), like the CPU router.
 __global__ void route_kernel(const float* logits, const float* bias, RouterArgs a, int32_t* ids, float* weights) {
   extern __shared__ float sm[];
-  float* score = sm;           // sigmoid(logit)
-  float* choice = sm + a.E;    // score + bias, -inf outside the kept groups
+  float* score = sm;         // sigmoid(logit), or the softmax probability
+  float* choice = sm + a.E;  // score (+ bias when sigmoid), -inf outside the kept groups
   const int s = blockIdx.x;
-  for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
-    const float v = 1.0f / (1.0f + expf(-logits[int64_t(s) * a.E + e]));
-    score[e] = v;
-    choice[e] = v + bias[e];
+  const float* lg = logits + int64_t(s) * a.E;
+  if (a.softmax) {  // as route_token: max, exp(l - max), the sum in double in expert order, then the quotients
+    __shared__ float mx;
+    __shared__ double sum;
+    if (threadIdx.x == 0) {
+      float m = lg[0];
+      for (int e = 1; e < a.E; ++e) m = fmaxf(m, lg[e]);
+      mx = m;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < a.E; e += blockDim.x) score[e] = expf(lg[e] - mx);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double t = 0;
+      for (int e = 0; e < a.E; ++e) t += score[e];
+      sum = t;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < a.E; e += blockDim.x) choice[e] = score[e] = float(double(score[e]) / sum);
+  } else {
+    for (int e = threadIdx.x; e < a.E; e += blockDim.x) {
+      const float v = 1.0f / (1.0f + expf(-lg[e]));
+      score[e] = v;
+      choice[e] = v + bias[e];
+    }
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -67,6 +88,15 @@ __global__ void route_kernel(const float* logits, const float* bias, RouterArgs 
   }
 }
 
+// Block per token: y[s] *= sigmoid(x[s] . w).
+__global__ void shared_gate_kernel(const float* x, const float* w, int D, float* y) {
+  const int64_t s = blockIdx.x;
+  float acc = 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) acc += x[s * D + d] * w[d];
+  const float g = 1.0f / (1.0f + expf(-block_sum(acc)));
+  for (int d = threadIdx.x; d < D; d += blockDim.x) y[s * D + d] *= g;
+}
+
 constexpr int kGemvWarps = 8;
 
 // Block (row tile, entry): warp per output row of the entry's expert matrix.
@@ -98,6 +128,12 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
            cudaStream_t st) {
   if (a.groups > 64 || a.E % a.groups != 0) throw std::runtime_error("route: " + std::to_string(a.E) + " experts in " + std::to_string(a.groups) + " groups is not supported");
   route_kernel<<<S, 256, size_t(2 * a.E) * sizeof(float), st>>>(logits, bias, a, ids, weights);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st) {
+  if (S == 0) return;
+  shared_gate_kernel<<<S, 256, 0, st>>>(x, w, D, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,134 @@
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include "backend/cuda/host_experts.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "backend/cpu/exl3_linear.h"
+#include "backend/cuda/engine_internal.h"
+#include "util/numeric.h"
+
+namespace moesrv::cuda {
+
+namespace {
+
+uintptr_t page_size() {
+  static const uintptr_t p = uintptr_t(std::max<long>(4096, sysconf(_SC_PAGESIZE)));
+  return p;
+}
+
+const Exl3Linear& exl3_part(const MlpWeights& m, int j) {
+  const Linear* l = j == 0 ? m.gate.get() : j == 1 ? m.up.get() : m.down.get();
+  const auto* x = dynamic_cast<const Exl3Linear*>(l);
+  if (!x) fail("host experts: an EXL3 expert has a {} projection", l->kind());
+  return *x;
+}
+
+}  // namespace
+
+HostRegistration::~HostRegistration() {
+  for (auto [b, e] : mine_) cudaHostUnregister(reinterpret_cast<void*>(b));
+}
+
+void HostRegistration::add(const void* p, size_t bytes) {
+  if (!p || !bytes) return;
+  const uintptr_t ps = page_size(), a = reinterpret_cast<uintptr_t>(p);
+  pending_.push_back({a / ps * ps, (a + bytes + ps - 1) / ps * ps});
+}
+
+void HostRegistration::commit() {
+  std::sort(pending_.begin(), pending_.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (auto r : pending_) {
+    if (!merged.empty() && r.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, r.second);
+    else merged.push_back(r);
+  }
+  pending_.clear();
+  bool warned = false;
+  for (auto [b, e] : merged) {
+    const cudaError_t err =
+        cudaHostRegister(reinterpret_cast<void*>(b), e - b, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    if (err == cudaSuccess) {
+      mine_.push_back({b, e});
+      registered_bytes_ += e - b;
+      continue;
+    }
+    cudaGetLastError();  // clear it: the range stays usable as pageable memory
+    if (err != cudaErrorHostMemoryAlreadyRegistered && !warned) {
+      std::fprintf(stderr, "moesrv: host expert weights not page-locked (%s); PCIe copies go through staging\n",
+                   cudaGetErrorString(err));
+      warned = true;
+    }
+  }
+}
+
+HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::array<Exl3Dev, 3>>& layout,
+                         const std::vector<bool>& wanted, HostRegistration& reg)
+    : w_(w), exl3_(exl3), layout_(layout), wanted_(wanted) {
+  const size_t E = w.experts.size();
+  if (wanted_.size() != E || (exl3 && layout_.size() != E))
+    fail("host experts: {} experts, {} flags, {} layouts", E, wanted_.size(), layout_.size());
+  if (!exl3) blocks_.resize(E);
+  else scales_.resize(E), scale_off_.resize(E);
+  for (size_t e = 0; e < E; ++e) {
+    if (!wanted_[e]) continue;
+    const MlpWeights& m = w.experts[e];
+    if (!exl3) {
+      std::array<Exl3Dev, 3> unused;
+      std::vector<uint8_t> block;
+      expert_block(m, false, &unused, &block);
+      blocks_[e] = PinnedBuffer(block.size());
+      std::memcpy(blocks_[e].as<void>(), block.data(), block.size());
+      pinned_bytes_ += block.size();
+      continue;
+    }
+    size_t bytes = 0;
+    for (int j = 0; j < 3; ++j) {
+      const Exl3Dev& d = layout_[e][size_t(j)];
+      // The block keeps svh right after suh (both fp16, in_pad a multiple of 128): one copy for the two.
+      if (reinterpret_cast<uintptr_t>(d.svh) != reinterpret_cast<uintptr_t>(d.suh) + size_t(d.in_pad) * 2)
+        fail("host experts: expert {} part {}: svh does not follow suh in the device block", e, j);
+      scale_off_[e][size_t(j)] = bytes;
+      bytes += size_t(d.in_pad + d.out_pad) * 2;
+    }
+    scales_[e] = PinnedBuffer(bytes);
+    uint16_t* out = scales_[e].as<uint16_t>();
+    for (int j = 0; j < 3; ++j) {
+      const Exl3Weights& x = exl3_part(m, j).weights();
+      uint16_t* dst = out + scale_off_[e][size_t(j)] / 2;
+      for (size_t i = 0; i < x.suh.size(); ++i) dst[i] = f64_to_f16_rne(x.suh[i]);  // exact: they came from fp16
+      for (size_t i = 0; i < x.svh.size(); ++i) dst[x.suh.size() + i] = f64_to_f16_rne(x.svh[i]);
+      reg.add(x.trellis, x.trellis_bytes());
+    }
+    pinned_bytes_ += bytes;
+  }
+}
+
+HostExperts::~HostExperts() = default;
+
+void HostExperts::copy(int e, void* dst, cudaStream_t st) const {
+  if (!wanted_[size_t(e)]) fail("host experts: expert {} has no host copy for the GPU", e);
+  auto* base = static_cast<uint8_t*>(dst);
+  if (!exl3_) {
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(dst, blocks_[size_t(e)].as<void>(), blocks_[size_t(e)].bytes(), cudaMemcpyHostToDevice, st));
+    return;
+  }
+  const MlpWeights& m = w_.experts[size_t(e)];
+  for (int j = 0; j < 3; ++j) {
+    const Exl3Dev& d = layout_[size_t(e)][size_t(j)];
+    const Exl3Weights& x = exl3_part(m, j).weights();
+    MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.trellis), x.trellis, x.trellis_bytes(),
+                                   cudaMemcpyHostToDevice, st));
+    MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.suh),
+                                   scales_[size_t(e)].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)],
+                                   size_t(d.in_pad + d.out_pad) * 2, cudaMemcpyHostToDevice, st));
+  }
+}
+
+}  // namespace moesrv::cuda
+#endif  // MOESRV_HAS_CUDA

@@ -1,0 +1,65 @@
+// Routed experts that live in host RAM and travel to the GPU when used (LRU cache misses; cold experts streamed
+// during large passes), as stored. EXL3 experts are copied part by part straight from the host weights: the trellis
+// the loader maps from the package (its pages registered with CUDA once, read-only, so the copy is a DMA and the
+// host keeps one copy of the model) and the fp16 scales from one pinned table built at load. Other experts (bf16
+// or fp8 models) are copied from a pinned copy of their device block made at load.
+// CUDA builds only (included by engine_internal.h).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/exl3_ops.h"
+#include "model/weights.h"
+
+namespace moesrv::cuda {
+
+class PinnedBuffer;
+
+// Page-locks host ranges for DMA (read-only), merged to whole pages. A range that is already registered (another
+// engine on the same package) is used as it is; one that cannot be registered stays pageable (copies still work,
+// through the driver's staging). Unregisters what it registered on destruction.
+class HostRegistration {
+ public:
+  HostRegistration() = default;
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+  ~HostRegistration();
+  void add(const void* p, size_t bytes);  // collected until commit()
+  void commit();
+  size_t registered_bytes() const { return registered_bytes_; }
+
+ private:
+  std::vector<std::pair<uintptr_t, uintptr_t>> pending_, mine_;  // [begin, end) page ranges
+  size_t registered_bytes_ = 0;
+};
+
+class HostExperts {
+ public:
+  // layout[e]: expert e's EXL3 parts inside its device block (offsets as expert_block gives them; exl3 only);
+  // wanted[e]: experts that may be copied. Their EXL3 trellis ranges go to `reg` (commit() it afterwards).
+  HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::array<Exl3Dev, 3>>& layout,
+              const std::vector<bool>& wanted, HostRegistration& reg);
+  ~HostExperts();
+  HostExperts(const HostExperts&) = delete;
+  HostExperts& operator=(const HostExperts&) = delete;
+  bool has(int e) const { return wanted_[size_t(e)]; }
+  // Queues the copy of expert e's device block into `dst` (device memory of the block's size) on `st`.
+  void copy(int e, void* dst, cudaStream_t st) const;
+  size_t pinned_bytes() const { return pinned_bytes_; }
+
+ private:
+  const MoeWeights& w_;
+  bool exl3_;
+  std::vector<std::array<Exl3Dev, 3>> layout_;
+  std::vector<bool> wanted_;
+  std::vector<PinnedBuffer> blocks_;              // non-EXL3: per wanted expert, its device block
+  std::vector<PinnedBuffer> scales_;              // EXL3: per wanted expert, suh | svh (fp16) of its 3 parts
+  std::vector<std::array<size_t, 3>> scale_off_;  // [e][part] offset of the part's suh | svh in scales_[e]
+  size_t pinned_bytes_ = 0;
+};
+
+}  // namespace moesrv::cuda
