@@ -69,7 +69,6 @@ TEST(CudaPlacementBridge, PlanMapsToEngineOptions) {
   plan.layers[1].home = {ExpertHome::Pinned, ExpertHome::Cached, ExpertHome::Fetch, ExpertHome::Cpu};
   plan.layers[1].slots = 3;
   plan.layers[1].pinned = 1;
-  plan.layers[1].fetch_min_tokens = 48;
   CudaEngineOptions opt;
   apply_placement_plan(plan, opt);
   ASSERT_EQ(opt.placement.size(), 2u);
@@ -77,7 +76,6 @@ TEST(CudaPlacementBridge, PlanMapsToEngineOptions) {
   EXPECT_EQ(opt.placement[1], (std::vector<ExpertPlacement>{ExpertPlacement::Vram, ExpertPlacement::Cache,
                                                             ExpertPlacement::Cache, ExpertPlacement::Cpu}));
   EXPECT_EQ(opt.cache_slots_per_layer[1], 2);
-  EXPECT_EQ(opt.stream_min_tokens_per_layer[1], 48);  // a cold expert with 48+ tokens in a pass streams
   EXPECT_EQ(opt.max_ctx, 4096);
   EXPECT_DOUBLE_EQ(opt.vram_budget_gib, 2.0);
 }

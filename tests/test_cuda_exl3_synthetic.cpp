@@ -12,6 +12,8 @@
 #include <map>
 #include <vector>
 
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/linear.h"
 #include "backend/cuda/cuda_engine.h"
 #include "backend/usage_stats.h"
 #include "format/exl3_convert.h"
@@ -212,6 +214,38 @@ Bandwidths measure_bandwidths() {
   return bw;
 }
 
+// What one routed EXL3 expert costs on the host CPU (the pool the hybrid path runs cold experts on): seconds for
+// 1 and for 64 tokens, best of 3. The planner's CPU cost uses them (trellis decoding, not memory, bounds it).
+struct CpuExpertRate {
+  double s1 = 0, s64 = 0, bytes = 0, params = 0;
+};
+
+CpuExpertRate measure_cpu_expert(const std::shared_ptr<ModelPackage>& pkg) {
+  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
+  auto w = ModelWeights::load(pkg, load_linear);
+  CpuExpertRate r;
+  for (const auto& L : w->layers) {
+    if (!L.moe) continue;
+    const MlpWeights& m = L.moe->experts[0];
+    r.bytes = double(m.gate->stored_bytes() + m.up->stored_bytes() + m.down->stored_bytes());
+    r.params =
+        double(m.gate->in_features() * m.gate->out_features() * 2 + m.down->in_features() * m.down->out_features());
+    const int64_t D = m.gate->in_features();
+    std::vector<float> x(size_t(64 * D), 0.01f), y(size_t(64 * D));
+    for (int64_t n : {int64_t(1), int64_t(64)}) {
+      double best = 1e30;
+      for (int i = 0; i < 3; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        cpu::mlp_forward(m, x.data(), n, y.data());
+        best = std::min(best, secs(t0));
+      }
+      (n == 1 ? r.s1 : r.s64) = best;
+    }
+    break;
+  }
+  return r;
+}
+
 // One placement of one slice at one context: prefill, then decode with the engine's expert traffic per token.
 struct SliceRun {
   double prefill_s = 0, decode_s = 0;          // whole prompt, per token
@@ -302,6 +336,11 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     }
     std::printf("[ perf ] routing %s: hottest half of each layer's experts takes %.1f%% of the selections\n",
                 routing.c_str(), 100 * hot_half_share);
+    const CpuExpertRate cpu = measure_cpu_expert(pkg[4]);
+    std::printf(
+        "[ perf ] one EXL3 expert on the host CPU: %.2f ms for 1 token (%.2f GB/s of stored bytes), %.2f ms "
+        "for 64 tokens (%.0f GFLOP/s)\n",
+        cpu.s1 * 1e3, cpu.bytes / cpu.s1 / 1e9, cpu.s64 * 1e3, 2 * cpu.params * 64 / cpu.s64 / 1e9);
 
     for (const std::string& budget : budgets) {
       CudaEngineOptions base;
@@ -314,7 +353,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         req.context = max_ctx;
         req.cost.hbm_gbps = bw.device_copy;
         req.cost.pcie_gbps = bw.pcie_h2d;
-        req.cost.host_mem_gbps = bw.host;
+        // The CPU path as measured: a 1-token expert costs s1 (trellis decoding), tokens add FLOPs.
+        req.cost.host_mem_gbps = std::min(bw.host, cpu.bytes / cpu.s1 / 1e9);
+        req.cost.cpu_gflops = 2 * cpu.params * 64 / cpu.s64 / 1e9;
         plan = plan_placement(c45, fp45, req, &usage45);
         ASSERT_TRUE(plan.fits) << plan.note;
         std::printf("[ perf ] plan at %s GiB, ctx %ld: %s\n", budget.c_str(), long(max_ctx), plan.summary().c_str());

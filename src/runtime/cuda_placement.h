@@ -1,6 +1,6 @@
 // Turns the runtime's placement plan (runtime/placement.h) into CUDA engine options: pinned experts stay in
 // VRAM, cached and fetched ones live in host memory behind the layer's LRU slots, cold CPU experts run on the host
-// (or stream through the slots when a pass routes them at least the plan's fetch threshold of tokens).
+// (or stream through the slots when the engine's per-pass split says the link is cheaper).
 // Header-only so CPU builds can use it too.
 #pragma once
 #include <algorithm>
@@ -13,7 +13,6 @@ namespace moesrv {
 inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {
   opt.placement.assign(plan.layers.size(), {});
   opt.cache_slots_per_layer.assign(plan.layers.size(), 0);
-  opt.stream_min_tokens_per_layer.assign(plan.layers.size(), 0);
   opt.vram_budget_gib = double(plan.vram_budget) / double(kGiB);
   if (plan.context > 0) opt.max_ctx = plan.context;
   for (size_t l = 0; l < plan.layers.size(); ++l) {
@@ -24,7 +23,6 @@ inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& o
                     : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
                                             : ExpertPlacement::Cache);
     opt.cache_slots_per_layer[l] = int(std::max<int64_t>(1, lp.slots - lp.pinned));
-    opt.stream_min_tokens_per_layer[l] = lp.fetch_min_tokens;  // 0 (never cheaper to fetch): the engine's default
   }
 }
 

@@ -10,6 +10,7 @@
 #include <map>
 #include <numeric>
 
+#include "backend/cold_split.h"
 #include "backend/usage_stats.h"
 #include "format/package.h"
 #include "model/manifest.h"
@@ -296,34 +297,18 @@ void place_layer(const ModelConfig& c, const ModelFootprint& fp, const Placement
   }
   const double total_p = std::accumulate(p.begin(), p.end(), 0.0);
   L.hit_rate = total_p > 0 ? resident_p / total_p : 0;
-  // Cold experts: the CPU and the PCIe link work concurrently, so split them to minimise the slower path.
-  // Experts with more tokens per hit (CPU cost grows with tokens, a fetch does not) go to PCIe first.
-  struct Cold {
-    int32_t id;
-    double fetch, cpu, ratio;
-  };
-  std::vector<Cold> cold;
+  // Cold experts: the CPU and the PCIe link work concurrently, so split them to minimise the slower path
+  // (backend/cold_split.h, the rule the CUDA engine applies per step with the step's tokens).
+  std::vector<ColdCost> cold;
   for (int64_t i = L.slots; i < E; ++i) {
     int32_t e = order[size_t(i)];
     StepUse u = step_use(p[size_t(e)], T);
-    double f = u.hit * (m.fetch_s(b) + m.gpu_s(b, params, u.tokens)), cp = u.hit * m.cpu_s(b, params, u.tokens);
-    cold.push_back({e, f, cp, f > 0 ? cp / f : 0});
+    cold.push_back({e, u.hit * (m.fetch_s(b) + m.gpu_s(b, params, u.tokens)), u.hit * m.cpu_s(b, params, u.tokens)});
   }
-  std::stable_sort(cold.begin(), cold.end(), [](const Cold& a, const Cold& z) { return a.ratio > z.ratio; });
-  const bool can_fetch = L.slots > L.pinned;  // fetched experts land in an LRU slot
-  double cpu_total = 0;
-  for (const Cold& x : cold) cpu_total += x.cpu;
-  size_t best_k = 0;
-  double fetch_sum = 0, cpu_rest = cpu_total, best = cpu_total, best_sum = cpu_total;
-  for (size_t k = 1; can_fetch && k <= cold.size(); ++k) {
-    fetch_sum += cold[k - 1].fetch;
-    cpu_rest -= cold[k - 1].cpu;
-    double worst = std::max(fetch_sum, cpu_rest), sum = fetch_sum + cpu_rest;
-    if (worst < best - 1e-15 || (worst <= best + 1e-15 && sum < best_sum)) best = worst, best_sum = sum, best_k = k;
-  }
+  const size_t best_k = split_cold(cold, L.slots > L.pinned);  // fetched experts land in an LRU slot
   for (size_t i = 0; i < cold.size(); ++i) {
     L.home[size_t(cold[i].id)] = i < best_k ? ExpertHome::Fetch : ExpertHome::Cpu;
-    (i < best_k ? L.cold_fetch_s : L.cold_cpu_s) += i < best_k ? cold[i].fetch : cold[i].cpu;
+    (i < best_k ? L.cold_fetch_s : L.cold_cpu_s) += i < best_k ? cold[i].fetch_s : cold[i].cpu_s;
   }
 }
 

@@ -39,11 +39,14 @@ struct CudaEngineOptions {
   int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
   std::vector<int> cache_slots_per_layer;  // overrides cache_slots where given (> 0)
   int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for
-  // A Cpu-placed EXL3 expert routed at least this many tokens in one pass is copied over PCIe (as stored) into the
-  // layer's LRU slots and runs on the GPU (prefill: thousands of tokens per expert); 0: Cpu experts always run on
-  // the CPU. Per layer from the placement plan's fetch threshold where given (> 0).
-  int64_t stream_min_tokens = 64;
-  std::vector<int64_t> stream_min_tokens_per_layer;
+  // Cold experts: a Cpu-placed EXL3 expert that is not in a slot either runs on the CPU or is copied over PCIe (as
+  // stored) into the layer's LRU slots and runs on the GPU, chosen per pass by split_cold (backend/cold_split.h)
+  // from the pass's tokens per expert and the rates below (a prefill streams nearly all; a decode step balances
+  // the link against the CPU). false: Cpu experts always run on the CPU.
+  bool stream_cold = true;
+  // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
+  // tokens), and the CPU ones updated from every CPU expert run.
+  double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.

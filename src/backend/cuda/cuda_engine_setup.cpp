@@ -236,12 +236,6 @@ void CudaEngine::Impl::upload_weights() {
   }
 }
 
-int64_t CudaEngine::Impl::stream_min_tokens(int64_t l) const {
-  if (size_t(l) < opt.stream_min_tokens_per_layer.size() && opt.stream_min_tokens_per_layer[size_t(l)] > 0)
-    return opt.stream_min_tokens_per_layer[size_t(l)];
-  return std::max<int64_t>(0, opt.stream_min_tokens);
-}
-
 // LRU slots of MoE layer l with `cached` Cache experts and `streamable` Cpu experts that may stream through them:
 // the configured count, at least 2 with streaming (one expert's copy overlaps the previous one's compute), and
 // just those 2 when nothing is cached.
@@ -268,7 +262,7 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
     if (!auto_layer) continue;
     const std::vector<size_t>& bytes = layers[size_t(l)].moe->block_bytes;
     for (size_t b : bytes) auto_bytes += b;
-    if (layers[size_t(l)].moe->exl3 && stream_min_tokens(l) > 0 && !bytes.empty())
+    if (layers[size_t(l)].moe->exl3 && opt.stream_cold && !bytes.empty())
       stream_slot_bytes += size_t(slot_count(l, 0, E)) * *std::max_element(bytes.begin(), bytes.end());
   }
   if (planned + auto_bytes > budget->limit()) planned += stream_slot_bytes;
@@ -295,6 +289,7 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
       slots[size_t(l)] = int32_t(layers[size_t(l)].moe->slots.size());
     }
   host_registration->commit();  // page-lock the host expert weights the slots are filled from
+  measure_cold_rates();
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
 }
 
@@ -316,7 +311,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
     if (p != ExpertPlacement::Vram) {
       // Only EXL3 experts stream: they are copied from the host weights as stored; a bf16 layer would need a
       // second (pinned, converted) host copy of every CPU expert.
-      const bool streams = p == ExpertPlacement::Cpu && m.exl3 && stream_min_tokens(l) > 0;
+      const bool streams = p == ExpertPlacement::Cpu && m.exl3 && opt.stream_cold;
       if (p == ExpertPlacement::Cpu && !streams) continue;
       host[size_t(e)] = true;
       slot_bytes = std::max(slot_bytes, m.block_bytes[size_t(e)]);

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "backend/cold_split.h"
 #include "backend/cuda/cuda_engine.h"
 #include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/glm5_next_kernels.h"
@@ -324,8 +325,10 @@ struct CudaEngine::Impl {
   std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
-  int64_t stream_min_tokens(int64_t l) const;         // a Cpu expert with this many tokens in a pass streams (0: never)
   int64_t slot_count(int64_t l, int64_t cached, int64_t streamable) const;
+  ColdRates cold_rates;       // the per-pass cold-expert split's costs (options, else measured)
+  void measure_cold_rates();  // at start, from one streamable expert
+  void update_cpu_rate(int64_t tokens, double seconds);
   // Expert e's block of layer l in VRAM or a cache slot (loaded on a miss; *slot = -1 for a VRAM expert).
   const void* expert_weights(int64_t l, int e, int* slot);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts

@@ -8,6 +8,7 @@
 // a pass routes many tokens (prefill) is streamed through the LRU slots and runs on the GPU instead.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "backend/cpu/cpu_layers.h"
@@ -78,6 +79,66 @@ const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
   return cs.mem.as<void>();
 }
 
+// Rates of the per-pass cold split: given, else measured now on one streamable expert (timed copies into a slot,
+// a timed CPU run at 1 and 8 tokens). Without a streamable expert the split never runs.
+void CudaEngine::Impl::measure_cold_rates() {
+  if (!opt.stream_cold) return;
+  cold_rates.pcie_bytes_s = opt.pcie_gbps * 1e9;
+  cold_rates.cpu_first_s = opt.cpu_expert_ms * 1e-3;
+  cold_rates.cpu_token_s = opt.cpu_token_ms * 1e-3;
+  for (int64_t l = 0; l < int64_t(layers.size()); ++l) {
+    if (!layers[size_t(l)].moe || !layers[size_t(l)].moe->host || layers[size_t(l)].moe->slots.empty()) continue;
+    DevMoe& m = *layers[size_t(l)].moe;
+    int e = 0;
+    while (e < int(m.placement.size()) && !(m.placement[size_t(e)] == ExpertPlacement::Cpu && m.host->has(e))) ++e;
+    if (e == int(m.placement.size())) continue;
+    if (cold_rates.pcie_bytes_s <= 0) {
+      // Nothing is admitted yet: slot 0's memory is free to overwrite.
+      cudaEvent_t a = nullptr, b = nullptr;
+      MOESRV_CUDA_OK(cudaEventCreate(&a));
+      MOESRV_CUDA_OK(cudaEventCreate(&b));
+      float best_ms = 1e30f;
+      for (int i = 0; i < 3; ++i) {
+        MOESRV_CUDA_OK(cudaEventRecord(a, copy_stream));
+        m.host->copy(e, m.slots[0].mem.as<void>(), copy_stream);
+        MOESRV_CUDA_OK(cudaEventRecord(b, copy_stream));
+        MOESRV_CUDA_OK(cudaEventSynchronize(b));
+        float ms = 0;
+        MOESRV_CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+        best_ms = std::min(best_ms, ms);
+      }
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+      cold_rates.pcie_bytes_s = double(m.block_bytes[size_t(e)]) / (std::max(best_ms, 1e-3f) * 1e-3);
+    }
+    if (cold_rates.cpu_first_s <= 0) {
+      const MlpWeights& w = weights->layers[size_t(l)].moe->experts[size_t(e)];
+      const int64_t D = c.hidden_size;
+      std::vector<float> x(size_t(8 * D), 0.01f), y(size_t(8 * D));
+      double t[2] = {1e30, 1e30};
+      for (int rep = 0; rep < 2; ++rep)
+        for (int j = 0; j < 2; ++j) {
+          const auto t0 = std::chrono::steady_clock::now();
+          cpu::mlp_forward(w, x.data(), j ? 8 : 1, y.data());
+          t[j] = std::min(t[j], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+      cold_rates.cpu_first_s = t[0];
+      cold_rates.cpu_token_s = std::max(0.0, (t[1] - t[0]) / 7);
+    }
+    return;
+  }
+}
+
+// Measured CPU experts keep the split's CPU costs current (not when the options fixed them).
+void CudaEngine::Impl::update_cpu_rate(int64_t tokens, double seconds) {
+  if (opt.cpu_expert_ms > 0) return;
+  constexpr double kKeep = 0.9;
+  if (tokens <= 1) cold_rates.cpu_first_s = kKeep * cold_rates.cpu_first_s + (1 - kKeep) * seconds;
+  else
+    cold_rates.cpu_token_s = kKeep * cold_rates.cpu_token_s +
+                             (1 - kKeep) * std::max(0.0, (seconds - cold_rates.cpu_first_s) / double(tokens - 1));
+}
+
 // Tokens [s0, s0 + n) of the pass: s.h rows in, s.y rows accumulated (the shared expert is already there).
 void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   DevMoe& m = *layers[size_t(l)].moe;
@@ -103,15 +164,24 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   std::vector<std::pair<int, int32_t>> gpu_runs;  // (expert, first row)
   std::vector<int> cpu_experts;
   int32_t rows = 0;
-  const int64_t stream_min = stream_min_tokens(l);
+  // CPU experts with a host copy for the GPU: one still in a slot from an earlier pass runs there; the others are
+  // split between the PCIe link and the CPU for this pass's tokens (backend/cold_split.h).
+  std::vector<uint8_t> on_gpu(size_t(E), 0);
+  std::vector<ColdCost> cold;
+  for (int64_t e = 0; e < E; ++e) {
+    const size_t cnt = by_expert[size_t(e)].size();
+    if (!cnt || m.placement[size_t(e)] != ExpertPlacement::Cpu || !m.host || !m.host->has(int(e))) continue;
+    if (expert_cache->peek(int32_t(l), int32_t(e))) on_gpu[size_t(e)] = 1;
+    else
+      cold.push_back(
+          {int32_t(e), cold_rates.fetch_s(double(m.block_bytes[size_t(e)])), cold_rates.cpu_s(int64_t(cnt))});
+  }
+  const size_t fetch = split_cold(cold, !m.slots.empty());
+  for (size_t i = 0; i < fetch; ++i) on_gpu[size_t(cold[i].id)] = 1;
   for (int64_t e = 0; e < E; ++e) {
     const auto& entries = by_expert[size_t(e)];
     if (entries.empty()) continue;
-    // A CPU expert runs on the GPU instead when this pass routes it many tokens (streamed into a slot) or when
-    // an earlier pass left it in one.
-    const bool streams = m.placement[size_t(e)] == ExpertPlacement::Cpu && m.host && m.host->has(int(e)) &&
-                         (int64_t(entries.size()) >= stream_min || expert_cache->peek(int32_t(l), int32_t(e)));
-    if (m.placement[size_t(e)] == ExpertPlacement::Cpu && !streams) {
+    if (m.placement[size_t(e)] == ExpertPlacement::Cpu && !on_gpu[size_t(e)]) {
       cpu_experts.push_back(int(e));
       for (int32_t i : entries) rowmap[i] = -1;
       continue;
@@ -160,7 +230,9 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       ys.resize(size_t(cnt * D));
       for (int64_t i = 0; i < cnt; ++i)
         std::memcpy(xs.data() + i * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
+      const auto t0 = std::chrono::steady_clock::now();
       cpu::mlp_forward(hw.experts[size_t(e)], xs.data(), cnt, ys.data());
+      update_cpu_rate(cnt, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       stats.routed_selections += cnt;
       const MlpWeights& ew = hw.experts[size_t(e)];
       stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
