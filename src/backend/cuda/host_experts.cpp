@@ -72,21 +72,24 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
   const size_t E = w.experts.size();
   if (wanted_.size() != E || (exl3 && layout_.size() != E))
     fail("host experts: {} experts, {} flags, {} layouts", E, wanted_.size(), layout_.size());
-  if (!exl3) blocks_.resize(E);
-  else scales_.resize(E), scale_off_.resize(E);
-  for (size_t e = 0; e < E; ++e) {
-    if (!wanted_[e]) continue;
-    const MlpWeights& m = w.experts[e];
-    if (!exl3) {
+  if (!exl3) {
+    blocks_.resize(E);
+    for (size_t e = 0; e < E; ++e) {
+      if (!wanted_[e]) continue;
       std::array<Exl3Dev, 3> unused;
       std::vector<uint8_t> block;
-      expert_block(m, false, &unused, &block);
+      expert_block(w.experts[e], false, &unused, &block);
       blocks_[e] = PinnedBuffer(block.size());
       std::memcpy(blocks_[e].as<void>(), block.data(), block.size());
       pinned_bytes_ += block.size();
-      continue;
     }
-    size_t bytes = 0;
+    return;
+  }
+  // EXL3: the scales of every wanted expert in one pinned buffer (one allocation per layer, not per expert).
+  scale_off_.resize(E);
+  size_t bytes = 0;
+  for (size_t e = 0; e < E; ++e) {
+    if (!wanted_[e]) continue;
     for (int j = 0; j < 3; ++j) {
       const Exl3Dev& d = layout_[e][size_t(j)];
       // The block keeps svh right after suh (both fp16, in_pad a multiple of 128): one copy for the two.
@@ -95,16 +98,19 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
       scale_off_[e][size_t(j)] = bytes;
       bytes += size_t(d.in_pad + d.out_pad) * 2;
     }
-    scales_[e] = PinnedBuffer(bytes);
-    uint16_t* out = scales_[e].as<uint16_t>();
+  }
+  scales_.emplace_back(bytes);
+  pinned_bytes_ = bytes;
+  uint8_t* base = scales_[0].as<uint8_t>();
+  for (size_t e = 0; e < E; ++e) {
+    if (!wanted_[e]) continue;
     for (int j = 0; j < 3; ++j) {
-      const Exl3Weights& x = exl3_part(m, j).weights();
-      uint16_t* dst = out + scale_off_[e][size_t(j)] / 2;
+      const Exl3Weights& x = exl3_part(w.experts[e], j).weights();
+      auto* dst = reinterpret_cast<uint16_t*>(base + scale_off_[e][size_t(j)]);
       for (size_t i = 0; i < x.suh.size(); ++i) dst[i] = f64_to_f16_rne(x.suh[i]);  // exact: they came from fp16
       for (size_t i = 0; i < x.svh.size(); ++i) dst[x.suh.size() + i] = f64_to_f16_rne(x.svh[i]);
       reg.add(x.trellis, x.trellis_bytes());
     }
-    pinned_bytes_ += bytes;
   }
 }
 
@@ -125,7 +131,7 @@ void HostExperts::copy(int e, void* dst, cudaStream_t st) const {
     MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.trellis), x.trellis, x.trellis_bytes(),
                                    cudaMemcpyHostToDevice, st));
     MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.suh),
-                                   scales_[size_t(e)].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)],
+                                   scales_[0].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)],
                                    size_t(d.in_pad + d.out_pad) * 2, cudaMemcpyHostToDevice, st));
   }
 }

@@ -57,8 +57,8 @@ class HostExperts {
   std::vector<std::array<Exl3Dev, 3>> layout_;
   std::vector<bool> wanted_;
   std::vector<PinnedBuffer> blocks_;              // non-EXL3: per wanted expert, its device block
-  std::vector<PinnedBuffer> scales_;              // EXL3: per wanted expert, suh | svh (fp16) of its 3 parts
-  std::vector<std::array<size_t, 3>> scale_off_;  // [e][part] offset of the part's suh | svh in scales_[e]
+  std::vector<PinnedBuffer> scales_;              // EXL3: one buffer, suh | svh (fp16) of every wanted expert
+  std::vector<std::array<size_t, 3>> scale_off_;  // [e][part] byte offset of the part's suh | svh in scales_[0]
   size_t pinned_bytes_ = 0;
 };
 
