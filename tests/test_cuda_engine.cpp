@@ -8,6 +8,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "engine_test_util.h"
 #include "format/safetensors.h"
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
@@ -248,15 +249,7 @@ TEST_P(CudaVsCpu, HybridPlacementsMatchAllVram) {
   auto ref_engine = gpu_engine(GetParam());
   auto in = ids(GetParam(), "gen_ids");
   std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
-  auto run = [&](CudaEngine& e) {
-    auto seq = e.new_sequence();
-    std::vector<float> out = e.forward(*seq, prompt, true);
-    for (int32_t t : steps) {
-      auto l = e.forward(*seq, {t});
-      out.insert(out.end(), l.begin(), l.end());
-    }
-    return out;
-  };
+  auto run = [&](CudaEngine& e) { return test::prefill_then_steps(e, prompt, steps); };
   const auto ref = run(*ref_engine);
   const auto& base = ref_engine->placement();
   struct Case {
@@ -406,19 +399,7 @@ TEST(CudaSyntheticGlm5, Throughput) {
     t0 = std::chrono::steady_clock::now();
     CudaEngine e(pkg, opt);
     const double load = secs(t0);
-    auto seq = e.new_sequence();
-    std::vector<int32_t> prompt(2048);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
-    e.forward(*seq, std::vector<int32_t>(prompt.begin(), prompt.begin() + 64));  // warm-up
-    seq->truncate(0);
-    t0 = std::chrono::steady_clock::now();
-    auto l = e.forward(*seq, prompt);
-    const double prefill = secs(t0);
-    for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-    const int steps = variant == 0 ? 64 : 16;
-    t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < steps; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-    const double decode = secs(t0) / steps;
+    const auto [prefill, decode] = test::time_prefill_decode(e, test::bench_prompt(2048), 4, variant == 0 ? 64 : 16);
     std::printf("[ perf ] glm5-width 2 layers %s: load %.1f s, VRAM %.2f GiB, prefill 2048 tok %.1f ms (%.0f tok/s), "
                 "decode %.2f ms/token at ctx ~2k (graph replays %ld)\n",
                 variant == 0 ? "all-VRAM" : "half experts on CPU", load, double(e.stats().vram_used) / double(1ull << 30),

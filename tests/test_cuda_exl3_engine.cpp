@@ -14,6 +14,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "engine_test_util.h"
 #include "format/exl3_convert.h"
 #include "format/safetensors.h"
 #include "model/exl3_selection.h"
@@ -230,15 +231,7 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   const int64_t V = ref_engine->vocab_size();
   auto in = ids(GetParam().model, "gen_ids");
   std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
-  auto run = [&](CudaEngine& e) {
-    auto seq = e.new_sequence();
-    std::vector<float> out = e.forward(*seq, prompt, true);
-    for (int32_t t : steps) {
-      auto l = e.forward(*seq, {t});
-      out.insert(out.end(), l.begin(), l.end());
-    }
-    return out;
-  };
+  auto run = [&](CudaEngine& e) { return test::prefill_then_steps(e, prompt, steps); };
   const auto ref = run(*ref_engine);
   for (int variant = 0; variant < 2; ++variant) {
     CudaEngineOptions opt;

@@ -16,6 +16,7 @@
 #include "backend/cpu/linear.h"
 #include "backend/cuda/cuda_engine.h"
 #include "backend/usage_stats.h"
+#include "engine_test_util.h"
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
@@ -111,8 +112,6 @@ TEST(CudaExl3Footprint, PackageFootprintUsesStoredBytes) {
 namespace moesrv {
 namespace {
 
-int32_t argmax(const float* v, int64_t n) { return int32_t(std::max_element(v, v + n) - v); }
-
 // GLM-5 widths (2 layers, 32 experts top-8, synthetic weights), all experts in VRAM: bf16 vs EXL3 K=4 (random
 // trellis). Device weight bytes, prefill 2048 tokens, decode ms/token. Opt-in: MOESRV_CUDA_BENCH=1.
 TEST(CudaExl3SyntheticGlm5, Throughput) {
@@ -131,18 +130,7 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
     auto t0 = std::chrono::steady_clock::now();
     CudaEngine e(variant == 0 ? bf : synthetic_exl3(bf, 4), opt);
     const double load = secs(t0);
-    auto seq = e.new_sequence();
-    std::vector<int32_t> prompt(2048);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
-    e.forward(*seq, std::vector<int32_t>(prompt.begin(), prompt.begin() + 64));  // warm-up
-    seq->truncate(0);
-    t0 = std::chrono::steady_clock::now();
-    auto l = e.forward(*seq, prompt);
-    const double prefill = secs(t0);
-    for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-    t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 64; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-    const double decode = secs(t0) / 64;
+    const auto [prefill, decode] = test::time_prefill_decode(e, test::bench_prompt(2048), 4, 64);
     const auto st = e.stats();
     std::printf(
         "[ perf ] glm5-width 2 layers %s: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM %.2f GiB, prefill 2048 "
@@ -255,19 +243,12 @@ struct SliceRun {
 };
 
 SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
   SliceRun r;
-  auto seq = e.new_sequence();
-  std::vector<int32_t> prompt(static_cast<size_t>(ctx));
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 7919) % 150000);
-  auto t0 = std::chrono::steady_clock::now();
-  auto l = e.forward(*seq, prompt);
-  r.prefill_s = secs(t0);
-  for (int i = 0; i < 4; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});  // capture + warm
-  const CudaEngineStats a = e.stats();
-  t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < decode_tokens; ++i) l = e.forward(*seq, {argmax(l.data(), e.vocab_size())});
-  r.decode_s = secs(t0) / decode_tokens;
+  CudaEngineStats a;  // after the prefill and 4 warm steps (graph capture)
+  const auto t =
+      test::time_prefill_decode(e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); });
+  r.prefill_s = t.prefill_s;
+  r.decode_s = t.decode_s;
   const CudaEngineStats b = e.stats();
   const double n = decode_tokens;
   r.selections = double(b.routed_selections - a.routed_selections) / n;

@@ -1,0 +1,63 @@
+// Engine drivers the engine tests and opt-in throughput tests share (any Engine; header-only).
+#pragma once
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "backend/engine.h"
+
+namespace moesrv::test {
+
+inline int32_t greedy(const std::vector<float>& logits) {
+  return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+// Every row of a prefill of `prompt`, then one row per teacher-forced single-token step, concatenated.
+inline std::vector<float> prefill_then_steps(Engine& e, const std::vector<int32_t>& prompt,
+                                             const std::vector<int32_t>& steps) {
+  auto seq = e.new_sequence();
+  std::vector<float> out = e.forward(*seq, prompt, true);
+  for (int32_t t : steps) {
+    auto l = e.forward(*seq, {t});
+    out.insert(out.end(), l.begin(), l.end());
+  }
+  return out;
+}
+
+// A deterministic prompt over the first 150000 ids (every vocabulary the throughput tests build is larger).
+inline std::vector<int32_t> bench_prompt(size_t n) {
+  std::vector<int32_t> p(n);
+  for (size_t i = 0; i < n; ++i) p[i] = int32_t((i * 7919) % 150000);
+  return p;
+}
+
+struct PrefillDecodeTiming {
+  double prefill_s = 0, decode_s = 0;  // the whole prompt; per greedy decode step
+};
+
+// Times a prefill of `prompt` (after a 64-token warm-up prefill when `warm_up`), then `warm` untimed and `steps`
+// timed greedy decode steps; `before_timed` runs just before the timed steps (e.g. to read counters).
+inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int32_t>& prompt, int warm, int steps,
+                                               bool warm_up = true, const std::function<void()>& before_timed = {}) {
+  using Clock = std::chrono::steady_clock;
+  auto secs = [](Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); };
+  auto seq = e.new_sequence();
+  if (warm_up) {
+    e.forward(*seq, std::vector<int32_t>(prompt.begin(), prompt.begin() + std::min<size_t>(64, prompt.size())));
+    seq->truncate(0);
+  }
+  PrefillDecodeTiming t;
+  auto t0 = Clock::now();
+  auto l = e.forward(*seq, prompt);
+  t.prefill_s = secs(t0);
+  for (int i = 0; i < warm; ++i) l = e.forward(*seq, {greedy(l)});
+  if (before_timed) before_timed();
+  t0 = Clock::now();
+  for (int i = 0; i < steps; ++i) l = e.forward(*seq, {greedy(l)});
+  t.decode_s = steps > 0 ? secs(t0) / steps : 0;
+  return t;
+}
+
+}  // namespace moesrv::test
