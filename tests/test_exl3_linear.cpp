@@ -127,6 +127,36 @@ TEST(Exl3Linear, ForwardMatchesDenseReferenceIncludingPadding) {
   }
 }
 
+// Any bit pattern is a valid trellis: random streams for every codebook and K, through both CPU product paths
+// (decode-in-register for <= 8 rows, decoded tiles for more) against the dequantized matrix.
+TEST(Exl3Linear, ForwardMatchesDequantForEveryCodebookAndK) {
+  const int64_t in = 256, out = 384;
+  std::mt19937 rng(11);
+  for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1})
+    for (int K : {1, 2, 3, 4, 5, 8}) {
+      auto trellis = std::make_shared<std::vector<uint16_t>>(size_t(in / 16 * out / 16 * 16 * K));
+      for (auto& v : *trellis) v = uint16_t(rng());
+      Exl3Weights w;
+      w.K = K;
+      w.codebook = cb;
+      w.in_pad = in;
+      w.out_pad = out;
+      w.trellis = trellis->data();
+      w.owner = trellis;
+      w.suh = randn(size_t(in), uint32_t(K), 1.0f);
+      w.svh = randn(size_t(out), uint32_t(K + 1), 0.02f);
+      Exl3Linear lin(w, {}, in, out);
+      auto wd = dequant(lin);
+      for (int64_t n : {1, 2, 8, 9}) {
+        auto x = randn(size_t(n * in), uint32_t(100 + n));
+        std::vector<float> y(size_t(n * out), NAN);
+        lin.forward(x.data(), n, y.data());
+        EXPECT_LT(rel_err(y, dense_ref(wd, {}, x.data(), n, out, in)), 1e-10)
+            << exl3_codebook_name(cb) << " K=" << K << " n=" << n;
+      }
+    }
+}
+
 TEST(Exl3Linear, LoadsFromPackageWithShapeMetadataAndLegacySigns) {
   const int64_t out = 96, in = 128;
   auto w = randn(size_t(out * in), 9, 0.03f);

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "format/exl3_tile_simd.h"
 #include "util/numeric.h"
 
 namespace moesrv {
@@ -62,48 +63,24 @@ void exl3_decode_tile(const uint16_t* tile, int K, const float* table, float out
   for (int t = 0; t < 256; ++t) out[kPos.v[t]] = table[st[t]];
 }
 
+#if defined(__AVX512F__)
+MOESRV_AVX512_BEGIN
+#endif
 void exl3_decode_tile_fast(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]) {
 #if defined(__AVX512F__)
-  const int nw = 8 * K;
-  alignas(64) uint32_t ext[8 * kExl3MaxK + 2];
-  ext[0] = word(tile, nw - 1);
-  for (int i = 0; i < nw; ++i) ext[i + 1] = word(tile, i);
-  ext[nw + 1] = word(tile, 0);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i mask16 = _mm512_set1_epi32(0xFFFF), c32 = _mm512_set1_epi32(32);
-  const __m512 k_inv = _mm512_set1_ps(f16_to_f32(0x1eee)), k_bias = _mm512_set1_ps(f16_to_f32(0xc931));
+  alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
+  exl3_simd::tile_words(tile, K, ext);
   for (int t0 = 0; t0 < 256; t0 += 16) {
-    // window start (ext bits, MSB-first) of each element: t*K + K - 16 + 32
-    __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(t0)), _mm512_set1_epi32(K)),
-                                 _mm512_set1_epi32(K + 16));
-    __m512i wi = _mm512_srli_epi32(s, 5), sh = _mm512_and_si512(s, _mm512_set1_epi32(31));
-    __m512i a = _mm512_i32gather_epi32(wi, reinterpret_cast<const int*>(ext), 4);
-    __m512i b = _mm512_i32gather_epi32(_mm512_add_epi32(wi, _mm512_set1_epi32(1)), reinterpret_cast<const int*>(ext), 4);
-    __m512i hi32 = _mm512_or_si512(_mm512_sllv_epi32(a, sh), _mm512_srlv_epi32(b, _mm512_sub_epi32(c32, sh)));
-    __m512i st = _mm512_srli_epi32(hi32, 16);
-    __m512 v;
-    if (cb == Exl3Codebook::Mul1) {
-      __m512i x = _mm512_mullo_epi32(st, _mm512_set1_epi32(int(kExl3Mul1Mult)));
-      __m512i y = _mm512_add_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x00FF00FF)),
-                                   _mm512_and_si512(_mm512_srli_epi32(x, 8), _mm512_set1_epi32(0x00FF00FF)));
-      __m512i bs = _mm512_add_epi32(_mm512_and_si512(y, mask16), _mm512_srli_epi32(y, 16));
-      // (1024 + bs) * k_inv + k_bias is exact in fp32 (< 24 significant bits): one rounding to fp16 below
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(bs, _mm512_set1_epi32(1024))), k_inv, k_bias);
-    } else {
-      __m512i x = _mm512_mullo_epi32(st, _mm512_set1_epi32(int(cb == Exl3Codebook::Mcg ? kExl3McgMult : kExl3Inst3Mult)));
-      if (cb == Exl3Codebook::Inst3) x = _mm512_add_epi32(x, _mm512_set1_epi32(int(kExl3Inst3Add)));
-      x = _mm512_xor_si512(_mm512_and_si512(x, _mm512_set1_epi32(int(0x8FFF8FFFu))), _mm512_set1_epi32(0x3B603B60));
-      __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
-      __m512 hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
-      v = _mm512_add_ps(lo, hi);  // exact in fp32 (both in [2^-3, 2)): one rounding to fp16 below
-    }
-    v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    __m512i pos = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kPos.v + t0)));
+    const __m512 v = exl3_simd::decode16(ext, K, cb, t0);
+    const __m512i pos = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kPos.v + t0)));
     _mm512_i32scatter_ps(out, pos, v, 4);
   }
 #else
   exl3_decode_tile(tile, K, exl3_codebook_table(cb), out);
 #endif
 }
+#if defined(__AVX512F__)
+MOESRV_AVX512_END
+#endif
 
 }  // namespace moesrv

@@ -7,6 +7,7 @@
 
 #include "format/exl3_hadamard.h"
 #include "format/exl3_tile.h"
+#include "format/exl3_tile_simd.h"
 #include "util/error.h"
 #include "util/thread_pool.h"
 
@@ -52,6 +53,54 @@ inline void strip_fma(const float* x, int64_t ldx, int64_t rows, const float* w,
 #endif
 }
 
+#if defined(__AVX512F__)
+MOESRV_AVX512_BEGIN
+// Small batches (decode): each tile is decoded straight into registers, 16 states at a time, and multiplied there,
+// with no store of the decoded tile. States t0 = 32j + {0, 16} of a tile hold output columns j and j + 8 over all 16
+// input rows (exl3_tile_pos: lanes 0-3 / 8-11 column j, lanes 4-7 / 12-15 column j + 8, rows [0,1,8,9 | 2,3,10,11]
+// for the first vector, [4,5,12,13 | 6,7,14,15] for the second), so the activations are laid out the same way once
+// (xs) and each (row, column pair) keeps a lane-wise accumulator, summed per column at the end of the strip.
+constexpr int64_t kGemvRows = 8;
+
+// xs[r][kt] = the two 16-lane vectors of activation row r, k-tile kt, in the tile's state order.
+void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* xs) {
+  static constexpr int kRow[2][16] = {{0, 1, 8, 9, 0, 1, 8, 9, 2, 3, 10, 11, 2, 3, 10, 11},
+                                      {4, 5, 12, 13, 4, 5, 12, 13, 6, 7, 14, 15, 6, 7, 14, 15}};
+  const int64_t tk = kp / 16;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t kt = 0; kt < tk; ++kt)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 16; ++l) xs[((r * tk + kt) * 2 + h) * 16 + l] = xr[r * kp + kt * 16 + kRow[h][l]];
+}
+
+void gemv_strip(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr) {
+  const int64_t tk = w.tiles_k(), np = w.out_pad;
+  __m512 acc[kGemvRows][8];
+  for (int64_t r = 0; r < n; ++r)
+    for (int j = 0; j < 8; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
+  for (int64_t kt = 0; kt < tk; ++kt) {
+    exl3_simd::tile_words(w.tile(kt, nt), w.K, ext);
+    const float* x = xs + kt * 32;
+    for (int j = 0; j < 8; ++j) {
+      const __m512 v0 = exl3_simd::decode16(ext, w.K, w.codebook, 32 * j);
+      const __m512 v1 = exl3_simd::decode16(ext, w.K, w.codebook, 32 * j + 16);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* xrow = x + r * tk * 32;
+        acc[r][j] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xrow), acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xrow + 16), acc[r][j]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int j = 0; j < 8; ++j) {
+      yr[r * np + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[r][j]);
+      yr[r * np + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[r][j]);
+    }
+}
+MOESRV_AVX512_END
+#endif
+
 }  // namespace
 
 Exl3Linear::Exl3Linear(Exl3Weights w, std::vector<float> bias, int64_t in_features, int64_t out_features)
@@ -75,6 +124,16 @@ size_t Exl3Linear::stored_bytes() const { return w_.trellis_bytes() + size_t(w_.
 
 void Exl3Linear::gemm_rotated(const float* xr, int64_t n, float* yr) const {
   const int64_t kp = w_.in_pad, np = w_.out_pad, strips = w_.tiles_n();
+#if defined(__AVX512F__)
+  if (n <= kGemvRows) {
+    std::vector<float> xs(size_t(n * kp * 2));
+    activations_in_state_order(xr, n, kp, xs.data());
+    ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
+      for (int64_t nt = s0; nt < s1; ++nt) gemv_strip(w_, xs.data(), n, nt, yr);
+    });
+    return;
+  }
+#endif
   ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
     std::vector<float> wbuf(size_t(kTilesPerChunk) * 256), acc(size_t(kRowGroup) * 16);
     for (int64_t nt = s0; nt < s1; ++nt) {
