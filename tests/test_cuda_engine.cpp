@@ -81,6 +81,20 @@ TEST(CudaPlacementBridge, PlanMapsToEngineOptions) {
   EXPECT_DOUBLE_EQ(opt.vram_budget_gib, 2.0);
 }
 
+TEST(CudaPlacementBridge, ColdExpertModes) {
+  CudaEngineOptions opt;
+  apply_cold_experts("cpu", opt);
+  EXPECT_FALSE(opt.stream_cold);
+  apply_cold_experts("gpu", opt);
+  EXPECT_TRUE(opt.stream_cold);
+  EXPECT_GE(opt.cpu_expert_ms, 1e6);  // no CPU expert ever beats a copy
+  CudaEngineOptions fresh;
+  apply_cold_experts("auto", fresh);
+  EXPECT_TRUE(fresh.stream_cold);
+  EXPECT_EQ(fresh.cpu_expert_ms, 0);  // measured
+  EXPECT_THROW(apply_cold_experts("disk", fresh), Error);
+}
+
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 
 // Models whose indexer selects keys: the GPU breaks exact ties at the k-th score toward lower positions, the CPU

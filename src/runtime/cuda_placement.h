@@ -4,11 +4,29 @@
 // Header-only so CPU builds can use it too.
 #pragma once
 #include <algorithm>
+#include <string>
 
 #include "backend/cuda/cuda_engine.h"
 #include "runtime/placement.h"
+#include "util/error.h"
 
 namespace moesrv {
+
+// --cold-experts: "auto" splits each pass's cold experts between the PCIe link and the CPU from measured rates;
+// "cpu" computes every CPU-placed expert on the CPU (no streaming slots); "gpu" streams every cold expert over
+// PCIe and runs it on the GPU (the CPU computes none). Throws on anything else.
+inline void apply_cold_experts(const std::string& mode, CudaEngineOptions& opt) {
+  if (mode == "auto") {
+    opt.stream_cold = true;
+  } else if (mode == "cpu") {
+    opt.stream_cold = false;
+  } else if (mode == "gpu") {
+    opt.stream_cold = true;
+    opt.cpu_expert_ms = 1e9;  // a CPU expert never beats a copy
+  } else {
+    fail("--cold-experts {}: expected auto, cpu or gpu", mode);
+  }
+}
 
 inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {
   opt.placement.assign(plan.layers.size(), {});

@@ -44,6 +44,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   c.max_ctx = o.max_ctx;
   c.prefill_chunk = o.prefill_chunk;
   c.kv_q8 = o.kv_q8;
+  apply_cold_experts(o.cold_experts, c);
   auto pkg = ModelPackage::open(model_dir);
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
@@ -67,6 +68,11 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
                   "value for all or one per GPU, e.g. 22,22")->delimiter(',')->allow_extra_args(false);
   cmd->add_option("--gpus", o.gpus, "split layers over N GPUs (pipeline; see docs/multi-gpu.md)");
   cmd->add_flag("--kv-q8", o.kv_q8, "GPU attention cache as int8 with per-token scales");
+  cmd->add_option("--cold-experts", o.cold_experts,
+                  "experts not in VRAM: auto (split each step between PCIe and the CPU from measured rates), cpu "
+                  "(compute on the CPU), gpu (stream over PCIe, run on the GPU)")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu"}))
+      ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
 }
 

@@ -4,6 +4,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "runtime/cuda_placement.h"
 #include "runtime/pipeline_cpu_stage.h"
 #include "runtime/pipeline_cuda_stage.h"
 #include "util/error.h"
@@ -59,6 +60,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
     s.max_ctx = req.context;
     s.prefill_chunk = o.prefill_chunk;
     s.kv_q8 = o.kv_q8;
+    apply_cold_experts(o.cold_experts, s);
   }
   return make_cuda_pipeline(ModelPackage::open(model_dir), stages, splits);
 }
