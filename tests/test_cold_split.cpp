@@ -1,10 +1,13 @@
-// The cold-expert split (backend/cold_split.h) against brute force over every subset, and its cost model.
+// The cold-expert split (backend/cold_split.h) against brute force over every subset, its cost model, and the
+// host plan of one MoE pass built on it (backend/expert_pass.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "backend/cold_split.h"
+#include "backend/expert_pass.h"
+#include "util/error.h"
 
 namespace moesrv {
 namespace {
@@ -67,6 +70,65 @@ TEST(ColdRates, CostsFromRates) {
   EXPECT_DOUBLE_EQ(r.cpu_s(1), 0.004);
   EXPECT_DOUBLE_EQ(r.cpu_s(9), 0.008);
   EXPECT_GT(ColdRates{}.fetch_s(1), 1e29);  // unknown link: never fetch
+}
+
+// Every selection lands once: GPU experts' selections as consecutive sorted rows (expert order), CPU ones at -1.
+void expect_consistent(const ExpertPass& p, const std::vector<int32_t>& ids, int64_t k) {
+  std::vector<int> seen(ids.size(), 0);
+  int32_t next_row = 0;
+  for (auto [e, row0] : p.gpu_runs) {
+    EXPECT_EQ(row0, next_row);
+    for (int32_t i : p.by_expert[size_t(e)]) {
+      EXPECT_EQ(ids[size_t(i)], e);
+      EXPECT_EQ(p.rowmap[size_t(i)], next_row);
+      EXPECT_EQ(p.sorted_tok[size_t(next_row)], i / int32_t(k));
+      ++next_row;
+      ++seen[size_t(i)];
+    }
+  }
+  EXPECT_EQ(size_t(next_row), p.sorted_tok.size());
+  for (int32_t e : p.cpu_experts)
+    for (int32_t i : p.by_expert[size_t(e)]) {
+      EXPECT_EQ(p.rowmap[size_t(i)], -1);
+      ++seen[size_t(i)];
+    }
+  for (int v : seen) EXPECT_EQ(v, 1);
+}
+
+TEST(ExpertPass, PlacementsAndTheColdSplit) {
+  const int64_t E = 12, k = 3, T = 40;
+  std::vector<int32_t> ids(size_t(T * k));
+  uint64_t s = 7;
+  for (auto& v : ids) v = int32_t((s = s * 6364136223846793005ull + 1442695040888963407ull) >> 33) % int32_t(E);
+  ids[0] = 11, ids[1] = 10;  // experts 10, 11 routed at least once
+  std::vector<ExpertWhere> where(size_t(E), ExpertWhere::Gpu);
+  for (int64_t e = 4; e < 8; ++e) where[size_t(e)] = ExpertWhere::Cpu;
+  for (int64_t e = 8; e < E; ++e) where[size_t(e)] = ExpertWhere::Cold;
+  // A CPU that costs a second per token: every cold expert is fetched.
+  auto slow_cpu = [](int32_t e, int64_t n) { return ColdCost{e, 1e-3, double(n)}; };
+  ExpertPass p = plan_expert_pass(ids.data(), T, k, where, slow_cpu, true);
+  expect_consistent(p, ids, k);
+  EXPECT_EQ(p.streamed.size(), 4u);
+  for (int32_t e : p.cpu_experts) EXPECT_TRUE(e >= 4 && e < 8) << e;
+  // No slot to fetch into: cold experts stay on the CPU.
+  p = plan_expert_pass(ids.data(), T, k, where, slow_cpu, false);
+  expect_consistent(p, ids, k);
+  EXPECT_TRUE(p.streamed.empty());
+  EXPECT_EQ(p.cpu_experts.size(), 8u);
+  // A slow link, a CPU cheap for one token and dear for more: only multi-selection cold experts are fetched.
+  std::vector<int32_t> one = {8, 9, 9, 0, 1, 2};  // expert 8 once, expert 9 twice
+  p = plan_expert_pass(
+      one.data(), 2, k, where,
+      [](int32_t e, int64_t n) {
+        return ColdCost{e, 1.0, n > 1 ? 1e3 : 1e-6};
+      },
+      true);
+  expect_consistent(p, one, k);
+  EXPECT_EQ(p.streamed, std::vector<int32_t>{9});
+  EXPECT_EQ(p.cpu_experts, std::vector<int32_t>{8});
+  // A selection outside the layer's experts is an error, not a crash.
+  std::vector<int32_t> bad = {0, 1, 12};
+  EXPECT_THROW(plan_expert_pass(bad.data(), 1, k, where, slow_cpu, true), Error);
 }
 
 }  // namespace

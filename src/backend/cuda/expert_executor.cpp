@@ -14,6 +14,7 @@
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/engine_internal.h"
+#include "backend/expert_pass.h"
 
 namespace moesrv {
 
@@ -155,43 +156,29 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   if (any_cpu) MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
 
-  // Plan: entries (token, slot) grouped by expert; GPU experts get consecutive rows of the sorted buffers.
-  const int32_t* ids = h_ids.as<int32_t>();
-  std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));
-  for (int64_t i = 0; i < n * k; ++i) by_expert[size_t(ids[i])].push_back(int32_t(i));
+  // Plan (backend/expert_pass.h): VRAM experts and those already in a slot run on the GPU, Cache experts too
+  // (fetched on a miss); a CPU expert with a host copy for the GPU is split between the PCIe link and the CPU for
+  // this pass's tokens; the rest run on the CPU.
+  std::vector<ExpertWhere> where(size_t(E), ExpertWhere::Gpu);
+  for (int64_t e = 0; e < E; ++e)
+    if (m.placement[size_t(e)] == ExpertPlacement::Cpu)
+      where[size_t(e)] = !m.host || !m.host->has(int(e))              ? ExpertWhere::Cpu
+                         : expert_cache->peek(int32_t(l), int32_t(e)) ? ExpertWhere::Gpu
+                                                                      : ExpertWhere::Cold;
+  const ExpertPass pass = plan_expert_pass(
+      h_ids.as<int32_t>(), n, k, where,
+      [&](int32_t e, int64_t tokens) {
+        return ColdCost{e, cold_rates.fetch_s(double(m.block_bytes[size_t(e)])), cold_rates.cpu_s(tokens)};
+      },
+      !m.slots.empty());
+  const auto& by_expert = pass.by_expert;
+  const auto& gpu_runs = pass.gpu_runs;
+  const auto& cpu_experts = pass.cpu_experts;
+  const int32_t rows = int32_t(pass.sorted_tok.size());
   int32_t* rowmap = h_rowmap.as<int32_t>();
   int32_t* sorted_tok = h_sorted_tok.as<int32_t>();
-  std::vector<std::pair<int, int32_t>> gpu_runs;  // (expert, first row)
-  std::vector<int> cpu_experts;
-  int32_t rows = 0;
-  // CPU experts with a host copy for the GPU: one still in a slot from an earlier pass runs there; the others are
-  // split between the PCIe link and the CPU for this pass's tokens (backend/cold_split.h).
-  std::vector<uint8_t> on_gpu(size_t(E), 0);
-  std::vector<ColdCost> cold;
-  for (int64_t e = 0; e < E; ++e) {
-    const size_t cnt = by_expert[size_t(e)].size();
-    if (!cnt || m.placement[size_t(e)] != ExpertPlacement::Cpu || !m.host || !m.host->has(int(e))) continue;
-    if (expert_cache->peek(int32_t(l), int32_t(e))) on_gpu[size_t(e)] = 1;
-    else
-      cold.push_back(
-          {int32_t(e), cold_rates.fetch_s(double(m.block_bytes[size_t(e)])), cold_rates.cpu_s(int64_t(cnt))});
-  }
-  const size_t fetch = split_cold(cold, !m.slots.empty());
-  for (size_t i = 0; i < fetch; ++i) on_gpu[size_t(cold[i].id)] = 1;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& entries = by_expert[size_t(e)];
-    if (entries.empty()) continue;
-    if (m.placement[size_t(e)] == ExpertPlacement::Cpu && !on_gpu[size_t(e)]) {
-      cpu_experts.push_back(int(e));
-      for (int32_t i : entries) rowmap[i] = -1;
-      continue;
-    }
-    gpu_runs.push_back({int(e), rows});
-    for (int32_t i : entries) {
-      rowmap[i] = rows;
-      sorted_tok[rows++] = i / int32_t(k);
-    }
-  }
+  std::copy(pass.rowmap.begin(), pass.rowmap.end(), rowmap);
+  std::copy(pass.sorted_tok.begin(), pass.sorted_tok.end(), sorted_tok);
   MOESRV_CUDA_OK(cudaMemcpyAsync(s.rowmap.as<void>(), rowmap, size_t(n * k) * 4, cudaMemcpyHostToDevice, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows) * 4, cudaMemcpyHostToDevice, stream));
   if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>(), rows, int(D), s.xs.as<uint16_t>(), stream);
