@@ -63,11 +63,10 @@ void exl3_decode_tile(const uint16_t* tile, int K, const float* table, float out
   for (int t = 0; t < 256; ++t) out[kPos.v[t]] = table[st[t]];
 }
 
-#if defined(__AVX512F__)
+#if defined(MOESRV_HAS_AVX512_PATH)
 MOESRV_AVX512_BEGIN
-#endif
-void exl3_decode_tile_fast(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]) {
-#if defined(__AVX512F__)
+namespace {
+MOESRV_AVX512_FN void decode_tile_avx512(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]) {
   alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
   exl3_simd::tile_words(tile, K, ext);
   for (int t0 = 0; t0 < 256; t0 += 16) {
@@ -75,12 +74,16 @@ void exl3_decode_tile_fast(const uint16_t* tile, int K, Exl3Codebook cb, float o
     const __m512i pos = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kPos.v + t0)));
     _mm512_i32scatter_ps(out, pos, v, 4);
   }
-#else
-  exl3_decode_tile(tile, K, exl3_codebook_table(cb), out);
-#endif
 }
-#if defined(__AVX512F__)
+}  // namespace
 MOESRV_AVX512_END
 #endif
+
+void exl3_decode_tile_fast(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]) {
+#if defined(MOESRV_HAS_AVX512_PATH)
+  if (exl3_simd::cpu_has_avx512()) return decode_tile_avx512(tile, K, cb, out);
+#endif
+  exl3_decode_tile(tile, K, exl3_codebook_table(cb), out);
+}
 
 }  // namespace moesrv

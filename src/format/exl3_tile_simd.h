@@ -1,9 +1,11 @@
 // AVX-512 pieces of EXL3 tile decoding shared by the tile decoder (format/exl3_tile.cpp) and the CPU GEMV
 // (backend/cpu/exl3_linear.cpp): the tile's words with a wrap-around word each side, and 16 consecutive states
-// decoded through the codebook with exact fp16 rounding (the values exl3_decode_tile writes). Only for builds with
-// __AVX512F__.
+// decoded through the codebook with exact fp16 rounding (the values exl3_decode_tile writes). x86-64 with GCC or
+// Clang: the functions carry their own target (MOESRV_AVX512_FN), so a portable build (e.g. -march=x86-64-v3 for
+// the GPU machine) still uses them where cpu_has_avx512() says the CPU can.
 #pragma once
-#if defined(__AVX512F__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MOESRV_HAS_AVX512_PATH 1
 #include <immintrin.h>
 
 #include <cstdint>
@@ -25,7 +27,16 @@
 #endif
 MOESRV_AVX512_BEGIN
 
+#define MOESRV_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,fma")))
+
 namespace moesrv::exl3_simd {
+
+// The CPU runs AVX-512 F/BW/DQ/VL (checked once).
+inline bool cpu_has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
 
 // Words of an ext buffer: the tile's 8K words, one wrap-around word each side, and 16 zero words so that a 16-word
 // load from any window start stays inside it.
@@ -44,7 +55,7 @@ inline void tile_words(const uint16_t* tile, int K, uint32_t* ext) {
 // fp32 values of states t0 .. t0+15 of the tile whose words are in `ext` (kExtWords, stream order). The 16 windows
 // span at most 16K + 16 bits, i.e. 6 consecutive words: one 16-word load and two in-register permutes fetch each
 // window's two words (no gathers).
-inline __m512 decode16(const uint32_t* ext, int K, Exl3Codebook cb, int t0) {
+MOESRV_AVX512_FN inline __m512 decode16(const uint32_t* ext, int K, Exl3Codebook cb, int t0) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // window start (ext bits, MSB-first) of each element: t*K + K - 16 + 32
   const int s0 = t0 * K + K + 16;
@@ -79,4 +90,4 @@ inline __m512 decode16(const uint32_t* ext, int K, Exl3Codebook cb, int t0) {
 }  // namespace moesrv::exl3_simd
 
 MOESRV_AVX512_END
-#endif  // __AVX512F__
+#endif  // x86-64

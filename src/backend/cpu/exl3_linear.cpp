@@ -53,7 +53,7 @@ inline void strip_fma(const float* x, int64_t ldx, int64_t rows, const float* w,
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(MOESRV_HAS_AVX512_PATH)
 MOESRV_AVX512_BEGIN
 // Small batches (decode): each tile is decoded straight into registers, 16 states at a time, and multiplied there,
 // with no store of the decoded tile. States t0 = 32j + {0, 16} of a tile hold output columns j and j + 8 over all 16
@@ -63,7 +63,7 @@ MOESRV_AVX512_BEGIN
 constexpr int64_t kGemvRows = 8;
 
 // xs[r][kt] = the two 16-lane vectors of activation row r, k-tile kt, in the tile's state order.
-void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* xs) {
+MOESRV_AVX512_FN void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* xs) {
   static constexpr int kRow[2][16] = {{0, 1, 8, 9, 0, 1, 8, 9, 2, 3, 10, 11, 2, 3, 10, 11},
                                       {4, 5, 12, 13, 4, 5, 12, 13, 6, 7, 14, 15, 6, 7, 14, 15}};
   const int64_t tk = kp / 16;
@@ -73,7 +73,7 @@ void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* x
         for (int l = 0; l < 16; ++l) xs[((r * tk + kt) * 2 + h) * 16 + l] = xr[r * kp + kt * 16 + kRow[h][l]];
 }
 
-void gemv_strip(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr) {
+MOESRV_AVX512_FN void gemv_strip(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr) {
   const int64_t tk = w.tiles_k(), np = w.out_pad;
   __m512 acc[kGemvRows][8];
   for (int64_t r = 0; r < n; ++r)
@@ -124,8 +124,8 @@ size_t Exl3Linear::stored_bytes() const { return w_.trellis_bytes() + size_t(w_.
 
 void Exl3Linear::gemm_rotated(const float* xr, int64_t n, float* yr) const {
   const int64_t kp = w_.in_pad, np = w_.out_pad, strips = w_.tiles_n();
-#if defined(__AVX512F__)
-  if (n <= kGemvRows) {
+#if defined(MOESRV_HAS_AVX512_PATH)
+  if (n <= kGemvRows && exl3_simd::cpu_has_avx512()) {
     std::vector<float> xs(size_t(n * kp * 2));
     activations_in_state_order(xr, n, kp, xs.data());
     ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
