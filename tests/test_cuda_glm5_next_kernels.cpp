@@ -18,6 +18,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/residual.h"
 #include "model/router.h"
+#include "util/numeric.h"
 
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <cuda_runtime.h>
@@ -702,6 +703,70 @@ TEST(CudaQwen3NextKernels, SigmoidGateRows) {
   for (int r = 0; r < rows; ++r)
     for (int i = 0; i < n; ++i) x[size_t(r * n + i)] *= sigmoid(qg[size_t(r * 2 * n + n + i)]);
   EXPECT_LT(rel_err(dx.host(), x), 1e-6);
+}
+
+// The key-split MLA decode kernel against attention() (the engine's verified path) on the same cache: bf16 and int8
+// caches, DSA selections with -1 padding and positions past the token (both ignored) and plain causal attention,
+// 64 heads and a count that is not a multiple of the kernel's 8, GLM-5 (r 512 + rope 64) and NoPE (512) keys.
+TEST(CudaMlaKernels, SplitDecodeMatchesAttention) {
+  SKIP_WITHOUT_DEVICE();
+  const int T = 700, R = 512, pos0 = 600;
+  std::mt19937 rng(5);
+  for (int D : {576, 512})
+    for (int H : {64, 12})
+      for (bool q8 : {false, true})
+        for (int S : {1, 3})
+          for (int sel_k : {0, 260}) {
+            const auto kvf = uniform(size_t(T) * D, -1.0f, 1.0f, uint32_t(D + H + S));
+            std::vector<uint16_t> kv16(kvf.size());
+            std::vector<int8_t> kv8(kvf.size());
+            std::vector<float> scale(static_cast<size_t>(T));
+            for (size_t i = 0; i < kvf.size(); ++i) {
+              kv16[i] = f32_to_bf16(kvf[i]);
+              kv8[i] = int8_t(std::lround(kvf[i] * 127.0f));
+            }
+            for (int t = 0; t < T; ++t) scale[size_t(t)] = 0.01f + 0.0001f * float(t % 7);
+            Dev<uint16_t> d16(kv16);
+            Dev<int8_t> d8(kv8);
+            Dev<float> dscale(scale);
+            cuda::DeviceLayerCache lc;
+            lc.kv = q8 ? static_cast<void*>(d8.get()) : static_cast<void*>(d16.get());
+            lc.kv_scale = q8 ? dscale.get() : nullptr;
+            Dev<cuda::DeviceLayerCache> dlc(std::vector<cuda::DeviceLayerCache>{lc});
+            Dev<int32_t> dpos(std::vector<int32_t>{pos0});
+            std::vector<int32_t> sel(size_t(S) * size_t(sel_k));
+            for (int s = 0; s < S; ++s)
+              for (int i = 0; i < sel_k; ++i) {
+                const int r = int(rng() % 20);
+                sel[size_t(s * sel_k + i)] = r == 0   ? -1
+                                             : r == 1 ? pos0 + s + 1 + int(rng() % 50)
+                                                      : int(rng() % (pos0 + s + 1));
+              }
+            Dev<int32_t> dsel(sel);
+            Dev<float> dq(uniform(size_t(S) * H * D, -0.2f, 0.2f, uint32_t(7 * D + H)));
+            Dev<float> ref(size_t(S) * H * R), out(size_t(S) * H * R), part(cuda::mla_split_floats(S, H, R));
+            cuda::AttentionArgs a;
+            a.q = dq.get();
+            a.S = S, a.H = H, a.q_dim = D, a.v_dim = R, a.mla = true, a.q8 = q8;
+            a.lc = dlc.get();
+            a.selection = sel_k ? dsel.get() : nullptr;
+            a.sel_k = sel_k;
+            a.pos0 = dpos.get();
+            a.scale = 0.05f;
+            a.out = ref.get();
+            ASSERT_TRUE(cuda::mla_split_supported(a));
+            cuda::attention(a, nullptr);
+            a.out = out.get();
+            cuda::mla_split_attention(a, part.get(), nullptr);
+            const auto r = ref.host(), o = out.host();
+            double worst = 0, norm = 0;
+            for (size_t i = 0; i < r.size(); ++i) {
+              worst = std::max(worst, double(std::fabs(r[i] - o[i])));
+              norm = std::max(norm, double(std::fabs(r[i])));
+            }
+            EXPECT_LT(worst, 1e-5 * std::max(1.0, norm))
+                << "D " << D << " H " << H << " q8 " << q8 << " S " << S << " sel_k " << sel_k;
+          }
 }
 
 #else

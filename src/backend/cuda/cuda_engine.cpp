@@ -270,7 +270,8 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     args.pos0 = pos;
     args.scale = float(c.softmax_scale);
     args.out = s.olat.as<float>();
-    attention(args, stream);
+    if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
+    else attention(args, stream);
     mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
   }
   linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());

@@ -47,6 +47,9 @@ struct CudaEngineOptions {
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
+  // MLA decode (<= 8 tokens a pass) through the key-split kernel (mla_split.cu: each key tile shared by 8 heads)
+  // instead of attention()'s block per (token, head). Off until its kernel test has passed on a GPU.
+  bool mla_split_decode = false;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.

@@ -363,6 +363,10 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.attention == AttentionKind::MLA) {
     const int64_t lat = c.kv_lora_rank + c.qk_rope_dim;
     attn_rows = std::clamp<int64_t>(kSliceFloats / (H * lat), 1, R);
+    if (opt.mla_split_decode)
+      s.mla_part =
+          f32(int64_t(mla_split_floats(int(std::min<int64_t>(R, kMlaSplitMaxTokens)), int(H), int(c.kv_lora_rank))),
+              "split MLA decode partials");
     s.q_lat = f32(R * c.q_lora_rank, "q latent");
     s.q = f32(R * H * c.qk_head_dim(), "q");
     s.kv = f32(R * lat, "kv");

@@ -261,6 +261,7 @@ struct CudaEngine::Impl {
   struct Scratch {
     cuda::DeviceBuffer x, h, y, xb;                             // residual, normed, layer output, bf16 input
     cuda::DeviceBuffer q_lat, q, kv, qcat, olat, attn_out;      // attention
+    cuda::DeviceBuffer mla_part;                                // split MLA decode's partial softmax states
     cuda::DeviceBuffer k, v;                                    // GQA keys/values of the pass
     cuda::DeviceBuffer qgate;                                   // GQA q_proj rows [H][query | gate] (output gate)
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA

@@ -68,6 +68,13 @@ struct AttentionArgs {
 };
 void attention(const AttentionArgs& a, cudaStream_t st);
 
+// MLA attention of a few tokens (decode; mla_split.cu): attention()'s result for a.mla, with the keys split into
+// ranges over more blocks and each key tile shared by 8 heads; `part` is scratch of mla_split_floats() floats.
+constexpr int kMlaSplitMaxTokens = 8, kMlaSplitMaxKeyWidth = 640;
+bool mla_split_supported(const AttentionArgs& a);
+size_t mla_split_floats(int S, int H, int v_dim);
+void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st);
+
 // DSA lightning indexer top-k for queries [s_begin, s_begin + n): scores over cached keys with ReLU heads,
 // exact top-min(K, pos+1), ties to the lower position, written in ascending position order, -1 padded.
 // q: [S][nh][d] (roped), hw: [S][nh] head weights; scratch: n * max_ctx floats.

@@ -1,0 +1,178 @@
+// MLA attention for a few query tokens (decode), split over the keys: each block takes one token, 8 heads and one
+// of kSplits key ranges. A key tile (latent rows, shared by every head) is staged once in shared memory for the 8
+// heads (attention() re-reads it for every head); each warp owns one head's online softmax; each thread owns two
+// value columns of the 8 heads. The blocks leave their partial softmax state (max, sum, unnormalised values) in
+// `part`, and a second kernel merges the ranges. Same inputs and result as attention() for a.mla.
+#include <cmath>
+
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace moesrv::cuda {
+
+namespace {
+
+constexpr int kSplits = 16, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
+static_assert(kThreads == kHeads * 32 && kKeyTile == 32, "one warp per head, one lane per key of a tile");
+
+template <typename T>
+__device__ __forceinline__ float elem(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float elem<uint16_t>(const uint16_t* p, int64_t i) {
+  return bf16_to_f32(p[i]);
+}
+template <>
+__device__ __forceinline__ float elem<int8_t>(const int8_t* p, int64_t i) {
+  return float(p[i]);
+}
+
+size_t split_smem_bytes(int D) { return size_t(kHeads * D + kKeyTile * (D + 1) + kHeads * kKeyTile + kHeads) * 4; }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, float* part) {
+  extern __shared__ float smem[];
+  __shared__ int key_s[kKeyTile];
+  __shared__ float kscale_s[kKeyTile];
+  const int s = blockIdx.x, h0 = blockIdx.y * kHeads, split = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, D = a.q_dim, R = a.v_dim, KS = D + 1;  // odd stride: no bank conflicts
+  const int nh = min(kHeads, a.H - h0);
+  float* q_s = smem;                        // [kHeads][D]
+  float* k_s = q_s + kHeads * D;            // [kKeyTile][KS], fp32
+  float* p_s = k_s + kKeyTile * KS;         // [kHeads][kKeyTile] probabilities (times the value scale)
+  float* corr_s = p_s + kHeads * kKeyTile;  // [kHeads] rescale of the running values
+  const DeviceLayerCache lc = *a.lc;
+  const T* kv = static_cast<const T*>(lc.kv);
+  const float* scale_t = a.q8 ? lc.kv_scale : nullptr;
+  const int pos = *a.pos0 + s;
+  const int n_keys = a.selection ? a.sel_k : pos + 1;
+  const int per = (n_keys + kSplits - 1) / kSplits, k0 = split * per, k1 = min(n_keys, k0 + per);
+  const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
+
+  for (int i = tid; i < kHeads * D; i += kThreads) {
+    const int h = i / D;
+    q_s[i] = h < nh ? a.q[(int64_t(s) * a.H + h0 + h) * D + i % D] : 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;  // warp `warp`'s head: running max and sum (the same in every lane)
+  float acc[kHeads][kCols];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[h][c] = 0.0f;
+
+  for (int base = k0; base < k1; base += kKeyTile) {
+    __syncthreads();  // the previous tile's k_s / p_s are consumed
+    if (tid < kKeyTile) {
+      const int idx = base + tid;
+      int t = idx < k1 ? (sel ? sel[idx] : idx) : -1;
+      if (t > pos) t = -1;
+      key_s[tid] = t;
+      kscale_s[tid] = t >= 0 && scale_t ? scale_t[t] : 1.0f;
+    }
+    __syncthreads();
+    for (int i = tid; i < kKeyTile * D; i += kThreads) {
+      const int row = i / D, d = i % D, t = key_s[row];
+      k_s[row * KS + d] = t >= 0 ? elem<T>(kv, int64_t(t) * D + d) : 0.0f;
+    }
+    __syncthreads();
+    // Scores: warp = head, lane = key of the tile.
+    const int t = key_s[lane];
+    float score = -INFINITY;
+    if (t >= 0 && warp < nh) {
+      const float* qh = q_s + warp * D;
+      const float* kr = k_s + lane * KS;
+      float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+      int d = 0;
+      for (; d + 4 <= D; d += 4)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) d4[u] += qh[d + u] * kr[d + u];
+      for (; d < D; ++d) d4[0] += qh[d] * kr[d];
+      score = ((d4[0] + d4[1]) + (d4[2] + d4[3])) * kscale_s[lane] * a.scale;
+    }
+    const float m_new = fmaxf(m, warp_max(score));
+    const float p = score == -INFINITY ? 0.0f : expf(score - m_new);
+    const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+    if (m_new != -INFINITY) {
+      l = l * corr + warp_sum(p);
+      m = m_new;
+    }
+    p_s[warp * kKeyTile + lane] = p * (t >= 0 ? kscale_s[lane] : 0.0f);  // MLA values share the key's scale
+    if (lane == 0) corr_s[warp] = m_new == -INFINITY ? 1.0f : corr;
+    __syncthreads();
+    // Values: the first R entries of each key row; thread = columns tid + kThreads * c of every head.
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int j = tid + c * kThreads;
+      if (j >= R) break;
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        float v = acc[h][c] * corr_s[h];
+        for (int k = 0; k < kKeyTile; ++k) v += p_s[h * kKeyTile + k] * k_s[k * KS + j];
+        acc[h][c] = v;
+      }
+    }
+  }
+  // Partial state of each head: [S][H][kSplits][R + 2] = unnormalised values | max | sum.
+  for (int h = 0; h < nh; ++h) {
+    float* out = part + ((int64_t(s) * a.H + h0 + h) * kSplits + split) * (R + 2);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int j = tid + c * kThreads;
+      if (j < R) out[j] = acc[h][c];
+    }
+  }
+  if (lane == 0 && warp < nh) {
+    float* out = part + ((int64_t(s) * a.H + h0 + warp) * kSplits + split) * (R + 2);
+    out[R] = m;
+    out[R + 1] = l;
+  }
+}
+
+__global__ void mla_split_combine(const float* part, int H, int R, float* out) {
+  const int sh = blockIdx.x;  // s * H + h
+  const float* p = part + int64_t(sh) * kSplits * (R + 2);
+  float M = -INFINITY;
+  for (int i = 0; i < kSplits; ++i) M = fmaxf(M, p[i * (R + 2) + R]);
+  float L = 0.0f, w[kSplits];
+#pragma unroll
+  for (int i = 0; i < kSplits; ++i) {
+    const float mi = p[i * (R + 2) + R];
+    w[i] = mi == -INFINITY ? 0.0f : expf(mi - M);
+    L += w[i] * p[i * (R + 2) + R + 1];
+  }
+  const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+  for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kSplits; ++i) v += w[i] * p[i * (R + 2) + j];
+    out[int64_t(sh) * R + j] = v * inv;
+  }
+}
+
+template <typename T>
+void launch_split(const AttentionArgs& a, float* part, cudaStream_t st) {
+  const size_t smem = split_smem_bytes(a.q_dim);
+  // Per device (pipeline stages may run on several); a host-side call, legal while a graph is captured.
+  if (cudaFuncSetAttribute(mla_split_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+    throw std::runtime_error("mla_split_attention: cannot reserve " + std::to_string(smem) + " B of shared memory");
+  mla_split_kernel<T><<<dim3(a.S, (a.H + kHeads - 1) / kHeads, kSplits), kThreads, smem, st>>>(a, part);
+}
+
+}  // namespace
+
+bool mla_split_supported(const AttentionArgs& a) {
+  return a.mla && a.S >= 1 && a.S <= kMlaSplitMaxTokens && a.v_dim <= kThreads * kCols &&
+         a.q_dim <= kMlaSplitMaxKeyWidth && a.v_dim <= a.q_dim;
+}
+
+size_t mla_split_floats(int S, int H, int v_dim) { return size_t(S) * size_t(H) * kSplits * size_t(v_dim + 2); }
+
+void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st) {
+  if (!mla_split_supported(a)) throw std::runtime_error("mla_split_attention: unsupported shape");
+  if (a.q8) launch_split<int8_t>(a, part, st);
+  else launch_split<uint16_t>(a, part, st);
+  MOESRV_CUDA_LAUNCH_CHECK();
+  mla_split_combine<<<a.S * a.H, kThreads, 0, st>>>(part, a.H, a.v_dim, a.out);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moesrv::cuda
