@@ -210,6 +210,25 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
   EXPECT_EQ(g->stats().graph_captures, 1);
 }
 
+// The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default
+// attention kernel, in the decode graph too, for every MLA model (selected keys or causal).
+TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
+  SKIP_WITHOUT_CUDA();
+  const auto pkg = ModelPackage::open(tiny(GetParam()));
+  if (ModelConfig::from_json(pkg->config()).attention != AttentionKind::MLA) GTEST_SKIP() << "not an MLA model";
+  auto all = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
+  CudaEngineOptions split;
+  split.mla_split_decode = true;
+  auto base = gpu_engine(GetParam()), fast = gpu_engine(GetParam(), split);
+  const auto ref = test::prefill_then_steps(*base, prompt, steps), out = test::prefill_then_steps(*fast, prompt, steps);
+  ASSERT_EQ(ref.size(), out.size());
+  const int64_t V = base->vocab_size();
+  for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
+    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-4) << "row " << r;
+  EXPECT_GT(fast->stats().graph_replays, 0);
+}
+
 TEST_P(CudaVsCpu, TruncateAndCloneReplay) {
   SKIP_WITHOUT_CUDA();
   auto g = gpu_engine(GetParam());

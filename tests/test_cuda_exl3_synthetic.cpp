@@ -157,7 +157,8 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 // measured bandwidth (device copy, pinned H2D, host memcpy); expert traffic is counted by the engine (CudaEngineStats).
 // Opt-in: MOESRV_CUDA_BENCH=1. MOESRV_BENCH_JSON=<file> writes docs/perf/glm5-next-h200.json's format;
 // MOESRV_BENCH_CONTEXTS (default 8192,32768), MOESRV_BENCH_BUDGETS (default all; e.g. all,44,22),
-// MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix.
+// MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix; MOESRV_BENCH_MLA_SPLIT=1 decodes MLA
+// with the key-split kernel.
 std::vector<std::string> env_list(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   std::string s = v && *v ? v : fallback;
@@ -327,6 +328,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       CudaEngineOptions base;
       base.max_ctx = max_ctx + 64;
       base.prefill_chunk = 8192;
+      base.mla_split_decode = std::getenv("MOESRV_BENCH_MLA_SPLIT") != nullptr;  // the key-split MLA decode kernel
       PlacementPlan plan;
       if (budget != "all") {
         PlacementRequest req;
