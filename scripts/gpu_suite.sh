@@ -7,7 +7,8 @@
 #                                   pipeline hand-off overhead per decode token
 #   The bench's matrix comes from the environment (defaults: contexts 8192,32768, budget all, uniform routing), e.g.
 #   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072
-#   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s)
+#   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s);
+#   MOESRV_BENCH_MLA_SPLIT=1 decodes MLA with the key-split kernel (CudaMlaKernels.* must pass first).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
