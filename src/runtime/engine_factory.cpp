@@ -26,9 +26,7 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   // residuals, the DSA and k-pool indexers, sigmoid-group and softmax routers, gated shared experts. Its delta-rule
   // kernel takes key heads of 32, 64, 96, 128, 192 or 256 values; a linear-attention model with others runs on the CPU.
   const ModelConfig spec = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
-  const int64_t dk = spec.linear.dk;
-  const bool cuda_ready =
-      !spec.has_recurrent_layers() || (dk % 32 == 0 && dk >= 32 && dk <= 256 && dk != 160 && dk != 224);
+  const bool cuda_ready = !spec.has_recurrent_layers() || cuda_delta_rule_supports(spec.linear.dk);
   if (!cuda_ready) {
     if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
     return CpuEngine::open(model_dir, o.served_name);

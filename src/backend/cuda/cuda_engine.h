@@ -16,6 +16,10 @@ namespace moesrv {
 
 // True when this build has the CUDA backend and a CUDA device is visible (always false in CPU builds).
 bool cuda_available();
+// Linear-attention key head sizes the CUDA delta-rule kernel is instantiated for (linear_attention.cu).
+constexpr bool cuda_delta_rule_supports(int64_t dk) {
+  return dk == 32 || dk == 64 || dk == 96 || dk == 128 || dk == 192 || dk == 256;
+}
 // Visible CUDA devices (0 in CPU builds).
 int cuda_device_count();
 

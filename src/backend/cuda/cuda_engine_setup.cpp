@@ -66,6 +66,9 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
   MOESRV_CUBLAS_OK(cublasSetWorkspace(cublas, cublas_workspace.as<void>(), cublas_workspace.bytes()));
 
+  if (c.has_recurrent_layers() && !cuda_delta_rule_supports(c.linear.dk))
+    fail("CUDA engine: linear-attention key heads of {} values are not supported (32, 64, 96, 128, 192, 256)",
+         c.linear.dk);
   layer_begin = opt.layer_begin;
   layer_end = opt.layer_end < 0 ? c.num_layers : opt.layer_end;
   if (layer_begin < 0 || layer_end > c.num_layers || layer_begin >= layer_end)

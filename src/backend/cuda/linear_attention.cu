@@ -229,7 +229,7 @@ void delta_rule(const DeltaRuleArgs& args, cudaStream_t st) {
                              std::to_string(a.qk_group));
   if (a.qk_stride == 0) a.qk_stride = int64_t(a.heads / a.qk_group) * a.dk;
   if (a.v_stride == 0) a.v_stride = int64_t(a.heads) * a.dv;
-  switch (a.dk) {
+  switch (a.dk) {  // the sizes cuda_delta_rule_supports() (cuda_engine.h) lists
     case 32: launch_delta_rule<1>(a, st); break;
     case 64: launch_delta_rule<2>(a, st); break;
     case 96: launch_delta_rule<3>(a, st); break;
