@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Bounded fuzz run of request parsing, the Jinja interpreter and the tool-call parsers + turn grammar
-# (tests/fuzz/fuzz_*.cpp) with libFuzzer from Debian (clang-14 + libclang-rt-14-dev), under ASan and UBSan.
+# Bounded fuzz run of request parsing, the Jinja interpreter, the tool-call parsers + turn grammar, safetensors
+# header validation and config.json -> model description (tests/fuzz/fuzz_*.cpp) with libFuzzer from Debian (clang-14 + libclang-rt-14-dev), under ASan and UBSan.
 # Each target runs for N seconds over its corpus in tests/fuzz/corpus/<target>/ (read only: new inputs go to
 # build-fuzz/corpus_<target>/). Exits non-zero on any crash, sanitizer report, timeout or leak.
 #
-#   scripts/fuzz.sh [seconds per target, default 60] [target ...]     (targets: fuzz_request fuzz_jinja fuzz_tool_parser)
+#   scripts/fuzz.sh [seconds per target, default 60] [target ...]     (targets: fuzz_request fuzz_jinja fuzz_tool_parser
+#                                                                      fuzz_safetensors fuzz_config)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
 [[ $# -gt 0 ]] && shift
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_request fuzz_jinja fuzz_tool_parser)
+[[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_request fuzz_jinja fuzz_tool_parser fuzz_safetensors fuzz_config)
 CXX=${FUZZ_CXX:-$(command -v clang++-14 || command -v clang++ || true)}
 if [[ -z $CXX ]]; then
   echo "fuzz: clang++ not found (Debian: apt-get install clang-14 libclang-rt-14-dev)" >&2
@@ -28,11 +29,13 @@ declare -A srcs=(
   [fuzz_request]="src/server/chat_request.cpp src/server/json_schema.cpp"
   [fuzz_jinja]="$jinja_srcs"
   [fuzz_tool_parser]="$server_srcs"
+  [fuzz_safetensors]="src/format/safetensors.cpp src/format/tensor_view.cpp src/format/dtype.cpp"
+  [fuzz_config]="$(ls src/model/registry.cpp src/model/hf_config.cpp src/model/manifest.cpp src/model/state.cpp src/model/rope.cpp src/model/arch/*.cpp)"
 )
 
-obj() {  # compiles one source (once, unless it changed) and prints the object path
+obj() {  # compiles one source (again when it or any header under src/ changed) and prints the object path
   local src=$1 o="$out/obj/$(echo "$1" | tr / _).o"
-  if [[ ! -f $o || $src -nt $o ]]; then
+  if [[ ! -f $o || $src -nt $o || -n $(find src -name '*.h' -newer "$o" -print -quit) ]]; then
     $CXX $cflags -fsanitize=fuzzer-no-link -c "$src" -o "$o" >&2
   fi
   echo "$o"

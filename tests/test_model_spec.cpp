@@ -107,5 +107,32 @@ TEST(ModelSpec, UnsupportedTypeNamesTheSupportedOnes) {
   }
 }
 
+// Corrupt sizes end in an error naming the field (fuzz_config found a 4e126 hidden_size converted to an integer
+// with undefined behaviour, and zero frequencies dividing by zero); integral floats such as 2048.0 still read.
+TEST(ModelSpec, CorruptSizesAreNamedErrors) {
+  auto base = read_json_file(hf_tiny("glm_moe_dsa") + "/config.json");
+  auto expect_error = [&](const char* key, const nlohmann::json& value, const std::string& needle) {
+    auto j = base;
+    j[key] = value;
+    try {
+      ModelSpec::from_json(j);
+      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error("hidden_size", 4.09644e126, "hidden_size");
+  expect_error("hidden_size", 2.5, "not an integer");
+  expect_error("num_hidden_layers", 1000000, "num_hidden_layers");
+  expect_error("n_routed_experts", int64_t(1) << 40, "n_routed_experts");
+  expect_error("kv_lora_rank", 1 << 20, "kv_lora_rank = 1048576 is outside");
+  base.erase("mlp_layer_types");  // the layer kinds from first_k_dense_replace / moe_layer_freq
+  expect_error("moe_layer_freq", 0, "moe_layer_freq");
+  expect_error("rms_norm_eps", -1.0, "rms_norm_eps");
+  auto j = base;
+  j["hidden_size"] = double(base["hidden_size"].get<int64_t>());  // 256.0
+  EXPECT_EQ(ModelSpec::from_json(j).hidden_size, base["hidden_size"].get<int64_t>());
+}
+
 }  // namespace
 }  // namespace moesrv

@@ -81,6 +81,12 @@ TEST(Safetensors, CorruptHeadersAreRejected) {
   expect_error([&] { SafetensorsFile::open(d / "dtype.safetensors"); }, "unknown dtype");
   spit(d / "size.safetensors", raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})") + "abcd");
   expect_error([&] { SafetensorsFile::open(d / "size.safetensors"); }, "needs 8 bytes");
+  // Dimensions whose byte count wraps 64 bits to 0 (it passed as a 0-byte tensor before).
+  for (const char* shape : {"[4294967296,4294967296]", "[4611686018427387904]"}) {
+    const std::string h = std::string(R"({"w":{"dtype":"F32","shape":)") + shape + R"(,"data_offsets":[0,0]}})";
+    spit(d / "wrap.safetensors", raw_file(h));
+    expect_error([&] { SafetensorsFile::open(d / "wrap.safetensors"); }, "more bytes than 64 bits can count");
+  }
   spit(d / "range.safetensors", raw_file(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})") + "abcd");
   expect_error([&] { SafetensorsFile::open(d / "range.safetensors"); }, "truncated or corrupt");
   spit(d / "overlap.safetensors",

@@ -36,8 +36,25 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   ::close(fd);
   if (m == MAP_FAILED) fail("{}: mmap failed: {}", path, std::strerror(errno));
   f->map_ = m;
-  const uint8_t* base = static_cast<const uint8_t*>(m);
+  f->parse(static_cast<const uint8_t*>(m));
+  return f;
+}
 
+std::shared_ptr<SafetensorsFile> SafetensorsFile::from_memory(const uint8_t* data, size_t size,
+                                                              std::shared_ptr<const void> owner,
+                                                              const std::string& name) {
+  std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = name;
+  f->size_ = size;
+  f->owner_ = std::move(owner);
+  if (size < 8) fail("{}: truncated safetensors file ({} bytes, header length needs 8)", name, size);
+  f->parse(data);
+  return f;
+}
+
+void SafetensorsFile::parse(const uint8_t* base) {
+  SafetensorsFile* f = this;
+  const std::string& path = path_;
   uint64_t header_len = 0;
   std::memcpy(&header_len, base, 8);
   if (header_len > f->size_ - 8) fail("{}: truncated safetensors file: header says {} bytes, file has {}", path, header_len, f->size_ - 8);
@@ -70,9 +87,13 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       if (off.size() != 2 || off[0] > off[1]) fail("{}: tensor {} has bad data_offsets", path, v.name);
       if (off[1] > data_size)
         fail("{}: truncated or corrupt: tensor {} ends at byte {} but the data section has {}", path, v.name, off[1], data_size);
-      for (auto d : v.shape)
+      // Bytes from the shape without wrapping (huge dimensions must not multiply to a small, "valid" size).
+      uint64_t expect = dtype_size(v.dtype);
+      for (auto d : v.shape) {
         if (d < 0) fail("{}: tensor {} has a negative dimension", path, v.name);
-      size_t expect = size_t(v.numel()) * dtype_size(v.dtype);
+        if (__builtin_mul_overflow(expect, uint64_t(d), &expect))
+          fail("{}: tensor {} {} has more bytes than 64 bits can count", path, v.name, v.shape_str());
+      }
       if (off[1] - off[0] != expect)
         fail("{}: tensor {} {} {} needs {} bytes but offsets span {}", path, v.name, dtype_name(v.dtype), v.shape_str(), expect, off[1] - off[0]);
       v.data = data + off[0];
@@ -86,7 +107,6 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i)
     if (ranges[i].first < ranges[i - 1].second) fail("{}: corrupt header: tensor data ranges overlap", path);
-  return f;
 }
 
 SafetensorsFile::~SafetensorsFile() {

@@ -32,6 +32,7 @@ void read_common(const json& j, ModelSpec& s) {
   s.mtp_layers = get_or<int64_t>(j, "num_nextn_predict_layers", 0);
   if (s.vocab_size <= 0 || s.hidden_size <= 0 || s.num_layers <= 0 || s.num_heads <= 0)
     fail("config.json: vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be positive");
+  if (s.num_layers > kMaxLayers) fail("config.json: num_hidden_layers {} exceeds {}", s.num_layers, kMaxLayers);
 }
 
 void read_moe(const json& j, ModelSpec& s) {
@@ -54,6 +55,7 @@ void read_moe(const json& j, ModelSpec& s) {
   } else {
     int64_t first_dense = get_or<int64_t>(j, "first_k_dense_replace", 0);
     int64_t freq = get_or<int64_t>(j, "moe_layer_freq", 1);
+    if (freq < 1) fail("config.json: moe_layer_freq {} must be at least 1", freq);
     for (int64_t i = 0; i < s.num_layers; ++i) s.layer_is_moe[size_t(i)] = i >= first_dense && i % freq == 0;
   }
   bool any_moe = false;
@@ -76,11 +78,14 @@ void read_rope(const json& j, ModelSpec& s, int64_t rope_head_dim) {
   RopeConfig& r = s.rope;
   r.theta = get_or<double>(rp, "rope_theta", get_or<double>(j, "rope_theta", 10000.0));
   double partial = get_or<double>(rp, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0));
+  if (!(partial > 0 && partial <= 1)) fail("config.json: partial_rotary_factor {} is outside (0, 1]", partial);
   r.dim = int64_t(double(rope_head_dim) * partial);
   std::string type = get_or<std::string>(rp, "rope_type", get_or<std::string>(rp, "type", "default"));
   if (type == "yarn") {
     r.yarn = true;
     r.original_max_position = get_or<int64_t>(rp, "original_max_position_embeddings", s.max_position);
+    if (r.original_max_position < 1)
+      fail("config.json: original_max_position_embeddings {} must be positive", r.original_max_position);
     r.factor = get_or<double>(rp, "factor", double(s.max_position) / double(r.original_max_position));
     r.beta_fast = get_or<double>(rp, "beta_fast", 32.0);
     r.beta_slow = get_or<double>(rp, "beta_slow", 1.0);
@@ -88,7 +93,7 @@ void read_rope(const json& j, ModelSpec& s, int64_t rope_head_dim) {
     r.mscale_all_dim = get_or<double>(rp, "mscale_all_dim", 0.0);
     r.truncate = get_or<bool>(rp, "truncate", true);
     if (rp.contains("attention_factor") && !rp["attention_factor"].is_null())
-      r.attention_factor = rp["attention_factor"].get<double>();
+      r.attention_factor = get_or<double>(rp, "attention_factor", 1.0);
     else if (r.mscale != 0 && r.mscale_all_dim != 0)
       r.attention_factor = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim);
     else
@@ -124,9 +129,50 @@ void read_indexer(const json& j, ModelSpec& s) {
     }
   } else if (j.contains("index_topk_freq")) {
     int64_t freq = require<int64_t>(j, "index_topk_freq"), offset = get_or<int64_t>(j, "index_topk_offset", 0);
+    if (freq < 1) fail("config.json: index_topk_freq {} must be at least 1", freq);
     for (int64_t i = 0; i < s.num_layers; ++i)
       s.layer_has_indexer[size_t(i)] = std::max<int64_t>(i - offset + 1, 0) % freq == 0 || i == 0;
   }
+}
+
+void check_ranges(const ModelSpec& s) {
+  auto in = [](const char* name, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi) fail("config.json: {} = {} is outside [{}, {}]", name, v, lo, hi);
+  };
+  constexpr int64_t k12 = int64_t(1) << 12, k14 = int64_t(1) << 14, k16 = int64_t(1) << 16, k20 = int64_t(1) << 20,
+                    k22 = int64_t(1) << 22, k24 = int64_t(1) << 24;
+  in("vocab_size", s.vocab_size, 1, k24);
+  in("hidden_size", s.hidden_size, 1, k20);
+  in("num_hidden_layers", s.num_layers, 1, kMaxLayers);
+  in("max_position_embeddings", s.max_position, 1, k24);
+  in("num_attention_heads", s.num_heads, 1, k12);
+  in("num_key_value_heads", s.num_kv_heads, 1, k12);
+  in("head_dim", s.head_dim, 0, k14);
+  in("intermediate_size", s.intermediate_size, 0, k22);
+  in("moe_intermediate_size", s.moe_intermediate_size, 0, k22);
+  in("shared expert intermediate size", s.shared_intermediate_size, 0, k22);
+  in("n_routed_experts", s.n_routed_experts, 0, k16);
+  in("n_shared_experts", s.n_shared_experts, 0, k12);
+  in("q_lora_rank", s.q_lora_rank, 0, k16);
+  in("kv_lora_rank", s.kv_lora_rank, 0, k16);
+  in("qk_nope_head_dim", s.qk_nope_dim, 0, k14);
+  in("qk_rope_head_dim", s.qk_rope_dim, 0, k14);
+  in("v_head_dim", s.v_head_dim, 0, k14);
+  in("index_n_heads", s.index_n_heads, 0, k12);
+  in("index_head_dim", s.index_head_dim, 0, k14);
+  in("index_topk", s.index_topk, 0, k24);
+  in("index_kpool", s.index_kpool, 1, k16);
+  in("linear key heads", s.linear.k_heads, 0, k12);
+  in("linear value heads", s.linear.v_heads, 0, k12);
+  in("linear key head dim", s.linear.dk, 0, k14);
+  in("linear value head dim", s.linear.dv, 0, k14);
+  in("linear_conv_kernel_dim", s.linear.conv_kernel, 0, 64);
+  in("hc_mult", s.residual.streams, 1, 64);
+  in("hc_sinkhorn_iters", s.residual.sinkhorn_iters, 0, 1000);
+  in("num_nextn_predict_layers", s.mtp_layers, 0, 64);
+  if (!(s.rms_eps >= 0)) fail("config.json: rms_norm_eps {} must be >= 0", s.rms_eps);
+  if (s.rope.yarn && !(s.rope.factor > 0 && std::isfinite(s.rope.factor)))
+    fail("config.json: rope factor {} must be positive and finite", s.rope.factor);
 }
 
 void finish(ModelSpec& s, Mixer mixer) {

@@ -47,6 +47,7 @@ ModelSpec ModelSpec::from_json(const nlohmann::json& config) {
     text["model_type"] = type;  // nested text configs carry their own sub-type name
     ModelSpec s = a.describe(text);
     s.model_type = type;
+    hf::check_ranges(s);
     return s;
   }
   fail("config.json: model_type {} is not supported ({})", type, names);
