@@ -112,6 +112,11 @@ TEST(Package, IndexNamingAMissingShardFails) {
   fs::copy_file(kModel + "/config.json", d / "config.json");
   spit(d / "model.safetensors.index.json", R"({"weight_map":{"lm_head.weight":"model-00002-of-00002.safetensors"}})");
   expect_error([&] { ModelPackage::open(d.path.string()); }, "model-00002-of-00002.safetensors");
+  // An index naming a file outside the model folder is refused before anything is opened.
+  for (const char* file : {"../model.safetensors", "/etc/passwd", ".."}) {
+    spit(d / "model.safetensors.index.json", std::string(R"({"weight_map":{"lm_head.weight":")") + file + R"("}})");
+    expect_error([&] { ModelPackage::open(d.path.string()); }, "not a file in the model folder");
+  }
 }
 
 TEST(Package, UnindexedTensorIsNotSilentlyUsed) {

@@ -36,7 +36,12 @@ std::shared_ptr<ModelPackage> ModelPackage::open(const std::string& dir) {
     if (!j.contains("weight_map") || !j["weight_map"].is_object()) fail("{}: no weight_map object", index.string());
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       if (!it->is_string()) fail("{}: weight_map entry {} is not a file name", index.string(), it.key());
-      weight_map[it.key()] = it->get<std::string>();
+      const std::string file = it->get<std::string>();
+      // A shard is a plain file name inside the model folder (no path: a downloaded index must not reach elsewhere).
+      if (file.empty() || file.find('/') != std::string::npos || file.find('\\') != std::string::npos || file == "." ||
+          file == "..")
+        fail("{}: weight_map entry {} names {}, not a file in the model folder", index.string(), it.key(), file);
+      weight_map[it.key()] = file;
     }
     for (const auto& [name, file] : weight_map) {
       if (!p->shards_.count(file)) {
