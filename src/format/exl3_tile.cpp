@@ -18,18 +18,11 @@ constexpr auto make_pos_table() {
 }
 constexpr auto kPos = make_pos_table();
 
-inline uint32_t word(const uint16_t* tile, int i) { return uint32_t(tile[2 * i]) | uint32_t(tile[2 * i + 1]) << 16; }
-
 }  // namespace
 
 void exl3_tile_states(const uint16_t* tile, int K, uint16_t states[256]) {
-  const int nw = 8 * K;
-  // ext = [last word, words..., first word] so that a 16-bit window may start up to 32 bits before bit 0
-  // and end past the last bit without wrapping arithmetic.
   uint32_t ext[8 * kExl3MaxK + 2];
-  ext[0] = word(tile, nw - 1);
-  for (int i = 0; i < nw; ++i) ext[i + 1] = word(tile, i);
-  ext[nw + 1] = word(tile, 0);
+  exl3_tile_words(tile, K, ext);
   for (int t = 0; t < 256; ++t) {
     int s = t * K + K - 16 + 32;  // window start in ext bits (MSB-first)
     int i = s >> 5, sh = s & 31;
@@ -68,7 +61,7 @@ MOESRV_AVX512_BEGIN
 namespace {
 MOESRV_AVX512_FN void decode_tile_avx512(const uint16_t* tile, int K, Exl3Codebook cb, float out[256]) {
   alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
-  exl3_simd::tile_words(tile, K, ext);
+  exl3_tile_words(tile, K, ext);
   for (int t0 = 0; t0 < 256; t0 += 16) {
     const __m512 v = exl3_simd::decode16(ext, K, cb, t0);
     const __m512i pos = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kPos.v + t0)));

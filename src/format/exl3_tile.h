@@ -23,6 +23,17 @@ constexpr int exl3_tile_pos(int t) {
   return (r0 + kRowOff[i & 3]) * 16 + (lane >> 2) + (i >= 4 ? 8 : 0);
 }
 
+// ext = [last word, words..., first word] of a tile (16*K uint16 = 8K 32-bit words, MSB-first bit order): a 16-bit
+// window may start up to 32 bits before bit 0 and end past the last bit without wrapping arithmetic. ext holds at
+// least 8K + 2 words.
+inline void exl3_tile_words(const uint16_t* tile, int K, uint32_t* ext) {
+  const int nw = 8 * K;
+  auto word = [&](int i) { return uint32_t(tile[2 * i]) | uint32_t(tile[2 * i + 1]) << 16; };
+  ext[0] = word(nw - 1);
+  for (int i = 0; i < nw; ++i) ext[i + 1] = word(i);
+  ext[nw + 1] = word(0);
+}
+
 // The 256 states of one tile (16*K uint16 words), in stream order.
 void exl3_tile_states(const uint16_t* tile, int K, uint16_t states[256]);
 

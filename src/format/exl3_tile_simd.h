@@ -38,19 +38,9 @@ inline bool cpu_has_avx512() {
   return yes;
 }
 
-// Words of an ext buffer: the tile's 8K words, one wrap-around word each side, and 16 zero words so that a 16-word
-// load from any window start stays inside it.
+// Words of an ext buffer (exl3_tile_words): the tile's 8K words, one wrap-around word each side, and 16 zero words
+// so that a 16-word load from any window start stays inside it.
 constexpr int kExtWords = 8 * kExl3MaxK + 2 + 16;
-
-// ext = [last word, words..., first word]: a 16-bit window may start up to 32 bits before bit 0 and end past the
-// last bit without wrapping arithmetic.
-inline void tile_words(const uint16_t* tile, int K, uint32_t* ext) {
-  const int nw = 8 * K;
-  auto word = [&](int i) { return uint32_t(tile[2 * i]) | uint32_t(tile[2 * i + 1]) << 16; };
-  ext[0] = word(nw - 1);
-  for (int i = 0; i < nw; ++i) ext[i + 1] = word(i);
-  ext[nw + 1] = word(0);
-}
 
 // fp32 values of states t0 .. t0+15 of the tile whose words are in `ext` (kExtWords, stream order). The 16 windows
 // span at most 16K + 16 bits, i.e. 6 consecutive words: one 16-word load and two in-register permutes fetch each

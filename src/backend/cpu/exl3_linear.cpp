@@ -64,13 +64,11 @@ constexpr int64_t kGemvRows = 8;
 
 // xs[r][kt] = the two 16-lane vectors of activation row r, k-tile kt, in the tile's state order.
 MOESRV_AVX512_FN void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* xs) {
-  static constexpr int kRow[2][16] = {{0, 1, 8, 9, 0, 1, 8, 9, 2, 3, 10, 11, 2, 3, 10, 11},
-                                      {4, 5, 12, 13, 4, 5, 12, 13, 6, 7, 14, 15, 6, 7, 14, 15}};
   const int64_t tk = kp / 16;
   for (int64_t r = 0; r < n; ++r)
     for (int64_t kt = 0; kt < tk; ++kt)
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 16; ++l) xs[((r * tk + kt) * 2 + h) * 16 + l] = xr[r * kp + kt * 16 + kRow[h][l]];
+      for (int t = 0; t < 32; ++t)  // states 0..31: column pair 0, the input row of each (the same for every pair)
+        xs[(r * tk + kt) * 32 + t] = xr[r * kp + kt * 16 + exl3_tile_pos(t) / 16];
 }
 
 MOESRV_AVX512_FN void gemv_strip(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr) {
@@ -80,7 +78,7 @@ MOESRV_AVX512_FN void gemv_strip(const Exl3Weights& w, const float* xs, int64_t 
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm512_setzero_ps();
   alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
   for (int64_t kt = 0; kt < tk; ++kt) {
-    exl3_simd::tile_words(w.tile(kt, nt), w.K, ext);
+    exl3_tile_words(w.tile(kt, nt), w.K, ext);
     const float* x = xs + kt * 32;
     for (int j = 0; j < 8; ++j) {
       const __m512 v0 = exl3_simd::decode16(ext, w.K, w.codebook, 32 * j);

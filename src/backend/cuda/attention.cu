@@ -40,13 +40,6 @@ __global__ void mla_output_kernel(const float* o_lat, const uint16_t* w_uv, int 
 }
 
 template <typename T>
-__device__ __forceinline__ float load_elem(const T* p, int i);
-template <>
-__device__ __forceinline__ float load_elem<uint16_t>(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
-template <>
-__device__ __forceinline__ float load_elem<int8_t>(const int8_t* p, int i) { return float(p[i]); }
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
   extern __shared__ float q_s[];  // q_dim
   __shared__ float p_s[kTile];
@@ -80,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
       if (t >= 0) {
         const T* kr = kbase + int64_t(t) * k_stride;
         float d = 0.0f;
-        for (int j = lane; j < a.q_dim; j += 32) d += q_s[j] * load_elem<T>(kr, j);
+        for (int j = lane; j < a.q_dim; j += 32) d += q_s[j] * cache_elem<T>(kr, j);
         d = warp_sum(d);
         score = d * (kscale ? kscale[t] : 1.0f) * a.scale;
       }
@@ -111,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
         const int t = key_s[i];
         if (t < 0) continue;
         const float p = p_s[i] * (vscale ? vscale[t] : 1.0f);
-        v += p * load_elem<T>(vbase + int64_t(t) * v_stride, j);
+        v += p * cache_elem<T>(vbase + int64_t(t) * v_stride, j);
       }
       acc[c] = v;
     }

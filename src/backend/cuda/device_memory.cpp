@@ -146,9 +146,9 @@ Exl3Dev append_exl3(const Exl3Linear& l, BlockWriter& out) {
   return d;
 }
 
-const Exl3Linear* as_exl3(const Linear* l) { return dynamic_cast<const Exl3Linear*>(l); }
-
 }  // namespace
+
+const Exl3Linear* as_exl3(const Linear* l) { return dynamic_cast<const Exl3Linear*>(l); }
 
 DeviceBuffer WeightUploader::raw(const void* data, size_t bytes, const char* what) {
   DeviceBuffer d(budget, bytes, what);

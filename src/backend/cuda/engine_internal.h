@@ -23,6 +23,10 @@
 #include "model/weights.h"
 #include "util/error.h"
 
+namespace moesrv {
+class Exl3Linear;
+}
+
 namespace moesrv::cuda {
 
 #define MOESRV_CUDA_OK(expr)                                                                          \
@@ -201,6 +205,8 @@ bool exl3_experts(const MoeWeights& m);
 // One expert's device block: bf16 gate|up [2I][D] then down [D][I]; or (exl3) gate | up | down as EXL3 parts
 // with their layout (offsets into the block) in *off. Returns its bytes; fills *blob when given.
 size_t expert_block(const MlpWeights& m, bool exl3, std::array<Exl3Dev, 3>* off, std::vector<uint8_t>* blob);
+// The EXL3 linear behind `l`, or null when it is stored otherwise.
+const Exl3Linear* as_exl3(const Linear* l);
 
 // Decode graphs of sequences with fixed-size state, keyed by sequence id (never reused), the most recent kMax.
 struct SequenceGraphs {

@@ -22,7 +22,7 @@ uintptr_t page_size() {
 
 const Exl3Linear& exl3_part(const MlpWeights& m, int j) {
   const Linear* l = j == 0 ? m.gate.get() : j == 1 ? m.up.get() : m.down.get();
-  const auto* x = dynamic_cast<const Exl3Linear*>(l);
+  const Exl3Linear* x = as_exl3(l);
   if (!x) fail("host experts: an EXL3 expert has a {} projection", l->kind());
   return *x;
 }

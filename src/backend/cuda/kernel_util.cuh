@@ -19,6 +19,18 @@ namespace moesrv::cuda {
 __device__ __forceinline__ float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
+// One element of a KV cache row as fp32: bf16 bits, or an int8 value (its per-token scale applied by the caller).
+template <typename T>
+__device__ __forceinline__ float cache_elem(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float cache_elem<uint16_t>(const uint16_t* p, int64_t i) {
+  return bf16_to_f32(p[i]);
+}
+template <>
+__device__ __forceinline__ float cache_elem<int8_t>(const int8_t* p, int64_t i) {
+  return float(p[i]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -15,17 +15,6 @@ namespace {
 constexpr int kSplits = 16, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
 static_assert(kThreads == kHeads * 32 && kKeyTile == 32, "one warp per head, one lane per key of a tile");
 
-template <typename T>
-__device__ __forceinline__ float elem(const T* p, int64_t i);
-template <>
-__device__ __forceinline__ float elem<uint16_t>(const uint16_t* p, int64_t i) {
-  return bf16_to_f32(p[i]);
-}
-template <>
-__device__ __forceinline__ float elem<int8_t>(const int8_t* p, int64_t i) {
-  return float(p[i]);
-}
-
 size_t split_smem_bytes(int D) { return size_t(kHeads * D + kKeyTile * (D + 1) + kHeads * kKeyTile + kHeads) * 4; }
 
 template <typename T>
@@ -71,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
     __syncthreads();
     for (int i = tid; i < kKeyTile * D; i += kThreads) {
       const int row = i / D, d = i % D, t = key_s[row];
-      k_s[row * KS + d] = t >= 0 ? elem<T>(kv, int64_t(t) * D + d) : 0.0f;
+      k_s[row * KS + d] = t >= 0 ? cache_elem<T>(kv, int64_t(t) * D + d) : 0.0f;
     }
     __syncthreads();
     // Scores: warp = head, lane = key of the tile.
