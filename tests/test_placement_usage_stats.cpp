@@ -92,6 +92,15 @@ TEST(UsageStats, MalformedDocumentsThrow) {
   EXPECT_THROW(UsageStats::from_json(nlohmann::json{{"format", "other"}}), Error);
   EXPECT_THROW(UsageStats::from_json(u.to_json(), 2), Error);
   EXPECT_NO_THROW(UsageStats::from_json(u.to_json(), 1, 4));
+  // Sizes that are not integers, or absurd, are errors before anything is allocated.
+  for (const char* key : {"num_layers", "n_routed_experts", "experts_per_token", "version"})
+    for (nlohmann::json bad : {nlohmann::json(9e61), nlohmann::json(2.5), nlohmann::json(-1),
+                               nlohmann::json(uint64_t(1) << 63), nlohmann::json("4")}) {
+      j = u.to_json();
+      j[key] = bad;
+      EXPECT_THROW(UsageStats::from_json(j), Error) << key << " = " << bad.dump();
+    }
+  EXPECT_THROW(UsageStats(int64_t(1) << 20, int64_t(1) << 20, 8), Error);
 }
 
 }  // namespace

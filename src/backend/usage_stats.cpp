@@ -15,15 +15,31 @@ namespace moesrv {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+namespace {
+// Checked before anything is allocated (a negative or absurd shape must not size a vector).
+int64_t checked_layers(int64_t layers, int64_t experts, int64_t experts_per_token) {
+  constexpr int64_t kMax = int64_t(1) << 20;
+  if (layers < 0 || layers > kMax || experts <= 0 || experts > kMax || experts_per_token <= 0 ||
+      experts_per_token > experts || layers * experts > kMax * 16)
+    fail("usage stats: invalid shape {} layers x {} experts, top-{}", layers, experts, experts_per_token);
+  return layers;
+}
+
+// An integer field of the usage document (get<int64_t> on 9e61 or 2.5 would convert with undefined behaviour).
+int64_t integer_field(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (!v.is_number_integer()) fail("expert usage: \"{}\" is not an integer: {}", key, v.dump());
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) fail("expert usage: \"{}\" is out of range", key);
+  return v.get<int64_t>();
+}
+}  // namespace
+
 UsageStats::UsageStats(int64_t layers, int64_t experts, int64_t experts_per_token)
-    : layers_(layers),
+    : layers_(checked_layers(layers, experts, experts_per_token)),
       experts_(experts),
       k_(experts_per_token),
       counts_(size_t(layers * experts), 0.0),
-      tokens_(size_t(layers), 0.0) {
-  if (layers < 0 || experts <= 0 || experts_per_token <= 0 || experts_per_token > experts)
-    fail("usage stats: invalid shape {} layers x {} experts, top-{}", layers, experts, experts_per_token);
-}
+      tokens_(size_t(layers), 0.0) {}
 
 UsageStats::UsageStats(const UsageStats& o) : layers_(o.layers_), experts_(o.experts_), k_(o.k_) {
   std::lock_guard lk(o.mu_);
@@ -141,9 +157,9 @@ json UsageStats::to_json(const std::string& model_id) const {
 UsageStats UsageStats::from_json(const json& j, int64_t expect_layers, int64_t expect_experts) {
   try {
     if (j.value("format", "") != "moesrv-expert-usage") fail("expert usage: not a moesrv-expert-usage document");
-    if (j.at("version").get<int>() != 1) fail("expert usage: unsupported version {}", j.at("version").dump());
-    UsageStats s(j.at("num_layers").get<int64_t>(), j.at("n_routed_experts").get<int64_t>(),
-                 j.at("experts_per_token").get<int64_t>());
+    if (integer_field(j, "version") != 1) fail("expert usage: unsupported version {}", j.at("version").dump());
+    UsageStats s(integer_field(j, "num_layers"), integer_field(j, "n_routed_experts"),
+                 integer_field(j, "experts_per_token"));
     if (expect_layers > 0 && s.layers_ != expect_layers)
       fail("expert usage: {} layers, the model has {}", s.layers_, expect_layers);
     if (expect_experts > 0 && s.experts_ != expect_experts)

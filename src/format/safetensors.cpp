@@ -52,6 +52,20 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::from_memory(const uint8_t* dat
   return f;
 }
 
+namespace {
+// A JSON array of non-negative integers. nlohmann's get<uint64_t> converts floats (9e61) and negative numbers with
+// undefined behaviour, so every element's type is checked first.
+std::vector<uint64_t> whole_numbers(const json& a, const std::string& path, const std::string& tensor, const char* field) {
+  if (!a.is_array()) fail("{}: corrupt header entry for tensor {}: {} is not an array", path, tensor, field);
+  std::vector<uint64_t> out;
+  for (const auto& e : a) {
+    if (!e.is_number_unsigned()) fail("{}: corrupt header entry for tensor {}: {} entry {} is not a non-negative integer", path, tensor, field, e.dump());
+    out.push_back(e.get<uint64_t>());
+  }
+  return out;
+}
+}  // namespace
+
 void SafetensorsFile::parse(const uint8_t* base) {
   SafetensorsFile* f = this;
   const std::string& path = path_;
@@ -82,8 +96,12 @@ void SafetensorsFile::parse(const uint8_t* base) {
     try {
       if (!parse_dtype(t.at("dtype").get<std::string>(), v.dtype))
         fail("{}: tensor {} has unknown dtype {}", path, v.name, t.at("dtype").dump());
-      v.shape = t.at("shape").get<std::vector<int64_t>>();
-      auto off = t.at("data_offsets").get<std::vector<uint64_t>>();
+      v.shape.clear();
+      for (uint64_t d : whole_numbers(t.at("shape"), path, v.name, "shape")) {
+        if (d > uint64_t(INT64_MAX)) fail("{}: corrupt header entry for tensor {}: a dimension beyond int64", path, v.name);
+        v.shape.push_back(int64_t(d));
+      }
+      auto off = whole_numbers(t.at("data_offsets"), path, v.name, "data_offsets");
       if (off.size() != 2 || off[0] > off[1]) fail("{}: tensor {} has bad data_offsets", path, v.name);
       if (off[1] > data_size)
         fail("{}: truncated or corrupt: tensor {} ends at byte {} but the data section has {}", path, v.name, off[1], data_size);
