@@ -211,7 +211,9 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
 }
 
 // The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default
-// attention kernel, in the decode graph too, for every MLA model (selected keys or causal).
+// attention kernel, in the decode graph too, for every MLA model (selected keys or causal). The two sum in different
+// orders and round the attention output to bf16, so a row may move by one bf16 flip (H200: 1.6e-4 on one row of
+// deepseek_v3_yarn, <= 1e-4 elsewhere); a wrong scale or a lost key range moves rows by far more than 1e-3.
 TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
   SKIP_WITHOUT_CUDA();
   const auto pkg = ModelPackage::open(tiny(GetParam()));
@@ -225,7 +227,7 @@ TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
   ASSERT_EQ(ref.size(), out.size());
   const int64_t V = base->vocab_size();
   for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
-    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-4) << "row " << r;
+    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-3) << "row " << r;
   EXPECT_GT(fast->stats().graph_replays, 0);
 }
 

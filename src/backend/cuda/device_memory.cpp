@@ -28,7 +28,10 @@ void* DeviceBudget::alloc(size_t bytes, const char* what) {
          double(used_) / 1048576.0, double(limit_) / 1048576.0);
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-  if (e != cudaSuccess) fail("cudaMalloc of {} bytes for {} failed: {}", bytes, what, cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // an out-of-memory error must not be reported again by the next launch check
+    fail("cudaMalloc of {} bytes for {} failed: {}", bytes, what, cudaGetErrorString(e));
+  }
   used_ += bytes;
   return p;
 }

@@ -13,8 +13,11 @@
 #define EXL3_CHECK(expr)                                                                                 \
   do {                                                                                                   \
     cudaError_t err_ = (expr);                                                                           \
-    if (err_ != cudaSuccess)                                                                             \
-      throw std::runtime_error(std::string("CUDA error in ") + #expr + ": " + cudaGetErrorString(err_)); \
+    if (err_ != cudaSuccess) {                                                                           \
+      (void)cudaGetLastError(); /* not left for the next check to report */                             \
+      throw std::runtime_error(std::string("CUDA error in ") + #expr + " (" + __FILE__ + ":" +            \
+                               std::to_string(__LINE__) + "): " + cudaGetErrorString(err_));              \
+    }                                                                                                    \
   } while (0)
 
 namespace moesrv::cuda::exl3 {

@@ -42,6 +42,8 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
     if (L.kda)
       for (const DevLinear* l : {&L.kda->qkv, &L.kda->f_a, &L.kda->f_b, &L.kda->b, &L.kda->g_a, &L.kda->g_b, &L.kda->o})
         all.see(*l);
+    if (L.gated_delta)
+      for (const DevLinear* l : {&L.gated_delta->qkvz, &L.gated_delta->ba, &L.gated_delta->out}) all.see(*l);
     if (L.mlp) all.see(L.mlp->gate_up), all.see(L.mlp->down);
     if (!L.moe) continue;
     if (L.moe->shared) all.see(L.moe->shared->gate_up), all.see(L.moe->shared->down);
