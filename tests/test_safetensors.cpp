@@ -95,9 +95,10 @@ TEST(Safetensors, CorruptHeadersAreRejected) {
   spit(d / "shape.safetensors", raw_file(R"({"w":{"dtype":"U8","shape":"x","data_offsets":[0,1]}})") + "a");
   expect_error([&] { SafetensorsFile::open(d / "shape.safetensors"); }, "corrupt header entry");
   // Numbers that are not whole non-negative integers (a 9e61 offset was converted with undefined behaviour).
-  for (const char* entry : {R"("shape":[2],"data_offsets":[0,89999999999999999999999999999999999999999])",
-                            R"("shape":[2],"data_offsets":[0,8.5])", R"("shape":[-2],"data_offsets":[0,8])",
-                            R"("shape":[2.0],"data_offsets":[0,8])", R"("shape":[9223372036854775808],"data_offsets":[0,8])"}) {
+  for (const char* entry :
+       {R"("shape":[2],"data_offsets":[0,89999999999999999999999999999999999999999])",
+        R"("shape":[2],"data_offsets":[0,8.5])", R"("shape":[-2],"data_offsets":[0,8])",
+        R"("shape":[2.0],"data_offsets":[0,8])", R"("shape":[9223372036854775808],"data_offsets":[0,8])"}) {
     spit(d / "num.safetensors", raw_file(std::string(R"({"w":{"dtype":"F32",)") + entry + "}}") + "abcdefgh");
     expect_error([&] { SafetensorsFile::open(d / "num.safetensors"); }, "corrupt header entry");
   }

@@ -29,7 +29,8 @@ int64_t checked_layers(int64_t layers, int64_t experts, int64_t experts_per_toke
 int64_t integer_field(const json& j, const char* key) {
   const json& v = j.at(key);
   if (!v.is_number_integer()) fail("expert usage: \"{}\" is not an integer: {}", key, v.dump());
-  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) fail("expert usage: \"{}\" is out of range", key);
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
+    fail("expert usage: \"{}\" is out of range", key);
   return v.get<int64_t>();
 }
 }  // namespace

@@ -55,11 +55,14 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::from_memory(const uint8_t* dat
 namespace {
 // A JSON array of non-negative integers. nlohmann's get<uint64_t> converts floats (9e61) and negative numbers with
 // undefined behaviour, so every element's type is checked first.
-std::vector<uint64_t> whole_numbers(const json& a, const std::string& path, const std::string& tensor, const char* field) {
+std::vector<uint64_t> whole_numbers(const json& a, const std::string& path, const std::string& tensor,
+                                    const char* field) {
   if (!a.is_array()) fail("{}: corrupt header entry for tensor {}: {} is not an array", path, tensor, field);
   std::vector<uint64_t> out;
   for (const auto& e : a) {
-    if (!e.is_number_unsigned()) fail("{}: corrupt header entry for tensor {}: {} entry {} is not a non-negative integer", path, tensor, field, e.dump());
+    if (!e.is_number_unsigned())
+      fail("{}: corrupt header entry for tensor {}: {} entry {} is not a non-negative integer", path, tensor, field,
+           e.dump());
     out.push_back(e.get<uint64_t>());
   }
   return out;
@@ -98,7 +101,8 @@ void SafetensorsFile::parse(const uint8_t* base) {
         fail("{}: tensor {} has unknown dtype {}", path, v.name, t.at("dtype").dump());
       v.shape.clear();
       for (uint64_t d : whole_numbers(t.at("shape"), path, v.name, "shape")) {
-        if (d > uint64_t(INT64_MAX)) fail("{}: corrupt header entry for tensor {}: a dimension beyond int64", path, v.name);
+        if (d > uint64_t(INT64_MAX))
+          fail("{}: corrupt header entry for tensor {}: a dimension beyond int64", path, v.name);
         v.shape.push_back(int64_t(d));
       }
       auto off = whole_numbers(t.at("data_offsets"), path, v.name, "data_offsets");

@@ -29,13 +29,13 @@ class Exl3Linear;
 
 namespace moesrv::cuda {
 
-#define MOESRV_CUDA_OK(expr)                                                                          \
-  do {                                                                                                \
-    cudaError_t err_ = (expr);                                                                        \
-    if (err_ != cudaSuccess) {                                                                        \
-      (void)cudaGetLastError(); /* a failed call is reported once, not again by the next check */     \
-      ::moesrv::fail("CUDA error in {}: {}", #expr, cudaGetErrorString(err_));                        \
-    }                                                                                                 \
+#define MOESRV_CUDA_OK(expr)                                                                      \
+  do {                                                                                            \
+    cudaError_t err_ = (expr);                                                                    \
+    if (err_ != cudaSuccess) {                                                                    \
+      (void)cudaGetLastError(); /* a failed call is reported once, not again by the next check */ \
+      ::moesrv::fail("CUDA error in {}: {}", #expr, cudaGetErrorString(err_));                    \
+    }                                                                                             \
   } while (0)
 #define MOESRV_CUBLAS_OK(expr)                                                              \
   do {                                                                                      \

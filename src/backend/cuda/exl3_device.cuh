@@ -10,14 +10,14 @@
 #include <string>
 
 // Throws std::runtime_error naming the failed CUDA call.
-#define EXL3_CHECK(expr)                                                                                 \
-  do {                                                                                                   \
-    cudaError_t err_ = (expr);                                                                           \
-    if (err_ != cudaSuccess) {                                                                           \
-      (void)cudaGetLastError(); /* not left for the next check to report */                             \
-      throw std::runtime_error(std::string("CUDA error in ") + #expr + " (" + __FILE__ + ":" +            \
-                               std::to_string(__LINE__) + "): " + cudaGetErrorString(err_));              \
-    }                                                                                                    \
+#define EXL3_CHECK(expr)                                                                       \
+  do {                                                                                         \
+    cudaError_t err_ = (expr);                                                                 \
+    if (err_ != cudaSuccess) {                                                                 \
+      (void)cudaGetLastError(); /* not left for the next check to report */                    \
+      throw std::runtime_error(std::string("CUDA error in ") + #expr + " (" + __FILE__ + ":" + \
+                               std::to_string(__LINE__) + "): " + cudaGetErrorString(err_));   \
+    }                                                                                          \
   } while (0)
 
 namespace moesrv::cuda::exl3 {

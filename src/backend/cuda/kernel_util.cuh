@@ -10,12 +10,12 @@
 
 namespace moesrv::cuda {
 
-#define MOESRV_CUDA_LAUNCH_CHECK()                                                            \
-  do {                                                                                        \
-    cudaError_t e_ = cudaGetLastError();                                                      \
-    if (e_ != cudaSuccess)                                                                    \
-      throw std::runtime_error(std::string("CUDA launch failed (") + __func__ + ", " + __FILE__ + ":" +  \
-                               std::to_string(__LINE__) + "): " + cudaGetErrorString(e_));      \
+#define MOESRV_CUDA_LAUNCH_CHECK()                                                                      \
+  do {                                                                                                  \
+    cudaError_t e_ = cudaGetLastError();                                                                \
+    if (e_ != cudaSuccess)                                                                              \
+      throw std::runtime_error(std::string("CUDA launch failed (") + __func__ + ", " + __FILE__ + ":" + \
+                               std::to_string(__LINE__) + "): " + cudaGetErrorString(e_));              \
   } while (0)
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
