@@ -1,9 +1,11 @@
 // What the server needs from a tokenizer + chat template, as one small interface so the HTTP layer can be
 // tested with scripted doubles and backed by the real tokenizer in production (see tokenizer_codec.h).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,5 +27,11 @@ class ChatCodec {
   virtual std::string render_chat(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                                   const nlohmann::ordered_json& template_kwargs) const = 0;
 };
+
+// The logits of the tokens the tokenizer knows: a model's vocabulary is often padded beyond it (DeepSeek-V3 129280
+// vs 128815 ids), and those ids can neither be sampled nor shown, so logprobs are over the tokenizer's ids.
+inline std::span<const float> tokenizer_logits(const ChatCodec& codec, std::span<const float> logits) {
+  return logits.first(std::min(logits.size(), size_t(std::max<int64_t>(codec.vocab_size(), 0))));
+}
 
 }  // namespace moesrv

@@ -30,7 +30,7 @@ nlohmann::json bytes_array(const std::string& s) {
 }  // namespace
 
 nlohmann::json logprob_entry(const ChatCodec& codec, std::span<const float> logits, int32_t id, int top) {
-  TokenLogprobs lp = token_logprobs(logits, id, top);
+  TokenLogprobs lp = token_logprobs(tokenizer_logits(codec, logits), id, top);
   std::string text = codec.token_bytes(id);
   nlohmann::json e = {{"token", text}, {"logprob", lp.logprob}, {"bytes", bytes_array(text)}};
   nlohmann::json alts = nlohmann::json::array();

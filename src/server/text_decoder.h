@@ -57,7 +57,7 @@ class TextDecoder : public DecodeHooks {
 
   void on_sampled(std::span<const float> logits, int32_t id) override {
     if (logprobs_ < 0 || std::find(end_ids_.begin(), end_ids_.end(), id) != end_ids_.end()) return;
-    TokenLogprobs lp = token_logprobs(logits, id, logprobs_);
+    TokenLogprobs lp = token_logprobs(tokenizer_logits(codec_, logits), id, logprobs_);
     nlohmann::json top = nlohmann::json::object();
     for (auto& [t, v] : lp.top) top[codec_.token_bytes(t)] = v;
     std::string text = codec_.is_special(id) ? "" : codec_.token_bytes(id);
