@@ -7,6 +7,7 @@
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cpu/linear.h"
 #include "backend/usage_stats.h"
+#include "format/package.h"
 #include "model/synthetic_model.h"
 #include "model/weights.h"
 #include "runtime/placement.h"
@@ -198,6 +199,33 @@ TEST(Placement, EstimatesImproveWithVram) {
   // token per MoE layer, all from VRAM.
   const double kv_read = 78.0 * (2048 * 576 * 2 + 8192 * 128 * 2);
   EXPECT_NEAR(e.hbm_bytes - double(fp.dense_total()) - kv_read, 75.0 * 8 * double(fp.expert_bytes[3]), 1e-6 * e.hbm_bytes);
+}
+
+// GLM-5.3-Flash: a decode step reads state by layer kind. The 34 KDA layers read and write back their fixed
+// recurrent + conv state (no KV); the 11 NoPE MLA layers read at most index_topk latent rows and every pooled
+// indexer key (one per index_kpool tokens): with the transformers default kpool 16 and the published 4.
+TEST(Placement, Glm5NextStepReadsStateByLayerKind) {
+  for (int64_t kpool : {16, 4}) {
+    nlohmann::json j = read_json_file(std::string(MOESRV_TESTDATA) + "/hf-tiny/info/cfg_glm5_next.json");
+    j["text_config"]["index_kpool"] = kpool;
+    const ModelConfig c = ModelConfig::from_json(j);
+    ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
+    PlacementRequest req;
+    req.vram_budget = uint64_t(1) << 62;
+    for (int64_t ctx : {1024, 131072}) {
+      req.context = ctx;
+      const PlacementPlan all = plan_placement(c, fp, req);
+      const StepEstimate e = estimate_step(c, fp, all, req.cost, 1, ctx);
+      double experts = 0;
+      for (int64_t l = 0; l < c.num_layers; ++l)
+        if (c.layer_is_moe[size_t(l)]) experts += 8.0 * double(fp.expert_bytes[size_t(l)]);
+      const double kda = 2.0 * 4 * (64 * 128 * 128 + 3 * 3 * 64 * 128);
+      const double mla = double(std::min<int64_t>(ctx, 2048) * 512 * 2 + ctx / kpool * 128 * 2) +
+                         2.0 * 4 * double(2 * (kpool - 1) * 128);  // + the open pool's keys and gates
+      EXPECT_NEAR(e.hbm_bytes - double(fp.dense_total()) - experts, 34 * kda + 11 * mla, 1e-9 * e.hbm_bytes)
+          << "kpool " << kpool << ", context " << ctx;
+    }
+  }
 }
 
 // The bench's skewed routing: the synthetic router bias concentrates the selections the engine records on the

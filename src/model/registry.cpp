@@ -28,12 +28,6 @@ bool ModelSpec::has_recurrent_layers() const {
   return std::any_of(layers.begin(), layers.end(), [](const LayerSpec& l) { return l.recurrent(); });
 }
 
-int64_t ModelSpec::kv_elements_per_token_layer() const {
-  int64_t n = attention == AttentionKind::MLA ? kv_lora_rank + qk_rope_dim : 2 * num_kv_heads * head_dim;
-  if (dsa && index_kpool <= 1) n += index_head_dim;
-  return n;
-}
-
 ModelSpec ModelSpec::from_json(const nlohmann::json& config) {
   if (!config.is_object()) fail("config.json: not a JSON object");
   const std::string type = hf::require<std::string>(config, "model_type");

@@ -97,8 +97,6 @@ struct ModelSpec {
   int64_t qk_head_dim() const { return qk_nope_dim + qk_rope_dim; }
   int64_t stream_width() const { return hidden_size * residual.streams; }  // floats per token between layers
   bool has_recurrent_layers() const;
-  // Per-token KV elements of one softmax-attention layer (latent + rope key, or K and V, + indexer key).
-  int64_t kv_elements_per_token_layer() const;
 
   // Parses config.json (flat or nested text_config) with the architecture's describe().
   static ModelSpec from_json(const nlohmann::json& j);

@@ -1,5 +1,7 @@
 #include "model/state.h"
 
+#include <algorithm>
+
 namespace moesrv {
 
 uint64_t StateSpec::bytes(int64_t tokens, int kv_bytes, int fixed_bytes, int index_bytes) const {
@@ -50,6 +52,22 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
     out.push_back(std::move(st));
   }
   return out;
+}
+
+uint64_t step_state_bytes(const ModelSpec& s, const StateSpec& st, int64_t ctx, int kv_bytes, int fixed_bytes,
+                          int index_bytes) {
+  const bool selects = s.layers[size_t(st.layer)].indexer != IndexerKind::None;
+  const int64_t attended = selects ? std::min(ctx, s.index_topk) : ctx;
+  uint64_t b = 0;
+  for (const StateBuffer& x : st.buffers) {
+    const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
+    switch (x.growth) {
+      case Growth::PerToken: b += uint64_t((x.indexer ? ctx : attended) * x.elems) * elem; break;
+      case Growth::PerPool: b += uint64_t(ctx / st.pool * x.elems) * elem; break;
+      case Growth::Fixed: b += 2 * uint64_t(x.elems) * uint64_t(fixed_bytes); break;
+    }
+  }
+  return b;
 }
 
 uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes, int64_t begin, int64_t end,

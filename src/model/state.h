@@ -30,6 +30,11 @@ struct StateSpec {
 
 // The stateful layers of a model (layers without state are left out).
 std::vector<StateSpec> state_specs(const ModelSpec& s);
+// Bytes of state one decode step touches in layer `st.layer` at context `ctx`: the attention rows it attends (on a
+// layer with a DSA indexer, own or shared, at most index_topk of them), every indexer key (pooled: one per
+// completed pool) and the fixed state, read and written back.
+uint64_t step_state_bytes(const ModelSpec& s, const StateSpec& st, int64_t ctx, int kv_bytes, int fixed_bytes = 4,
+                          int index_bytes = -1);
 // Sum over layers [begin, end) (end < 0: all) of StateSpec::bytes.
 uint64_t state_bytes(const ModelSpec& s, int64_t tokens, int kv_bytes, int fixed_bytes = 4, int64_t begin = 0,
                      int64_t end = -1, int index_bytes = -1);

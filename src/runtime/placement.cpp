@@ -412,22 +412,26 @@ StepEstimate estimate_step(const ModelConfig& c, const ModelFootprint& fp, const
   StepEstimate est;
   const double T = double(std::max<int64_t>(1, tokens));
   const double ctx = double(std::max<int64_t>(1, context));
-  const double selected = c.dsa ? std::min(ctx, double(c.index_topk)) : ctx;
   const double H = double(c.num_heads);
+  const std::vector<StateSpec> states = state_specs(c);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    // Attention: one pass over the keys it reads per step (shared by the step's tokens), FLOPs per token.
-    double kv_read = 0, attn_flops = 0;
-    if (c.attention == AttentionKind::MLA) {
-      kv_read = selected * double(c.kv_lora_rank + c.qk_rope_dim) * 2;
-      attn_flops = T * selected * H * (4.0 * c.kv_lora_rank + 2.0 * c.qk_rope_dim);
-    } else {
-      kv_read = selected * 4.0 * double(c.num_kv_heads * c.head_dim);
-      attn_flops = T * selected * H * 4.0 * c.head_dim;
+    // The mixer's state: one pass over what a step reads (shared by the step's tokens, bf16 caches, fp32 fixed
+    // state), FLOPs per token. Attention layers with a DSA indexer attend at most index_topk rows.
+    const LayerSpec& spec = c.layers[size_t(l)];
+    const double kv_read = double(step_state_bytes(c, states[size_t(l)], int64_t(ctx), 2));
+    const double attended = spec.indexer != IndexerKind::None ? std::min(ctx, double(c.index_topk)) : ctx;
+    double attn_flops = 0;
+    switch (spec.mixer) {
+      case Mixer::Mla: attn_flops = T * attended * H * (4.0 * c.kv_lora_rank + 2.0 * c.qk_rope_dim); break;
+      case Mixer::Gqa: attn_flops = T * attended * H * 4.0 * c.head_dim; break;
+      case Mixer::Kda:
+      case Mixer::GatedDelta:
+        attn_flops = T * 6.0 * double(c.linear.state_floats());
+        break;  // decay, k^T S, update, q S
     }
-    if (c.dsa) {
-      kv_read += ctx * double(c.index_head_dim) * 2;
-      attn_flops += T * ctx * double(c.index_n_heads * c.index_head_dim) * 2;
-    }
+    if (spec.indexer == IndexerKind::Own)
+      attn_flops +=
+          T * (ctx / double(std::max<int64_t>(1, c.index_kpool))) * double(c.index_n_heads * c.index_head_dim) * 2;
     const double dense_bytes = double(fp.dense_bytes[size_t(l)]) + kv_read;
     double gpu = std::max(dense_bytes / (m.hbm_gbps * 1e9), (2 * fp.dense_params[size_t(l)] * T + attn_flops) / (m.gpu_tflops * 1e12));
     est.hbm_bytes += dense_bytes;

@@ -318,10 +318,10 @@ BenchResult run_bench(const BenchOptions& opt) {
   // Physical floor of the CPU decode: every byte a token touches, read once at memcpy speed.
   auto cpu_decode_bytes = [&](int64_t ctx, int64_t layers) {
     double b = double(fp.head_bytes), per_layer = 0;
+    const std::vector<StateSpec> states = state_specs(c);
     for (int64_t l = 0; l < c.num_layers; ++l) {
       per_layer += double(fp.dense_bytes[size_t(l)]) + double(c.experts_per_token) * double(fp.expert_bytes[size_t(l)]);
-      per_layer +=
-          double(c.kv_elements_per_token_layer()) * 4 * double(c.dsa ? std::min<int64_t>(ctx, c.index_topk) : ctx);
+      per_layer += double(step_state_bytes(c, states[size_t(l)], ctx, 4));  // the CPU engine's fp32 caches
     }
     return b + per_layer / double(c.num_layers) * double(layers);
   };
