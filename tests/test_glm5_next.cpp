@@ -152,6 +152,39 @@ TEST(Glm5NextPrefixCache, FollowUpReusesCheckpointAndMatchesCold) {
   EXPECT_EQ(argmax(warm.data() + warm.size() - V, V), argmax(cold.data() + cold.size() - V, V));
 }
 
+// A prompt longer than the CPU engine's checkpoint interval (2048): the prefill is cut at the interval, the
+// recurrent state carried across the cut, and a follow-up request resumes from the checkpoint taken at the cut.
+// Full forward == two chunks straddling the cut == cached prefix + rest, and decode continues identically.
+TEST(Glm5NextPrefixCache, PromptAcrossTheCheckpointIntervalResumesThere) {
+  auto engine = CpuEngine::open(hf_tiny("glm5_next"));
+  const int64_t V = engine->vocab_size(), I = CpuEngine::kCheckpointInterval, N = I + 60;
+  std::vector<int32_t> prompt(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) prompt[size_t(i)] = int32_t((i * 7919 + 13) % V);
+  auto full_seq = engine->new_sequence();
+  const auto full = engine->forward(*full_seq, prompt, true);
+  auto chunked_seq = engine->new_sequence();
+  engine->forward(*chunked_seq, {prompt.begin(), prompt.begin() + I - 500});
+  const auto tail = engine->forward(*chunked_seq, {prompt.begin() + I - 500, prompt.end()}, true);
+  const std::vector<float> full_tail(full.end() - int64_t(tail.size()), full.end());
+  EXPECT_LE(rows_error(tail, full_tail, V), 1e-4);
+
+  PrefixCache cache(size_t(1) << 30);
+  cache.insert(prompt, std::move(full_seq));
+  std::vector<int32_t> follow(prompt.begin(), prompt.begin() + I + 20);
+  for (int i = 0; i < 30; ++i) follow.push_back(int32_t((i * 31 + 5) % V));
+  auto hit = cache.acquire(follow, int64_t(follow.size()) - 1);
+  ASSERT_TRUE(hit.state);
+  EXPECT_EQ(hit.reused, I);  // the checkpoint at the cut, not the (I + 20)-token match
+  const auto warm = engine->forward(*hit.state, {follow.begin() + hit.reused, follow.end()}, true);
+  auto cold_seq = engine->new_sequence();
+  const auto cold = engine->forward(*cold_seq, follow, true);
+  const std::vector<float> cold_tail(cold.end() - int64_t(warm.size()), cold.end());
+  EXPECT_LE(rows_error(warm, cold_tail, V), 1e-4);
+  const int32_t next = argmax(cold.data() + cold.size() - V, V);
+  EXPECT_EQ(argmax(warm.data() + warm.size() - V, V), next);
+  EXPECT_LE(rows_error(engine->forward(*hit.state, {next}), engine->forward(*cold_seq, {next}), V), 1e-4);
+}
+
 // Writes the tiny glm5_next checkpoint into `dir` in another layout. rename(name) -> "" drops a tensor;
 // shard(name) picks the file.
 void rewrite_package(const std::string& dir, const json& config, const std::function<std::string(const std::string&)>& rename,
