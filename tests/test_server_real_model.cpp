@@ -10,6 +10,7 @@
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "server_test_client.h"
+#include "server_test_node.h"
 
 using namespace moesrv;
 using namespace moesrv::testing;
@@ -40,7 +41,7 @@ struct RealServer : ::testing::Test {
     delete engine;
   }
   void SetUp() override {
-    if (!server) GTEST_SKIP() << "no hf-tiny model at " << kModel;
+    if (!server) MOESRV_E2E_SKIP("no hf-tiny model at " << kModel);
   }
   json post(const json& body, int* status = nullptr) {
     httplib::Client c("127.0.0.1", port);

@@ -189,7 +189,7 @@ json post(int port, const json& body, int* status = nullptr) {
 
 TEST(RealTokenizers, TemplatesRenderTheFamilyFormatWithAtomicMarkers) {
   for (const Family& f : {kDeepSeek, kQwen}) {
-    if (!skip_reason(f).empty()) GTEST_SKIP() << skip_reason(f);
+    if (!skip_reason(f).empty()) MOESRV_E2E_SKIP(skip_reason(f));
     std::string dir = kTokenizers + "/" + f.tokenizer;
     TokenizerCodec codec(dir, dir);
     TurnMarkers m = TurnMarkers::detect(codec);
@@ -232,7 +232,7 @@ TEST(RealTokenizers, TemplatesRenderTheFamilyFormatWithAtomicMarkers) {
 }
 
 TEST(RealTokenizers, DeepSeekV3StrictCallsStreamedAndWhole) {
-  if (!skip_reason(kDeepSeek).empty()) GTEST_SKIP() << skip_reason(kDeepSeek);
+  if (!skip_reason(kDeepSeek).empty()) MOESRV_E2E_SKIP(skip_reason(kDeepSeek));
   auto s = serve(kDeepSeek);
   json body = {{"model", kDeepSeek.served}, {"messages", {{{"role", "user"}, {"content", "Weather in Oslo, please."}}}},
                {"tools", kTools},           {"tool_choice", "required"},
@@ -281,7 +281,7 @@ TEST(RealTokenizers, DeepSeekV3StrictCallsStreamedAndWhole) {
 // tokenizer's ids even when a padded id has the highest logit (it once made the server answer 500: the top list
 // named an id the tokenizer cannot spell), for chat and completions, whole and streamed.
 TEST(RealTokenizers, LogprobsCoverTheTokenizersIdsOfAPaddedVocabulary) {
-  if (!skip_reason(kDeepSeek).empty()) GTEST_SKIP() << skip_reason(kDeepSeek);
+  if (!skip_reason(kDeepSeek).empty()) MOESRV_E2E_SKIP(skip_reason(kDeepSeek));
   auto s = serve(kDeepSeek);
   ASSERT_LT(s->codec->vocab_size(), kDeepSeek.vocab);
   s->engine->padded_token = int32_t(kDeepSeek.vocab - 1);
@@ -344,7 +344,7 @@ TEST(RealTokenizers, LogprobsCoverTheTokenizersIdsOfAPaddedVocabulary) {
 }
 
 TEST(RealTokenizers, Qwen3ThinksThenCallsAndReasoningIsReattached) {
-  if (!skip_reason(kQwen).empty()) GTEST_SKIP() << skip_reason(kQwen);
+  if (!skip_reason(kQwen).empty()) MOESRV_E2E_SKIP(skip_reason(kQwen));
   auto s = serve(kQwen);
   json user = {{"role", "user"}, {"content", "Read the file notes.txt"}};
   json first = post(s->port, {{"messages", {user}},
@@ -381,7 +381,7 @@ TEST(RealTokenizers, Qwen3ThinksThenCallsAndReasoningIsReattached) {
 
 TEST(RealTokenizers, OpenAIClientAgentLoop) {
   std::string dir = openai_node_dir();
-  if (dir.empty()) GTEST_SKIP() << "node/npm or the openai package is unavailable";
+  if (dir.empty()) MOESRV_E2E_SKIP("node/npm or the openai package is unavailable");
   int ran = 0;
   for (const Family& f : {kDeepSeek, kQwen}) {
     if (!skip_reason(f).empty()) continue;
@@ -427,5 +427,5 @@ TEST(RealTokenizers, OpenAIClientAgentLoop) {
       EXPECT_NE(m.Get("/metrics")->body.find("moesrv_reasoning_reattached_total 1"), std::string::npos);
     }
   }
-  if (!ran) GTEST_SKIP() << "no real tokenizers (run scripts/fetch_tokenizers.sh)";
+  if (!ran) MOESRV_E2E_SKIP("no real tokenizers (run scripts/fetch_tokenizers.sh)");
 }
