@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -443,6 +444,51 @@ double seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+bool send_all(int fd, const std::string& s) {
+  for (size_t off = 0; off < s.size();) {
+    ssize_t n = send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += size_t(n);
+  }
+  return true;
+}
+
+std::string http_post(const std::string& path, const json& body) {
+  std::string b = body.dump();
+  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+// Appends what arrives on `fd` to `out` until `until(out)` holds, the peer closes (returns false) or `timeout_s`
+// passes (returns false).
+bool read_until(int fd, std::string& out, const std::function<bool(const std::string&)>& until, double timeout_s) {
+  auto t0 = std::chrono::steady_clock::now();
+  while (!until(out)) {
+    int left = int((timeout_s - seconds(t0)) * 1000);
+    pollfd p{fd, POLLIN, 0};
+    if (left <= 0 || poll(&p, 1, left) <= 0) return false;
+    char buf[4096];
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return false;
+    out.append(buf, size_t(n));
+  }
+  return true;
+}
+
+// Everything that arrives on `fd` until the peer closes it (or `timeout_s` passes).
+std::string read_to_eof(int fd, double timeout_s) {
+  std::string out;
+  read_until(
+      fd, out, [](const std::string&) { return false; }, timeout_s);
+  return out;
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t pos = s.find(what); pos != std::string::npos; pos = s.find(what, pos + what.size())) ++n;
+  return n;
+}
+
 }  // namespace
 
 TEST(ServerContract, RequiredToolChoiceClosesReasoningThenCalls) {
@@ -765,6 +811,86 @@ TEST(ServerContract, ConnectionLimitAndIdleTimeout) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto ok = h.client().Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
   EXPECT_EQ(ok->status, 200);
+}
+
+TEST(ServerContract, StreamingDisconnectFreesTheSlotAndKeepsTheCache) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever);
+  h.engine->delay_ms = 20;  // one token
+  json messages = {user("a prompt that is worth caching")};
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(
+      fd, http_post("/v1/chat/completions", {{"messages", messages}, {"stream", true}, {"max_tokens", 3000}})));
+  std::string got;
+  const std::string x = R"("content":"x")";
+  ASSERT_TRUE(read_until(
+      fd, got, [&](const std::string& s) { return count(s, x) >= 5; }, 5.0))
+      << got;
+  size_t received = count(got, x);
+  close(fd);  // hangs up mid-generation
+  auto closed = std::chrono::steady_clock::now();
+  auto busy = [&] { return json::parse(h.client().Get("/health")->body)["busy"].get<bool>(); };
+  while (busy() && seconds(closed) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  // Noticed after the token being computed (20 ms), the slot freed at once.
+  EXPECT_LT(seconds(closed), 0.1 + 0.02);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+  // The prefix cache holds the prompt and the generated tokens the client saw (it may hold one more).
+  h.engine->delay_ms = 0;
+  std::string prompt = codec.render_chat(nlohmann::ordered_json::parse(messages.dump()),
+                                         nlohmann::ordered_json::array(), nlohmann::ordered_json::object());
+  json r = h.post("/v1/completions", {{"prompt", prompt + std::string(received, 'x')}, {"max_tokens", 1}});
+  int prompt_tokens = r["usage"]["prompt_tokens"];
+  EXPECT_EQ(prompt_tokens, int(codec.encode(prompt).size() + received));
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1) << r.dump();
+}
+
+TEST(ServerContract, DisconnectDuringPrefillFreesTheSlotAndKeepsWhatWasPrefilled) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever, {.prefill_chunk = 16});
+  h.engine->delay_ms = 20;  // one prefill chunk of 16 tokens
+  json body = {{"messages", {user(std::string(600, 'p'))}}, {"stream", true}, {"max_tokens", 10}};
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd, http_post("/v1/chat/completions", body)));
+  std::string got;  // the prefill (~0.8 s) sends ": prefill" comments; hang up after a few
+  ASSERT_TRUE(read_until(
+      fd, got, [&](const std::string& s) { return count(s, ": prefill") >= 5; }, 5.0))
+      << got;
+  close(fd);
+  auto closed = std::chrono::steady_clock::now();
+  auto busy = [&] { return json::parse(h.client().Get("/health")->body)["busy"].get<bool>(); };
+  while (busy() && seconds(closed) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_LT(seconds(closed), 0.1 + 0.02);
+  int64_t prefilled = h.engine->forwarded_tokens;
+  EXPECT_GE(prefilled, 5 * 16);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+  // The chunks prefilled before the hang-up are in the prefix cache: the same request resumes from them.
+  h.engine->delay_ms = 0;
+  body["stream"] = false;
+  json r = h.post("/v1/chat/completions", body);
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], prefilled) << r.dump();
+  EXPECT_LT(prefilled, r["usage"]["prompt_tokens"].get<int64_t>());
+}
+
+TEST(ServerContract, AClientThatHalfClosesIsTreatedAsGone) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever);
+  h.engine->delay_ms = 20;
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd, http_post("/v1/chat/completions", {{"messages", {user("q")}}, {"max_tokens", 3000}})));
+  shutdown(fd, SHUT_WR);  // the request is complete; the client only reads from now on
+  auto t0 = std::chrono::steady_clock::now();
+  std::string got = read_to_eof(fd, 5.0);
+  EXPECT_LT(seconds(t0), 0.5);                         // not the 60 s of 3000 tokens
+  EXPECT_EQ(got.rfind("HTTP/1.1 499", 0), 0u) << got;  // the half-closed client can still read
+  EXPECT_NE(got.find("client_closed"), std::string::npos) << got;
+  close(fd);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
 }
 
 TEST(ServerContract, NoSpecialTokensInOutput) {
