@@ -4,6 +4,8 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -443,6 +445,64 @@ double seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+bool send_all(int fd, const std::string& s) {
+  for (size_t off = 0; off < s.size();) {
+    ssize_t n = send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += size_t(n);
+  }
+  return true;
+}
+
+std::string http_post(const std::string& path, const json& body) {
+  std::string b = body.dump();
+  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(b.size()) + "\r\n\r\n" + b;
+}
+
+// Appends what arrives on `fd` to `out` until `until(out)` holds, the peer closes (returns false) or `timeout_s`
+// passes (returns false).
+bool read_until(int fd, std::string& out, const std::function<bool(const std::string&)>& until, double timeout_s) {
+  auto t0 = std::chrono::steady_clock::now();
+  while (!until(out)) {
+    int left = int((timeout_s - seconds(t0)) * 1000);
+    pollfd p{fd, POLLIN, 0};
+    if (left <= 0 || poll(&p, 1, left) <= 0) return false;
+    char buf[4096];
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return false;
+    out.append(buf, size_t(n));
+  }
+  return true;
+}
+
+// Everything that arrives on `fd` until the peer closes it (or `timeout_s` passes).
+std::string read_to_eof(int fd, double timeout_s) {
+  std::string out;
+  read_until(
+      fd, out, [](const std::string&) { return false; }, timeout_s);
+  return out;
+}
+
+// True once the peer has closed `fd` (EOF or reset) within `timeout_s`; data that arrives first is skipped.
+bool closed_by_server(int fd, double timeout_s) {
+  std::string ignored;
+  auto t0 = std::chrono::steady_clock::now();
+  while (seconds(t0) < timeout_s) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, int((timeout_s - seconds(t0)) * 1000) + 1) <= 0) return false;
+    char buf[4096];
+    if (recv(fd, buf, sizeof buf, MSG_DONTWAIT) <= 0) return true;
+  }
+  return false;
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t pos = s.find(what); pos != std::string::npos; pos = s.find(what, pos + what.size())) ++n;
+  return n;
+}
+
 }  // namespace
 
 TEST(ServerContract, RequiredToolChoiceClosesReasoningThenCalls) {
@@ -748,23 +808,307 @@ TEST(ServerContract, IdleConnectionsCannotStarveHealth) {
 TEST(ServerContract, ConnectionLimitAndIdleTimeout) {
   ByteCodec codec;
   Harness h(script_policy(codec, "ok"), {.max_connections = 4, .keep_alive_timeout_s = 0.5});
+  auto opened = std::chrono::steady_clock::now();
   std::vector<int> idle;
   for (int i = 0; i < 6; ++i) idle.push_back(raw_connect(h.port));
+  // Beyond the limit the connections that waited longest without a request are closed to make room: the first
+  // two at once.
+  EXPECT_TRUE(closed_by_server(idle[0], 0.2));
+  EXPECT_TRUE(closed_by_server(idle[1], 0.2));
+  EXPECT_FALSE(closed_by_server(idle[5], 0.05));
+  // So a new client is served (one more idle connection makes room for it).
+  auto ok = h.client().Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_TRUE(closed_by_server(idle[2], 0.2));
+  // The others are closed after the keep-alive timeout.
+  for (int i = 3; i < 6; ++i) EXPECT_TRUE(closed_by_server(idle[i], 2.0));
+  EXPECT_GT(seconds(opened), 0.45);
+  for (int fd : idle) close(fd);
+}
+
+TEST(ServerContract, AtTheLimitOfBusyConnectionsOnlyHealthIsServed) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, std::string(20, 'z')), {.queue_max = 4, .max_connections = 2});
+  h.engine->delay_ms = 20;  // ~0.4 s per request
+  json body = {{"messages", {user("q")}}};
+  auto post = [&] {
+    int s = 0;
+    h.post("/v1/chat/completions", body, &s);
+    return s;
+  };
+  auto running = std::async(std::launch::async, post);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto queued = std::async(std::launch::async, post);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  auto c = h.client();
-  auto res = c.Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
+  // Both connections are busy with a request (neither can be closed to make room): a third gets 503 at once ...
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = h.client().Post("/v1/chat/completions", body.dump(), "application/json");
   ASSERT_TRUE(res);
+  EXPECT_LT(seconds(t0), 0.1);
   EXPECT_EQ(res->status, 503);
   EXPECT_EQ(json::parse(res->body)["error"]["code"], "too_many_connections");
-  EXPECT_NE(json::parse(res->body)["error"]["message"].get<std::string>().find("4"), std::string::npos);
-  EXPECT_EQ(h.client().Get("/health")->status, 200);  // health is always answered
-  // Idle connections are closed after the keep-alive timeout; then there is room again.
-  char buf[1];
-  for (int fd : idle) EXPECT_EQ(recv(fd, buf, 1, 0), 0);  // the server closed it (EOF)
+  EXPECT_NE(json::parse(res->body)["error"]["message"].get<std::string>().find("2"), std::string::npos);
+  // ... except for /health, which is always answered.
+  auto health = h.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body)["queued"], 1);
+  EXPECT_EQ(running.get(), 200);
+  EXPECT_EQ(queued.get(), 200);
+  h.engine->delay_ms = 0;
+  EXPECT_EQ(post(), 200);
+}
+
+TEST(ServerContract, TricklingAndIdleSocketsBeyondTheLimitCannotStarveHealthOrRequests) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.max_connections = 8});
+  std::vector<int> idle, slow;
+  for (int i = 0; i < 80; ++i) idle.push_back(raw_connect(h.port));
+  for (int i = 0; i < 80; ++i) slow.push_back(raw_connect(h.port));
+  // The trickling sockets send a request one byte every 20 ms: never a pause anywhere near --read-timeout.
+  struct Trickler {
+    std::atomic<bool> done{false};
+    std::thread thread;
+    ~Trickler() {
+      done = true;
+      thread.join();
+    }
+  } trickler;
+  trickler.thread = std::thread([&] {
+    std::string req = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + std::string(4000, 'a');
+    for (size_t k = 0; !trickler.done; ++k) {
+      for (int fd : slow) send(fd, &req[k % req.size()], 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  double health = 1e9, completion = 1e9;
+  for (int i = 0; i < 3; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto c = h.client();
+    c.set_read_timeout(2, 0);
+    auto res = c.Get("/health");
+    EXPECT_TRUE(res && res->status == 200);
+    health = std::min(health, seconds(t0));
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto c = h.client();
+    c.set_read_timeout(2, 0);
+    auto res = c.Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
+    EXPECT_TRUE(res && res->status == 200);
+    completion = std::min(completion, seconds(t0));
+  }
+  EXPECT_LT(health, 0.1);
+  EXPECT_LT(completion, 0.1);
   for (int fd : idle) close(fd);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  auto ok = h.client().Post("/v1/chat/completions", json({{"messages", {user("q")}}}).dump(), "application/json");
-  EXPECT_EQ(ok->status, 200);
+  for (int fd : slow) close(fd);
+}
+
+TEST(ServerContract, RequestHeadsMustArriveWithinTheReadTimeout) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.read_timeout_s = 0.3});
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  // One byte every 20 ms: each pause is far below the timeout, but the head as a whole is not in after 0.3 s.
+  std::string req = "GET /health HTTP/1.1\r\nX-Pad: " + std::string(4000, 'a');
+  auto t0 = std::chrono::steady_clock::now();
+  for (size_t k = 0; k < req.size() && seconds(t0) < 3; ++k) {
+    send(fd, &req[k], 1, MSG_NOSIGNAL);
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 20) > 0) break;
+  }
+  double cut = seconds(t0);
+  std::string got = read_to_eof(fd, 1.0);
+  EXPECT_GT(cut, 0.25);
+  EXPECT_LT(cut, 0.6);
+  EXPECT_EQ(got.rfind("HTTP/1.1 408", 0), 0u) << got;
+  EXPECT_NE(got.find("request_timeout"), std::string::npos) << got;
+  close(fd);
+  EXPECT_EQ(h.client().Get("/health")->status, 200);
+}
+
+TEST(ServerContract, OverAThousandIdleConnectionsLeaveHealthFast) {
+  rlimit lim{};
+  getrlimit(RLIMIT_NOFILE, &lim);
+  lim.rlim_cur = std::min<rlim_t>(lim.rlim_max, 4096);
+  setrlimit(RLIMIT_NOFILE, &lim);
+  getrlimit(RLIMIT_NOFILE, &lim);
+  if (lim.rlim_cur < 2600) GTEST_SKIP() << "needs 2600 file descriptors, the limit is " << lim.rlim_cur;
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {.max_connections = 2000});
+  // 1100 idle connections, all within the limit: the server's sockets are numbered beyond FD_SETSIZE (1024).
+  std::vector<int> idle;
+  for (int i = 0; i < 1100; ++i) {
+    int fd = raw_connect(h.port);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(h.client().Get("/health")->status, 200);
+  EXPECT_LT(seconds(t0), 0.1);
+  int status = 0;
+  h.post("/v1/chat/completions", {{"messages", {user("q")}}}, &status);
+  EXPECT_EQ(status, 200);
+  for (int fd : idle) close(fd);
+}
+
+TEST(ServerContract, KeepAliveAndPipelinedRequestsShareAConnection) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"));
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  // Four requests in one write: each is answered in order on the same connection.
+  std::string chat = http_post("/v1/chat/completions", {{"messages", {user("q")}}});
+  ASSERT_TRUE(send_all(
+      fd, chat + "GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + chat + "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"));
+  std::string got;
+  EXPECT_TRUE(read_until(
+      fd, got, [](const std::string& s) { return s.find(R"("object":"list")") != std::string::npos; }, 5.0))
+      << got;
+  EXPECT_EQ(count(got, "HTTP/1.1 200"), 4u) << got;
+  size_t first = got.find("chat.completion"), health = got.find(R"("status":"ok")");
+  size_t second = got.find("chat.completion", first + 1), models = got.find(R"("object":"list")");
+  EXPECT_LT(first, health);
+  EXPECT_LT(health, second);
+  EXPECT_LT(second, models);
+  EXPECT_NE(second, std::string::npos);
+  EXPECT_FALSE(closed_by_server(fd, 0.05));  // kept alive
+  // 100 pipelined /health requests (answered on the reception thread, a few per turn): all answered.
+  std::string many;
+  for (int i = 0; i < 100; ++i) many += "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_TRUE(send_all(fd, many));
+  got.clear();
+  EXPECT_TRUE(read_until(
+      fd, got, [](const std::string& s) { return count(s, R"("status":"ok")") == 100; }, 5.0))
+      << count(got, R"("status":"ok")");
+  close(fd);
+}
+
+TEST(ServerContract, LargeChunkedAndExpectContinueBodies) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "ok"), {}, /*max_ctx=*/64);
+  // 1.5 MiB arrives in many reads; the request is then handled as usual (here: too long for the context).
+  int status = 0;
+  json big = h.post("/v1/chat/completions", {{"messages", {user(std::string(3 << 19, 'y'))}}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(big["error"]["code"], "context_length_exceeded");
+  // Expect: 100-continue: the client waits for the interim response before sending the body.
+  std::string body = json({{"messages", {user("q")}}}).dump();
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd,
+                       "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       "Expect: 100-continue\r\nContent-Length: " +
+                           std::to_string(body.size()) + "\r\n\r\n"));
+  std::string got;
+  ASSERT_TRUE(read_until(
+      fd, got, [](const std::string& s) { return s.find("\r\n\r\n") != std::string::npos; }, 2.0))
+      << got;
+  EXPECT_EQ(got.rfind("HTTP/1.1 100", 0), 0u) << got;
+  ASSERT_TRUE(send_all(fd, body));
+  ASSERT_TRUE(read_until(
+      fd, got, [](const std::string& s) { return s.find("chat.completion") != std::string::npos; }, 2.0))
+      << got;
+  EXPECT_NE(got.find("HTTP/1.1 200"), std::string::npos) << got;
+  close(fd);
+  // A chunked body.
+  fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  got.clear();
+  char size[16];
+  snprintf(size, sizeof size, "%zx", body.size());
+  ASSERT_TRUE(send_all(fd,
+                       "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       "Transfer-Encoding: chunked\r\n\r\n" +
+                           std::string(size) + "\r\n" + body + "\r\n0\r\n\r\n"));
+  ASSERT_TRUE(read_until(
+      fd, got, [](const std::string& s) { return s.find("chat.completion") != std::string::npos; }, 2.0))
+      << got;
+  EXPECT_EQ(got.rfind("HTTP/1.1 200", 0), 0u) << got;
+  close(fd);
+}
+
+TEST(ServerContract, StreamingDisconnectFreesTheSlotAndKeepsTheCache) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever);
+  h.engine->delay_ms = 20;  // one token
+  json messages = {user("a prompt that is worth caching")};
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(
+      fd, http_post("/v1/chat/completions", {{"messages", messages}, {"stream", true}, {"max_tokens", 3000}})));
+  std::string got;
+  const std::string x = R"("content":"x")";
+  ASSERT_TRUE(read_until(
+      fd, got, [&](const std::string& s) { return count(s, x) >= 5; }, 5.0))
+      << got;
+  size_t received = count(got, x);
+  close(fd);  // hangs up mid-generation
+  auto closed = std::chrono::steady_clock::now();
+  auto busy = [&] { return json::parse(h.client().Get("/health")->body)["busy"].get<bool>(); };
+  while (busy() && seconds(closed) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  // Noticed after the token being computed (20 ms), the slot freed at once.
+  EXPECT_LT(seconds(closed), 0.1 + 0.02);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+  // The prefix cache holds the prompt and the generated tokens the client saw (it may hold one more).
+  h.engine->delay_ms = 0;
+  std::string prompt = codec.render_chat(nlohmann::ordered_json::parse(messages.dump()),
+                                         nlohmann::ordered_json::array(), nlohmann::ordered_json::object());
+  json r = h.post("/v1/completions", {{"prompt", prompt + std::string(received, 'x')}, {"max_tokens", 1}});
+  int prompt_tokens = r["usage"]["prompt_tokens"];
+  EXPECT_EQ(prompt_tokens, int(codec.encode(prompt).size() + received));
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1) << r.dump();
+}
+
+TEST(ServerContract, DisconnectDuringPrefillFreesTheSlotAndKeepsWhatWasPrefilled) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever, {.prefill_chunk = 16});
+  h.engine->delay_ms = 20;  // one prefill chunk of 16 tokens
+  json body = {{"messages", {user(std::string(600, 'p'))}}, {"stream", true}, {"max_tokens", 10}};
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd, http_post("/v1/chat/completions", body)));
+  std::string got;  // the prefill (~0.8 s) sends ": prefill" comments; hang up after a few
+  ASSERT_TRUE(read_until(
+      fd, got, [&](const std::string& s) { return count(s, ": prefill") >= 5; }, 5.0))
+      << got;
+  close(fd);
+  auto closed = std::chrono::steady_clock::now();
+  auto busy = [&] { return json::parse(h.client().Get("/health")->body)["busy"].get<bool>(); };
+  while (busy() && seconds(closed) < 10) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_LT(seconds(closed), 0.1 + 0.02);
+  int64_t prefilled = h.engine->forwarded_tokens;
+  EXPECT_GE(prefilled, 5 * 16);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
+  // The chunks prefilled before the hang-up are in the prefix cache: the same request resumes from them.
+  h.engine->delay_ms = 0;
+  body["stream"] = false;
+  json r = h.post("/v1/chat/completions", body);
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], prefilled) << r.dump();
+  EXPECT_LT(prefilled, r["usage"]["prompt_tokens"].get<int64_t>());
+}
+
+TEST(ServerContract, AClientThatHalfClosesIsTreatedAsGone) {
+  ByteCodec codec;
+  Policy forever = [](const std::vector<int32_t>&) -> Preferences { return {{int32_t('x'), 10.f}}; };
+  Harness h(forever);
+  h.engine->delay_ms = 20;
+  int fd = raw_connect(h.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd, http_post("/v1/chat/completions", {{"messages", {user("q")}}, {"max_tokens", 3000}})));
+  shutdown(fd, SHUT_WR);  // the request is complete; the client only reads from now on
+  auto t0 = std::chrono::steady_clock::now();
+  std::string got = read_to_eof(fd, 5.0);
+  EXPECT_LT(seconds(t0), 0.5);                         // not the 60 s of 3000 tokens
+  EXPECT_EQ(got.rfind("HTTP/1.1 499", 0), 0u) << got;  // the half-closed client can still read
+  EXPECT_NE(got.find("client_closed"), std::string::npos) << got;
+  close(fd);
+  EXPECT_NE(h.client().Get("/metrics")->body.find("moesrv_requests_cancelled_total 1"), std::string::npos);
 }
 
 TEST(ServerContract, NoSpecialTokensInOutput) {

@@ -76,11 +76,13 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
   cmd->add_option("--alias", a->server.aliases, "More model ids the server answers to (repeatable; others get 404)");
   cmd->add_option("--max-connections", a->server.max_connections,
-                  "Open connections served fully (more only get /health)")
+                  "Open connections (a new one closes the longest-waiting idle or incomplete one; if all are busy, "
+                  "it only gets /health)")
       ->capture_default_str();
   cmd->add_option("--keep-alive-timeout", a->server.keep_alive_timeout_s, "Seconds an idle connection stays open")
       ->capture_default_str();
-  cmd->add_option("--read-timeout", a->server.read_timeout_s, "Seconds a request may pause while arriving")
+  cmd->add_option("--read-timeout", a->server.read_timeout_s,
+                  "Seconds a request's line and headers may take to arrive (and its body may pause)")
       ->capture_default_str();
   cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
   cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();

@@ -1,22 +1,15 @@
 #include "server/http_server.h"
 
-#include <arpa/inet.h>
 #include <httplib.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <ctime>
-#include <deque>
 #include <thread>
 
 #include "server/api_error.h"
 #include "server/chat_request.h"
 #include "server/chat_turn_decoder.h"
+#include "server/http_connections.h"
 #include "server/metrics.h"
 #include "server/openai_shapes.h"
 #include "server/reasoning_store.h"
@@ -43,169 +36,6 @@ nlohmann::ordered_json parse_body(const httplib::Request& req) {
   if (!body.is_object()) throw bad_request("The request body must be a JSON object.", "", "invalid_json");
   return body;
 }
-
-// ---- Connections: one thread per connection (an elastic pool), our own keep-alive loop ----
-
-thread_local int t_socket = -1;          // the connection the current handler serves
-thread_local bool t_over_limit = false;  // that connection is beyond max_connections
-
-// True once the peer has closed its side (or the connection broke). Never blocks.
-bool socket_gone(int fd) {
-  if (fd < 0) return false;
-  pollfd p{fd, short(POLLIN | POLLRDHUP), 0};
-  if (poll(&p, 1, 0) <= 0) return false;
-  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
-  if (p.revents & POLLIN) {
-    char c;
-    return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
-  }
-  return false;
-}
-
-bool wait_fd(int fd, short events, int ms) {
-  pollfd p{fd, events, 0};
-  int r;
-  do r = poll(&p, 1, ms);
-  while (r < 0 && errno == EINTR);
-  return r > 0;
-}
-
-void addr_of(const sockaddr_storage& a, std::string& ip, int& port) {
-  char buf[INET6_ADDRSTRLEN] = {};
-  if (a.ss_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(&a);
-    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf);
-    port = ntohs(in->sin_port);
-  } else if (a.ss_family == AF_INET6) {
-    auto* in = reinterpret_cast<const sockaddr_in6*>(&a);
-    inet_ntop(AF_INET6, &in->sin6_addr, buf, sizeof buf);
-    port = ntohs(in->sin6_port);
-  }
-  ip = buf;
-}
-
-class SocketStream : public httplib::Stream {
- public:
-  SocketStream(int fd, int read_ms, int write_ms) : fd_(fd), read_ms_(read_ms), write_ms_(write_ms) {}
-  bool is_readable() const override { return wait_fd(fd_, POLLIN, read_ms_); }
-  bool is_writable() const override { return wait_fd(fd_, POLLOUT, write_ms_); }
-  ssize_t read(char* ptr, size_t size) override {
-    if (!is_readable()) return -1;
-    ssize_t n;
-    do n = recv(fd_, ptr, size, 0);
-    while (n < 0 && errno == EINTR);
-    return n;
-  }
-  ssize_t write(const char* ptr, size_t size) override {
-    if (!is_writable()) return -1;
-    ssize_t n;
-    do n = send(fd_, ptr, size, MSG_NOSIGNAL);
-    while (n < 0 && errno == EINTR);
-    return n;
-  }
-  void get_remote_ip_and_port(std::string& ip, int& port) const override {
-    sockaddr_storage a{};
-    socklen_t len = sizeof a;
-    if (getpeername(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) addr_of(a, ip, port);
-  }
-  void get_local_ip_and_port(std::string& ip, int& port) const override {
-    sockaddr_storage a{};
-    socklen_t len = sizeof a;
-    if (getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) addr_of(a, ip, port);
-  }
-  socket_t socket() const override { return fd_; }
-
- private:
-  int fd_, read_ms_, write_ms_;
-};
-
-// A thread per queued task (connection), reusing idle threads; at most `cap` threads, then tasks wait.
-class ElasticPool : public httplib::TaskQueue {
- public:
-  explicit ElasticPool(size_t cap) : cap_(cap) {}
-  ~ElasticPool() override { shutdown(); }
-  void enqueue(std::function<void()> fn) override {
-    std::lock_guard lock(mu_);
-    jobs_.push_back(std::move(fn));
-    if (jobs_.size() > idle_ && threads_.size() < cap_) threads_.emplace_back([this] { work(); });
-    else cv_.notify_one();
-  }
-  void shutdown() override {
-    {
-      std::lock_guard lock(mu_);
-      if (stop_) return;
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
- private:
-  void work() {
-    std::unique_lock lock(mu_);
-    for (;;) {
-      ++idle_;
-      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      --idle_;
-      if (jobs_.empty()) return;
-      auto fn = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  size_t cap_, idle_ = 0;
-  bool stop_ = false;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-};
-
-class ConnectionServer : public httplib::Server {
- public:
-  size_t max_connections = 256;
-  int keep_alive_ms = 5000, read_ms = 10000, write_ms = 30000;
-  size_t keep_alive_requests = 1000;
-  std::atomic<size_t> active{0};
-  // httplib listens with a backlog of 5: a burst of connections then waits for SYN retransmits (1 s, 3 s, ...).
-  void widen_backlog() { ::listen(svr_sock_, SOMAXCONN); }
-
- private:
-  // Replaces httplib's loop so handlers can see their socket (disconnect detection) and the connection count.
-  bool process_and_close_socket(socket_t sock) override {
-    size_t n = ++active;
-    t_socket = sock;
-    t_over_limit = n > max_connections;
-    SocketStream strm(sock, read_ms, write_ms);
-    size_t left = t_over_limit ? 1 : keep_alive_requests;
-    bool ret = false;
-    while (left > 0 && next_request(sock)) {
-      bool closed = false;
-      ret = process_request(strm, left == 1, closed, nullptr);
-      if (!ret || closed) break;
-      --left;
-    }
-    t_socket = -1;
-    t_over_limit = false;
-    ::shutdown(sock, SHUT_RDWR);
-    ::close(sock);
-    --active;
-    return ret;
-  }
-  // Waits for the next request's first bytes, up to the keep-alive timeout (in slices, so stop() is honoured).
-  bool next_request(int sock) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(keep_alive_ms);
-    while (svr_sock_ != INVALID_SOCKET) {  // stop() closes the listening socket first
-      auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
-      if (left <= 0) return false;
-      if (wait_fd(sock, POLLIN, int(std::min<int64_t>(left, 100)))) return true;
-    }
-    return false;
-  }
-};
 
 // Strings written to an SSE stream; false once the client is gone.
 struct SseWriter {
@@ -269,7 +99,7 @@ struct HttpServer::Impl {
 
   std::unique_ptr<Scheduler::Slot> admit() {
     std::unique_ptr<Scheduler::Slot> slot;
-    int fd = t_socket;
+    int fd = ConnectionServer::current_socket();
     switch (scheduler.acquire(slot, [fd] { return socket_gone(fd); })) {
       case Scheduler::Admission::kGranted: return slot;
       case Scheduler::Admission::kQueueFull:
@@ -379,7 +209,7 @@ struct HttpServer::Impl {
     auto job = std::make_shared<ChatJob>();
     job->req = parse_chat_request(parse_body(http_req));
     check_model(job->req.model);
-    job->socket = t_socket;
+    job->socket = ConnectionServer::current_socket();
     metrics.reasoning_reattached += uint64_t(reasoning.reattach(job->req.messages, opt.reattach_turns));
     // Tools stay in the prompt even for tool_choice "none" (the <tool_call> token is masked instead), so the
     // prompt prefix — and the prefix cache — is the same as for the agent's other turns.
@@ -474,7 +304,7 @@ struct HttpServer::Impl {
     auto job = std::make_shared<TextJob>();
     job->req = parse_completion_request(parse_body(http_req));
     check_model(job->req.model);
-    job->socket = t_socket;
+    job->socket = ConnectionServer::current_socket();
     if (job->req.prompt_text) {
       job->prompt = codec.encode(*job->req.prompt_text);
     } else {
@@ -578,17 +408,17 @@ struct HttpServer::Impl {
     });
     // Beyond max_connections a connection gets /health and nothing else.
     http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
-      if (!t_over_limit || q.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      if (!ConnectionServer::current_over_limit() || q.path == "/health")
+        return httplib::Server::HandlerResponse::Unhandled;
       ApiError e(503, fmt::format("Too many open connections (the limit is {}). Retry later.", opt.max_connections),
                  "server_error", "", "too_many_connections");
       send_json(r, 503, e.to_json());
       return httplib::Server::HandlerResponse::Handled;
     });
-    http.max_connections = opt.max_connections;
-    http.keep_alive_ms = int(opt.keep_alive_timeout_s * 1000);
-    http.read_ms = int(opt.read_timeout_s * 1000);
-    size_t cap = opt.max_connections + 64;
-    http.new_task_queue = [cap] { return new ElasticPool(cap); };
+    http.limits.max_connections = std::max<size_t>(opt.max_connections, 1);
+    http.limits.keep_alive_ms = int(opt.keep_alive_timeout_s * 1000);
+    http.limits.read_ms = int(opt.read_timeout_s * 1000);
+    http.limits.max_body = max_body;
     http.set_payload_max_length(max_body);
   }
 };

@@ -1,8 +1,8 @@
 // The OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 // One request uses the engine at a time (Scheduler); the rest queue. Start on port 0 for an ephemeral port.
-// Every connection has its own thread (idle or slow clients cannot hold up others, /health included), idle
-// keep-alive connections close after a timeout, and beyond `max_connections` a connection only gets /health
-// (anything else is answered 503). A client that goes away, streaming or not, stops its generation.
+// Idle and slow connections wait on one reception thread, not on threads of their own, and /health is answered
+// there (http_connections.h): they cannot hold up requests or /health. A client that goes away, streaming or
+// not, stops its generation.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -27,9 +27,9 @@ struct ServerOptions {
   std::vector<std::string> aliases;  // more names the model answers to (requests naming others get 404)
   int64_t prefill_chunk = 512;
   int reattach_turns = 4;           // re-attach dropped reasoning on this many last tool-calling turns
-  size_t max_connections = 256;     // open connections served fully; more only get /health
+  size_t max_connections = 256;     // open connections; beyond, waiting ones make room, else only /health
   double keep_alive_timeout_s = 5;  // an idle keep-alive connection is closed after this
-  double read_timeout_s = 10;       // a request (line, headers, body) must keep arriving at least this often
+  double read_timeout_s = 10;       // a request's head must arrive within this of its first byte; no body pause longer
   size_t max_body_mb = 64;          // larger request bodies: 413
 };
 
