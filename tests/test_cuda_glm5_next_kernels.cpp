@@ -415,6 +415,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     ModelConfig c;
     c.hidden_size = D;
     c.rms_eps = 1e-6;
+    c.residual.hyper = true;
     c.residual.streams = n;
     c.residual.sinkhorn_iters = 20;
     c.residual.eps = 1e-6;

@@ -3,15 +3,17 @@
 // sharded, MTP, the upstream index quirk), clear errors, and prefix reuse of recurrent state.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <unistd.h>
+#include <tuple>
 
 #include "backend/cpu/cpu_engine.h"
 #include "format/index_repair.h"
 #include "format/lock.h"
 #include "format/safetensors.h"
+#include "glm5_next_variants.h"
 #include "model/synthetic_model.h"
 #include "reference_util.h"
 #include "runtime/pipeline_cpu_stage.h"
@@ -36,18 +38,11 @@ std::vector<int32_t> some_tokens(int64_t n, int64_t vocab, uint32_t seed) {
   return t;
 }
 
-struct Variant {
-  const char* name;
-  json patch;
-};
+using Variant = Glm5NextConfigVariant;
 
 class Glm5NextVariant : public ::testing::TestWithParam<Variant> {};
 
-json variant_config(const Variant& v) {
-  json c = tiny_glm5_next_config(8);
-  c.update(v.patch);
-  return c;
-}
+json variant_config(const Variant& v) { return glm5_next_variant_config(v); }
 
 // Incremental decode (prefill, then single tokens, then a multi-token continuation) equals one full forward.
 TEST_P(Glm5NextVariant, IncrementalMatchesFullForward) {
@@ -102,24 +97,8 @@ TEST_P(Glm5NextVariant, PipelineStagesEqualSingleEngine) {
   for (int32_t t : {5, 17, 42}) EXPECT_EQ(engine->forward(*a, {t}), pipe->forward(*b, {t}));
 }
 
-std::vector<std::string> layer_types(std::initializer_list<const char*> t) { return {t.begin(), t.end()}; }
-
-INSTANTIATE_TEST_SUITE_P(
-    Configs, Glm5NextVariant,
-    ::testing::Values(
-        Variant{"base", json::object()}, Variant{"hc2", {{"hc_mult", 2}}}, Variant{"hc1", {{"hc_mult", 1}}},
-        Variant{"kpool2", {{"index_kpool", 2}}}, Variant{"kpool8_topk32", {{"index_kpool", 8}, {"index_topk", 32}}},
-        Variant{"index_heads32", {{"index_n_heads", 32}}}, Variant{"groups", {{"n_group", 4}, {"topk_group", 2}}},
-        Variant{"no_tail", {{"index_kpool_always_select_tail", false}}},
-        Variant{"no_lower_bound", {{"linear_lower_bound", nullptr}}}, Variant{"tight_clamp", {{"swiglu_limit", 0.05}}},
-        Variant{"shared_indexer",
-                {{"indexer_types", layer_types({"full", "full", "full", "full", "full", "full", "full", "shared"})}}},
-        Variant{"layer_pattern",
-                {{"layer_types", layer_types({"deepseek_sparse_attention", "linear_attention", "linear_attention",
-                                              "linear_attention", "deepseek_sparse_attention",
-                                              "deepseek_sparse_attention", "linear_attention", "linear_attention"})},
-                 {"mlp_layer_types", layer_types({"dense", "sparse", "dense", "sparse", "sparse", "sparse", "sparse", "sparse"})}}}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Configs, Glm5NextVariant, ::testing::ValuesIn(glm5_next_variants()),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 // A follow-up request that shares a prefix resumes from the recurrent-state checkpoint at the end of the
 // first prompt and gives the same logits (and greedy tokens) as a cold request.
@@ -289,6 +268,25 @@ TEST(Glm5NextLayout, UnindexedKpoolTensorsRefusedThenRepaired) {
   auto logits = engine->forward(*seq, ref.input_ids, true);
   EXPECT_LE(rows_error(logits, ref.logits, engine->vocab_size()), 2e-3);
   fs::remove_all(dir);
+}
+
+// mlp_layer_types and indexer_types take only their known values: anything else is refused with the entry named
+// (transformers would silently build a dense MLP for an unknown mlp_layer_types value).
+TEST(Glm5NextErrors, UnknownMlpAndIndexerTypesAreNamed) {
+  const std::vector<std::tuple<const char*, int, const char*, const char*>> cases = {
+      {"mlp_layer_types", 4, "moe", "mlp_layer_types[4] is moe (dense, sparse)"},
+      {"mlp_layer_types", 0, "Dense", "mlp_layer_types[0] is Dense (dense, sparse)"},
+      {"indexer_types", 7, "skip", "indexer_types[7] is skip (full, shared)"}};
+  for (const auto& [key, index, value, expected] : cases) {
+    json bad = nested_config();
+    bad["text_config"][key][index] = value;
+    try {
+      ModelConfig::from_json(bad);
+      ADD_FAILURE() << key << " " << value << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Glm5NextErrors, UnknownLayerTypeAndMissingTensorsAreNamed) {

@@ -148,7 +148,7 @@ std::vector<TensorEntry> manifest(const ModelSpec& s, const std::string& root) {
     }
     if (L.ffn == FfnKind::Moe) moe(t, s, p + ".mlp");
     else t.mlp(p + ".mlp", D, s.intermediate_size);
-    if (s.residual.streams > 1) {
+    if (s.residual.hyper) {
       const int64_t hc = s.residual.streams, mix = (2 + hc) * hc;
       for (const char* site : {".hc_attn", ".hc_ffn"}) {
         t.param(p + site + "_fn", {mix, hc * D});

@@ -30,8 +30,10 @@ struct LayerSpec {
   bool recurrent() const { return mixer == Mixer::Kda || mixer == Mixer::GatedDelta; }
 };
 
-// streams > 1: manifold-constrained hyper-connections (mHC) with `streams` residual copies.
+// hyper: manifold-constrained hyper-connections (mHC) with `streams` residual copies, mixed at every site with the
+// layer's hc_{attn,ffn}_{fn,base,scale} (even one stream: its pre/post/comb weights still scale it). Else x += y.
 struct ResidualSpec {
+  bool hyper = false;
   int64_t streams = 1;
   int64_t sinkhorn_iters = 0;
   double eps = 0;

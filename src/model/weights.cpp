@@ -247,7 +247,7 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     }
     if (spec.ffn == FfnKind::Moe) L.moe = load_moe(make, *pkg, c, p + ".mlp");
     else L.mlp = load_mlp(make, *pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
-    if (c.residual.streams > 1) {
+    if (c.residual.hyper) {
       L.attn_hc = load_hyper(*pkg, c, p + ".hc_attn");
       L.ffn_hc = load_hyper(*pkg, c, p + ".hc_ffn");
     }

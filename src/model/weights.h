@@ -78,7 +78,7 @@ struct LayerWeights {
   std::optional<GqaWeights> gqa;
   std::optional<KdaWeights> kda;
   std::optional<GatedDeltaWeights> gated_delta;
-  HyperWeights attn_hc, ffn_hc;  // residual.streams > 1
+  HyperWeights attn_hc, ffn_hc;   // residual.hyper
   std::optional<MlpWeights> mlp;  // dense layers
   std::optional<MoeWeights> moe;
 };

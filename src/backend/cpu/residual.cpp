@@ -51,7 +51,7 @@ void hyper_mix(const float* x, const HyperWeights& w, int64_t hc, int64_t D, dou
 
 void Residual::enter(const float* x, int64_t S, const NormWeights& norm, const HyperWeights& hc, float* h) {
   const int64_t D = c_.hidden_size, n = c_.residual.streams;
-  if (n == 1) {
+  if (!c_.residual.hyper) {
     rms_norm(x, norm.weight.data(), S, D, c_.rms_eps, h);
     return;
   }
@@ -73,7 +73,7 @@ void Residual::enter(const float* x, int64_t S, const NormWeights& norm, const H
 
 void Residual::leave(float* x, int64_t S, const float* y) {
   const int64_t D = c_.hidden_size, n = c_.residual.streams;
-  if (n == 1) {
+  if (!c_.residual.hyper) {
     for (int64_t i = 0; i < S * D; ++i) x[i] += y[i];
     return;
   }

@@ -322,12 +322,13 @@ namespace {
 // residual's x += y is deferred into the next norm (one fused add_rms_norm); mHC mixes its streams at every site.
 class CudaBlocks final : public BlockExecutor {
  public:
-  CudaBlocks(CudaEngine::Impl& m, int64_t S) : m_(m), S_(S), D_(int(m.c.hidden_size)), n_(int(m.c.residual.streams)) {}
+  CudaBlocks(CudaEngine::Impl& m, int64_t S)
+      : m_(m), S_(S), D_(int(m.c.hidden_size)), n_(int(m.c.residual.streams)), hyper_(m.c.residual.hyper) {}
 
   void enter(int64_t l, Site site) override {
     const DevLayer& L = m_.layers[size_t(l)];
     const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
-    if (n_ == 1) return add_pending_and_norm(norm);
+    if (!hyper_) return add_pending_and_norm(norm);
     const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
     const ResidualSpec& r = m_.c.residual;
     hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(), norm.w.as<float>(),
@@ -335,7 +336,7 @@ class CudaBlocks final : public BlockExecutor {
                 m_.stream);
   }
   void leave(int64_t, Site) override {
-    if (n_ == 1) pending_ = true;
+    if (!hyper_) pending_ = true;
     else hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
   }
   void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
@@ -347,8 +348,8 @@ class CudaBlocks final : public BlockExecutor {
 
   // Token embeddings (gathered on the device from d_tokens) into every residual stream.
   void embed() {
-    embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, n_ == 1 ? x() : h(), m_.stream);
-    if (n_ > 1) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
+    embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, !hyper_ ? x() : h(), m_.stream);
+    if (hyper_) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
   }
   // A pipeline stage's end: the pending plain-residual output folded into x (any norm: s.h is scratch here).
   void flush(const DevNorm& any_norm) {
@@ -356,7 +357,7 @@ class CudaBlocks final : public BlockExecutor {
   }
   // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
   void final_norm(const DevNorm& norm) {
-    if (n_ == 1) return add_pending_and_norm(norm);
+    if (!hyper_) return add_pending_and_norm(norm);
     hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
     rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
   }
@@ -374,6 +375,7 @@ class CudaBlocks final : public BlockExecutor {
   CudaEngine::Impl& m_;
   const int64_t S_;
   const int D_, n_;
+  const bool hyper_;
   bool pending_ = false;
 };
 

@@ -156,7 +156,7 @@ void CudaEngine::Impl::upload_weights() {
     d.input_norm = up.norm(L.input_norm);
     d.post_norm = up.norm(L.post_attention_norm);
     DevAttention& a = d.attn;
-    if (c.residual.streams > 1) {
+    if (c.residual.hyper) {
       d.attn_hc = {up.vec(L.attn_hc.fn, "mHC fn"), up.vec(L.attn_hc.base, "mHC base"),
                    up.vec(L.attn_hc.scale, "mHC scale")};
       d.ffn_hc = {up.vec(L.ffn_hc.fn, "mHC fn"), up.vec(L.ffn_hc.base, "mHC base"),
@@ -394,7 +394,7 @@ void CudaEngine::Impl::allocate_scratch() {
     s.attn_out = f32(R * H * c.head_dim, "attention out");
     if (c.attn_output_gate) s.qgate = f32(R * H * 2 * c.head_dim, "q and output gate");
   }
-  if (c.residual.streams > 1) {
+  if (c.residual.hyper) {
     s.post = f32(R * c.residual.streams, "mHC post");
     s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
   }

@@ -227,7 +227,7 @@ struct DevLayer {
   DevAttention attn;
   std::optional<DevKda> kda;
   std::optional<DevGatedDelta> gated_delta;
-  DevHyper attn_hc, ffn_hc;  // residual streams > 1
+  DevHyper attn_hc, ffn_hc;  // residual.hyper
   std::optional<DevMlp> mlp;
   std::optional<DevMoe> moe;
 };
