@@ -105,6 +105,17 @@ TEST(Jinja, Errors) {
   // An endraw without a closing tag (found by fuzz_jinja: the lexer used to loop forever).
   EXPECT_THROW(render("{% raw %}x endraw"), Error);
   EXPECT_THROW(render("{% raw %}x{% endraw"), Error);
+  // Templates that would exhaust memory are errors (fuzz_jinja: repeated joins of a string's characters grow it
+  // by the separator's length each time).
+  const std::string sep(40, ' ');
+  EXPECT_THROW(render("{{ 'abc' | join('" + sep + "') | join('" + sep + "') | join('" + sep + "') | join('" + sep +
+                      "') | join('" + sep + "') }}"),
+               Error);
+  EXPECT_THROW(render("{{ 'x' * 100000000 }}"), Error);
+  EXPECT_THROW(render("{{ '' * 1000000000000 }}"), Error);
+  EXPECT_THROW(render("{% for i in range(100000000) %}{% endfor %}"), Error);
+  EXPECT_THROW(render("{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}"), Error);
+  EXPECT_EQ(render("{{ 'ab' | join('-') }}{{ 'x' * 3 }}{{ range(3) | join(',') }}"), "a-bxxx0,1,2");
   try {
     render("{{ raise_exception('Only user and assistant roles') }}");
   } catch (const Error& e) {

@@ -293,6 +293,7 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
       if (!first) out += sep.to_str();
       first = false;
       out += (attr.is_none() ? x : attr_path(x, attr.to_str())).to_str();
+      check_size(out.size(), kMaxStringBytes, "a joined string of bytes");
     }
     return Value(out);
   }
@@ -534,6 +535,8 @@ Object builtin_globals() {
       if (args.size() > 2) step = args[2].as_int();
     }
     if (step == 0) fail("jinja: range step cannot be zero");
+    const double n = (double(stop) - double(start)) / double(step);
+    check_size(n > 0 ? size_t(std::min(n, 1e18)) : 0, kMaxItems, "a range of");
     Array out;
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.emplace_back(i);
     return Value(std::move(out));

@@ -1,5 +1,6 @@
 #include "tokenizer/jinja/interpreter.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tokenizer/jinja/builtins.h"
@@ -16,7 +17,10 @@ constexpr int kMaxDepth = 200;
 
 Value arith(const Expr& e, const std::string& op, const Value& a, const Value& b) {
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value(a.str() + b.str());
+    if (a.is_string() && b.is_string()) {
+      check_size(a.str().size() + b.str().size(), kMaxStringBytes, "a string of bytes");
+      return Value(a.str() + b.str());
+    }
     if (a.is_array() && b.is_array()) {
       Array r = a.array();
       r.insert(r.end(), b.array().begin(), b.array().end());
@@ -24,6 +28,9 @@ Value arith(const Expr& e, const std::string& op, const Value& a, const Value& b
     }
   }
   if (op == "*" && a.is_string() && b.is_int()) {
+    if (b.as_int() > 0)
+      check_size(size_t(b.as_int()) * std::max<size_t>(a.str().size(), 1), kMaxStringBytes,
+                 "a repeated string of bytes");
     std::string r;
     for (int64_t i = 0; i < b.as_int(); ++i) r += a.str();
     return Value(r);
@@ -95,8 +102,11 @@ Interpreter::Flow Interpreter::exec(const Body& body, std::string& out) {
   for (const auto& sp : body) {
     const Stmt& s = *sp;
     switch (s.kind) {
-      case Stmt::Text: out += s.text; break;
-      case Stmt::Output: out += eval(*s.expr).to_str(); break;
+      case Stmt::Text:
+      case Stmt::Output:
+        out += s.kind == Stmt::Text ? s.text : eval(*s.expr).to_str();
+        check_size(out.size(), kMaxStringBytes, "output of bytes");
+        break;
       case Stmt::If: {
         size_t i = 0;
         for (; i < s.conds.size(); ++i)
@@ -280,7 +290,11 @@ Value Interpreter::binary(const Expr& e) {
   if (op == ">=") return Value(Value::compare(a, b) >= 0);
   if (op == "in") return Value(contains(b, a));
   if (op == "not in") return Value(!contains(b, a));
-  if (op == "~") return Value(a.to_str() + b.to_str());
+  if (op == "~") {
+    std::string r = a.to_str() + b.to_str();
+    check_size(r.size(), kMaxStringBytes, "a string of bytes");
+    return Value(std::move(r));
+  }
   return arith(e, op, a, b);
 }
 

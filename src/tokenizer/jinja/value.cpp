@@ -283,6 +283,7 @@ Array Value::iterate() const {
       return keys;
     }
     case Type::String: {
+      check_size(s_->size(), kMaxItems, "iterating a string of");
       Array out;
       for (auto& c : utf8_chars(*s_)) out.emplace_back(std::move(c));
       return out;
@@ -341,6 +342,10 @@ int Value::compare(const Value& a, const Value& b) {
     return x.size() < y.size() ? -1 : x.size() > y.size() ? 1 : 0;
   }
   fail("jinja: cannot compare '{}' with '{}'", a.type_name(), b.type_name());
+}
+
+void check_size(size_t n, size_t limit, const char* what) {
+  if (n > limit) fail("jinja: {} {} (more than the limit of {})", what, n, limit);
 }
 
 }  // namespace moesrv::jinja

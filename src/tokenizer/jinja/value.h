@@ -94,4 +94,11 @@ class Value {
 // Splits a UTF-8 string into code points (each as its own UTF-8 string).
 std::vector<std::string> utf8_chars(const std::string& s);
 
+// Limits that keep a hostile template (from a model package or a request) from exhausting memory: a string value or
+// the rendered output of at most kMaxStringBytes, a list (range, a string's characters) of at most kMaxItems.
+constexpr size_t kMaxStringBytes = size_t(64) << 20;
+constexpr size_t kMaxItems = size_t(4) << 20;
+// Fails naming `what` when `n` exceeds `limit`.
+void check_size(size_t n, size_t limit, const char* what);
+
 }  // namespace moesrv::jinja
