@@ -54,6 +54,12 @@ struct Harness {
     if (status) *status = res->status;
     return json::parse(res->body);
   }
+  // The HTTP status of a chat completion (for requests run on other threads).
+  int chat_status(const json& body) {
+    int status = 0;
+    post("/v1/chat/completions", body, &status);
+    return status;
+  }
 };
 
 json user(const std::string& text) { return {{"role", "user"}, {"content", text}}; }
@@ -359,11 +365,7 @@ TEST(Server, QueueFullGives429AndTimeoutGives503) {
   Harness h(script_policy(codec, std::string(40, 'z')), {.queue_max = 1, .queue_timeout_s = 30});
   h.engine->delay_ms = 20;  // ~1 s per request
   json body = {{"messages", {user("q")}}};
-  auto run = [&] {
-    int status = 0;
-    h.post("/v1/chat/completions", body, &status);
-    return status;
-  };
+  auto run = [&] { return h.chat_status(body); };
   auto a = std::async(std::launch::async, run);
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   auto b = std::async(std::launch::async, run);  // queued
@@ -377,7 +379,7 @@ TEST(Server, QueueFullGives429AndTimeoutGives503) {
 
   Harness t(script_policy(codec, std::string(40, 'z')), {.queue_max = 4, .queue_timeout_s = 0.2});
   t.engine->delay_ms = 20;
-  auto busy = std::async(std::launch::async, [&] { int s = 0; t.post("/v1/chat/completions", body, &s); return s; });
+  auto busy = std::async(std::launch::async, [&] { return t.chat_status(body); });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   json timed_out = t.post("/v1/chat/completions", body, &status);
   EXPECT_EQ(status, 503);
@@ -751,11 +753,7 @@ TEST(ServerContract, AQueuedClientThatLeavesGivesUpItsPlace) {
   Harness h(script_policy(codec, std::string(60, 'z')), {.queue_max = 4});
   h.engine->delay_ms = 20;  // ~1.2 s for the running request
   json body = {{"messages", {user("q")}}};
-  auto running = std::async(std::launch::async, [&] {
-    int s = 0;
-    h.post("/v1/chat/completions", body, &s);
-    return s;
-  });
+  auto running = std::async(std::launch::async, [&] { return h.chat_status(body); });
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   auto health = [&] { return json::parse(h.client().Get("/health")->body); };
   {
@@ -832,11 +830,7 @@ TEST(ServerContract, AtTheLimitOfBusyConnectionsOnlyHealthIsServed) {
   Harness h(script_policy(codec, std::string(20, 'z')), {.queue_max = 4, .max_connections = 2});
   h.engine->delay_ms = 20;  // ~0.4 s per request
   json body = {{"messages", {user("q")}}};
-  auto post = [&] {
-    int s = 0;
-    h.post("/v1/chat/completions", body, &s);
-    return s;
-  };
+  auto post = [&] { return h.chat_status(body); };
   auto running = std::async(std::launch::async, post);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto queued = std::async(std::launch::async, post);

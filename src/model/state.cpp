@@ -4,16 +4,25 @@
 
 namespace moesrv {
 
+namespace {
+
+// Bytes of one buffer holding `rows` token rows (PerPool: one row per `pool` of them), or its fixed size.
+uint64_t buffer_bytes(const StateBuffer& x, int64_t rows, int64_t pool, int kv_bytes, int fixed_bytes,
+                      int index_bytes) {
+  const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
+  switch (x.growth) {
+    case Growth::PerToken: return uint64_t(rows * x.elems) * elem;
+    case Growth::PerPool: return uint64_t(rows / pool * x.elems) * elem;
+    case Growth::Fixed: return uint64_t(x.elems) * uint64_t(fixed_bytes);
+  }
+  return 0;
+}
+
+}  // namespace
+
 uint64_t StateSpec::bytes(int64_t tokens, int kv_bytes, int fixed_bytes, int index_bytes) const {
   uint64_t b = 0;
-  for (const StateBuffer& x : buffers) {
-    const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
-    switch (x.growth) {
-      case Growth::PerToken: b += uint64_t(tokens * x.elems) * elem; break;
-      case Growth::PerPool: b += uint64_t(tokens / pool * x.elems) * elem; break;
-      case Growth::Fixed: b += uint64_t(x.elems) * uint64_t(fixed_bytes); break;
-    }
-  }
+  for (const StateBuffer& x : buffers) b += buffer_bytes(x, tokens, pool, kv_bytes, fixed_bytes, index_bytes);
   return b;
 }
 
@@ -60,12 +69,9 @@ uint64_t step_state_bytes(const ModelSpec& s, const StateSpec& st, int64_t ctx, 
   const int64_t attended = selects ? std::min(ctx, s.index_topk) : ctx;
   uint64_t b = 0;
   for (const StateBuffer& x : st.buffers) {
-    const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
-    switch (x.growth) {
-      case Growth::PerToken: b += uint64_t((x.indexer ? ctx : attended) * x.elems) * elem; break;
-      case Growth::PerPool: b += uint64_t(ctx / st.pool * x.elems) * elem; break;
-      case Growth::Fixed: b += 2 * uint64_t(x.elems) * uint64_t(fixed_bytes); break;
-    }
+    const int64_t rows = x.growth == Growth::PerToken && !x.indexer ? attended : ctx;
+    const uint64_t once = buffer_bytes(x, rows, st.pool, kv_bytes, fixed_bytes, index_bytes);
+    b += x.growth == Growth::Fixed ? 2 * once : once;  // fixed state is read and written back
   }
   return b;
 }
