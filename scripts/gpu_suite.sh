@@ -3,12 +3,14 @@
 # .gpu` (carry .gpurun): the CUDA suites and, with BENCH=1, the real-width glm5_next slice whose JSON lands in
 # $OUT/glm5-next-h200.json (copy it to docs/perf/). Logs go to $OUT; a summary is printed.
 #   scripts/gpu_suite.sh            kernels + engine + pipeline + EXL3 suites (~15 s on an H200, before the pipeline)
+#   KBENCH=1 scripts/gpu_suite.sh   + the per-kernel decode bench (cuda_kernel_bench; $OUT/kernels.json);
+#                                   GEMV_SWEEP="8 16 16tc" also times the EXL3 rows at those GEMV blocks per SM (tc: tensor cores at 1 row)
 #   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 8-layer real-width slices), + the
 #                                   pipeline hand-off overhead per decode token
 #   The bench's matrix comes from the environment (defaults: contexts 8192,32768, budget all, uniform routing), e.g.
 #   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072
 #   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s);
-#   MOESRV_BENCH_MLA_SPLIT=1 decodes MLA with the key-split kernel (CudaMlaKernels.* must pass first).
+#   MOESRV_BENCH_MLA_SPLIT=0 decodes MLA with the per-head kernel instead of the key-split default.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -22,6 +24,16 @@ timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.
 timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1
 summary "$OUT/exl3.log"
+if [[ ${KBENCH:-0} == 1 ]]; then  # every decode kernel at the real shapes (docs/perf-cuda.md)
+  timeout 300 .gpu/cuda_kernel_bench --json "$OUT/kernels.json" >"$OUT/kernel_bench.log" 2>"$OUT/kernel_bench.err"
+  echo "kernel bench rc=$?"; cat "$OUT/kernel_bench.log"
+  for v in ${GEMV_SWEEP:-}; do  # blocks per SM (MOESRV_EXL3_GEMV_BLOCKS), "tc" suffix: tensor cores for one row
+    b=${v%tc}; tc=0; [[ $v == *tc ]] && tc=1
+    MOESRV_EXL3_GEMV_BLOCKS=$b MOESRV_EXL3_GEMV_TC=$tc timeout 120 .gpu/cuda_kernel_bench --quick --only EXL3,decode \
+      >"$OUT/kernel_bench_$v.log" 2>/dev/null
+    echo "GEMV $v:"; grep -E "EXL3|decode" "$OUT/kernel_bench_$v.log" | head -24
+  done
+fi
 if [[ ${BENCH:-0} == 1 ]]; then
   MOESRV_CUDA_BENCH=1 MOESRV_BENCH_JSON="$OUT/glm5-next-h200.json" timeout "${BENCH_TIMEOUT:-300}" .gpu/test_cuda_exl3_synthetic \
     --gtest_filter='*Glm5Next*' >"$OUT/bench.log" 2>&1

@@ -220,9 +220,10 @@ TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
   if (ModelConfig::from_json(pkg->config()).attention != AttentionKind::MLA) GTEST_SKIP() << "not an MLA model";
   auto all = ids(GetParam(), "gen_ids");
   std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
-  CudaEngineOptions split;
+  CudaEngineOptions split, per_head;
   split.mla_split_decode = true;
-  auto base = gpu_engine(GetParam()), fast = gpu_engine(GetParam(), split);
+  per_head.mla_split_decode = false;
+  auto base = gpu_engine(GetParam(), per_head), fast = gpu_engine(GetParam(), split);
   const auto ref = test::prefill_then_steps(*base, prompt, steps), out = test::prefill_then_steps(*fast, prompt, steps);
   ASSERT_EQ(ref.size(), out.size());
   const int64_t V = base->vocab_size();

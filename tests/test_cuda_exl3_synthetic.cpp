@@ -157,8 +157,8 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 // measured bandwidth (device copy, pinned H2D, host memcpy); expert traffic is counted by the engine (CudaEngineStats).
 // Opt-in: MOESRV_CUDA_BENCH=1. MOESRV_BENCH_JSON=<file> writes docs/perf/glm5-next-h200.json's format;
 // MOESRV_BENCH_CONTEXTS (default 8192,32768), MOESRV_BENCH_BUDGETS (default all; e.g. all,44,22),
-// MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix; MOESRV_BENCH_MLA_SPLIT=1 decodes MLA
-// with the key-split kernel.
+// MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix; MOESRV_BENCH_MLA_SPLIT=0 decodes MLA
+// with the per-head kernel instead of the key-split one (the default).
 std::vector<std::string> env_list(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   std::string s = v && *v ? v : fallback;
@@ -240,6 +240,7 @@ struct SliceRun {
   double prefill_s = 0, decode_s = 0;          // whole prompt, per token
   double selections = 0, vram_selections = 0;  // per decode token (host-planned passes only)
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
+  int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   bool hybrid = false;
 };
 
@@ -257,6 +258,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.fetched_bytes = (b.fetched_bytes - a.fetched_bytes) / n;
   r.cpu_bytes = (b.cpu_expert_bytes - a.cpu_expert_bytes) / n;
   r.hybrid = r.selections > 0;
+  r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   return r;
 }
 
@@ -328,7 +330,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       CudaEngineOptions base;
       base.max_ctx = max_ctx + 64;
       base.prefill_chunk = 8192;
-      base.mla_split_decode = std::getenv("MOESRV_BENCH_MLA_SPLIT") != nullptr;  // the key-split MLA decode kernel
+      if (const char* v = std::getenv("MOESRV_BENCH_MLA_SPLIT")) base.mla_split_decode = std::string(v) != "0";
       PlacementPlan plan;
       if (budget != "all") {
         PlacementRequest req;
@@ -385,6 +387,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         const double floor_s =
             std::max({hbm / (bw.device_copy * 1e9), pcie / (bw.pcie_h2d * 1e9), host / (bw.host * 1e9)});
         const double hit = r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0;
+        const double nodes_per_layer = double(r8.graph_nodes - r4.graph_nodes) / 4;
+        std::printf("[ perf ] decode per layer %.1f us, head + embedding %.1f us, graph nodes per layer %.1f (%ld in "
+                    "the 4-layer graph)\n",
+                    dl * 1e6, (r4.decode_s - 4 * dl) * 1e6, nodes_per_layer, long(r4.graph_nodes));
         std::printf(
             "[ perf ] glm5_next 45 layers, %s GiB, %s, ctx %ld: decode %.1f tok/s (floor %.1f, %.0f%%), "
             "prefill %.0f tok/s (TTFT %.1f s), hit rate %.3f, GB/token HBM %.2f PCIe %.3f host %.3f\n",
@@ -400,6 +406,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"ttft_s", p45},
             {"hit_rate", hit},
             {"hot_half_share", hot_half_share},
+            {"decode_us_per_layer", dl * 1e6},
+            {"graph_nodes_per_layer", nodes_per_layer},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         results.push_back(row);
       }

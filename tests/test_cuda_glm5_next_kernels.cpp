@@ -7,9 +7,11 @@
 #include <cstdio>
 #include <functional>
 #include <iterator>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/cpu_layers.h"
@@ -285,9 +287,11 @@ std::vector<float> project(const Linear& l, const std::vector<float>& x, int64_t
 // cpu::kda_forward (chunked for S > 1, the recurrence for S == 1; o_proj = identity) vs the GPU chain the engine
 // runs on the same projections: conv on the [S, q | k | v] rows, l2norm in place, gates, the strided recurrence,
 // the gated norm.
+// Single tokens also go through the fused decode kernel (kda_decode) on a second copy of the state, which must
+// follow the chain and the CPU step for step.
 TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
   SKIP_WITHOUT_DEVICE();
-  for (auto [H, d] : {std::pair{4, 32}, std::pair{64, 128}}) {
+  for (auto [H, d, lb] : {std::tuple{4, 32, true}, std::tuple{64, 128, true}, std::tuple{8, 64, false}}) {
     const int D = H == 4 ? 128 : 256, Hd = H * d, C = 3 * Hd, K = 4;
     ModelConfig c;
     c.hidden_size = D;
@@ -295,8 +299,8 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
     c.linear.k_heads = c.linear.v_heads = H;
     c.linear.dk = c.linear.dv = d;
     c.linear.conv_kernel = K;
-    c.linear.lower_bound_set = true;
-    c.linear.lower_bound = -5.0;
+    c.linear.lower_bound_set = lb;
+    c.linear.lower_bound = lb ? -5.0 : 0.0;
     KdaWeights w;
     w.q = std::make_unique<F32Linear>(Hd, D, 201);
     w.k = std::make_unique<F32Linear>(Hd, D, 202);
@@ -315,6 +319,7 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
 
     Dev<float> dconvw(w.conv), ddt(w.dt_bias), dalog(w.a_log), dnorm(w.o_norm.weight);
     Dev<float> dconv_state(size_t(K - 1) * C), dstate(size_t(H) * d * d);
+    Dev<float> fconv_state(size_t(K - 1) * C), fstate(size_t(H) * d * d);  // the fused kernel's
     uint32_t seed = 220;
     for (int S : {37, 1, 1, 1, 5}) {
       const std::vector<float> x = uniform(size_t(S) * D, -1.0f, 1.0f, seed++);
@@ -330,20 +335,46 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
       }
       const std::vector<float> f = project(*w.f_b, project(*w.f_a, x, S), S), b = project(*w.b, x, S);
       const std::vector<float> gate = project(*w.g_b, project(*w.g_a, x, S), S);
-      Dev<float> draw(raw), dmixed(raw.size()), dg(f), dbeta(b), dgate(gate), dout(size_t(S) * Hd);
-      cuda::causal_conv1d_silu(draw.get(), C, S, C, dconvw.get(), K, dconv_state.get(), dmixed.get(), nullptr);
-      cuda::l2norm_rows(dmixed.get(), S, H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), nullptr);
-      cuda::l2norm_rows(dmixed.get() + Hd, S, H, C, d, 1e-6f, 1.0f, nullptr);
-      cuda::kda_gates(dg.get(), ddt.get(), dalog.get(), S, H, d, true, -5.0f, dbeta.get(), nullptr);
-      cuda::DeltaRuleArgs a;
-      a.T = S, a.heads = H, a.dk = d, a.dv = d, a.per_channel_decay = true;
-      a.q = dmixed.get(), a.k = dmixed.get() + Hd, a.qk_stride = C, a.v = dmixed.get() + 2 * Hd, a.v_stride = C;
-      a.g = dg.get(), a.beta = dbeta.get(), a.state = dstate.get(), a.out = dout.get();
-      cuda::delta_rule(a, nullptr);
-      cuda::kda_output_norm(dout.get(), dgate.get(), dnorm.get(), S * H, d, float(c.rms_eps), nullptr);
-      EXPECT_LT(rel_err(dout.host(), ref), 2e-4) << "H " << H << " d " << d << " S " << S;
+      // The chain (prefill path), on dstate / dconv_state; the fused kernel for single tokens on fstate.
+      auto chain = [&](float* conv_state, float* state) {
+        Dev<float> draw(raw), dmixed(raw.size()), dg(f), dbeta(b), dgate(gate), dout(size_t(S) * Hd);
+        cuda::causal_conv1d_silu(draw.get(), C, S, C, dconvw.get(), K, conv_state, dmixed.get(), nullptr);
+        cuda::l2norm_rows(dmixed.get(), S, H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), nullptr);
+        cuda::l2norm_rows(dmixed.get() + Hd, S, H, C, d, 1e-6f, 1.0f, nullptr);
+        cuda::kda_gates(dg.get(), ddt.get(), dalog.get(), S, H, d, lb, float(c.linear.lower_bound), dbeta.get(),
+                        nullptr);
+        cuda::DeltaRuleArgs a;
+        a.T = S, a.heads = H, a.dk = d, a.dv = d, a.per_channel_decay = true;
+        a.q = dmixed.get(), a.k = dmixed.get() + Hd, a.qk_stride = C, a.v = dmixed.get() + 2 * Hd, a.v_stride = C;
+        a.g = dg.get(), a.beta = dbeta.get(), a.state = state, a.out = dout.get();
+        cuda::delta_rule(a, nullptr);
+        cuda::kda_output_norm(dout.get(), dgate.get(), dnorm.get(), S * H, d, float(c.rms_eps), nullptr);
+        return dout.host();
+      };
+      const std::vector<float> out = chain(dconv_state.get(), dstate.get());
+      EXPECT_LT(rel_err(out, ref), 2e-4) << "H " << H << " d " << d << " S " << S;
       EXPECT_LT(rel_err(dstate.host(), st.recurrent), 2e-4) << "H " << H << " d " << d << " S " << S;
       EXPECT_LT(rel_err(dconv_state.host(), st.conv), 1e-6) << "H " << H << " d " << d << " S " << S;
+      std::vector<float> fused;
+      if (S == 1) {
+        ASSERT_TRUE(cuda::kda_decode_supported(d, d, K));
+        Dev<float> draw(raw), dg(f), dbeta(b), dgate(gate), dout(static_cast<size_t>(Hd));
+        cuda::KdaDecodeArgs a;
+        a.heads = H, a.dk = d, a.dv = d, a.conv_k = K;
+        a.qkv = draw.get(), a.conv_w = dconvw.get(), a.conv_state = fconv_state.get();
+        a.g = dg.get(), a.dt_bias = ddt.get(), a.a_log = dalog.get();
+        a.lower_bound_set = lb, a.lower_bound = float(c.linear.lower_bound);
+        a.beta = dbeta.get(), a.state = fstate.get(), a.gate = dgate.get(), a.norm_w = dnorm.get();
+        a.l2_eps = 1e-6f, a.q_scale = 1.0f / std::sqrt(float(d)), a.norm_eps = float(c.rms_eps), a.out = dout.get();
+        cuda::kda_decode(a, nullptr);
+        fused = dout.host();
+      } else {
+        fused = chain(fconv_state.get(), fstate.get());
+      }
+      EXPECT_LT(rel_err(fused, out), 1e-5) << "fused, H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(fused, ref), 2e-4) << "fused, H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(fstate.host(), st.recurrent), 2e-4) << "fused, H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(fconv_state.host(), st.conv), 1e-6) << "fused, H " << H << " d " << d << " S " << S;
     }
   }
 }
@@ -607,6 +638,95 @@ TEST(CudaGlm5NextKernels, KpoolIndexerTinyShapes) {
 TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
   SKIP_WITHOUT_DEVICE();
   run_kpool_case({32, 128, 4, 2048, {2999, 1, 1, 1, 1, 1, 7}});
+}
+
+// The top-k of kpool_select (radix select over the pool scores) with many exactly tied scores: pool keys repeat 40
+// distinct random rows, so equal rows score bit-identically; the chosen pools must be the best `budget` with ties at
+// the k-th score going to the lower pool index (the indexer's rule), in ascending order, then the open pool's tail.
+TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
+  SKIP_WITHOUT_DEVICE();
+  const int nh = 4, d = 32, kp = 4, budget = 100;
+  for (int pools : {600, 5000}) {
+    const int p = pools * kp + 1, max_pools = pools + 1, sel_k = budget * kp + kp - 1;
+    const std::vector<float> rows = uniform(size_t(40) * d, -1.0f, 1.0f, 77), q = uniform(size_t(nh) * d, -1, 1, 78);
+    const std::vector<float> hw = uniform(size_t(nh), 0.1f, 1.0f, 79);
+    std::vector<float> pool_k(size_t(max_pools) * d, 0.0f);
+    std::mt19937 rng(80);
+    std::vector<int> row_of(static_cast<size_t>(pools));
+    for (int P = 0; P < pools; ++P) {
+      row_of[size_t(P)] = int(rng() % 40);
+      std::copy_n(rows.begin() + row_of[size_t(P)] * d, d, pool_k.begin() + int64_t(P) * d);
+    }
+    std::vector<double> row_score(40);
+    for (int r = 0; r < 40; ++r)
+      for (int h = 0; h < nh; ++h) {
+        double dot = 0;
+        for (int j = 0; j < d; ++j) dot += double(q[size_t(h * d + j)]) * rows[size_t(r * d + j)];
+        row_score[size_t(r)] += hw[size_t(h)] * std::max(dot / std::sqrt(double(d)), 0.0);
+      }
+    std::vector<int> order(static_cast<size_t>(pools));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return row_score[size_t(row_of[size_t(a)])] > row_score[size_t(row_of[size_t(b)])]; });
+    std::vector<int> chosen(order.begin(), order.begin() + budget);
+    std::sort(chosen.begin(), chosen.end());
+    std::vector<int32_t> want;
+    for (int P : chosen)
+      for (int t = 0; t < kp; ++t) want.push_back(P * kp + t);
+    for (int t = pools * kp; t <= p; ++t) want.push_back(t);
+    want.resize(size_t(sel_k), -1);
+
+    Dev<float> dq(q), dhw(hw), dpool(pool_k), dscratch(static_cast<size_t>(max_pools));
+    Dev<int32_t> dpos(std::vector<int32_t>{p}), dsel(static_cast<size_t>(sel_k));
+    cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), 1, nh, d, kp, budget, true, dpos.get(), max_pools,
+                       dscratch.get(), dsel.get(), sel_k, nullptr);
+    EXPECT_EQ(dsel.host(), want) << pools << " pools";
+  }
+}
+
+// The sigmoid router (DeepSeek-V3 / GLM: correction bias for the choice, optional group limit) against route_token,
+// with logits on a coarse grid so that many scores tie exactly: ids in pick order and weights must match.
+TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    int E, k, groups, topk_groups;
+    bool norm;
+    float levels;  // logits rounded to multiples of 1/levels (0: continuous)
+  };
+  for (const Case& cs : {Case{288, 8, 1, 1, true, 0}, Case{288, 8, 1, 1, true, 4}, Case{256, 8, 8, 4, true, 0},
+                         Case{256, 8, 8, 4, true, 2}, Case{64, 6, 1, 1, false, 0}, Case{1024, 16, 16, 3, true, 8}}) {
+    const int S = 13;
+    ModelConfig c;
+    c.router = RouterKind::SigmoidGroup;
+    c.n_routed_experts = cs.E;
+    c.experts_per_token = cs.k;
+    c.n_group = cs.groups;
+    c.topk_group = cs.topk_groups;
+    c.norm_topk_prob = cs.norm;
+    c.routed_scaling_factor = 2.5;
+    std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 500 + uint32_t(cs.E));
+    std::vector<float> bias = uniform(size_t(cs.E), -0.05f, 0.05f, 501);
+    if (cs.levels > 0) {
+      for (float& v : logits) v = std::round(v * cs.levels) / cs.levels;
+      std::fill(bias.begin(), bias.end(), 0.0f);
+    }
+    Dev<float> dlogits(logits), dbias(bias), dw(size_t(S) * cs.k);
+    Dev<int32_t> dids(size_t(S) * cs.k);
+    cuda::RouterArgs ra;
+    ra.E = cs.E, ra.groups = cs.groups, ra.topk_groups = cs.topk_groups, ra.k = cs.k, ra.norm_topk = cs.norm;
+    ra.scaling = 2.5f;
+    cuda::route(dlogits.get(), dbias.get(), S, ra, dids.get(), dw.get(), nullptr);
+    const std::vector<int32_t> ids = dids.host();
+    const std::vector<float> w = dw.host();
+    for (int s = 0; s < S; ++s) {
+      const RoutedExperts r = route_token(logits.data() + int64_t(s) * cs.E, bias.data(), c);
+      for (int j = 0; j < cs.k; ++j) {
+        EXPECT_EQ(ids[size_t(s * cs.k + j)], r.ids[size_t(j)]) << "E " << cs.E << " token " << s << " pick " << j;
+        EXPECT_NEAR(w[size_t(s * cs.k + j)], r.weights[size_t(j)], 1e-6f * std::max(1.0f, r.weights[size_t(j)]))
+            << "E " << cs.E << " token " << s << " pick " << j;
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- clamped SwiGLU

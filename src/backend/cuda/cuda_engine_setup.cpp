@@ -172,6 +172,8 @@ void CudaEngine::Impl::upload_weights() {
       x.g_a = up.linear({k.g_a.get()}, "KDA g_a");
       x.g_b = up.linear({k.g_b.get()}, "KDA g_b");
       x.o = up.linear({k.o.get()}, "KDA o_proj");
+      x.fg_a = up.pair(x.f_a, x.g_a);
+      x.fg_b = up.pair(x.f_b, x.g_b);
       x.conv = up.vec(k.conv, "KDA conv");
       x.dt_bias = up.vec(k.dt_bias, "KDA dt_bias");
       x.a_log = up.vec(k.a_log, "KDA A_log");
@@ -304,7 +306,23 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   m.vram.resize(size_t(E));
   m.h_gate_up.assign(size_t(E), nullptr);
   m.h_down.assign(size_t(E), nullptr);
-  std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * E) : 0);  // [projection][expert]
+  // The shared expert joins the grouped launches when its projections have the routed experts' shapes and codes.
+  m.shared_grouped = m.exl3 && m.x3_grouped && m.shared && !m.shared_gate.bytes() && m.shared->limit == m.limit &&
+                     m.shared->gate_up.x3.size() == 2 && m.shared->down.x3.size() == 1;
+  const Exl3Dev* shared_parts[3] = {nullptr, nullptr, nullptr};
+  if (m.shared_grouped) {
+    shared_parts[0] = &m.shared->gate_up.x3[0].w, shared_parts[1] = &m.shared->gate_up.x3[1].w;
+    shared_parts[2] = &m.shared->down.x3[0].w;
+    for (int j = 0; j < 3; ++j) {
+      const Exl3Dev &a = m.x3_off[0][size_t(j)], &b = *shared_parts[j];
+      m.shared_grouped &= a.K == b.K && a.cb == b.cb && a.in_pad == b.in_pad && a.out_pad == b.out_pad &&
+                          a.in == b.in && a.out == b.out;
+    }
+  }
+  m.x3_stride = E + (m.shared_grouped ? 1 : 0);
+  std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * m.x3_stride) : 0);  // [projection][expert (+ shared)]
+  if (m.shared_grouped)
+    for (int j = 0; j < 3; ++j) tab[size_t(j * m.x3_stride + E)] = *shared_parts[j];
   int64_t cached = 0, streamable = 0;
   size_t slot_bytes = 0;
   std::vector<bool> host(size_t(E), false);  // experts a slot may be filled from host memory with
@@ -327,7 +345,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
     DeviceBuffer& d = m.vram[size_t(e)] = up.raw(block.data(), block.size(), "routed expert");
     if (m.exl3) {
       up.exl3_bytes += block.size();
-      for (int j = 0; j < 3; ++j) tab[size_t(j * E + e)] = rebase(off[size_t(j)], d.as<void>());
+      for (int j = 0; j < 3; ++j) tab[size_t(j * m.x3_stride + e)] = rebase(off[size_t(j)], d.as<void>());
     } else {
       m.h_gate_up[size_t(e)] = d.as<uint16_t>();
       m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
@@ -420,10 +438,11 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
     moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
-    const int64_t M = moe_rows * k;
+    // Rows of expert work: moe_rows tokens x k, or (grouped decode with the shared expert) 8 tokens x (1 + k).
+    const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1));
     s.logits_r = f32(R * E, "router logits");
-    s.ids = DeviceBuffer(budget, size_t(R * k) * 4, "expert ids");
-    s.w = f32(R * k, "expert weights");
+    s.ids = DeviceBuffer(budget, size_t(std::max(R * k, M)) * 4, "expert ids");
+    s.w = f32(std::max(R * k, M), "expert weights");
     s.mgu = f32(M * 2 * I, "expert gate/up");
     s.mact = f32(M * I, "expert act");
     s.mactb = DeviceBuffer(budget, size_t(M * I) * 2, "expert act bf16");

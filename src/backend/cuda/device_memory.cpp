@@ -182,6 +182,11 @@ DevLinear WeightUploader::linear(std::initializer_list<const Linear*> parts, con
     d.w = raw(blob.data(), blob.size(), what);
     exl3_bytes += blob.size();
     for (Exl3Part& p : d.x3) p.w = rebase(p.w, d.w.as<void>());
+    if (d.x3.size() > 1 && bias.empty()) {
+      std::vector<Exl3Dev> w;
+      for (const Exl3Part& p : d.x3) w.push_back(p.w);
+      d.parts = group(w);
+    }
   } else {
     std::vector<uint16_t> w;
     for (const Linear* l : parts) append_bf16_rows(*l, w);
@@ -189,6 +194,27 @@ DevLinear WeightUploader::linear(std::initializer_list<const Linear*> parts, con
   }
   if (!bias.empty()) d.bias = vec(bias, what);
   return d;
+}
+
+DevGroup WeightUploader::group(const std::vector<Exl3Dev>& w) {
+  DevGroup g;
+  if (w.size() < 2) return g;
+  for (const Exl3Dev& x : w)
+    if (x.K != w[0].K || x.cb != w[0].cb || x.in_pad != w[0].in_pad || x.out_pad != w[0].out_pad ||
+        x.in != w[0].in || x.out != w[0].out)
+      return g;
+  std::vector<int32_t> ids(w.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
+  g.tab = raw(w.data(), w.size() * sizeof(Exl3Dev), "EXL3 group table");
+  g.ids = raw(ids.data(), ids.size() * sizeof(int32_t), "EXL3 group table");
+  weight_bytes -= g.tab.bytes() + g.ids.bytes();  // tables, not weights
+  g.count = int(w.size());
+  return g;
+}
+
+DevGroup WeightUploader::pair(const DevLinear& a, const DevLinear& b) {
+  if (a.x3.size() != 1 || b.x3.size() != 1 || a.bias.bytes() || b.bias.bytes()) return {};
+  return group({a.x3[0].w, b.x3[0].w});
 }
 
 DevNorm WeightUploader::norm(const NormWeights& n) {

@@ -131,6 +131,18 @@ __global__ void cache_write_kernel(const float* src, int64_t src_stride, int row
 
 __global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* out) { *out = *pos0 + add; }
 
+// Warp per output row of w [out][in] (bf16), every token of the batch (n <= kBf16GemvMaxRows) against it.
+__global__ void bf16_gemv_kernel(const uint16_t* w, int out, int in, const float* x, int n, const float* bias,
+                                 float* y) {
+  const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (row >= out) return;  // whole warps
+  const uint16_t* wr = w + int64_t(row) * in;
+  for (int t = 0; t < n; ++t) {
+    const float v = warp_dot_bf16(wr, x + int64_t(t) * in, in);
+    if ((threadIdx.x & 31) == 0) y[int64_t(t) * out + row] = v + (bias ? bias[row] : 0.0f);
+  }
+}
+
 int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); }
 
 }  // namespace
@@ -194,6 +206,14 @@ void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int row
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st) {
   if (n == 0) return;
   to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y,
+               cudaStream_t st) {
+  if (n <= 0 || out <= 0) return;
+  if (n > kBf16GemvMaxRows) throw std::runtime_error("bf16_gemv: more than 8 rows");
+  bf16_gemv_kernel<<<ceil_div(int64_t(out) * 32, 256), 256, 0, st>>>(w, out, in, x, n, bias, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -118,10 +118,19 @@ struct Exl3Part {
   Exl3Dev w;
   int64_t col0 = 0;
 };
+// EXL3 weights of one shape and code (no bias) run for one token as one grouped GEMV over `count` rows: row r
+// through weight r (3 launches instead of 3 per weight). Empty when they do not qualify.
+struct DevGroup {
+  DeviceBuffer tab;  // Exl3Dev [count]
+  DeviceBuffer ids;  // int32 0 .. count-1
+  int count = 0;
+  explicit operator bool() const { return count > 0; }
+};
 struct DevLinear {  // bf16 weight [out][in], or EXL3 parts (trellis | suh | svh each) in `w`; optional fp32 bias
   DeviceBuffer w, bias;
   int64_t in = 0, out = 0;
   std::vector<Exl3Part> x3;  // empty: bf16
+  DevGroup parts;            // several EXL3 parts of one shape (q|k|v): one token's parts as one grouped call
 };
 struct DevNorm {
   DeviceBuffer w, b;
@@ -140,6 +149,7 @@ struct DevIndexer {
 // KDA linear attention (q, k, v fused into one linear: rows [q | k | v]); fp32 conv taps, decay and norm.
 struct DevKda {
   DevLinear qkv, f_a, f_b, b, g_a, g_b, o;
+  DevGroup fg_a, fg_b;  // f_a | g_a and f_b | g_b (decode)
   DeviceBuffer conv, dt_bias, a_log;
   DevNorm o_norm;
 };
@@ -183,7 +193,11 @@ struct DevMoe {
   std::vector<const uint16_t*> h_gate_up, h_down;
   bool exl3 = false, x3_grouped = false;  // grouped: each projection has one shape/K/codebook over the experts
   std::vector<std::array<Exl3Dev, 3>> x3_off;
-  DeviceBuffer x3_tab;  // Exl3Dev [3][E] of the Vram experts (grouped decode)
+  // Exl3Dev [3][x3_stride] of the Vram experts (grouped decode); with shared_grouped, entry E is the shared expert,
+  // which then runs in the same grouped launches as the routed ones (ids [S][1 + k], the shared first, weight 1).
+  DeviceBuffer x3_tab;
+  int64_t x3_stride = 0;
+  bool shared_grouped = false;
   bool all_vram = true;
   float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
   std::unique_ptr<HostExperts> host;      // what a slot is filled from: Cache experts (+ streamable Cpu ones)
@@ -202,6 +216,9 @@ struct WeightUploader {
   DevLinear linear(std::initializer_list<const Linear*> parts, const char* what);  // EXL3 when every part is
   DevNorm norm(const NormWeights& n);
   DevMlp mlp(const MlpWeights& m, const char* what);
+  // The group of EXL3 weights (empty unless all are of one shape and code).
+  DevGroup group(const std::vector<Exl3Dev>& w);
+  DevGroup pair(const DevLinear& a, const DevLinear& b);  // single-part, no bias
 };
 // True when every routed expert's gate, up and down are EXL3.
 bool exl3_experts(const MoeWeights& m);
@@ -318,6 +335,8 @@ struct CudaEngine::Impl {
   // EXL3 (exl3_engine.cpp): y[n][w.out] (rows y_ld apart) = rows of src through w (+ bias): GEMV for <= 8 rows,
   // else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
+  // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
+  void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
   // One expert over `cnt` sorted rows from row0: inputs h rows through rows[row0..], out s.ysorted rows.

@@ -127,23 +127,32 @@ __device__ __forceinline__ void hadamard128_lane(float4& v, int lane) {
   v.w *= r;
 }
 
-// Stages the warp's next kGemvUnroll tiles of strip nt (k-tiles base, base + kGemvWarps, ...; those >= kt1 are
-// skipped) into wsw [kGemvUnroll][8K words]: all 16-byte loads are issued before the first shared store.
+// The warp's next kGemvUnroll tiles of strip nt (k-tiles base, base + kGemvWarps, ...; those >= kt1 are zeros) in
+// registers: load_tiles issues all 16-byte loads; store_tiles writes them to wsw [kGemvUnroll][8K words]. The GEMV
+// loops load the next group before decoding the current one, so a warp always has a group of loads in flight.
 template <int K>
-__device__ __forceinline__ void stage_tiles(const uint4* __restrict__ trellis, int tiles_n, int nt, int base, int kt1,
-                                            int lane, uint32_t* wsw) {
-  constexpr int kChunks = 2 * K, kLoads = (kGemvUnroll * kChunks + 31) / 32;
-  uint4 regs[kLoads] = {};  // zeroed: skipped tiles stage zeros (and ptxas keeps regs out of local memory)
+struct TileRegs {
+  static constexpr int kChunks = 2 * K, kLoads = (kGemvUnroll * kChunks + 31) / 32;
+  uint4 r[kLoads];
+};
+template <int K>
+__device__ __forceinline__ void load_tiles(const uint4* __restrict__ trellis, int tiles_n, int nt, int base, int kt1,
+                                           int lane, TileRegs<K>& t) {
+  constexpr int kChunks = TileRegs<K>::kChunks;
 #pragma unroll
-  for (int j = 0; j < kLoads; ++j) {
+  for (int j = 0; j < TileRegs<K>::kLoads; ++j) {
     int c = lane + 32 * j, u = c / kChunks, kt = base + u * kGemvWarps;
+    t.r[j] = make_uint4(0, 0, 0, 0);
     if (c < kGemvUnroll * kChunks && kt < kt1)
-      regs[j] = __ldg(trellis + (size_t(kt) * tiles_n + nt) * kChunks + (c - u * kChunks));
+      t.r[j] = __ldg(trellis + (size_t(kt) * tiles_n + nt) * kChunks + (c - u * kChunks));
   }
+}
+template <int K>
+__device__ __forceinline__ void store_tiles(const TileRegs<K>& t, int lane, uint32_t* wsw) {
 #pragma unroll
-  for (int j = 0; j < kLoads; ++j) {
+  for (int j = 0; j < TileRegs<K>::kLoads; ++j) {
     int c = lane + 32 * j;
-    if (c < kGemvUnroll * kChunks) reinterpret_cast<uint4*>(wsw)[c] = regs[j];
+    if (c < kGemvUnroll * TileRegs<K>::kChunks) reinterpret_cast<uint4*>(wsw)[c] = t.r[j];
   }
   __syncwarp();
 }

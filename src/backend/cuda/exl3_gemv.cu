@@ -4,6 +4,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -26,13 +27,17 @@ struct RotArgs {  // both Hadamard kernels
   float* y;
   int64_t y_ld;
   const float* bias;
-  void* out;  // rotate_in: xh
+  void* out;      // rotate_in: xh
+  float* zero;    // rotate_in: GEMV output rows to zero (out_pad floats each), or null
 };
 
 // out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
 template <bool kHalfOut>
 __global__ void rotate_in_kernel(RotArgs a) {
   const int dim = a.w.in_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
+  if (a.zero)  // the blocks of this row share its GEMV output row
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.w.out_pad; i += gridDim.x * blockDim.x)
+      a.zero[size_t(row) * a.w.out_pad + i] = 0.f;
   if (blk * 128 >= dim) return;
   const half* suh = reinterpret_cast<const half*>(a.g.ids ? a.g.tab[a.g.ids[row]].suh : a.w.suh);
   const int src = a.src.rows ? a.src.rows[row] : row / a.src.div;
@@ -40,7 +45,18 @@ __global__ void rotate_in_kernel(RotArgs a) {
   const int e = blk * 128 + lane * 4;
   float v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = e + i < a.w.in ? x[e + i] * __half2float(suh[e + i]) : 0.f;
+  for (int i = 0; i < 4; ++i) {
+    float xv = 0.f;
+    if (e + i < a.w.in) {
+      xv = x[e + i];
+      if (a.src.swiglu) {  // silu_mul_clamped's arithmetic
+        float gt = xv, up = x[a.w.in + e + i];
+        if (a.src.limit > 0.f) gt = fminf(gt, a.src.limit), up = fminf(fmaxf(up, -a.src.limit), a.src.limit);
+        xv = gt / (1.0f + expf(-gt)) * up;
+      }
+    }
+    v[i] = xv * __half2float(suh[e + i]);
+  }
   float4 h = make_float4(v[0], v[1], v[2], v[3]);
   hadamard128_lane(h, lane);
   if constexpr (kHalfOut) {
@@ -110,8 +126,12 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_kernel(GemvArgs a) {
 #pragma unroll
   for (int b = 0; b < 8; ++b) acc[b][0] = acc[b][1] = 0.f;
 
-  for (int base = kt0 + warp; base < kt1; base += kGemvWarps * kGemvUnroll) {
-    stage_tiles<K>(trellis, a.tiles_n, nt, base, kt1, lane, wsw);
+  constexpr int kStep = kGemvWarps * kGemvUnroll;
+  TileRegs<K> next;
+  if (kt0 + warp < kt1) load_tiles<K>(trellis, a.tiles_n, nt, kt0 + warp, kt1, lane, next);
+  for (int base = kt0 + warp; base < kt1; base += kStep) {
+    store_tiles<K>(next, lane, wsw);
+    if (base + kStep < kt1) load_tiles<K>(trellis, a.tiles_n, nt, base + kStep, kt1, lane, next);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       int kt = base + u * kGemvWarps;
@@ -183,8 +203,12 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
   const LanePos<K> pos(lane);
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
 
-  for (int base = kt0 + warp; base < kt1; base += kGemvWarps * kGemvUnroll) {
-    stage_tiles<K>(trellis, a.tiles_n, nt, base, kt1, lane, wsw);
+  constexpr int kStep = kGemvWarps * kGemvUnroll;
+  TileRegs<K> next;
+  if (kt0 + warp < kt1) load_tiles<K>(trellis, a.tiles_n, nt, kt0 + warp, kt1, lane, next);
+  for (int base = kt0 + warp; base < kt1; base += kStep) {
+    store_tiles<K>(next, lane, wsw);
+    if (base + kStep < kt1) load_tiles<K>(trellis, a.tiles_n, nt, base + kStep, kt1, lane, next);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       int kt = base + u * kGemvWarps;
@@ -265,10 +289,28 @@ int exl3_sm_count() {
   return sms;
 }
 
-void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, bool half_out, void* stream) {
+int exl3_gemv_blocks_per_sm() {
+  static const int n = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMV_BLOCKS");
+    const int b = v ? std::atoi(v) : 0;
+    return b > 0 ? std::min(b, 64) : 8;
+  }();
+  return n;
+}
+
+bool exl3_gemv_tc_single() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMV_TC");
+    return v && std::atoi(v) != 0;
+  }();
+  return on;
+}
+
+void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, bool half_out, void* stream,
+                    float* zero_yr) {
   check_shape(w);
   if (n <= 0) return;
-  RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh};
+  RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh, zero_yr};
   const dim3 grid((w.in_pad / 128 + 3) / 4, n);
   if (half_out) rotate_in_kernel<true><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
   else rotate_in_kernel<false><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
@@ -279,25 +321,26 @@ void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, floa
                      void* stream) {
   check_shape(w);
   if (n <= 0) return;
-  RotArgs a{w, g, Exl3Src{}, yr, y, y_ld, bias, nullptr};
+  RotArgs a{w, g, Exl3Src{}, yr, y, y_ld, bias, nullptr, nullptr};
   rotate_out_kernel<<<dim3((w.out_pad / 128 + 3) / 4, n), 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
   EXL3_CHECK(cudaGetLastError());
 }
 
-void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream) {
+void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream,
+                       bool yr_zeroed) {
   check_shape(w);
   if (n <= 0) return;
   const bool grouped = g.ids != nullptr;
   const int nb = grouped ? 1 : n, groups = grouped ? n : 1;
   if (nb > kExl3MaxGemvRows) throw std::runtime_error("EXL3 GEMV: batch must be 1..8");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
+  if (!yr_zeroed) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
   // split K so that the grid has ~8 blocks per SM, each block covering at most kMaxTilesPerBlock k-tiles
   const int tk = w.in_pad / 16, tn = w.out_pad / 16, cols = tn * groups;
-  int ksplit = std::clamp((exl3_sm_count() * 8 + cols - 1) / cols, 1, std::max(1, tk / 8));
+  int ksplit = std::clamp((exl3_sm_count() * exl3_gemv_blocks_per_sm() + cols - 1) / cols, 1, std::max(1, tk / 8));
   int tpb = std::min((tk + ksplit - 1) / ksplit, kMaxTilesPerBlock);
   ksplit = (tk + tpb - 1) / tpb;
-  const bool tc = kind == Exl3Gemv::TensorCore || (kind == Exl3Gemv::Auto && nb >= 2);
+  const bool tc = kind == Exl3Gemv::TensorCore || (kind == Exl3Gemv::Auto && (nb >= 2 || exl3_gemv_tc_single()));
   const size_t smem = (tc ? size_t(8) * tpb * 16 * sizeof(half) : size_t(nb) * tpb * 16 * sizeof(float)) +
                       size_t(kGemvWarps) * kGemvUnroll * 8 * w.K * 4 + size_t(kGemvWarps) * 8 * 16 * sizeof(float);
   GemvArgs a{static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, nb, tk, tn, tpb};

@@ -25,11 +25,15 @@ struct Exl3Dev {
 inline int exl3_cb_index(Exl3Codebook cb) { return cb == Exl3Codebook::Inst3 ? 0 : cb == Exl3Codebook::Mcg ? 1 : 2; }
 
 // Rows of an input batch: row r reads x[src * ld ...], src = rows ? rows[r] : r / div (rows: device array).
+// swiglu: the row holds [gate (in) | up (in)] and the input is their SwiGLU, silu(min(gate, limit)) *
+// clamp(up, -limit, limit) (limit <= 0: silu(gate) * up), as silu_mul_clamped computes it.
 struct Exl3Src {
   const float* x = nullptr;
   int64_t ld = 0;
   const int32_t* rows = nullptr;
   int div = 1;
+  bool swiglu = false;
+  float limit = 0;
 };
 // Grouped call: row r uses the weights tab[ids[r]] (device arrays; same shape, K and codebook as the Exl3Dev
 // passed alongside, which then only supplies those). Default: every row uses that Exl3Dev.
@@ -40,14 +44,24 @@ struct Exl3Group {
 
 // Multiprocessors of the current device, read once (first call outside CUDA graph capture).
 int exl3_sm_count();
+// GEMV blocks per multiprocessor the K split aims at (default 8; MOESRV_EXL3_GEMV_BLOCKS overrides it, for tuning
+// runs of the kernel bench), read once.
+int exl3_gemv_blocks_per_sm();
+// Whether Exl3Gemv::Auto takes the tensor-core kernel for one row too (fp16 input rows; default no, fp32 FMA;
+// MOESRV_EXL3_GEMV_TC=1 for tuning runs), read once.
+bool exl3_gemv_tc_single();
 
 enum class Exl3Gemv { Auto, TensorCore, Fp32 };  // Auto: Fp32 for one row per weight, TensorCore for 2..8
 constexpr int kExl3MaxGemvRows = 8;
 
-// xh[n][in_pad] = H(x ⊙ suh), fp32 or (half_out) fp16 bits.
-void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, bool half_out, void* stream);
-// yr[n][out_pad] = xh · W_hat for n <= 8 rows per weight (grouped: any n, one row per weight). Zeroes yr first.
-void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream);
+// xh[n][in_pad] = H(x ⊙ suh), fp32 or (half_out) fp16 bits. zero_yr (optional): also zeroes n rows of out_pad
+// floats there, the GEMV output that follows (saves exl3_gemv_rotated's memset node).
+void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, bool half_out, void* stream,
+                    float* zero_yr = nullptr);
+// yr[n][out_pad] = xh · W_hat for n <= 8 rows per weight (grouped: any n, one row per weight). Zeroes yr first
+// unless yr_zeroed (exl3_rotate_in did).
+void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream,
+                       bool yr_zeroed = false);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
 // yr[n][out_pad] = xh16 · W_hat through fp16 slabs of W_hat (at most w16_elems in w16; cuBLAS, fp32 accumulate).

@@ -36,16 +36,25 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.norm_topk = c.norm_topk_prob;
   ra.softmax = c.router == RouterKind::Softmax;
   ra.scaling = float(c.routed_scaling_factor);
+  ra.counts = d_usage.as<uint32_t>() + l * E;
+  ra.tokens = d_usage_tokens.as<uint32_t>() + l;
+  const bool grouped = m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped);
+  if (grouped && m.shared_grouped) {
+    // Shared and routed experts in the same grouped launches; the combine writes y (shared first, weight 1).
+    ra.shared_id = int(E);
+    route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+    moe_exl3_grouped(m, S);
+    moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k + 1), int(D), stream, true);
+    return;
+  }
   route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
-  count_experts(s.ids.as<int32_t>(), int(S), int(k), d_usage.as<uint32_t>() + l * E, d_usage_tokens.as<uint32_t>() + l,
-                stream);
   if (m.shared) {
     mlp(*m.shared, h, S, y);
     if (m.shared_gate.bytes()) shared_expert_gate(h, m.shared_gate.as<float>(), int(S), int(D), y, stream);
   } else {
     MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
   }
-  if (m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped)) {
+  if (grouped) {
     if (m.exl3) moe_exl3_grouped(m, S);
     else
       moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),

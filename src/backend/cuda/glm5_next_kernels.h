@@ -56,6 +56,28 @@ void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
 // over d). o, gate: [rows, d] (rows = S * H); o in place.
 void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st);
 
+// KDA decode of one token in one launch (kda_decode.cu): causal_conv1d_silu over the q | k | v channels (conv
+// state updated), l2norm_rows of q (times q_scale) and k, kda_gates and beta = sigmoid(beta), the delta rule, then
+// kda_output_norm; the same arithmetic as those kernels. All pointers are one token's rows: qkv [3 * H * dk] raw
+// (before the conv; v heads are dv wide), g [H * dk] = f_b(f_a x) raw, beta [H] raw, gate [H * dv] = g_b(g_a x);
+// state [H, dk, dv]; out [H * dv].
+struct KdaDecodeArgs {
+  int heads = 0, dk = 0, dv = 0, conv_k = 0;
+  const float* qkv = nullptr;
+  const float* conv_w = nullptr;  // [C][conv_k], C = 2 * H * dk + H * dv
+  float* conv_state = nullptr;    // [conv_k - 1][C]
+  const float *g = nullptr, *dt_bias = nullptr, *a_log = nullptr;
+  bool lower_bound_set = false;
+  float lower_bound = 0.0f;
+  const float* beta = nullptr;
+  float* state = nullptr;
+  const float *gate = nullptr, *norm_w = nullptr;
+  float l2_eps = 1e-6f, q_scale = 1.0f, norm_eps = 1e-6f;
+  float* out = nullptr;
+};
+bool kda_decode_supported(int dk, int dv, int conv_k);
+void kda_decode(const KdaDecodeArgs& a, cudaStream_t st);
+
 // ---- Gated DeltaNet (Qwen3-Next) pieces, layouts as cpu::gated_delta_forward; the recurrence is delta_rule above
 // with per_channel_decay false and qk_group = r (or q/k expanded per value head).
 

@@ -1,6 +1,7 @@
 // mHC (manifold-constrained hyper-connections) around each sub-layer: the per-token mixing weights (pre, post,
 // Sinkhorn comb), the collapsed and normalised sub-layer input, and the stream update; one block per token.
 // Same math and eps placements as cpu::hyper_mix / cpu::Residual (src/backend/cpu/residual.cpp).
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -13,42 +14,117 @@ namespace {
 
 constexpr int kMaxStreams = 8, kThreads = 256;
 constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens, the mixing logits use more blocks
+constexpr int kDotChunks = 16;    // ... each of them split over up to this many blocks
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Raw mixing logit fn[kk] . X of token s by a whole block (thread-strided partial sums, then block_sum): the same
-// summation order as hyper_enter_kernel's own loop.
-__global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, float* h) {
-  const int kk = blockIdx.x, s = blockIdx.y;
-  const int64_t W = int64_t(n) * D;
-  const float *X = x + s * W, *row = fn + kk * W;
+// Decode: the mixing logits fn[kk] . X (kk < mix) and X . X (kk == mix) of token s, chunk c of the n*D values per
+// block (grid (mix + 1, chunks, S)), so that hundreds of blocks share the reads. The partial sums are parked in the
+// token's h row at [kk * chunks + c] until hyper_enter_kernel adds them up in chunk order.
+__global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix,
+                                                             float* h) {
+  const int kk = blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
+  const int64_t W = int64_t(n) * D, per = (W + chunks - 1) / chunks, i0 = c * per, i1 = min(W, i0 + per);
+  const float* X = x + s * W;
+  const float* row = kk < mix ? fn + kk * W : X;
   float acc = 0.0f;
-  for (int64_t i = threadIdx.x; i < W; i += blockDim.x) acc += row[i] * X[i];
+#pragma unroll 4
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) acc += row[i] * X[i];
   acc = block_sum(acc);
-  if (threadIdx.x == 0) h[int64_t(s) * D + kk] = acc;  // parked in the token's h row until hyper_enter_kernel
+  if (threadIdx.x == 0) h[int64_t(s) * D + kk * chunks + c] = acc;
 }
 
-// One block per token. dots_ready: the raw logits fn . X were parked in h[s][0, mix) by hyper_dot_kernel (decode:
-// spread over mix blocks per token); else this block computes them, 8 rows per pass over X.
+// pre, post and the Sinkhorn-normalised comb from the scaled mixing logits m_s, by the first warp: lane l owns the
+// comb entries l and l + 32 (n*n <= 64); every row / column sum runs in index order, as the CPU's serial loops, so
+// the result is bit-identical to them. pre_s gets pre (shared), post and comb go to global memory.
+__device__ void mix_weights(const float* m_s, int n, const float* scale, const float* base, float hc_eps,
+                            int sinkhorn_iters, float* pre_s, float* post, float* comb) {
+  __shared__ float c_s[kMaxStreams * kMaxStreams];
+  const int lane = threadIdx.x & 31, nn = n * n;
+  if (lane < n) {
+    pre_s[lane] = sigmoidf(m_s[lane] * scale[0] + base[lane]) + hc_eps;
+    post[lane] = 2.0f * sigmoidf(m_s[n + lane] * scale[1] + base[n + lane]);
+  }
+  float c[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int e = lane + 32 * q;
+    if (e < nn) c_s[e] = m_s[2 * n + e] * scale[2] + base[2 * n + e];
+  }
+  __syncwarp();
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {  // row softmax of the comb logits, + eps
+    const int e = lane + 32 * q, i = e / n;
+    if (e < nn) {
+      for (int j = 0; j < n; ++j) mx[q] = fmaxf(mx[q], c_s[i * n + j]);
+      c[q] = expf(c_s[e] - mx[q]);
+    }
+  }
+  __syncwarp();
+  auto publish = [&] {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+      if (lane + 32 * q < nn) c_s[lane + 32 * q] = c[q];
+    __syncwarp();
+  };
+  // Divides each entry by (the sum of its row (rows) or column, in index order) + add; then publishes.
+  auto normalise = [&](bool rows, float add, bool reciprocal) {
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int e = lane + 32 * q, i = e / n, j = e % n;
+      if (e < nn)
+        for (int t = 0; t < n; ++t) sum[q] += rows ? c_s[i * n + t] : c_s[t * n + j];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      if (reciprocal) c[q] = c[q] * (1.0f / sum[q]) + add;
+      else c[q] /= sum[q] + add;
+    }
+    publish();
+  };
+  publish();
+  normalise(true, hc_eps, true);  // the softmax's quotients, + eps
+  for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {
+    if (it > 0) normalise(true, hc_eps, false);  // rows (from the second iteration on), then columns
+    normalise(false, hc_eps, false);
+  }
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+    if (lane + 32 * q < nn) comb[lane + 32 * q] = c[q];
+}
+
+// One block per token. dot_chunks > 0: hyper_dot_kernel left the partial logits and X . X in h (decode); else this
+// block computes them, 8 rows per pass over X.
 __global__ void __launch_bounds__(kThreads)
     hyper_enter_kernel(const float* x, int n, int D, const float* fn, const float* scale, const float* base,
-                       const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, bool dots_ready, float* h,
+                       const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, int dot_chunks, float* h,
                        float* post_out, float* comb_out) {
   constexpr int kRows = 8;
-  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
+  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams + 1], pre_s[kMaxStreams];
   const int s = blockIdx.x, tid = threadIdx.x;
   const int64_t W = int64_t(n) * D;
   const int mix = (2 + n) * n;
   const float* X = x + s * W;
 
   // m = fn . X * rsqrt(mean(X^2) + rms_eps)
-  float ss = 0.0f;
-  for (int64_t i = tid; i < W; i += blockDim.x) ss += X[i] * X[i];
-  ss = block_sum(ss);
-  const float r = 1.0f / sqrtf(ss / float(W) + rms_eps);
-  if (dots_ready) {
-    for (int kk = tid; kk < mix; kk += blockDim.x) m_s[kk] = h[int64_t(s) * D + kk] * r;
+  if (dot_chunks > 0) {
+    if (tid <= mix) {
+      float t = 0.0f;
+      for (int c = 0; c < dot_chunks; ++c) t += h[int64_t(s) * D + tid * dot_chunks + c];
+      m_s[tid] = t;
+    }
+    __syncthreads();
+    const float r = 1.0f / sqrtf(m_s[mix] / float(W) + rms_eps);
+    __syncthreads();
+    if (tid < mix) m_s[tid] *= r;
   } else {
+    float ss = 0.0f;
+    for (int64_t i = tid; i < W; i += blockDim.x) ss += X[i] * X[i];
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / float(W) + rms_eps);
     for (int k0 = 0; k0 < mix; k0 += kRows) {
       float acc[kRows];
 #pragma unroll
@@ -68,45 +144,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  if (tid == 0) {  // n <= 8: a few hundred flops, serial
-    float comb[kMaxStreams * kMaxStreams];
-    float* post = post_out + int64_t(s) * n;
-    for (int i = 0; i < n; ++i) {
-      pre_s[i] = sigmoidf(m_s[i] * scale[0] + base[i]) + hc_eps;
-      post[i] = 2.0f * sigmoidf(m_s[n + i] * scale[1] + base[n + i]);
-    }
-    for (int i = 0; i < n; ++i) {  // row softmax of the comb logits, + eps
-      float* row = comb + i * n;
-      float mx = -INFINITY;
-      for (int j = 0; j < n; ++j) {
-        row[j] = m_s[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j];
-        mx = fmaxf(mx, row[j]);
-      }
-      float sum = 0.0f;
-      for (int j = 0; j < n; ++j) sum += row[j] = expf(row[j] - mx);
-      const float inv = 1.0f / sum;
-      for (int j = 0; j < n; ++j) row[j] = row[j] * inv + hc_eps;
-    }
-    for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {
-      if (it > 0)  // rows (from the second iteration on), then columns
-        for (int i = 0; i < n; ++i) {
-          float sum = 0.0f;
-          for (int j = 0; j < n; ++j) sum += comb[i * n + j];
-          for (int j = 0; j < n; ++j) comb[i * n + j] /= sum + hc_eps;
-        }
-      for (int j = 0; j < n; ++j) {
-        float sum = 0.0f;
-        for (int i = 0; i < n; ++i) sum += comb[i * n + j];
-        for (int i = 0; i < n; ++i) comb[i * n + j] /= sum + hc_eps;
-      }
-    }
-    for (int i = 0; i < n * n; ++i) comb_out[int64_t(s) * n * n + i] = comb[i];
-  }
+  if (tid < 32) mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
+                            comb_out + int64_t(s) * n * n);
   __syncthreads();
 
   // h = rms_norm(sum_i pre_i X_i) * norm_w
   float* hs = h + int64_t(s) * D;
   float hss = 0.0f;
+#pragma unroll 4
   for (int d = tid; d < D; d += blockDim.x) {
     float v = 0.0f;
     for (int i = 0; i < n; ++i) v += pre_s[i] * X[int64_t(i) * D + d];
@@ -165,15 +210,15 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
                  float* comb, cudaStream_t st) {
   check_streams(n, "hyper_enter");
   if (S <= 0) return;
-  // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM; spread the logits over
-  // (2+n)*n blocks per token first.
+  // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM; the logits and X . X go
+  // to (mix + 1) x chunks blocks per token first (their partials fit the token's h row).
   const int mix = (2 + n) * n;
-  const bool split = S <= kSplitTokens && D >= mix;
-  if (split) {
-    hyper_dot_kernel<<<dim3(unsigned(mix), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, h);
+  const int chunks = S <= kSplitTokens ? std::min(kDotChunks, D / (mix + 1)) : 0;
+  if (chunks > 0) {
+    hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, h);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
-  hyper_enter_kernel<<<S, kThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, split,
+  hyper_enter_kernel<<<S, kThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks,
                                              h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
 }

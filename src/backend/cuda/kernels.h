@@ -39,6 +39,11 @@ void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out,
 // Gated attention output (attn_output_gate): x[r][i] *= sigmoid(gate[r * gate_stride + i]), rows of n values.
 void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st);
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
+// y[t][o] = w[o] . x[t] (+ bias[o]) for n <= kBf16GemvMaxRows tokens: bf16 weights [out][in], fp32 inputs, one
+// launch (the decode path of bf16 linears; more rows go through cuBLAS).
+constexpr int kBf16GemvMaxRows = 8;
+void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y,
+               cudaStream_t st);
 void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st);
 // out[i] = bf16(x[rows[i]]) for i < n (D values per row).
 void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_t* out, cudaStream_t st);
@@ -81,7 +86,7 @@ void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st);
 void dsa_topk(const float* q, const float* hw, const DeviceLayerCache* lc, int s_begin, int n, int nh, int d, int K,
               const int32_t* pos0, int64_t max_ctx, float* scratch, int32_t* sel, cudaStream_t st);
 
-// Router (model/router.cpp's route_token), one block per token: scores are sigmoid(logit) with the correction
+// Router (model/router.cpp's route_token), one warp per token: scores are sigmoid(logit) with the correction
 // bias added for the choice, or (softmax) the softmax over all E experts with no bias; then group-limited top-k
 // (ties to the lower index), weights = scores of the picks, renormalised when norm_topk, times scaling.
 struct RouterArgs {
@@ -89,6 +94,12 @@ struct RouterArgs {
   bool norm_topk = true;
   bool softmax = false;  // Qwen3-Next: softmax top-k (bias unused)
   float scaling = 1.0f;
+  // >= 0: ids / weights rows are [1 + k], entry 0 = shared_id with weight 1 (the shared expert run as one more
+  // grouped entry), then the k picks.
+  int shared_id = -1;
+  // Optional usage counters (graph safe): counts[id] += 1 per pick, tokens[0] += S.
+  uint32_t* counts = nullptr;
+  uint32_t* tokens = nullptr;
 };
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st);
@@ -96,16 +107,14 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
 // Gated shared expert (Qwen3-Next): y[s] *= sigmoid(x[s] . w) per token; x, y [S][D], w [D] (fp32).
 void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st);
 
-// Routed-expert usage on the device (graph safe): counts[ids[i]] += 1 for i < S * k, tokens[0] += S.
-void count_experts(const int32_t* ids, int S, int k, uint32_t* counts, uint32_t* tokens, cudaStream_t st);
-
 // Grouped expert GEMVs for small batches, experts picked on the device: entry i = token i / k, expert ids[i].
 // gate_up[e]: [2I][D] bf16, down[e]: [D][I] bf16 (device pointer tables). act: [S*k][I], y: [S*k][D].
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
               const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st,
               float limit = 0.0f);  // limit > 0: clamped SwiGLU
-// out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j]] (rowmap -1: skipped; rowmap null: identity) + extra[s].
+// out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j]] (rowmap -1: skipped; rowmap null: identity) + extra[s];
+// overwrite: out[s] = that sum (out is not read).
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
-                 int k, int D, cudaStream_t st);
+                 int k, int D, cudaStream_t st, bool overwrite = false);
 
 }  // namespace moesrv::cuda

@@ -19,6 +19,31 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   float *qkv = s.lqkv.as<float>(), *g = s.lg.as<float>(), *beta = s.lbeta.as<float>(), *o = s.lo.as<float>();
   float *low = s.lfa.as<float>(), *gate = s.lgate.as<float>();
 
+  if (S == 1 && kda_decode_supported(d, d, K)) {  // decode: everything between the linears in one launch
+    linear(w.qkv, h, S, s.lraw.as<float>());
+    linear(w.b, h, S, beta);
+    if (w.fg_a && w.fg_b && rows >= 2) {  // f_a | g_a, then f_b | g_b: low rows 0, 1 -> g = lg row 0, gate = row 1
+      exl3_group(w.fg_a, w.f_a.x3[0].w, Exl3Src{h, c.hidden_size, nullptr, 2}, low, d);
+      exl3_group(w.fg_b, w.f_b.x3[0].w, Exl3Src{low, d}, g, Hd);
+      gate = g + Hd;
+    } else {
+      linear(w.f_a, h, S, low);
+      linear(w.f_b, low, S, g);
+      linear(w.g_a, h, S, low);
+      linear(w.g_b, low, S, gate);
+    }
+    KdaDecodeArgs a;
+    a.heads = H, a.dk = d, a.dv = d, a.conv_k = K;
+    a.qkv = s.lraw.as<float>(), a.conv_w = w.conv.as<float>(), a.conv_state = st.conv;
+    a.g = g, a.dt_bias = w.dt_bias.as<float>(), a.a_log = w.a_log.as<float>();
+    a.lower_bound_set = la.lower_bound_set, a.lower_bound = float(la.lower_bound);
+    a.beta = beta, a.state = st.recurrent, a.gate = gate, a.norm_w = w.o_norm.w.as<float>();
+    a.l2_eps = 1e-6f, a.q_scale = 1.0f / std::sqrt(float(d)), a.norm_eps = float(c.rms_eps);
+    a.out = o;
+    kda_decode(a, stream);
+    linear(w.o, o, S, s.y.as<float>());
+    return;
+  }
   linear(w.qkv, h, S, s.lraw.as<float>());  // [S, q | k | v] before the conv
   causal_conv1d_silu(s.lraw.as<float>(), C, int(S), C, w.conv.as<float>(), K, st.conv, qkv, stream);
   // q and k normalised in place inside the conv output rows; the delta rule reads all three operands from there.

@@ -12,10 +12,14 @@ namespace moesrv::cuda {
 
 namespace {
 
-constexpr int kSplits = 16, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
+constexpr int kSplits = 32, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
 static_assert(kThreads == kHeads * 32 && kKeyTile == 32, "one warp per head, one lane per key of a tile");
 
-size_t split_smem_bytes(int D) { return size_t(kHeads * D + kKeyTile * (D + 1) + kHeads * kKeyTile + kHeads) * 4; }
+// Key rows are D + 4 floats apart: 16-byte aligned for float4 reads, and 8 lanes of a float4 read hit 32 banks.
+int key_stride(int D) { return (D + 3) / 4 * 4 + 4; }
+size_t split_smem_bytes(int D) {
+  return size_t(kHeads * key_stride(D) + kKeyTile * key_stride(D) + kHeads * kKeyTile + kHeads) * 4;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, float* part) {
@@ -23,10 +27,10 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
   __shared__ int key_s[kKeyTile];
   __shared__ float kscale_s[kKeyTile];
   const int s = blockIdx.x, h0 = blockIdx.y * kHeads, split = blockIdx.z, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, D = a.q_dim, R = a.v_dim, KS = D + 1;  // odd stride: no bank conflicts
+  const int warp = tid >> 5, lane = tid & 31, D = a.q_dim, R = a.v_dim, KS = (D + 3) / 4 * 4 + 4;  // key_stride
   const int nh = min(kHeads, a.H - h0);
-  float* q_s = smem;                        // [kHeads][D]
-  float* k_s = q_s + kHeads * D;            // [kKeyTile][KS], fp32
+  float* q_s = smem;                        // [kHeads][KS] (zero padded)
+  float* k_s = q_s + kHeads * KS;           // [kKeyTile][KS], fp32 (zero padded)
   float* p_s = k_s + kKeyTile * KS;         // [kHeads][kKeyTile] probabilities (times the value scale)
   float* corr_s = p_s + kHeads * kKeyTile;  // [kHeads] rescale of the running values
   const DeviceLayerCache lc = *a.lc;
@@ -37,10 +41,11 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
   const int per = (n_keys + kSplits - 1) / kSplits, k0 = split * per, k1 = min(n_keys, k0 + per);
   const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
 
-  for (int i = tid; i < kHeads * D; i += kThreads) {
-    const int h = i / D;
-    q_s[i] = h < nh ? a.q[(int64_t(s) * a.H + h0 + h) * D + i % D] : 0.0f;
+  for (int i = tid; i < kHeads * KS; i += kThreads) {
+    const int h = i / KS, d = i % KS;
+    q_s[i] = h < nh && d < D ? a.q[(int64_t(s) * a.H + h0 + h) * D + d] : 0.0f;
   }
+  for (int i = tid; i < kKeyTile * (KS - D); i += kThreads) k_s[(i / (KS - D)) * KS + D + i % (KS - D)] = 0.0f;
   float m = -INFINITY, l = 0.0f;  // warp `warp`'s head: running max and sum (the same in every lane)
   float acc[kHeads][kCols];
 #pragma unroll
@@ -58,23 +63,43 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
       kscale_s[tid] = t >= 0 && scale_t ? scale_t[t] : 1.0f;
     }
     __syncthreads();
-    for (int i = tid; i < kKeyTile * D; i += kThreads) {
-      const int row = i / D, d = i % D, t = key_s[row];
-      k_s[row * KS + d] = t >= 0 ? cache_elem<T>(kv, int64_t(t) * D + d) : 0.0f;
+    if (sizeof(T) == 2 && D % 8 == 0) {  // bf16 rows: 16-byte loads of 8 values
+      const int per_row = D / 8;
+#pragma unroll 4
+      for (int i = tid; i < kKeyTile * per_row; i += kThreads) {
+        const int row = i / per_row, d = (i % per_row) * 8, t = key_s[row];
+        uint4 u = make_uint4(0, 0, 0, 0);
+        if (t >= 0) u = *reinterpret_cast<const uint4*>(kv + int64_t(t) * D + d);
+        float* o = k_s + row * KS + d;
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          o[2 * j] = __uint_as_float(w[j] << 16);
+          o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+      }
+    } else {
+      for (int i = tid; i < kKeyTile * D; i += kThreads) {
+        const int row = i / D, d = i % D, t = key_s[row];
+        k_s[row * KS + d] = t >= 0 ? cache_elem<T>(kv, int64_t(t) * D + d) : 0.0f;
+      }
     }
     __syncthreads();
     // Scores: warp = head, lane = key of the tile.
     const int t = key_s[lane];
     float score = -INFINITY;
     if (t >= 0 && warp < nh) {
-      const float* qh = q_s + warp * D;
-      const float* kr = k_s + lane * KS;
-      float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-      int d = 0;
-      for (; d + 4 <= D; d += 4)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) d4[u] += qh[d + u] * kr[d + u];
-      for (; d < D; ++d) d4[0] += qh[d] * kr[d];
+      const float4* qh = reinterpret_cast<const float4*>(q_s + warp * KS);
+      const float4* kr = reinterpret_cast<const float4*>(k_s + lane * KS);
+      float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains (the padding is zero)
+#pragma unroll 4
+      for (int d = 0; d < KS / 4; ++d) {
+        const float4 qv = qh[d], kv4 = kr[d];
+        d4[0] += qv.x * kv4.x;
+        d4[1] += qv.y * kv4.y;
+        d4[2] += qv.z * kv4.z;
+        d4[3] += qv.w * kv4.w;
+      }
       score = ((d4[0] + d4[1]) + (d4[2] + d4[3])) * kscale_s[lane] * a.scale;
     }
     const float m_new = fmaxf(m, warp_max(score));
@@ -89,14 +114,23 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
     __syncthreads();
     // Values: the first R entries of each key row; thread = columns tid + kThreads * c of every head.
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int j = tid + c * kThreads;
-      if (j >= R) break;
+    for (int h = 0; h < kHeads; ++h)
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[h][c] *= corr_s[h];
+    for (int k = 0; k < kKeyTile; k += 4) {  // each value row read once for the 8 heads
+      float v[4][kCols];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int j = tid + c * kThreads;
+          v[u][c] = j < R ? k_s[(k + u) * KS + j] : 0.0f;
+        }
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
-        float v = acc[h][c] * corr_s[h];
-        for (int k = 0; k < kKeyTile; ++k) v += p_s[h * kKeyTile + k] * k_s[k * KS + j];
-        acc[h][c] = v;
+        const float4 p = *reinterpret_cast<const float4*>(p_s + h * kKeyTile + k);
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc[h][c] += p.x * v[0][c] + p.y * v[1][c] + p.z * v[2][c] + p.w * v[3][c];
       }
     }
   }

@@ -15,74 +15,89 @@ __device__ __forceinline__ uint32_t ordered_bits(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix count of `flag` over the block in thread order; `total` gets the block's count.
-__device__ __forceinline__ int block_exclusive_count(bool flag, int& total) {
-  __shared__ int warp_counts[kTopkWarps];
+// Exclusive prefix sums of two counts over the block in thread order; totals in *t0, *t1. Every thread calls it.
+__device__ __forceinline__ int2 block_exclusive_sum2(int a, int b, int* t0, int* t1) {
+  __shared__ int2 warp_tot[kTopkWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  __syncthreads();
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0;
-  total = 0;
-  for (int w = 0; w < kTopkWarps; ++w) {
-    if (w < warp) before += warp_counts[w];
-    total += warp_counts[w];
+  int ia = a, ib = b;  // inclusive scans within the warp
+  for (int o = 1; o < 32; o <<= 1) {
+    const int ua = __shfl_up_sync(0xffffffffu, ia, o), ub = __shfl_up_sync(0xffffffffu, ib, o);
+    if (lane >= o) ia += ua, ib += ub;
   }
-  return before + __popc(ballot & ((1u << lane) - 1u));
+  __syncthreads();
+  if (lane == 31) warp_tot[warp] = make_int2(ia, ib);
+  __syncthreads();
+  int2 before = make_int2(0, 0), tot = make_int2(0, 0);
+  for (int w = 0; w < kTopkWarps; ++w) {
+    const int2 v = warp_tot[w];
+    if (w < warp) before.x += v.x, before.y += v.y;
+    tot.x += v.x, tot.y += v.y;
+  }
+  *t0 = tot.x, *t1 = tot.y;
+  return make_int2(before.x + ia - a, before.y + ib - b);
 }
 
 // The top k (0 < k < n) of sc[0, n): calls emit(index, slot) for each chosen index, slots 0..k-1 in ascending
-// index order. Every thread of the block must call it.
+// index order. Every thread of the block must call it. Radix passes count with warp-aggregated shared atomics
+// (scores of one row share their high bits); the bin holding the k-th score is found by a suffix scan over the
+// 256 bins; the emission gives each thread one contiguous range of indices (one block scan).
 template <typename Emit>
 __device__ void block_radix_topk(const float* sc, int n, int k, Emit emit) {
+  static_assert(kTopkThreads == 256, "one thread per radix bin");
   __shared__ int hist[256];
   __shared__ uint32_t prefix_s;
   __shared__ int want_s;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
   if (tid == 0) {
     prefix_s = 0;
     want_s = k;
   }
-  __syncthreads();
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
     const uint32_t hi_mask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
-    for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
+    hist[tid] = 0;
     __syncthreads();
     const uint32_t prefix = prefix_s;
-    for (int t = tid; t < n; t += kTopkThreads) {
-      const uint32_t u = ordered_bits(sc[t]);
-      if ((u & hi_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+    for (int base = 0; base < n; base += kTopkThreads) {  // warp-uniform trip count (__match_any_sync)
+      const int t = base + tid;
+      const uint32_t u = t < n ? ordered_bits(sc[t]) : 0u;
+      const bool in = t < n && (u & hi_mask) == prefix;
+      const unsigned active = __ballot_sync(0xffffffffu, in);
+      if (in) {
+        const uint32_t bin = (u >> shift) & 255u;
+        const unsigned same = __match_any_sync(active, bin);
+        if (lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+      }
     }
     __syncthreads();
-    if (tid == 0) {
-      int cum = 0, want = want_s;
-      for (int b = 255; b >= 0; --b) {
-        if (cum + hist[b] >= want) {
-          prefix_s = prefix | (uint32_t(b) << shift);
-          want_s = want - cum;
-          break;
-        }
-        cum += hist[b];
-      }
+    // Suffix count from bin 255 down: cnt_ge(b) = sum of hist[b..255]; the k-th largest is in the bin b where
+    // cnt_ge(b) >= want > cnt_ge(b + 1). Thread tid holds bin 255 - tid, so an inclusive scan gives cnt_ge.
+    const int want = want_s;
+    const int h = hist[255 - tid];
+    int t0 = 0, t1 = 0;
+    const int ge = block_exclusive_sum2(h, 0, &t0, &t1).x + h;
+    if (ge >= want && ge - h < want) {
+      prefix_s = prefix | (uint32_t(255 - tid) << shift);
+      want_s = want - (ge - h);
     }
     __syncthreads();
   }
   const uint32_t thr = prefix_s;
   const int want_equal = want_s;
-  int written = 0, equal_seen = 0;
-  for (int base = 0; base < n; base += kTopkThreads) {
-    const int t = base + tid;
-    const uint32_t u = t < n ? ordered_bits(sc[t]) : 0u;
-    const bool greater = t < n && u > thr, equal = t < n && u == thr;
-    int eq_total = 0, take_total = 0;
-    const int eq_rank = block_exclusive_count(equal, eq_total) + equal_seen;
-    const bool take = greater || (equal && eq_rank < want_equal);
-    const int slot = block_exclusive_count(take, take_total) + written;
-    if (take) emit(t, slot);
-    equal_seen += eq_total;
-    written += take_total;
+  const int per = (n + kTopkThreads - 1) / kTopkThreads, i0 = min(n, tid * per), i1 = min(n, i0 + per);
+  int greater = 0, equal = 0;
+  for (int t = i0; t < i1; ++t) {
+    const uint32_t u = ordered_bits(sc[t]);
+    greater += u > thr;
+    equal += u == thr;
+  }
+  int tg = 0, te = 0;
+  const int2 before = block_exclusive_sum2(greater, equal, &tg, &te);
+  int eq_rank = before.y, slot = before.x + min(before.y, want_equal);  // slots taken by lower ranges
+  for (int t = i0; t < i1; ++t) {
+    const uint32_t u = ordered_bits(sc[t]);
+    if (u > thr || (u == thr && eq_rank < want_equal)) emit(t, slot++);
+    eq_rank += u == thr;
   }
 }
 
