@@ -8,9 +8,13 @@
 // CudaBlocks / attention_mla, linear_attention_engine.cpp, expert_executor.cpp, exl3_engine.cpp).
 // Inputs and weights are random with a fixed seed (any trellis bits are valid EXL3 weights; MUL1 codebook).
 // Usage: .gpu/cuda_kernel_bench [--bits 4] [--quick] [--only NAME,...] [--json out.json]
+// Per-node profile of one decode layer (each selected entry's call once, as a graph, inside cudaProfilerStart/Stop):
+//   ncu --profile-from-start off --graph-profiling node --clock-control none --metrics gpu__time_duration.sum \
+//       .gpu/cuda_kernel_bench --profile --only "decode layer (KDA+MoE)"
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -489,9 +493,29 @@ bool selected(const std::string& name) {
   return false;
 }
 
+bool g_profile = false;  // --profile: each selected entry once, as a one-call graph between cudaProfilerStart/Stop
+
 template <class Fn>
 void bench(const std::string& name, Fn&& fn) {
   if (!selected(name)) return;
+  if (g_profile) {  // for ncu --profile-from-start off --graph-profiling node: one call's nodes
+    fn(0);
+    CK(cudaStreamSynchronize(g_st));
+    cudaGraph_t graph = nullptr;
+    CK(cudaStreamBeginCapture(g_st, cudaStreamCaptureModeThreadLocal));
+    fn(1);
+    CK(cudaStreamEndCapture(g_st, &graph));
+    cudaGraphExec_t exec = nullptr;
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    CK(cudaProfilerStart());
+    CK(cudaGraphLaunch(exec, g_st));
+    CK(cudaStreamSynchronize(g_st));
+    CK(cudaProfilerStop());
+    std::fprintf(stderr, "  profiled %s\n", name.c_str());
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    return;
+  }
   g_bytes = 0;
   fn(0);
   const double bytes = g_bytes;
@@ -650,10 +674,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[a], "--json") && arg) json_path = argv[++a];
     else if (!std::strcmp(argv[a], "--quick")) g_reps = 5, g_warm = 1;
     else if (!std::strcmp(argv[a], "--only") && arg) g_only = argv[++a];
+    else if (!std::strcmp(argv[a], "--profile")) g_profile = true;
     else g_bits = 0;
   }
   if (g_bits < 1 || g_bits > 8) {
-    std::fprintf(stderr, "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--json PATH]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--profile] [--json PATH]\n", argv[0]);
     return 2;
   }
   try {

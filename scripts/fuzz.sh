@@ -6,10 +6,22 @@
 #
 #   scripts/fuzz.sh [seconds per target, default 60] [target ...]     (targets: fuzz_request fuzz_jinja fuzz_tool_parser
 #                                                                      fuzz_safetensors fuzz_config)
+#   scripts/fuzz.sh ci [target ...]   CI's deterministic run: the corpus replayed, then FUZZ_RUNS (default 20000)
+#                                     mutations per target from the fixed seed 1 into a fresh folder, so the same
+#                                     tree always gives the same verdict. The timed mode above (random seeds) is the
+#                                     exploratory run for the start of a work session; add what it finds to the
+#                                     corpus as regression seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-60}
-[[ $# -gt 0 ]] && shift
+ci=0
+if [[ ${1:-} == ci ]]; then
+  ci=1
+  shift
+  secs=0
+else
+  secs=${1:-60}
+  [[ $# -gt 0 ]] && shift
+fi
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_request fuzz_jinja fuzz_tool_parser fuzz_safetensors fuzz_config)
 CXX=${FUZZ_CXX:-$(command -v clang++-14 || command -v clang++ || true)}
@@ -49,14 +61,24 @@ for t in "${targets[@]}"; do
   echo "== building $t" >&2
   $CXX $cflags -fsanitize=fuzzer "tests/fuzz/$t.cpp" $objs $libs -o "$out/$t"
   mkdir -p "$out/corpus_$t" "tests/fuzz/corpus/$t"
-  echo "== running $t for ${secs}s" >&2
-  if ! "$out/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=8192 \
-       -artifact_prefix="$out/$t-" -print_final_stats=1 "$out/corpus_$t" "tests/fuzz/corpus/$t" 2>"$out/$t.log"; then
+  if [[ $ci == 1 ]]; then  # fixed seed and run count, new inputs into a fresh folder (never read back)
+    fresh=$(mktemp -d)
+    budget=(-seed=1 -runs="${FUZZ_RUNS:-20000}")
+    dirs=("$fresh" "tests/fuzz/corpus/$t")
+    echo "== running $t: corpus + ${FUZZ_RUNS:-20000} runs from seed 1" >&2
+  else
+    budget=(-max_total_time="$secs")
+    dirs=("$out/corpus_$t" "tests/fuzz/corpus/$t")
+    echo "== running $t for ${secs}s" >&2
+  fi
+  if ! "$out/$t" "${budget[@]}" -timeout=10 -rss_limit_mb=2048 -max_len=8192 \
+       -artifact_prefix="$out/$t-" -print_final_stats=1 "${dirs[@]}" 2>"$out/$t.log"; then
     status=1
     echo "fuzz: $t FAILED; log: $out/$t.log, reproducer: $out/$t-*" >&2
     tail -40 "$out/$t.log" >&2
   else
     grep -E "^stat::number_of_executed_units|^Done" "$out/$t.log" >&2 || true
   fi
+  if [[ $ci == 1 ]]; then rm -rf "$fresh"; fi
 done
 exit $status

@@ -11,29 +11,39 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kTile = 64, kMaxValuesPerThread = 4;
 
-__global__ void mla_query_kernel(const float* q, const uint16_t* w_uk, int H, int dn, int dr, int r, float* qcat) {
-  extern __shared__ float qn[];
-  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr;
+// Block (token * H + head, column block of kQueryCols): thread = (column, half of the nope dims); the two halves
+// meet in shared memory. Columns >= r copy the rope part of q.
+constexpr int kQueryCols = 128;
+__global__ void __launch_bounds__(2 * kQueryCols)
+    mla_query_kernel(const float* q, const uint16_t* w_uk, int H, int dn, int dr, int r, float* qcat) {
+  extern __shared__ float qn[];  // dn
+  __shared__ float upper[kQueryCols];
+  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, col = threadIdx.x % kQueryCols;
+  const int half = threadIdx.x / kQueryCols, j = blockIdx.y * kQueryCols + col;
   const float* qh = q + (int64_t(s) * H + h) * qk;
   for (int d = threadIdx.x; d < dn; d += blockDim.x) qn[d] = qh[d];
   __syncthreads();
   float* out = qcat + (int64_t(s) * H + h) * (r + dr);
-  const uint16_t* w = w_uk + int64_t(h) * dn * r;
-  for (int j = threadIdx.x; j < r + dr; j += blockDim.x) {
-    if (j >= r) {
-      out[j] = qh[dn + j - r];
-      continue;
-    }
-    float acc = 0.0f;
-    for (int d = 0; d < dn; ++d) acc += qn[d] * bf16_to_f32(w[int64_t(d) * r + j]);
-    out[j] = acc;
+  float acc = 0.0f;
+  if (j < r) {
+    const uint16_t* w = w_uk + int64_t(h) * dn * r + j;
+    const int d0 = half * (dn / 2), d1 = half ? dn : dn / 2;
+#pragma unroll 8
+    for (int d = d0; d < d1; ++d) acc += qn[d] * bf16_to_f32(w[int64_t(d) * r]);
   }
+  if (half) upper[col] = acc;
+  __syncthreads();
+  if (half || j >= r + dr) return;
+  out[j] = j < r ? acc + upper[col] : qh[dn + j - r];
 }
 
+// Block (token * H + head, group of 32 output rows): warp per row.
+constexpr int kOutputRows = 32;
 __global__ void mla_output_kernel(const float* o_lat, const uint16_t* w_uv, int H, int dv, int r, float* out) {
   const int s = blockIdx.x / H, h = blockIdx.x % H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* x = o_lat + (int64_t(s) * H + h) * r;
-  for (int i = warp; i < dv; i += blockDim.x >> 5) {
+  const int i1 = min(dv, int(blockIdx.y + 1) * kOutputRows);
+  for (int i = blockIdx.y * kOutputRows + warp; i < i1; i += blockDim.x >> 5) {
     float v = warp_dot_bf16(w_uv + (int64_t(h) * dv + i) * r, x, r);
     if (lane == 0) out[(int64_t(s) * H + h) * dv + i] = v;
   }
@@ -122,12 +132,16 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
 }  // namespace
 
 void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st) {
-  mla_query_kernel<<<S * H, 256, size_t(dn) * sizeof(float), st>>>(q, w_uk, H, dn, dr, r, qcat);
+  if (S <= 0) return;
+  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r + dr, kQueryCols))), 2 * kQueryCols,
+                     size_t(dn) * sizeof(float), st>>>(q, w_uk, H, dn, dr, r, qcat);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void mla_output(const float* o_lat, const uint16_t* w_uv, int S, int H, int dv, int r, float* out, cudaStream_t st) {
-  mla_output_kernel<<<S * H, 256, 0, st>>>(o_lat, w_uv, H, dv, r, out);
+  if (S <= 0) return;
+  mla_output_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(dv, kOutputRows))), 256, 0, st>>>(o_lat, w_uv, H, dv, r,
+                                                                                                 out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

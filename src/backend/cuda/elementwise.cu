@@ -131,16 +131,28 @@ __global__ void cache_write_kernel(const float* src, int64_t src_stride, int row
 
 __global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* out) { *out = *pos0 + add; }
 
-// Warp per output row of w [out][in] (bf16), every token of the batch (n <= kBf16GemvMaxRows) against it.
-__global__ void bf16_gemv_kernel(const uint16_t* w, int out, int in, const float* x, int n, const float* bias,
-                                 float* y) {
-  const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (row >= out) return;  // whole warps
-  const uint16_t* wr = w + int64_t(row) * in;
-  for (int t = 0; t < n; ++t) {
-    const float v = warp_dot_bf16(wr, x + int64_t(t) * in, in);
-    if ((threadIdx.x & 31) == 0) y[int64_t(t) * out + row] = v + (bias ? bias[row] : 0.0f);
+// Block per kGemvRowsPerBlock output rows of w [out][in] (bf16); each row's dot is split over kGemvSplit warps (one
+// contiguous, 8-aligned range of the inputs each) so that a small matrix still spreads over many SMs, and the
+// partial sums meet in shared memory in warp order. Every token of the batch (n <= kBf16GemvMaxRows) per row.
+constexpr int kGemvSplit = 4, kGemvRowsPerBlock = 2;
+__global__ void __launch_bounds__(32 * kGemvSplit * kGemvRowsPerBlock)
+    bf16_gemv_kernel(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y) {
+  __shared__ float part[kGemvRowsPerBlock][kGemvSplit][kBf16GemvMaxRows];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rb = warp / kGemvSplit, q = warp % kGemvSplit, row = blockIdx.x * kGemvRowsPerBlock + rb;
+  const int per = (in / kGemvSplit + 7) / 8 * 8, i0 = min(in, q * per), i1 = min(in, i0 + per);
+  if (row < out) {
+    const uint16_t* wr = w + int64_t(row) * in + i0;
+    for (int t = 0; t < n; ++t) {
+      const float v = warp_dot_bf16(wr, x + int64_t(t) * in + i0, i1 - i0);
+      if (lane == 0) part[rb][q][t] = v;
+    }
   }
+  __syncthreads();
+  if (q != 0 || row >= out || lane >= n) return;
+  float v = 0.0f;
+  for (int j = 0; j < kGemvSplit; ++j) v += part[rb][j][lane];
+  y[int64_t(lane) * out + row] = v + (bias ? bias[row] : 0.0f);
 }
 
 int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); }
@@ -213,7 +225,8 @@ void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const 
                cudaStream_t st) {
   if (n <= 0 || out <= 0) return;
   if (n > kBf16GemvMaxRows) throw std::runtime_error("bf16_gemv: more than 8 rows");
-  bf16_gemv_kernel<<<ceil_div(int64_t(out) * 32, 256), 256, 0, st>>>(w, out, in, x, n, bias, y);
+  bf16_gemv_kernel<<<ceil_div(out, kGemvRowsPerBlock), 32 * kGemvSplit * kGemvRowsPerBlock, 0, st>>>(w, out, in, x, n,
+                                                                                                     bias, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -12,7 +12,7 @@ namespace moesrv::cuda {
 
 namespace {
 
-constexpr int kMaxStreams = 8, kThreads = 256;
+constexpr int kMaxStreams = 8, kThreads = 256, kEnterThreads = 1024;
 constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens, the mixing logits use more blocks
 constexpr int kDotChunks = 16;    // ... each of them split over up to this many blocks
 
@@ -98,7 +98,7 @@ __device__ void mix_weights(const float* m_s, int n, const float* scale, const f
 
 // One block per token. dot_chunks > 0: hyper_dot_kernel left the partial logits and X . X in h (decode); else this
 // block computes them, 8 rows per pass over X.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kEnterThreads)
     hyper_enter_kernel(const float* x, int n, int D, const float* fn, const float* scale, const float* base,
                        const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, int dot_chunks, float* h,
                        float* post_out, float* comb_out) {
@@ -112,8 +112,12 @@ __global__ void __launch_bounds__(kThreads)
   // m = fn . X * rsqrt(mean(X^2) + rms_eps)
   if (dot_chunks > 0) {
     if (tid <= mix) {
-      float t = 0.0f;
-      for (int c = 0; c < dot_chunks; ++c) t += h[int64_t(s) * D + tid * dot_chunks + c];
+      float p[kDotChunks], t = 0.0f;  // all loads first, then the sum in chunk order
+#pragma unroll
+      for (int c = 0; c < kDotChunks; ++c) p[c] = c < dot_chunks ? h[int64_t(s) * D + tid * dot_chunks + c] : 0.0f;
+#pragma unroll
+      for (int c = 0; c < kDotChunks; ++c)
+        if (c < dot_chunks) t += p[c];
       m_s[tid] = t;
     }
     __syncthreads();
@@ -148,11 +152,22 @@ __global__ void __launch_bounds__(kThreads)
                             comb_out + int64_t(s) * n * n);
   __syncthreads();
 
-  // h = rms_norm(sum_i pre_i X_i) * norm_w
+  // h = rms_norm(sum_i pre_i X_i) * norm_w; up to kKeep values per thread stay in registers
+  constexpr int kKeep = 8;
   float* hs = h + int64_t(s) * D;
-  float hss = 0.0f;
-#pragma unroll 4
-  for (int d = tid; d < D; d += blockDim.x) {
+  float keep[kKeep], hss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kKeep; ++j) {
+    const int d = tid + j * kEnterThreads;
+    keep[j] = 0.0f;
+    if (d < D) {
+      float v = 0.0f;
+      for (int i = 0; i < n; ++i) v += pre_s[i] * X[int64_t(i) * D + d];
+      keep[j] = v;
+      hss += v * v;
+    }
+  }
+  for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) {  // wide models: through memory
     float v = 0.0f;
     for (int i = 0; i < n; ++i) v += pre_s[i] * X[int64_t(i) * D + d];
     hs[d] = v;
@@ -160,7 +175,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   hss = block_sum(hss);
   const float inv = 1.0f / sqrtf(hss / float(D) + rms_eps);
-  for (int d = tid; d < D; d += blockDim.x) hs[d] = (hs[d] * inv) * norm_w[d];
+#pragma unroll
+  for (int j = 0; j < kKeep; ++j) {
+    const int d = tid + j * kEnterThreads;
+    if (d < D) hs[d] = (keep[j] * inv) * norm_w[d];
+  }
+  for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) hs[d] = (hs[d] * inv) * norm_w[d];
 }
 
 __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, const float* comb, int n, int D) {
@@ -218,7 +238,7 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, h);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
-  hyper_enter_kernel<<<S, kThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks,
+  hyper_enter_kernel<<<S, kEnterThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks,
                                              h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
 }

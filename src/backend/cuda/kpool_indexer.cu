@@ -15,6 +15,7 @@ namespace {
 
 constexpr int kThreads = kTopkThreads, kWarps = kTopkWarps;
 constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
+constexpr int kMaxKeyPerLane = 8;   // scoring in registers: key width d <= 32 * this
 
 // Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
 // in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
@@ -54,6 +55,18 @@ __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, 
   }
 }
 
+// One step of the warp's reduce-scatter of 32 per-head partials: lanes with bit O set keep entries O..2O-1, the
+// others 0..O-1, each adding its partner's copy of the kept entries into v[0..O).
+template <int O>
+__device__ __forceinline__ void butterfly(float (&v)[32], int lane) {
+  const bool upper = lane & O;
+#pragma unroll
+  for (int i = 0; i < O; ++i) {
+    const float send = upper ? v[i] : v[i + O];
+    v[i] = (upper ? v[i + O] : v[i]) + __shfl_xor_sync(0xffffffffu, send, O);
+  }
+}
+
 // scores[s][P] for the pools P < (p+1)/kpool of query s (p = pos0 + s). Block (x, s): pools
 // [x*kPoolsPerBlock, (x+1)*kPoolsPerBlock); one warp per pool at a time.
 __global__ void __launch_bounds__(kThreads)
@@ -73,6 +86,33 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const float scale = 1.0f / sqrtf(float(d));
   const int P_end = int(min(pools, int64_t(P_begin + kPoolsPerBlock)));
+  if (nh <= 32 && d % 32 == 0 && d <= 32 * kMaxKeyPerLane) {
+    // Every head's partial dot in registers (lane: channels lane + 32 j), then a butterfly reduce-scatter leaves
+    // head `lane`'s dot on lane `lane` (31 shuffles instead of 5 per head); heads >= nh are zero.
+    for (int P = P_begin + warp; P < P_end; P += kWarps) {
+      float key[kMaxKeyPerLane];
+#pragma unroll
+      for (int j = 0; j < kMaxKeyPerLane; ++j) key[j] = 32 * j < d ? pool_k[int64_t(P) * d + lane + 32 * j] : 0.0f;
+      float v[32];
+#pragma unroll
+      for (int h = 0; h < 32; ++h) {
+        v[h] = 0.0f;
+        if (h < nh)
+#pragma unroll
+          for (int j = 0; j < kMaxKeyPerLane; ++j)
+            if (32 * j < d) v[h] += q_s[h * d + lane + 32 * j] * key[j];
+      }
+      butterfly<16>(v, lane);
+      butterfly<8>(v, lane);
+      butterfly<4>(v, lane);
+      butterfly<2>(v, lane);
+      butterfly<1>(v, lane);
+      const float part = lane < nh ? w_s[lane] * fmaxf(v[0] * scale, 0.0f) : 0.0f;
+      const float acc = warp_sum(part);
+      if (lane == 0) scores[int64_t(s) * max_pools + P] = acc;
+    }
+    return;
+  }
   for (int P = P_begin + warp; P < P_end; P += kWarps) {
     for (int c = lane; c < d; c += 32) pk_s[c] = pool_k[int64_t(P) * d + c];
     __syncwarp();
