@@ -6,7 +6,7 @@
 #
 #   scripts/fuzz.sh [seconds per target, default 60] [target ...]     (targets: fuzz_request fuzz_jinja fuzz_tool_parser
 #                                                                      fuzz_safetensors fuzz_config)
-#   scripts/fuzz.sh ci [target ...]   CI's deterministic run: the corpus replayed, then FUZZ_RUNS (default 20000)
+#   scripts/fuzz.sh ci [target ...]   CI's deterministic run: the corpus replayed, then FUZZ_RUNS (default 50000)
 #                                     mutations per target from the fixed seed 1 into a fresh folder, so the same
 #                                     tree always gives the same verdict. The timed mode above (random seeds) is the
 #                                     exploratory run for the start of a work session; add what it finds to the
@@ -63,9 +63,9 @@ for t in "${targets[@]}"; do
   mkdir -p "$out/corpus_$t" "tests/fuzz/corpus/$t"
   if [[ $ci == 1 ]]; then  # fixed seed and run count, new inputs into a fresh folder (never read back)
     fresh=$(mktemp -d)
-    budget=(-seed=1 -runs="${FUZZ_RUNS:-20000}")
+    budget=(-seed=1 -runs="${FUZZ_RUNS:-50000}")
     dirs=("$fresh" "tests/fuzz/corpus/$t")
-    echo "== running $t: corpus + ${FUZZ_RUNS:-20000} runs from seed 1" >&2
+    echo "== running $t: corpus + ${FUZZ_RUNS:-50000} runs from seed 1" >&2
   else
     budget=(-max_total_time="$secs")
     dirs=("$out/corpus_$t" "tests/fuzz/corpus/$t")

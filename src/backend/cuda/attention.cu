@@ -11,30 +11,26 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kTile = 64, kMaxValuesPerThread = 4;
 
-// Block (token * H + head, column block of kQueryCols): thread = (column, half of the nope dims); the two halves
-// meet in shared memory. Columns >= r copy the rope part of q.
+// Block (token * H + head, column block of kQueryCols): thread = column j, the sum over the nope dims in order.
 constexpr int kQueryCols = 128;
-__global__ void __launch_bounds__(2 * kQueryCols)
+__global__ void __launch_bounds__(kQueryCols)
     mla_query_kernel(const float* q, const uint16_t* w_uk, int H, int dn, int dr, int r, float* qcat) {
   extern __shared__ float qn[];  // dn
-  __shared__ float upper[kQueryCols];
-  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, col = threadIdx.x % kQueryCols;
-  const int half = threadIdx.x / kQueryCols, j = blockIdx.y * kQueryCols + col;
+  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, j = blockIdx.y * kQueryCols + threadIdx.x;
   const float* qh = q + (int64_t(s) * H + h) * qk;
   for (int d = threadIdx.x; d < dn; d += blockDim.x) qn[d] = qh[d];
   __syncthreads();
+  if (j >= r + dr) return;
   float* out = qcat + (int64_t(s) * H + h) * (r + dr);
-  float acc = 0.0f;
-  if (j < r) {
-    const uint16_t* w = w_uk + int64_t(h) * dn * r + j;
-    const int d0 = half * (dn / 2), d1 = half ? dn : dn / 2;
-#pragma unroll 8
-    for (int d = d0; d < d1; ++d) acc += qn[d] * bf16_to_f32(w[int64_t(d) * r]);
+  if (j >= r) {
+    out[j] = qh[dn + j - r];
+    return;
   }
-  if (half) upper[col] = acc;
-  __syncthreads();
-  if (half || j >= r + dr) return;
-  out[j] = j < r ? acc + upper[col] : qh[dn + j - r];
+  const uint16_t* w = w_uk + int64_t(h) * dn * r + j;
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int d = 0; d < dn; ++d) acc += qn[d] * bf16_to_f32(w[int64_t(d) * r]);
+  out[j] = acc;
 }
 
 // Block (token * H + head, group of 32 output rows): warp per row.
@@ -133,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
 
 void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st) {
   if (S <= 0) return;
-  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r + dr, kQueryCols))), 2 * kQueryCols,
+  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r + dr, kQueryCols))), kQueryCols,
                      size_t(dn) * sizeof(float), st>>>(q, w_uk, H, dn, dr, r, qcat);
   MOESRV_CUDA_LAUNCH_CHECK();
 }

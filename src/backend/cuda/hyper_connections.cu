@@ -45,6 +45,30 @@ __device__ void mix_weights(const float* m_s, int n, const float* scale, const f
     pre_s[lane] = sigmoidf(m_s[lane] * scale[0] + base[lane]) + hc_eps;
     post[lane] = 2.0f * sigmoidf(m_s[n + lane] * scale[1] + base[n + lane]);
   }
+  if (nn <= 32) {  // lane = entry (i, j), the sums gathered by shuffles in index order: no shared memory round trips
+    const int i = lane / n, j = lane % n;
+    float c = lane < nn ? m_s[2 * n + lane] * scale[2] + base[2 * n + lane] : 0.0f;
+    auto row_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, i * n + t); };
+    auto col_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, t * n + j); };
+    float mx = -INFINITY;
+    for (int t = 0; t < n; ++t) mx = fmaxf(mx, row_at(c, t));
+    c = expf(c - mx);
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum += row_at(c, t);
+    c = c * (1.0f / sum) + hc_eps;
+    for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {
+      if (it > 0) {  // rows (from the second iteration on), then columns
+        sum = 0.0f;
+        for (int t = 0; t < n; ++t) sum += row_at(c, t);
+        c /= sum + hc_eps;
+      }
+      sum = 0.0f;
+      for (int t = 0; t < n; ++t) sum += col_at(c, t);
+      c /= sum + hc_eps;
+    }
+    if (lane < nn) comb[lane] = c;
+    return;
+  }
   float c[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int q = 0; q < 2; ++q) {

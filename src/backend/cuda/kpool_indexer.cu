@@ -15,7 +15,7 @@ namespace {
 
 constexpr int kThreads = kTopkThreads, kWarps = kTopkWarps;
 constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
-constexpr int kMaxKeyPerLane = 8;   // scoring in registers: key width d <= 32 * this
+constexpr int kLaneWarps = 4;       // kpool_score_lanes_kernel: warps per block, one pool per lane
 
 // Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
 // in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
@@ -55,18 +55,6 @@ __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, 
   }
 }
 
-// One step of the warp's reduce-scatter of 32 per-head partials: lanes with bit O set keep entries O..2O-1, the
-// others 0..O-1, each adding its partner's copy of the kept entries into v[0..O).
-template <int O>
-__device__ __forceinline__ void butterfly(float (&v)[32], int lane) {
-  const bool upper = lane & O;
-#pragma unroll
-  for (int i = 0; i < O; ++i) {
-    const float send = upper ? v[i] : v[i + O];
-    v[i] = (upper ? v[i + O] : v[i]) + __shfl_xor_sync(0xffffffffu, send, O);
-  }
-}
-
 // scores[s][P] for the pools P < (p+1)/kpool of query s (p = pos0 + s). Block (x, s): pools
 // [x*kPoolsPerBlock, (x+1)*kPoolsPerBlock); one warp per pool at a time.
 __global__ void __launch_bounds__(kThreads)
@@ -86,33 +74,6 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const float scale = 1.0f / sqrtf(float(d));
   const int P_end = int(min(pools, int64_t(P_begin + kPoolsPerBlock)));
-  if (nh <= 32 && d % 32 == 0 && d <= 32 * kMaxKeyPerLane) {
-    // Every head's partial dot in registers (lane: channels lane + 32 j), then a butterfly reduce-scatter leaves
-    // head `lane`'s dot on lane `lane` (31 shuffles instead of 5 per head); heads >= nh are zero.
-    for (int P = P_begin + warp; P < P_end; P += kWarps) {
-      float key[kMaxKeyPerLane];
-#pragma unroll
-      for (int j = 0; j < kMaxKeyPerLane; ++j) key[j] = 32 * j < d ? pool_k[int64_t(P) * d + lane + 32 * j] : 0.0f;
-      float v[32];
-#pragma unroll
-      for (int h = 0; h < 32; ++h) {
-        v[h] = 0.0f;
-        if (h < nh)
-#pragma unroll
-          for (int j = 0; j < kMaxKeyPerLane; ++j)
-            if (32 * j < d) v[h] += q_s[h * d + lane + 32 * j] * key[j];
-      }
-      butterfly<16>(v, lane);
-      butterfly<8>(v, lane);
-      butterfly<4>(v, lane);
-      butterfly<2>(v, lane);
-      butterfly<1>(v, lane);
-      const float part = lane < nh ? w_s[lane] * fmaxf(v[0] * scale, 0.0f) : 0.0f;
-      const float acc = warp_sum(part);
-      if (lane == 0) scores[int64_t(s) * max_pools + P] = acc;
-    }
-    return;
-  }
   for (int P = P_begin + warp; P < P_end; P += kWarps) {
     for (int c = lane; c < d; c += 32) pk_s[c] = pool_k[int64_t(P) * d + c];
     __syncwarp();
@@ -126,6 +87,50 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) scores[int64_t(s) * max_pools + P] = acc;
     __syncwarp();
   }
+}
+
+// The same scores with one pool per lane (block (x, s): pools [x * 32 * kLaneWarps, ...)): each warp stages its 32
+// pool keys in shared memory (rows d + 4 floats apart), and each lane runs every head's dot over its own key with
+// float4 reads (the query broadcast), so no cross-lane reduction is needed. d % 4 == 0.
+__global__ void __launch_bounds__(32 * kLaneWarps)
+    kpool_score_lanes_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
+                             const int32_t* pos0, int max_pools, float* scores) {
+  extern __shared__ __align__(16) float lsm[];  // q [nh*d] | hw [nh, padded to 4] | keys [kLaneWarps][32][d + 4]
+  const int s = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, ks = d + 4;
+  const int64_t p = int64_t(*pos0) + s;
+  const int pools = int(min((p + 1) / kpool, int64_t(max_pools)));
+  const int P0 = blockIdx.x * 32 * kLaneWarps;
+  if (P0 >= pools) return;  // uniform over the block
+  float* q_s = lsm;
+  float* w_s = q_s + nh * d;
+  float* k_s = w_s + (nh + 3) / 4 * 4 + warp * 32 * ks;
+  for (int i = tid; i < nh * d; i += blockDim.x) q_s[i] = q[int64_t(s) * nh * d + i];
+  for (int i = tid; i < nh; i += blockDim.x) w_s[i] = hw[int64_t(s) * nh + i];
+  const int Pw = P0 + warp * 32;  // this warp's first pool
+  for (int i = lane; i < 32 * d; i += 32) {  // coalesced: row by row
+    const int r = i / d, c = i % d;
+    k_s[r * ks + c] = Pw + r < pools ? pool_k[int64_t(Pw + r) * d + c] : 0.0f;
+  }
+  __syncthreads();
+  const int P = Pw + lane;
+  if (P >= pools) return;
+  const float scale = 1.0f / sqrtf(float(d));
+  const float4* kr = reinterpret_cast<const float4*>(k_s + lane * ks);
+  float acc = 0.0f;
+  for (int h = 0; h < nh; ++h) {
+    const float4* qh = reinterpret_cast<const float4*>(q_s + h * d);
+    float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int c = 0; c < d / 4; ++c) {
+      const float4 a = qh[c], b = kr[c];
+      d4[0] += a.x * b.x;
+      d4[1] += a.y * b.y;
+      d4[2] += a.z * b.z;
+      d4[3] += a.w * b.w;
+    }
+    acc += w_s[h] * fmaxf(((d4[0] + d4[1]) + (d4[2] + d4[3])) * scale, 0.0f);
+  }
+  scores[int64_t(s) * max_pools + P] = acc;
 }
 
 // One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
@@ -183,10 +188,21 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     throw std::runtime_error("kpool_select: selection width " + std::to_string(sel_k) + " < " +
                              std::to_string(budget * kpool + (select_tail ? kpool - 1 : 0)));
   const size_t smem = size_t(nh * d + nh + kWarps * d) * sizeof(float);
-  if (smem > 48 * 1024)
+  const size_t lane_smem = size_t(nh * d + (nh + 3) / 4 * 4 + kLaneWarps * 32 * (d + 4)) * sizeof(float);
+  const bool lanes = d % 4 == 0 && lane_smem <= size_t(160) << 10;
+  if (!lanes && smem > 48 * 1024)
     throw std::runtime_error("kpool_select: indexer query of " + std::to_string(nh * d) +
                              " floats exceeds shared memory");
-  if (max_pools > 0) {
+  if (max_pools > 0 && lanes) {
+    // A host-side call, legal while a graph is captured.
+    if (cudaFuncSetAttribute(kpool_score_lanes_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lane_smem)) !=
+        cudaSuccess)
+      throw std::runtime_error("kpool_select: cannot reserve " + std::to_string(lane_smem) + " B of shared memory");
+    const dim3 grid(unsigned(ceil_div(max_pools, 32 * kLaneWarps)), unsigned(S));
+    kpool_score_lanes_kernel<<<grid, 32 * kLaneWarps, lane_smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools,
+                                                                       scratch);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  } else if (max_pools > 0) {
     const dim3 grid(unsigned(ceil_div(max_pools, kPoolsPerBlock)), unsigned(S));
     kpool_score_kernel<<<grid, kThreads, smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
