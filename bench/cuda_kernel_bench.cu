@@ -200,7 +200,8 @@ struct Buffers {
   float *iq, *ik, *ig, *ihw;
   int32_t* sel;
   float *logits_r, *w, *gu, *act, *mgu, *ysorted, *logits;
-  int32_t *ids, *pair_ids, *tri_ids, *rand_ids;  // rand_ids [kCalls][KK]: the shared expert E, then 8 distinct random experts
+  int32_t *ids, *pair_ids, *tri_ids,
+      *rand_ids;  // rand_ids [kCalls][KK]: the shared expert E, then 8 distinct random experts
   uint32_t *counts, *tokens;
 } B;
 
@@ -292,8 +293,7 @@ void setup(std::mt19937& rng) {
     for (int j = 0; j < TOPK; ++j) ids[size_t(i) * KK + 1 + size_t(j)] = perm[size_t(j)];
   }
   B.pair_ids = upload(std::vector<int32_t>{0, 1}), B.tri_ids = upload(std::vector<int32_t>{0, 1, 2});
-  B.rand_ids = upload(ids),
-  B.ids = upload(std::vector<int32_t>(ids.begin(), ids.begin() + KK));
+  B.rand_ids = upload(ids), B.ids = upload(std::vector<int32_t>(ids.begin(), ids.begin() + KK));
   B.counts = upload(std::vector<uint32_t>(E + 1, 0)), B.tokens = upload(std::vector<uint32_t>(1, 0));
 }
 
@@ -678,7 +678,9 @@ int main(int argc, char** argv) {
     else g_bits = 0;
   }
   if (g_bits < 1 || g_bits > 8) {
-    std::fprintf(stderr, "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--profile] [--json PATH]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--profile] [--json PATH]\n",
+                 argv[0]);
     return 2;
   }
   try {

@@ -388,9 +388,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             std::max({hbm / (bw.device_copy * 1e9), pcie / (bw.pcie_h2d * 1e9), host / (bw.host * 1e9)});
         const double hit = r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0;
         const double nodes_per_layer = double(r8.graph_nodes - r4.graph_nodes) / 4;
-        std::printf("[ perf ] decode per layer %.1f us, head + embedding %.1f us, graph nodes per layer %.1f (%ld in "
-                    "the 4-layer graph)\n",
-                    dl * 1e6, (r4.decode_s - 4 * dl) * 1e6, nodes_per_layer, long(r4.graph_nodes));
+        std::printf(
+            "[ perf ] decode per layer %.1f us, head + embedding %.1f us, graph nodes per layer %.1f (%ld in "
+            "the 4-layer graph)\n",
+            dl * 1e6, (r4.decode_s - 4 * dl) * 1e6, nodes_per_layer, long(r4.graph_nodes));
         std::printf(
             "[ perf ] glm5_next 45 layers, %s GiB, %s, ctx %ld: decode %.1f tok/s (floor %.1f, %.0f%%), "
             "prefill %.0f tok/s (TTFT %.1f s), hit rate %.3f, GB/token HBM %.2f PCIe %.3f host %.3f\n",

@@ -666,8 +666,9 @@ TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
       }
     std::vector<int> order(static_cast<size_t>(pools));
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return row_score[size_t(row_of[size_t(a)])] > row_score[size_t(row_of[size_t(b)])]; });
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return row_score[size_t(row_of[size_t(a)])] > row_score[size_t(row_of[size_t(b)])];
+    });
     std::vector<int> chosen(order.begin(), order.begin() + budget);
     std::sort(chosen.begin(), chosen.end());
     std::vector<int32_t> want;

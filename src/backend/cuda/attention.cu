@@ -137,7 +137,7 @@ void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int d
 void mla_output(const float* o_lat, const uint16_t* w_uv, int S, int H, int dv, int r, float* out, cudaStream_t st) {
   if (S <= 0) return;
   mla_output_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(dv, kOutputRows))), 256, 0, st>>>(o_lat, w_uv, H, dv, r,
-                                                                                                 out);
+                                                                                                out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

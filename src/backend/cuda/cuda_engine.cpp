@@ -194,7 +194,9 @@ void CudaEngine::Impl::gemm_bf16(const uint16_t* w, int64_t out, int64_t in, con
 }
 
 void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, float* y) {
-  if (n == 1 && l.parts && l.parts.count <= kExl3MaxGemvRows) {  // one token through parts of one shape: row r of the group is part r's columns
+  if (n == 1 && l.parts &&
+      l.parts.count <=
+          kExl3MaxGemvRows) {  // one token through parts of one shape: row r of the group is part r's columns
     const Exl3Dev& w = l.x3[0].w;
     return exl3_group(l.parts, w, Exl3Src{x, l.in, nullptr, l.parts.count}, y, w.out);
   }
@@ -204,8 +206,8 @@ void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, flo
     return;
   }
   if (n <= kBf16GemvMaxRows)
-    return bf16_gemv(l.w.as<uint16_t>(), int(l.out), int(l.in), x, int(n), l.bias.bytes() ? l.bias.as<float>() : nullptr,
-                     y, stream);
+    return bf16_gemv(l.w.as<uint16_t>(), int(l.out), int(l.in), x, int(n),
+                     l.bias.bytes() ? l.bias.as<float>() : nullptr, y, stream);
   to_bf16(x, n * l.in, s.xb.as<uint16_t>(), stream);
   gemm_bf16(l.w.as<uint16_t>(), l.out, l.in, s.xb.as<uint16_t>(), n, y);
   if (l.bias.bytes()) add_bias(y, l.bias.as<float>(), int(n), int(l.out), stream);

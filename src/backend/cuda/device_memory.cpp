@@ -200,8 +200,8 @@ DevGroup WeightUploader::group(const std::vector<Exl3Dev>& w) {
   DevGroup g;
   if (w.size() < 2) return g;
   for (const Exl3Dev& x : w)
-    if (x.K != w[0].K || x.cb != w[0].cb || x.in_pad != w[0].in_pad || x.out_pad != w[0].out_pad ||
-        x.in != w[0].in || x.out != w[0].out)
+    if (x.K != w[0].K || x.cb != w[0].cb || x.in_pad != w[0].in_pad || x.out_pad != w[0].out_pad || x.in != w[0].in ||
+        x.out != w[0].out)
       return g;
   std::vector<int32_t> ids(w.size());
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);

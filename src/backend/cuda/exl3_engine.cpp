@@ -108,8 +108,8 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
   for (int p = 0; p < 3; ++p) {
     const Exl3Dev& shape = m.x3_off[0][size_t(p)];
     const Exl3Group g{tab + p * m.x3_stride, ids};
-    const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, nullptr, int(kk)}
-                              : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};
+    const Exl3Src src =
+        p < 2 ? Exl3Src{s.h.as<float>(), D, nullptr, int(kk)} : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};
     exl3_rotate_in(shape, g, src, M, xh, false, stream, yr);
     exl3_gemv_rotated(shape, g, xh, M, yr, Exl3Gemv::Auto, stream, true);
     if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream);

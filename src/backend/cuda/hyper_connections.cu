@@ -21,8 +21,8 @@ __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(
 // Decode: the mixing logits fn[kk] . X (kk < mix) and X . X (kk == mix) of token s, chunk c of the n*D values per
 // block (grid (mix + 1, chunks, S)), so that hundreds of blocks share the reads. The partial sums are parked in the
 // token's h row at [kk * chunks + c] until hyper_enter_kernel adds them up in chunk order.
-__global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix,
-                                                             float* h) {
+__global__ void __launch_bounds__(kThreads)
+    hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix, float* h) {
   const int kk = blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
   const int64_t W = int64_t(n) * D, per = (W + chunks - 1) / chunks, i0 = c * per, i1 = min(W, i0 + per);
   const float* X = x + s * W;
@@ -172,8 +172,9 @@ __global__ void __launch_bounds__(kEnterThreads)
   }
   __syncthreads();
 
-  if (tid < 32) mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
-                            comb_out + int64_t(s) * n * n);
+  if (tid < 32)
+    mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
+                comb_out + int64_t(s) * n * n);
   __syncthreads();
 
   // h = rms_norm(sum_i pre_i X_i) * norm_w; up to kKeep values per thread stay in registers
@@ -262,8 +263,8 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, h);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
-  hyper_enter_kernel<<<S, kEnterThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks,
-                                             h, post, comb);
+  hyper_enter_kernel<<<S, kEnterThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters,
+                                                  chunks, h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

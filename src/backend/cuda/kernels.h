@@ -42,8 +42,7 @@ void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
 // y[t][o] = w[o] . x[t] (+ bias[o]) for n <= kBf16GemvMaxRows tokens: bf16 weights [out][in], fp32 inputs, one
 // launch (the decode path of bf16 linears; more rows go through cuBLAS).
 constexpr int kBf16GemvMaxRows = 8;
-void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y,
-               cudaStream_t st);
+void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y, cudaStream_t st);
 void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st);
 // out[i] = bf16(x[rows[i]]) for i < n (D values per row).
 void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_t* out, cudaStream_t st);

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(32 * kLaneWarps)
   float* k_s = w_s + (nh + 3) / 4 * 4 + warp * 32 * ks;
   for (int i = tid; i < nh * d; i += blockDim.x) q_s[i] = q[int64_t(s) * nh * d + i];
   for (int i = tid; i < nh; i += blockDim.x) w_s[i] = hw[int64_t(s) * nh + i];
-  const int Pw = P0 + warp * 32;  // this warp's first pool
+  const int Pw = P0 + warp * 32;             // this warp's first pool
   for (int i = lane; i < 32 * d; i += 32) {  // coalesced: row by row
     const int r = i / d, c = i % d;
     k_s[r * ks + c] = Pw + r < pools ? pool_k[int64_t(Pw + r) * d + c] : 0.0f;

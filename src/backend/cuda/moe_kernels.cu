@@ -9,7 +9,7 @@ namespace moesrv::cuda {
 
 namespace {
 
-constexpr int kRouteWarps = 4;  // tokens per block of the router (one warp each)
+constexpr int kRouteWarps = 4;        // tokens per block of the router (one warp each)
 constexpr int kRouteMaxPerLane = 32;  // experts per lane (E <= 1024): the lane's taken-bit mask
 
 // Warp argmax step: (v, i) against the lane `o` away; the larger score wins, equal scores go to the lower index, an
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float* logits, const float* bias, int S, RouterArgs a, int32_t* ids, float* weights) {
   extern __shared__ float sm[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, s = blockIdx.x * kRouteWarps + warp;
-  if (s >= S) return;  // warp-uniform; no block barrier below
+  if (s >= S) return;                         // warp-uniform; no block barrier below
   float* score = sm + warp * (2 * a.E + 64);  // sigmoid(logit), or the softmax probability
   float* choice = score + a.E;                // score (+ bias when sigmoid), -inf outside the kept groups
   float* gscore = choice + a.E;               // group scores (<= 64 groups)
@@ -145,8 +145,7 @@ __global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st) {
   if (a.groups < 1 || a.groups > 64 || a.E % a.groups != 0 || a.E > 32 * kRouteMaxPerLane || a.topk_groups < 1 ||
-      a.topk_groups > a.groups || a.k < 1 || a.k > 32 ||
-      a.k > a.E)
+      a.topk_groups > a.groups || a.k < 1 || a.k > 32 || a.k > a.E)
     throw std::runtime_error("route: " + std::to_string(a.E) + " experts in " + std::to_string(a.groups) +
                              " groups, top-" + std::to_string(a.k) + " is not supported");
   if (S <= 0) return;
@@ -176,7 +175,7 @@ void moe_combine(float* out, const float* y, const int32_t* rowmap, const float*
                  int k, int D, cudaStream_t st, bool overwrite) {
   if (S <= 0) return;
   combine_kernel<<<dim3(unsigned(ceil_div(D, 256)), unsigned(S)), 256, 0, st>>>(out, y, rowmap, weights, extra, k, D,
-                                                                                 overwrite);
+                                                                                overwrite);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
