@@ -94,6 +94,15 @@ struct LanePos {
   }
 };
 
+// Bits [r, r + 16) of the word stream b (bit 0 = the most significant bit of b[0]), r a compile-time constant after
+// unrolling: one shift/mask (or byte permute) inside a word, a funnel shift and a shift across two.
+template <int N>
+__device__ __forceinline__ uint32_t stream_bits16(const uint32_t (&b)[N], int r) {
+  const int w = r >> 5, o = r & 31;
+  if (o <= 16) return (b[w] >> (16 - o)) & 0xFFFFu;
+  return __funnelshift_l(b[w + 1 < N ? w + 1 : N - 1], b[w], o) >> 16;
+}
+
 // D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulate)
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {

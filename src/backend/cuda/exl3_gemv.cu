@@ -1,9 +1,11 @@
 // EXL3 CUDA kernels and their launchers (exl3_ops.h): Hadamard in/out, on-the-fly GEMV (fp32 and tensor-core
-// variants, plain or grouped over an expert table), W_hat dequant slabs and the fp16 cuBLAS GEMM over them.
+// variants, plain or grouped over an expert table; a one-row fp32 kernel for decode), W_hat dequant slabs and the
+// fp16 cuBLAS GEMM over them.
 // Errors throw std::runtime_error (util/error.h's fmt headers do not compile under nvcc in C++20 mode).
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -94,7 +96,8 @@ struct GemvArgs {
   int in_pad, out_pad, nb, tiles_k, tiles_n, tiles_per_block;
 };
 
-__device__ __forceinline__ const uint4* gemv_weights(const GemvArgs& a) {
+template <class Args>
+__device__ __forceinline__ const uint4* gemv_weights(const Args& a) {
   return a.g.ids ? static_cast<const uint4*>(a.g.tab[a.g.ids[blockIdx.z]].trellis) : a.trellis;
 }
 
@@ -233,6 +236,155 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
   reduce_strip(red, nb, yr, a.out_pad, nt);
 }
 
+// ---- one-row GEMV (decode; Auto/Fp32 at nb = 1, plain or grouped): yr[c] (+)= sum_k xh[k] * W_hat[k][c] ----
+// The kernels above spend more on staging, syncs and reductions than on the 8 KB of weights a block reads. Here:
+// - warp: one panel of P adjacent 16-column strips (P = 8 for K <= 3, else 4) over tiles_per_warp k-tiles. At one
+//   k-tile the panel's P tiles are contiguous (32*P*K bytes): lane l loads N = P*K/4 consecutive words, the own bits
+//   of trellis positions P*q .. P*q+P-1 (q = l % (32/P)) of tile l / (32/P), i.e. all 16 rows of P/2 of its columns.
+//   With the word before that chunk (one shuffle, wrapping within the tile) the lane decodes its 8P states at
+//   compile-time bit offsets and keeps whole column sums in registers: no weight staging, no per-tile reduction.
+// - latency: D k-tiles of loads in flight per warp (register ring, ~2 KB; 64 KB per SM at 8 blocks), the first D
+//   issued before the block stages xh.
+// - block: 4 warps = 4/warps_k panels x warps_k consecutive k-ranges (summed through shared memory at the end),
+//   sharing the block's xh range in shared memory (read as float4 broadcasts). gemv1_split picks the shape.
+// - output: plain stores when the grid has one block row (no k split, no zeroing needed), else atomicAdd into yr.
+constexpr int kGemv1Warps = 4;
+constexpr int kGemv1Blocks = 8;           // resident blocks per SM the register budget allows (64 a thread)
+constexpr int kGemv1MaxBlockTiles = 256;  // k-tiles of xh a block stages (16 KB)
+
+__host__ __device__ constexpr int gemv1_positions(int K) { return K <= 3 ? 8 : 4; }
+__host__ __device__ constexpr int gemv1_depth(int K) {  // k-tiles in flight per warp (~2 KB, as registers allow)
+  return gemv1_positions(K) * K / 4 <= 4 ? 4 : gemv1_positions(K) * K / 4 <= 6 ? 3 : 2;
+}
+
+template <int K>
+struct Gemv1 {
+  static constexpr int P = gemv1_positions(K);                   // positions per lane = tiles = strips per panel
+  static constexpr int L = 32 / P;                               // lanes per tile
+  static constexpr int N = P * K / 4;                            // words a lane loads per k-tile
+  static constexpr int V = N % 4 == 0 ? 4 : N % 2 == 0 ? 2 : 1;  // words per load instruction
+  static constexpr int D = gemv1_depth(K);                       // k-tiles in flight per warp
+  static constexpr int C = P / 2;                                // output columns per lane
+};
+
+struct Gemv1Args {
+  const uint4* trellis;
+  Exl3Group g;
+  const float* xh;
+  float* yr;
+  int in_pad, out_pad, tiles_k, tiles_n, tiles_per_warp, warps_k;
+};
+
+template <int K>
+__device__ __forceinline__ void gemv1_load(const uint32_t* p, uint32_t (&r)[Gemv1<K>::N]) {
+  constexpr int V = Gemv1<K>::V;
+#pragma unroll
+  for (int j = 0; j < Gemv1<K>::N; j += V) {
+    if constexpr (V == 4) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + j));
+      r[j] = v.x, r[j + 1] = v.y, r[j + 2] = v.z, r[j + 3] = v.w;
+    } else if constexpr (V == 2) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p + j));
+      r[j] = v.x, r[j + 1] = v.y;
+    } else {
+      r[j] = __ldg(p + j);
+    }
+  }
+}
+
+// One k-tile: acc[c] += the lane's 8P weights times xk[0..15] (column c: (P/4)*q + c/2 + 8*(c%2) of its tile).
+template <int K, int CB>
+__device__ __forceinline__ void gemv1_tile(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const float* xk,
+                                           float (&acc)[Gemv1<K>::C]) {
+  using G = Gemv1<K>;
+  uint32_t b[G::N + 1];  // the word before the chunk, then the chunk
+  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
+#pragma unroll
+  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+  float x[16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 v = reinterpret_cast<const float4*>(xk)[j];
+    x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+  }
+#pragma unroll
+  for (int pp = 0; pp < G::P; ++pp)
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {  // states i, i+1: rows r, r+1 of one column
+      // weight j's state is the 16 bits ending at its own K bits: stream bit (j+1)*K - 16, +32 for b[0]
+      const uint32_t h =
+          decode_state2<CB>(stream_bits16(b, (8 * pp + i + 1) * K + 16), stream_bits16(b, (8 * pp + i + 2) * K + 16));
+      const float2 f = __half22float2(*reinterpret_cast<const half2*>(&h));
+      const int r = 2 * (pp & 3) + 4 * (i & 2), c = 2 * (pp >> 2) + (i >> 2);
+      acc[c] = fmaf(x[r], f.x, acc[c]);
+      acc[c] = fmaf(x[r + 1], f.y, acc[c]);
+    }
+}
+
+template <int K, int CB>
+__global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
+  using G = Gemv1<K>;
+  extern __shared__ __align__(16) float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wk = a.warps_k, wp = kGemv1Warps / wk, ksub = warp / wp, tpw = a.tiles_per_warp;
+  const int panel = blockIdx.x * wp + warp % wp;
+  const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
+  const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
+
+  // first D k-tiles of weights in flight before xh is staged
+  const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
+                         (size_t(kt0) * a.tiles_n + size_t(panel) * G::P) * (8 * K) + lane * G::N;
+  const size_t step = size_t(a.tiles_n) * (8 * K);
+  uint32_t ring[G::D][G::N];
+#pragma unroll
+  for (int u = 0; u < G::D; ++u)
+    if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
+  const uint32_t* next = wsrc + G::D * step;
+
+  const float4* xg = reinterpret_cast<const float4*>(a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16);
+  for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) reinterpret_cast<float4*>(smem)[i] = xg[i];
+  __syncthreads();
+
+  const int prev_lane = lane % G::L == 0 ? lane + G::L - 1 : lane - 1;
+  const float* xs = smem + (kt0 - kb0) * 16;
+  float acc[G::C];
+#pragma unroll
+  for (int c = 0; c < G::C; ++c) acc[c] = 0.f;
+  for (int k = 0; k < nkt; k += G::D) {
+#pragma unroll
+    for (int u = 0; u < G::D; ++u)
+      if (k + u < nkt) {
+        gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
+        if (k + u + G::D < nkt) {
+          gemv1_load<K>(next, ring[u]);
+          next += step;
+        }
+      }
+  }
+
+  if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
+    float* red = smem + wk * tpw * 16;
+#pragma unroll
+    for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
+    __syncthreads();
+    if (ksub) return;
+#pragma unroll
+    for (int c = 0; c < G::C; ++c) {
+      float v = acc[c];
+      for (int j = 1; j < wk; ++j) v += red[((j * wp + warp) * G::C + c) * 32 + lane];
+      acc[c] = v;
+    }
+  }
+  if (panel >= a.tiles_n / G::P) return;
+  float* y = a.yr + size_t(blockIdx.z) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
+#pragma unroll
+  for (int c = 0; c < G::C; ++c) {
+    float* yc = y + (c >> 1) + 8 * (c & 1);
+    if (gridDim.y == 1) *yc = acc[c];
+    else atomicAdd(yc, acc[c]);
+  }
+}
+
 // ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts]; one warp per tile ----
 template <int K, int CB>
 __global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, int nt0, int nts,
@@ -267,6 +419,9 @@ using DequantFn = void (*)(const uint4*, int, int, int, half*);
 const GemvFn kGemv[3][8] = {EXL3_K_TABLE(gemv_kernel, 0), EXL3_K_TABLE(gemv_kernel, 1), EXL3_K_TABLE(gemv_kernel, 2)};
 const GemvFn kGemvMma[3][8] = {EXL3_K_TABLE(gemv_mma_kernel, 0), EXL3_K_TABLE(gemv_mma_kernel, 1),
                                EXL3_K_TABLE(gemv_mma_kernel, 2)};
+using Gemv1Fn = void (*)(Gemv1Args);
+const Gemv1Fn kGemv1[3][8] = {EXL3_K_TABLE(gemv1_kernel, 0), EXL3_K_TABLE(gemv1_kernel, 1),
+                              EXL3_K_TABLE(gemv1_kernel, 2)};
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
 #undef EXL3_K_TABLE
@@ -275,6 +430,56 @@ void check_shape(const Exl3Dev& w) {
   if (w.K < 1 || w.K > 8 || w.cb < 0 || w.cb > 2 || w.in_pad <= 0 || w.out_pad <= 0 || w.in_pad % 128 ||
       w.out_pad % 128)
     throw std::runtime_error("EXL3: unsupported shape, K or codebook");
+}
+
+// The nb = 1 kernel's k split (warps_k k-ranges of tiles_per_warp per block, kblocks block rows): the least time in
+// a model in SM clocks: HBM latency + the largest of the SM's issue time (~7 instructions per weight, less efficient
+// with fewer resident blocks, +1 k-tile per warp of block overhead), one warp's latency chain (D k-tiles per latency)
+// and the HBM time; plus the atomics (~256 per clock) of a k split. Resident blocks per SM: exl3_gemv_blocks_per_sm()
+// (default 8 = kGemv1Blocks).
+struct Gemv1Split {
+  int warps_k, tiles_per_warp, kblocks;
+};
+// MOESRV_EXL3_GEMV1_SPLIT=<warps_k>x<tiles_per_warp> forces the shape (correctness runs: the checks' small weights
+// otherwise all take one), read once.
+Gemv1Split gemv1_split(const Exl3Dev& w, int groups) {
+  const int K = w.K, P = gemv1_positions(K), tk = w.in_pad / 16, panels = w.out_pad / 16 / P;
+  static const Gemv1Split forced = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMV1_SPLIT");
+    int wk = 0, tpw = 0;
+    if (v && std::sscanf(v, "%dx%d", &wk, &tpw) == 2 && (wk == 1 || wk == 2 || wk == 4) && tpw >= 1 &&
+        wk * tpw <= kGemv1MaxBlockTiles)
+      return Gemv1Split{wk, tpw, 0};
+    return Gemv1Split{0, 0, 0};
+  }();
+  if (const int span = forced.warps_k * forced.tiles_per_warp)
+    return {forced.warps_k, forced.tiles_per_warp, (tk + span - 1) / span};
+  const long sms = exl3_sm_count(), res = exl3_gemv_blocks_per_sm();
+  const double lat = 1500, kt_issue = 256.0 * P * 7 / 128, hbm = double(tk) * panels * groups * P * 32 * K / 2000;
+  Gemv1Split best{1, tk, 1};
+  double best_cost = -1;
+  for (int wk = 1; wk <= kGemv1Warps; wk *= 2) {
+    const long bx = (panels + kGemv1Warps / wk - 1) / (kGemv1Warps / wk);
+    for (int sb = 1;; ++sb) {
+      const int tpw = (tk + wk * sb - 1) / (wk * sb), kb = (tk + wk * tpw - 1) / (wk * tpw);
+      const long per_sm = (bx * kb * groups + sms - 1) / sms, waves = (per_sm + res - 1) / res;
+      const double b = double(std::min(per_sm, res)), issue = per_sm * 4.0 * (tpw + 1) * kt_issue * (b + 1.5) / b;
+      const double cost = lat + std::max({issue, waves * tpw * lat / gemv1_depth(K), hbm}) +
+                          (kb > 1 ? double(panels) * groups * P * 16 * kb / 256 : 0);
+      if (wk * tpw <= kGemv1MaxBlockTiles && (best_cost < 0 || cost < best_cost))
+        best = {wk, tpw, kb}, best_cost = cost;
+      if (tpw <= 1 || per_sm > 4 * res) break;
+    }
+  }
+  return best;
+}
+
+bool exl3_gemv_v1() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMV_V1");
+    return v && std::atoi(v) != 0;
+  }();
+  return on;
 }
 
 }  // namespace
@@ -334,13 +539,28 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   const int nb = grouped ? 1 : n, groups = grouped ? n : 1;
   if (nb > kExl3MaxGemvRows) throw std::runtime_error("EXL3 GEMV: batch must be 1..8");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int tk = w.in_pad / 16, tn = w.out_pad / 16;
+  const bool tc = kind == Exl3Gemv::TensorCore || (kind == Exl3Gemv::Auto && (nb >= 2 || exl3_gemv_tc_single()));
+  if (nb == 1 && !tc && !exl3_gemv_v1()) {
+    const int panels = tn / gemv1_positions(w.K);
+    const Gemv1Split sp = gemv1_split(w, groups);
+    if (!yr_zeroed && sp.kblocks > 1) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
+    const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
+                         (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
+                        sizeof(float);
+    Gemv1Args a{
+        static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, tk, tn, sp.tiles_per_warp, sp.warps_k};
+    const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
+    kGemv1[w.cb][w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
+    EXL3_CHECK(cudaGetLastError());
+    return;
+  }
   if (!yr_zeroed) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
   // split K so that the grid has ~8 blocks per SM, each block covering at most kMaxTilesPerBlock k-tiles
-  const int tk = w.in_pad / 16, tn = w.out_pad / 16, cols = tn * groups;
+  const int cols = tn * groups;
   int ksplit = std::clamp((exl3_sm_count() * exl3_gemv_blocks_per_sm() + cols - 1) / cols, 1, std::max(1, tk / 8));
   int tpb = std::min((tk + ksplit - 1) / ksplit, kMaxTilesPerBlock);
   ksplit = (tk + tpb - 1) / tpb;
-  const bool tc = kind == Exl3Gemv::TensorCore || (kind == Exl3Gemv::Auto && (nb >= 2 || exl3_gemv_tc_single()));
   const size_t smem = (tc ? size_t(8) * tpb * 16 * sizeof(half) : size_t(nb) * tpb * 16 * sizeof(float)) +
                       size_t(kGemvWarps) * kGemvUnroll * 8 * w.K * 4 + size_t(kGemvWarps) * 8 * 16 * sizeof(float);
   GemvArgs a{static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, nb, tk, tn, tpb};
