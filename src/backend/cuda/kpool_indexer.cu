@@ -15,7 +15,8 @@ namespace {
 
 constexpr int kThreads = kTopkThreads, kWarps = kTopkWarps;
 constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
-constexpr int kLaneWarps = 4;       // kpool_score_lanes_kernel: warps per block, one pool per lane
+constexpr int kLanePools = 32, kHeadGroups = 8;  // kpool_score_lanes_kernel: pools per block (one per lane), warps
+constexpr int kSelectThreads = 1024;             // the top-k: passes over up to max_pools scores
 
 // Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
 // in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
@@ -89,35 +90,33 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The same scores with one pool per lane (block (x, s): pools [x * 32 * kLaneWarps, ...)): each warp stages its 32
-// pool keys in shared memory (rows d + 4 floats apart), and each lane runs every head's dot over its own key with
-// float4 reads (the query broadcast), so no cross-lane reduction is needed. d % 4 == 0.
-__global__ void __launch_bounds__(32 * kLaneWarps)
+// The same scores with one pool per lane: block (x, s) scores pools [32 x, 32 x + 32), staged in shared memory (rows
+// d + 4 floats apart); warp w runs heads w, w + kHeadGroups, ... over every lane's key with float4 reads (the query
+// broadcast), and the warps' sums meet in shared memory in warp order. No cross-lane reduction. d % 4 == 0.
+__global__ void __launch_bounds__(32 * kHeadGroups)
     kpool_score_lanes_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
                              const int32_t* pos0, int max_pools, float* scores) {
-  extern __shared__ __align__(16) float lsm[];  // q [nh*d] | hw [nh, padded to 4] | keys [kLaneWarps][32][d + 4]
+  extern __shared__ __align__(16) float lsm[];  // q [nh*d] | hw [nh, padded to 4] | keys [32][d + 4]
+  __shared__ float part[kHeadGroups][kLanePools];
   const int s = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, ks = d + 4;
   const int64_t p = int64_t(*pos0) + s;
   const int pools = int(min((p + 1) / kpool, int64_t(max_pools)));
-  const int P0 = blockIdx.x * 32 * kLaneWarps;
+  const int P0 = blockIdx.x * kLanePools;
   if (P0 >= pools) return;  // uniform over the block
   float* q_s = lsm;
   float* w_s = q_s + nh * d;
-  float* k_s = w_s + (nh + 3) / 4 * 4 + warp * 32 * ks;
+  float* k_s = w_s + (nh + 3) / 4 * 4;
   for (int i = tid; i < nh * d; i += blockDim.x) q_s[i] = q[int64_t(s) * nh * d + i];
   for (int i = tid; i < nh; i += blockDim.x) w_s[i] = hw[int64_t(s) * nh + i];
-  const int Pw = P0 + warp * 32;             // this warp's first pool
-  for (int i = lane; i < 32 * d; i += 32) {  // coalesced: row by row
+  for (int i = tid; i < kLanePools * d; i += blockDim.x) {  // coalesced: row by row
     const int r = i / d, c = i % d;
-    k_s[r * ks + c] = Pw + r < pools ? pool_k[int64_t(Pw + r) * d + c] : 0.0f;
+    k_s[r * ks + c] = P0 + r < pools ? pool_k[int64_t(P0 + r) * d + c] : 0.0f;
   }
   __syncthreads();
-  const int P = Pw + lane;
-  if (P >= pools) return;
   const float scale = 1.0f / sqrtf(float(d));
   const float4* kr = reinterpret_cast<const float4*>(k_s + lane * ks);
   float acc = 0.0f;
-  for (int h = 0; h < nh; ++h) {
+  for (int h = warp; h < nh; h += kHeadGroups) {
     const float4* qh = reinterpret_cast<const float4*>(q_s + h * d);
     float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
@@ -130,12 +129,17 @@ __global__ void __launch_bounds__(32 * kLaneWarps)
     }
     acc += w_s[h] * fmaxf(((d4[0] + d4[1]) + (d4[2] + d4[3])) * scale, 0.0f);
   }
-  scores[int64_t(s) * max_pools + P] = acc;
+  part[warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0 || P0 + lane >= pools) return;
+  float sum = 0.0f;
+  for (int w = 0; w < kHeadGroups; ++w) sum += part[w][lane];
+  scores[int64_t(s) * max_pools + P0 + lane] = sum;
 }
 
 // One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
 // lower pool index), written as ascending positions, then the tail, then -1.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_kernel(const float* scores, int kpool, int budget, bool select_tail, const int32_t* pos0, int max_pools,
                       int32_t* sel, int sel_k) {
   const int s = blockIdx.x, tid = threadIdx.x;
@@ -147,10 +151,10 @@ __global__ void __launch_bounds__(kThreads)
   if (budget <= 0) {
     // nothing but the tail
   } else if (pools <= budget) {
-    for (int i = tid; i < pools * kpool; i += kThreads) out[i] = i;
+    for (int i = tid; i < pools * kpool; i += kSelectThreads) out[i] = i;
     written = pools;
   } else {
-    block_radix_topk(sc, pools, budget, [&](int P, int slot) {
+    block_radix_topk<kSelectThreads>(sc, pools, budget, [&](int P, int slot) {
       for (int t = 0; t < kpool; ++t) out[slot * kpool + t] = P * kpool + t;
     });
     written = budget;
@@ -158,10 +162,10 @@ __global__ void __launch_bounds__(kThreads)
   int n = written * kpool;
   if (select_tail) {
     const int tail = min(p + 1 - pools * kpool, sel_k - n);  // positions pools*kpool .. p
-    for (int i = tid; i < tail; i += kThreads) out[n + i] = pools * kpool + i;
+    for (int i = tid; i < tail; i += kSelectThreads) out[n + i] = pools * kpool + i;
     n += tail;
   }
-  for (int i = n + tid; i < sel_k; i += kThreads) out[i] = -1;
+  for (int i = n + tid; i < sel_k; i += kSelectThreads) out[i] = -1;
 }
 
 }  // namespace
@@ -188,8 +192,8 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     throw std::runtime_error("kpool_select: selection width " + std::to_string(sel_k) + " < " +
                              std::to_string(budget * kpool + (select_tail ? kpool - 1 : 0)));
   const size_t smem = size_t(nh * d + nh + kWarps * d) * sizeof(float);
-  const size_t lane_smem = size_t(nh * d + (nh + 3) / 4 * 4 + kLaneWarps * 32 * (d + 4)) * sizeof(float);
-  const bool lanes = d % 4 == 0 && lane_smem <= size_t(160) << 10;
+  const size_t lane_smem = size_t(nh * d + (nh + 3) / 4 * 4 + kLanePools * (d + 4)) * sizeof(float);
+  const bool lanes = d % 4 == 0 && lane_smem <= size_t(200) << 10;
   if (!lanes && smem > 48 * 1024)
     throw std::runtime_error("kpool_select: indexer query of " + std::to_string(nh * d) +
                              " floats exceeds shared memory");
@@ -198,16 +202,16 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     if (cudaFuncSetAttribute(kpool_score_lanes_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lane_smem)) !=
         cudaSuccess)
       throw std::runtime_error("kpool_select: cannot reserve " + std::to_string(lane_smem) + " B of shared memory");
-    const dim3 grid(unsigned(ceil_div(max_pools, 32 * kLaneWarps)), unsigned(S));
-    kpool_score_lanes_kernel<<<grid, 32 * kLaneWarps, lane_smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools,
-                                                                       scratch);
+    const dim3 grid(unsigned(ceil_div(max_pools, kLanePools)), unsigned(S));
+    kpool_score_lanes_kernel<<<grid, 32 * kHeadGroups, lane_smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools,
+                                                                        scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0) {
     const dim3 grid(unsigned(ceil_div(max_pools, kPoolsPerBlock)), unsigned(S));
     kpool_score_kernel<<<grid, kThreads, smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
-  kpool_topk_kernel<<<S, kThreads, 0, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools, sel, sel_k);
+  kpool_topk_kernel<<<S, kSelectThreads, 0, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools, sel, sel_k);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
