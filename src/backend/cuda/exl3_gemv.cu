@@ -29,8 +29,8 @@ struct RotArgs {  // both Hadamard kernels
   float* y;
   int64_t y_ld;
   const float* bias;
-  void* out;      // rotate_in: xh
-  float* zero;    // rotate_in: GEMV output rows to zero (out_pad floats each), or null
+  void* out;    // rotate_in: xh
+  float* zero;  // rotate_in: GEMV output rows to zero (out_pad floats each), or null
 };
 
 // out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
