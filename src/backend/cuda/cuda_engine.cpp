@@ -194,9 +194,8 @@ void CudaEngine::Impl::gemm_bf16(const uint16_t* w, int64_t out, int64_t in, con
 }
 
 void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, float* y) {
-  if (n == 1 && l.parts &&
-      l.parts.count <=
-          kExl3MaxGemvRows) {  // one token through parts of one shape: row r of the group is part r's columns
+  // One token through parts of one shape (q|k|v, gate|up): row r of the group is part r's columns.
+  if (n == 1 && l.parts && l.parts.count <= kExl3MaxGemvRows) {
     const Exl3Dev& w = l.x3[0].w;
     return exl3_group(l.parts, w, Exl3Src{x, l.in, nullptr, l.parts.count}, y, w.out);
   }
