@@ -687,6 +687,19 @@ TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
 
 // The sigmoid router (DeepSeek-V3 / GLM: correction bias for the choice, optional group limit) against route_token,
 // with logits on a coarse grid so that many scores tie exactly: ids in pick order and weights must match.
+// The router fields of a ModelConfig (route_token's inputs).
+ModelConfig router_config(RouterKind kind, int E, int k, int groups, int topk_groups, bool norm, double scaling) {
+  ModelConfig c;
+  c.router = kind;
+  c.n_routed_experts = E;
+  c.experts_per_token = k;
+  c.n_group = groups;
+  c.topk_group = topk_groups;
+  c.norm_topk_prob = norm;
+  c.routed_scaling_factor = scaling;
+  return c;
+}
+
 TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
   SKIP_WITHOUT_DEVICE();
   struct Case {
@@ -697,14 +710,8 @@ TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
   for (const Case& cs : {Case{288, 8, 1, 1, true, 0}, Case{288, 8, 1, 1, true, 4}, Case{256, 8, 8, 4, true, 0},
                          Case{256, 8, 8, 4, true, 2}, Case{64, 6, 1, 1, false, 0}, Case{1024, 16, 16, 3, true, 8}}) {
     const int S = 13;
-    ModelConfig c;
-    c.router = RouterKind::SigmoidGroup;
-    c.n_routed_experts = cs.E;
-    c.experts_per_token = cs.k;
-    c.n_group = cs.groups;
-    c.topk_group = cs.topk_groups;
-    c.norm_topk_prob = cs.norm;
-    c.routed_scaling_factor = 2.5;
+    const ModelConfig c =
+        router_config(RouterKind::SigmoidGroup, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 2.5);
     std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 500 + uint32_t(cs.E));
     std::vector<float> bias = uniform(size_t(cs.E), -0.05f, 0.05f, 501);
     if (cs.levels > 0) {
@@ -768,14 +775,7 @@ TEST(CudaQwen3NextKernels, SoftmaxRouterMatchesRouteToken) {
   for (const Case& cs :
        {Case{16, 4, 1, 1, true}, Case{512, 10, 1, 1, true}, Case{64, 6, 1, 1, false}, Case{64, 4, 8, 3, true}}) {
     const int S = 9;
-    ModelConfig c;
-    c.router = RouterKind::Softmax;
-    c.n_routed_experts = cs.E;
-    c.experts_per_token = cs.k;
-    c.n_group = cs.groups;
-    c.topk_group = cs.topk_groups;
-    c.norm_topk_prob = cs.norm;
-    c.routed_scaling_factor = 1.0;
+    const ModelConfig c = router_config(RouterKind::Softmax, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 1.0);
     const std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 400 + uint32_t(cs.E));
     const std::vector<float> bias(size_t(cs.E), 0.0f);
     Dev<float> dlogits(logits), dbias(bias), dw(size_t(S) * cs.k);

@@ -79,6 +79,20 @@ __device__ __forceinline__ float warp_dot_bf16(const uint16_t* w, const float* x
   return warp_sum(acc);
 }
 
+// Dot product of n float4s (shared memory, typically) in four independent chains, summed as (c0 + c1) + (c2 + c3).
+__device__ __forceinline__ float dot_float4(const float4* a, const float4* b, int n) {
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+  for (int i = 0; i < n; ++i) {
+    const float4 x = a[i], y = b[i];
+    c[0] += x.x * y.x;
+    c[1] += x.y * y.y;
+    c[2] += x.z * y.z;
+    c[3] += x.w * y.w;
+  }
+  return (c[0] + c[1]) + (c[2] + c[3]);
+}
+
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 }  // namespace moesrv::cuda

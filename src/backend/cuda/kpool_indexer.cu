@@ -117,17 +117,8 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
   const float4* kr = reinterpret_cast<const float4*>(k_s + lane * ks);
   float acc = 0.0f;
   for (int h = warp; h < nh; h += kHeadGroups) {
-    const float4* qh = reinterpret_cast<const float4*>(q_s + h * d);
-    float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-    for (int c = 0; c < d / 4; ++c) {
-      const float4 a = qh[c], b = kr[c];
-      d4[0] += a.x * b.x;
-      d4[1] += a.y * b.y;
-      d4[2] += a.z * b.z;
-      d4[3] += a.w * b.w;
-    }
-    acc += w_s[h] * fmaxf(((d4[0] + d4[1]) + (d4[2] + d4[3])) * scale, 0.0f);
+    const float dot = dot_float4(reinterpret_cast<const float4*>(q_s + h * d), kr, d / 4);
+    acc += w_s[h] * fmaxf(dot * scale, 0.0f);
   }
   part[warp][lane] = acc;
   __syncthreads();

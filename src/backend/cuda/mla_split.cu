@@ -89,18 +89,9 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
     const int t = key_s[lane];
     float score = -INFINITY;
     if (t >= 0 && warp < nh) {
-      const float4* qh = reinterpret_cast<const float4*>(q_s + warp * KS);
-      const float4* kr = reinterpret_cast<const float4*>(k_s + lane * KS);
-      float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains (the padding is zero)
-#pragma unroll 4
-      for (int d = 0; d < KS / 4; ++d) {
-        const float4 qv = qh[d], kv4 = kr[d];
-        d4[0] += qv.x * kv4.x;
-        d4[1] += qv.y * kv4.y;
-        d4[2] += qv.z * kv4.z;
-        d4[3] += qv.w * kv4.w;
-      }
-      score = ((d4[0] + d4[1]) + (d4[2] + d4[3])) * kscale_s[lane] * a.scale;
+      const float dot = dot_float4(reinterpret_cast<const float4*>(q_s + warp * KS),
+                                   reinterpret_cast<const float4*>(k_s + lane * KS), KS / 4);  // padding is zero
+      score = dot * kscale_s[lane] * a.scale;
     }
     const float m_new = fmaxf(m, warp_max(score));
     const float p = score == -INFINITY ? 0.0f : expf(score - m_new);
