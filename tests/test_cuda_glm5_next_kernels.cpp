@@ -710,8 +710,7 @@ TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
   for (const Case& cs : {Case{288, 8, 1, 1, true, 0}, Case{288, 8, 1, 1, true, 4}, Case{256, 8, 8, 4, true, 0},
                          Case{256, 8, 8, 4, true, 2}, Case{64, 6, 1, 1, false, 0}, Case{1024, 16, 16, 3, true, 8}}) {
     const int S = 13;
-    const ModelConfig c =
-        router_config(RouterKind::SigmoidGroup, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 2.5);
+    const ModelConfig c = router_config(RouterKind::SigmoidGroup, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 2.5);
     std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 500 + uint32_t(cs.E));
     std::vector<float> bias = uniform(size_t(cs.E), -0.05f, 0.05f, 501);
     if (cs.levels > 0) {
