@@ -1,6 +1,7 @@
 // CUDA engine vs the CPU reference engine on the hf-tiny models; skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -317,6 +318,37 @@ TEST_P(CudaVsCpu, HybridPlacementsMatchAllVram) {
       EXPECT_GT(st.cpu_expert_tokens, 0) << cs.name;
     }
     EXPECT_EQ(st.graph_replays, 0) << "hybrid decode must not use the all-VRAM graph";
+  }
+}
+
+// A host-planned MoE pass run in waves of 7 sorted rows (experts cut across waves, each wave combined on its own)
+// gives the one-wave result up to rounding: all experts in VRAM (a prefill takes the planned path) and a
+// mixed placement (CPU experts stay on the CPU so both engines make the same choices).
+TEST_P(CudaVsCpu, MoeWavesMatchOneWave) {
+  SKIP_WITHOUT_CUDA();
+  auto probe = gpu_engine(GetParam());
+  std::vector<std::vector<ExpertPlacement>> mixed = probe->placement();
+  if (std::all_of(mixed.begin(), mixed.end(), [](const auto& l) { return l.empty(); })) GTEST_SKIP() << "no experts";
+  probe.reset();
+  for (auto& layer : mixed)
+    for (size_t e = 0; e < layer.size(); ++e) layer[e] = ExpertPlacement(e % 3);
+  const auto in = ids(GetParam(), "input_ids");
+  for (bool hybrid : {false, true}) {
+    CudaEngineOptions one;
+    one.stream_cold = false;
+    if (hybrid) one.placement = mixed, one.cache_slots = 2;
+    CudaEngineOptions waves = one;
+    waves.moe_wave_rows = 7;
+    auto a = gpu_engine(GetParam(), one);
+    auto b = gpu_engine(GetParam(), waves);
+    auto sa = a->new_sequence();
+    auto sb = b->new_sequence();
+    const auto la = a->forward(*sa, in, true);
+    const auto lb = b->forward(*sb, in, true);
+    // Pieces of other heights can take other cuBLAS kernels; their last-bit differences move a bf16 rounding of the
+    // activations here and there (measured on the H200: 0 for most models, <= 4e-4 without an indexer, 6e-3 / 1.5e-2
+    // for glm5_next where that moves a near-tied key pick), so the bar is the bf16 one of the chunked-prefill test.
+    expect_close(GetParam(), lb, la, a->vocab_size(), kBf16Tolerance, hybrid ? "mixed, waves" : "all-VRAM, waves");
   }
 }
 

@@ -242,10 +242,12 @@ struct SliceRun {
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   bool hybrid = false;
+  std::array<double, size_t(CudaPhase::Count)> prefill_phase_s{};  // device seconds per block kind
 };
 
 SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   SliceRun r;
+  const CudaEngineStats before = e.stats();
   CudaEngineStats a;  // after the prefill and 4 warm steps (graph capture)
   const auto t =
       test::time_prefill_decode(e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); });
@@ -259,6 +261,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.cpu_bytes = (b.cpu_expert_bytes - a.cpu_expert_bytes) / n;
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
+  for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
   return r;
 }
 
@@ -330,6 +333,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       CudaEngineOptions base;
       base.max_ctx = max_ctx + 64;
       base.prefill_chunk = 8192;
+      base.time_phases = true;
       if (const char* v = std::getenv("MOESRV_BENCH_MLA_SPLIT")) base.mla_split_decode = std::string(v) != "0";
       PlacementPlan plan;
       if (budget != "all") {
@@ -397,6 +401,21 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             "prefill %.0f tok/s (TTFT %.1f s), hit rate %.3f, GB/token HBM %.2f PCIe %.3f host %.3f\n",
             budget.c_str(), routing.c_str(), long(contexts[i]), 1 / d45, 1 / floor_s, 100 * floor_s / d45, ctx / p45,
             p45, hit, hbm / 1e9, pcie / 1e9, host / 1e9);
+        nlohmann::json phases = nlohmann::json::object();
+        std::string phase_line;
+        for (size_t p = 0; p < r4.prefill_phase_s.size(); ++p) {
+          const double per_layer = (r8.prefill_phase_s[p] - r4.prefill_phase_s[p]) / 4;
+          const double v45 = std::max(0.0, r4.prefill_phase_s[p] - 4 * per_layer + kFull * per_layer);
+          phases[cuda_phase_name(CudaPhase(p))] = v45;
+          phase_line += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " + std::to_string(v45).substr(0, 6);
+        }
+        std::printf("[ perf ] prefill device seconds per block kind, 45 layers projected:%s\n", phase_line.c_str());
+        for (const SliceRun* run : {&r4, &r8}) {
+          std::string raw;
+          for (size_t p = 0; p < run->prefill_phase_s.size(); ++p)
+            raw += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " + std::to_string(run->prefill_phase_s[p]).substr(0, 6);
+          std::printf("[ perf ]   measured, %d layers:%s\n", run == &r4 ? 4 : 8, raw.c_str());
+        }
         nlohmann::json row = {
             {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
             {"routing", routing},
@@ -409,6 +428,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"hot_half_share", hot_half_share},
             {"decode_us_per_layer", dl * 1e6},
             {"graph_nodes_per_layer", nodes_per_layer},
+            {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         results.push_back(row);
       }

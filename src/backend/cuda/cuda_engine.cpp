@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <cstring>
 
 #include "backend/cuda/engine_internal.h"
@@ -240,6 +241,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   const int qk = dn + dr, dv = int(c.v_head_dim), lat = r + dr;
   const bool inter = c.rope.layout == RopeLayout::Interleaved;
   float *q = s.q.as<float>(), *kv = s.kv.as<float>(), *h = s.h.as<float>();
+  phase(CudaPhase::AttnProj);
   if (a.q_a.out) {
     linear(a.q_a, h, S, s.q_lat.as<float>());
     rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
@@ -254,14 +256,32 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
   if (indexer == IndexerKind::Own) {  // the selection in s.sel is the current one from here on
     if (!a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
+    phase(CudaPhase::Indexer);
     if (c.index_kpool > 1) kpool_indexer(*a.indexer, l, S);
     else dsa_indexer(*a.indexer, l, S);
   }
+  phase(CudaPhase::AttnCore);
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
     const int n = int(std::min(attn_rows, S - s0));
     const int32_t* pos = slice_pos0(s0);
-    mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
+    // Absorption: per-head kernels for a few tokens (graph-captured decode), per-head fp32 GEMMs for more (prefill).
+    const bool gemm = n > kMlaSplitMaxTokens;
+    float* wf = s.w_absorb.as<float>();
+    const float one = 1.0f, zero = 0.0f;
+    phase(CudaPhase::AttnAbsorb);
+    if (gemm) {  // qcat[t][h][:r] = q[t][h][:dn] . W_uk[h] ([dn][r]); the rope part copied
+      from_bf16(a.w_uk.as<uint16_t>(), int64_t(H) * dn * r, wf, stream);
+      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_N, CUBLAS_OP_N, r, n, dn, &one, wf, r,
+                                                 int64_t(dn) * r, q + s0 * H * qk, H * qk, qk, &zero,
+                                                 s.qcat.as<float>(), H * lat, lat, H));
+      if (dr > 0)
+        MOESRV_CUDA_OK(cudaMemcpy2DAsync(s.qcat.as<float>() + r, size_t(lat) * 4, q + s0 * H * qk + dn, size_t(qk) * 4,
+                                         size_t(dr) * 4, size_t(n) * H, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
+    }
+    phase(CudaPhase::AttnCore);
     AttentionArgs args;
     args.q = s.qcat.as<float>();
     args.S = n;
@@ -279,9 +299,19 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     args.scale = float(c.softmax_scale);
     args.out = s.olat.as<float>();
     if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
+    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args)) mla_prefill_attention(args, stream);
     else attention(args, stream);
-    mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
+    phase(CudaPhase::AttnAbsorb);
+    if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]
+      from_bf16(a.w_uv.as<uint16_t>(), int64_t(H) * dv * r, wf, stream);
+      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dv, n, r, &one, wf, r,
+                                                 int64_t(dv) * r, s.olat.as<float>(), H * r, r, &zero,
+                                                 s.attn_out.as<float>() + s0 * H * dv, H * dv, dv, H));
+    } else {
+      mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
+    }
   }
+  phase(CudaPhase::AttnProj);
   linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
 }
 
@@ -336,6 +366,7 @@ class CudaBlocks final : public BlockExecutor {
   void enter(int64_t l, Site site) override {
     const DevLayer& L = m_.layers[size_t(l)];
     const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
+    m_.phase(CudaPhase::Residual);
     if (!hyper_) return add_pending_and_norm(norm);
     const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
     const ResidualSpec& r = m_.c.residual;
@@ -344,14 +375,24 @@ class CudaBlocks final : public BlockExecutor {
                 m_.stream);
   }
   void leave(int64_t, Site) override {
+    m_.phase(CudaPhase::Residual);
     if (!hyper_) pending_ = true;
     else hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
   }
   void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
-  void gqa(int64_t l) override { m_.attention_gqa(l, S_); }
+  void gqa(int64_t l) override {
+    m_.phase(CudaPhase::AttnCore);
+    m_.attention_gqa(l, S_);
+  }
   void kda(int64_t l) override { m_.kda(l, S_); }
-  void gated_delta(int64_t l) override { m_.gated_delta(l, S_); }
-  void mlp(int64_t l) override { m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y()); }
+  void gated_delta(int64_t l) override {
+    m_.phase(CudaPhase::LinearProj);
+    m_.gated_delta(l, S_);
+  }
+  void mlp(int64_t l) override {
+    m_.phase(CudaPhase::Mlp);
+    m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y());
+  }
   void moe(int64_t l) override { m_.moe(l, S_); }
 
   // Token embeddings (gathered on the device from d_tokens) into every residual stream.
@@ -391,10 +432,14 @@ class CudaBlocks final : public BlockExecutor {
 
 // Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
 void CudaEngine::Impl::run_layers(int64_t S) {
+  clock.active = opt.time_phases && S > 1;
+  phase(CudaPhase::Residual);
   CudaBlocks blocks(*this, S);
   blocks.embed();
   run_decoder_layers(c, blocks, 0, c.num_layers);
   blocks.final_norm(final_norm);
+  phase(CudaPhase::Residual);  // the last interval's end
+  clock.finish(stats.phase_s);
 }
 
 void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
@@ -493,6 +538,13 @@ CudaEngineStats CudaEngine::stats() const {
   st.weight_bytes = impl_->up.weight_bytes;
   st.exl3_weight_bytes = impl_->up.exl3_bytes;
   return st;
+}
+
+const char* cuda_phase_name(CudaPhase p) {
+  static const char* const names[] = {"residual",    "attn_proj",   "indexer", "attn_absorb", "attn_core",
+                                      "linear_proj", "linear_core", "router",  "experts",     "mlp"};
+  static_assert(std::size(names) == size_t(CudaPhase::Count));
+  return p >= CudaPhase::Residual && p < CudaPhase::Count ? names[int(p)] : "?";
 }
 
 namespace {

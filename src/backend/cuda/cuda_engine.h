@@ -3,6 +3,7 @@
 // the CPU (hybrid; streamed through the LRU slots instead when a pass routes them many tokens).
 // Plain C++ header (no CUDA types) so CPU-only code can include it; the engine exists only in CUDA builds.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,11 +56,39 @@ struct CudaEngineOptions {
   // instead of attention()'s block per (token, head), which re-reads every key row per head (876 us vs tens of us per
   // MLA layer at 2,048 selected keys on an H200). false: the per-head kernel (tests compare the two).
   bool mla_split_decode = true;
+  // MLA of more tokens (prefill) on tensor cores (mla_prefill.cu: the 16 heads of a block share each staged key tile;
+  // fp16 MMA inputs) where the shapes allow (bf16 cache, widths multiples of 8); false: attention().
+  bool mla_tc_prefill = true;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.
   int64_t layer_begin = 0, layer_end = -1;
+  // Device time per block kind of every pass of more than one token (events between the blocks, read back at the
+  // end of the pass) into CudaEngineStats::phase_s: a measuring aid for prefill, off by default.
+  bool time_phases = false;
+  // Sorted expert rows per wave of a host-planned MoE pass (tests: small values cut experts across waves); 0 or
+  // more than the expert buffers hold: their height.
+  int64_t moe_wave_rows = 0;
 };
+
+// Block kinds of CudaEngineStats::phase_s. Residual: embedding, norms, mHC enter/leave; AttnProj: attention's
+// linears and norms; AttnAbsorb: MLA's per-head query / output absorption; AttnCore: rope, attention;
+// LinearProj / LinearCore: a linear-attention layer's projections, conv, gates, output norm / the delta rule; Router:
+// router GEMM, routing, the host plan of a hybrid pass; Experts: shared and routed experts and their combine.
+enum class CudaPhase : int {
+  Residual,
+  AttnProj,
+  Indexer,
+  AttnAbsorb,
+  AttnCore,
+  LinearProj,
+  LinearCore,
+  Router,
+  Experts,
+  Mlp,
+  Count
+};
+const char* cuda_phase_name(CudaPhase p);
 
 // Counters for tests and benchmarks.
 struct CudaEngineStats {
@@ -75,6 +104,7 @@ struct CudaEngineStats {
   size_t vram_used = 0, vram_budget = 0;
   size_t weight_bytes = 0;       // device weights (dense + VRAM experts), as uploaded
   size_t exl3_weight_bytes = 0;  // of which EXL3 linears kept as stored (trellis | suh | svh)
+  std::array<double, size_t(CudaPhase::Count)> phase_s{};  // seconds per block kind (options.time_phases)
 };
 
 class CudaEngine : public Engine {

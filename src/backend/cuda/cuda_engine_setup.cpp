@@ -2,6 +2,7 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/cpu/linear.h"
@@ -393,6 +394,8 @@ void CudaEngine::Impl::allocate_scratch() {
     s.kv = f32(R * lat, "kv");
     s.qcat = f32(attn_rows * H * lat, "absorbed q");
     s.olat = f32(attn_rows * H * c.kv_lora_rank, "latent out");
+    // fp32 copy of one layer's W_uk or W_uv for the prefill absorption GEMMs
+    s.w_absorb = f32(H * std::max(c.qk_nope_dim, c.v_head_dim) * c.kv_lora_rank, "MLA absorption weights");
     s.attn_out = f32(R * H * c.v_head_dim, "attention out");
     if (c.dsa) {
       const int64_t keys = c.index_kpool > 1 ? max_pools() : max_ctx;  // scored per query
@@ -438,25 +441,26 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
     moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
+    moe_pass_rows = R;
+    if (const char* v = std::getenv("MOESRV_MOE_PASS_ROWS")) moe_pass_rows = std::clamp<int64_t>(std::atoll(v), 1, R);
     // Rows of expert work: moe_rows tokens x k, or (grouped decode with the shared expert) 8 tokens x (1 + k).
-    const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1));
+    const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1)), P = std::max(R * k, M);
+    moe_wave_rows = opt.moe_wave_rows > 0 ? std::min(opt.moe_wave_rows, M) : M;
     s.logits_r = f32(R * E, "router logits");
-    s.ids = DeviceBuffer(budget, size_t(std::max(R * k, M)) * 4, "expert ids");
-    s.w = f32(std::max(R * k, M), "expert weights");
+    s.ids = DeviceBuffer(budget, size_t(P) * 4, "expert ids");
+    s.w = f32(P, "expert weights");
     s.mgu = f32(M * 2 * I, "expert gate/up");
     s.mact = f32(M * I, "expert act");
     s.mactb = DeviceBuffer(budget, size_t(M * I) * 2, "expert act bf16");
     s.ysorted = f32(M * D, "expert out");
     s.xs = DeviceBuffer(budget, size_t(M * D) * 2, "expert in");
-    s.rowmap = DeviceBuffer(budget, size_t(M) * 4, "expert rowmap");
-    s.sorted_tok = DeviceBuffer(budget, size_t(M) * 4, "expert rows");
+    s.rowmap = DeviceBuffer(budget, size_t(P) * 4, "expert rowmap");
+    s.sorted_tok = DeviceBuffer(budget, size_t(P) * 4, "expert rows");
     s.extra = f32(moe_rows * D, "cpu expert out");
-    h_ids = PinnedBuffer(size_t(M) * 4);
-    h_w = PinnedBuffer(size_t(M) * 4);
-    h_h = PinnedBuffer(size_t(moe_rows * D) * 4);
-    h_extra = PinnedBuffer(size_t(moe_rows * D) * 4);
-    h_rowmap = PinnedBuffer(size_t(M) * 4);
-    h_sorted_tok = PinnedBuffer(size_t(M) * 4);
+    h_ids = PinnedBuffer(size_t(P) * 4);
+    h_w = PinnedBuffer(size_t(P) * 4);
+    h_rowmap = PinnedBuffer(size_t(P) * 4);
+    h_sorted_tok = PinnedBuffer(size_t(P) * 4);  // h_h, h_extra: a pass's rows, allocated when CPU experts run
     d_usage = DeviceBuffer(budget, size_t(c.num_layers * E) * 4, "expert usage counters");
     d_usage_tokens = DeviceBuffer(budget, size_t(c.num_layers) * 4, "expert usage counters");
     MOESRV_CUDA_OK(cudaMemsetAsync(d_usage.as<void>(), 0, d_usage.bytes(), stream));

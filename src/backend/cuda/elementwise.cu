@@ -91,6 +91,11 @@ __global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
     y[i] = f32_to_bf16(x[i]);
 }
 
+__global__ void from_bf16_kernel(const uint16_t* x, int64_t n, float* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = bf16_to_f32(x[i]);
+}
+
 __global__ void add_bias_kernel(float* y, const float* b, int64_t n, int cols) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] += b[i % cols];
@@ -218,6 +223,12 @@ void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int row
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st) {
   if (n == 0) return;
   to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st) {
+  if (n == 0) return;
+  from_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -253,6 +253,44 @@ struct DevLayer {
 
 namespace moesrv {
 
+// Events between the blocks of a pass (CudaEngineOptions::time_phases): mark(p) starts phase p where the previous
+// one ends; finish() waits for the last event and adds each interval to its phase.
+class PhaseClock {
+ public:
+  PhaseClock() = default;
+  PhaseClock(const PhaseClock&) = delete;
+  PhaseClock& operator=(const PhaseClock&) = delete;
+  ~PhaseClock() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  bool active = false;  // inside a timed pass
+  void mark(CudaPhase p, cudaStream_t st) {
+    if (!active) return;
+    if (used_ == events_.size()) {
+      events_.emplace_back();
+      MOESRV_CUDA_OK(cudaEventCreate(&events_.back()));
+    }
+    MOESRV_CUDA_OK(cudaEventRecord(events_[used_++], st));
+    phases_.push_back(p);
+  }
+  void finish(std::array<double, size_t(CudaPhase::Count)>& acc) {
+    if (used_ > 0) {
+      MOESRV_CUDA_OK(cudaEventSynchronize(events_[used_ - 1]));
+      for (size_t i = 0; i + 1 < used_; ++i) {
+        float ms = 0;
+        MOESRV_CUDA_OK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+        acc[size_t(phases_[i])] += double(ms) * 1e-3;
+      }
+    }
+    used_ = 0, phases_.clear(), active = false;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  std::vector<CudaPhase> phases_;
+  size_t used_ = 0;
+};
+
 struct CudaEngine::Impl {
   CudaEngineOptions opt;
   std::unique_ptr<ModelWeights> weights;  // host weights: CPU experts and upload source
@@ -276,6 +314,9 @@ struct CudaEngine::Impl {
   // Geometry.
   int64_t max_ctx = 0, rows = 0;        // rows: tokens per pass (prefill chunk)
   int64_t attn_rows = 0, moe_rows = 0, dsa_rows = 0, lm_rows = 0;
+  // Host-planned MoE: tokens per planned pass (the whole pass; MOESRV_MOE_PASS_ROWS sets fewer, for comparisons),
+  // sorted rows per wave through the expert buffers (their height).
+  int64_t moe_pass_rows = 0, moe_wave_rows = 0;
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
@@ -288,6 +329,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer x, h, y, xb;                             // residual, normed, layer output, bf16 input
     cuda::DeviceBuffer q_lat, q, kv, qcat, olat, attn_out;      // attention
     cuda::DeviceBuffer mla_part;                                // split MLA decode's partial softmax states
+    cuda::DeviceBuffer w_absorb;                                // fp32 W_uk / W_uv (prefill absorption)
     cuda::DeviceBuffer k, v;                                    // GQA keys/values of the pass
     cuda::DeviceBuffer qgate;                                   // GQA q_proj rows [H][query | gate] (output gate)
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
@@ -318,6 +360,8 @@ struct CudaEngine::Impl {
   std::shared_ptr<cuda::SequenceGraphs> sequence_graphs = std::make_shared<cuda::SequenceGraphs>();
   bool use_graph = true;
   CudaEngineStats stats;
+  PhaseClock clock;
+  void phase(CudaPhase p) { clock.mark(p, stream); }
 
   Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o);
   ~Impl();
@@ -339,8 +383,9 @@ struct CudaEngine::Impl {
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
-  // One expert over `cnt` sorted rows from row0: inputs h rows through rows[row0..], out s.ysorted rows.
-  void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t cnt);
+  // One expert over `cnt` sorted rows from row0: inputs h rows through sorted_tok[row0..], out s.ysorted rows from
+  // buf0 (the row's place in the current wave).
+  void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0, int64_t cnt);
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);

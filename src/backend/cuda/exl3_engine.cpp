@@ -117,16 +117,17 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
   }
 }
 
-void CudaEngine::Impl::expert_exl3(DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t cnt) {
+void CudaEngine::Impl::expert_exl3(DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0,
+                                   int64_t cnt) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const auto& off = m.x3_off[size_t(e)];
-  float* gu = s.mgu.as<float>() + row0 * 2 * I;
-  float* act = s.mact.as<float>() + row0 * I;
+  float* gu = s.mgu.as<float>() + buf0 * 2 * I;
+  float* act = s.mact.as<float>() + buf0 * I;
   const Exl3Src in{h, D, s.sorted_tok.as<int32_t>() + row0};
   exl3_forward(rebase(off[0], block), in, cnt, gu, 2 * I, nullptr);
   exl3_forward(rebase(off[1], block), in, cnt, gu + I, 2 * I, nullptr);
   silu_mul_clamped(gu, int(cnt), int(I), m.limit, act, stream);
-  exl3_forward(rebase(off[2], block), Exl3Src{act, I}, cnt, s.ysorted.as<float>() + row0 * D, D, nullptr);
+  exl3_forward(rebase(off[2], block), Exl3Src{act, I}, cnt, s.ysorted.as<float>() + buf0 * D, D, nullptr);
 }
 
 }  // namespace moesrv

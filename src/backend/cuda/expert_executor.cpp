@@ -25,6 +25,7 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.experts_per_token, I = c.moe_intermediate_size;
   float *h = s.h.as<float>(), *y = s.y.as<float>();
   const float one = 1.0f, zero = 0.0f;
+  phase(CudaPhase::Router);
   // Router logits in fp32 (expert choice is sensitive to rounding).
   MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, m.router.as<float>(),
                                int(D), h, int(D), &zero, s.logits_r.as<float>(), int(E)));
@@ -43,11 +44,13 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     // Shared and routed experts in the same grouped launches; the combine writes y (shared first, weight 1).
     ra.shared_id = int(E);
     route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+    phase(CudaPhase::Experts);
     moe_exl3_grouped(m, S);
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k + 1), int(D), stream, true);
     return;
   }
   route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+  phase(CudaPhase::Experts);
   if (m.shared) {
     mlp(*m.shared, h, S, y);
     if (m.shared_gate.bytes()) shared_expert_gate(h, m.shared_gate.as<float>(), int(S), int(D), y, stream);
@@ -63,7 +66,10 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
     return;
   }
-  for (int64_t s0 = 0; s0 < S; s0 += moe_rows) moe_hybrid(l, s0, std::min(moe_rows, S - s0));
+  for (int64_t s0 = 0; s0 < S; s0 += moe_pass_rows) {
+    phase(CudaPhase::Router);  // the routing copy and the host plan
+    moe_hybrid(l, s0, std::min(moe_pass_rows, S - s0));
+  }
 }
 
 const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
@@ -149,7 +155,10 @@ void CudaEngine::Impl::update_cpu_rate(int64_t tokens, double seconds) {
                              (1 - kKeep) * std::max(0.0, (seconds - cold_rates.cpu_first_s) / double(tokens - 1));
 }
 
-// Tokens [s0, s0 + n) of the pass: s.h rows in, s.y rows accumulated (the shared expert is already there).
+// Tokens [s0, s0 + n) of the pass (the whole pass unless MOESRV_MOE_PASS_ROWS cuts it): s.h rows in, s.y rows
+// accumulated (the shared expert is already there). One routing copy and host plan per pass, so each GPU expert
+// runs once over all its rows (one dequantization of an EXL3 expert per pass, a cold expert crossing PCIe once);
+// the sorted rows go through the expert buffers in waves of their height, each wave combined into s.y on its own.
 void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   DevMoe& m = *layers[size_t(l)].moe;
   const MoeWeights& hw = *weights->layers[size_t(l)].moe;
@@ -162,7 +171,10 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_w.as<void>(), d_w, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
-  if (any_cpu) MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
+  if (any_cpu) {
+    if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(rows * D) * 4);  // on first use
+    MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
+  }
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
 
   // Plan (backend/expert_pass.h): VRAM experts and those already in a slot run on the GPU, Cache experts too
@@ -183,63 +195,82 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   const auto& by_expert = pass.by_expert;
   const auto& gpu_runs = pass.gpu_runs;
   const auto& cpu_experts = pass.cpu_experts;
-  const int32_t rows = int32_t(pass.sorted_tok.size());
+  const int64_t rows_total = int64_t(pass.sorted_tok.size());
   int32_t* rowmap = h_rowmap.as<int32_t>();
   int32_t* sorted_tok = h_sorted_tok.as<int32_t>();
   std::copy(pass.rowmap.begin(), pass.rowmap.end(), rowmap);
   std::copy(pass.sorted_tok.begin(), pass.sorted_tok.end(), sorted_tok);
   MOESRV_CUDA_OK(cudaMemcpyAsync(s.rowmap.as<void>(), rowmap, size_t(n * k) * 4, cudaMemcpyHostToDevice, stream));
-  MOESRV_CUDA_OK(cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows) * 4, cudaMemcpyHostToDevice, stream));
-  if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>(), rows, int(D), s.xs.as<uint16_t>(), stream);
+  MOESRV_CUDA_OK(
+      cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows_total) * 4, cudaMemcpyHostToDevice, stream));
+  phase(CudaPhase::Experts);
+  // Whether each GPU expert was resident before this pass (a fetched one is cached for its later waves).
+  std::vector<char> resident(gpu_runs.size());
   for (size_t r = 0; r < gpu_runs.size(); ++r) {
     const int e = gpu_runs[r].first;
-    const int64_t row0 = gpu_runs[r].second, cnt = int64_t(by_expert[size_t(e)].size());
-    int slot = -1;
-    const bool resident = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
-    const void* block = expert_weights(l, e, &slot);
-    stats.routed_selections += cnt;
-    if (resident) stats.vram_selections += cnt;
-    if (m.exl3) {
-      expert_exl3(m, e, block, h, row0, cnt);
-    } else {
-      const uint16_t* w = static_cast<const uint16_t*>(block);
-      float* gu = s.mgu.as<float>() + row0 * 2 * I;
-      gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + row0 * D, cnt, gu);
-      silu_mul_clamped(gu, int(cnt), int(I), m.limit, s.mact.as<float>() + row0 * I, stream);
-      to_bf16(s.mact.as<float>() + row0 * I, cnt * I, s.mactb.as<uint16_t>() + row0 * I, stream);
-      gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + row0 * I, cnt, s.ysorted.as<float>() + row0 * D);
-    }
-    if (slot >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot)].free, stream));
+    resident[r] = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
   }
-  // CPU experts while the GPU works through the queue above.
-  const float* extra = nullptr;
-  if (!cpu_experts.empty()) {
-    float* out = h_extra.as<float>();
-    std::fill(out, out + n * D, 0.0f);
-    const float* hh = h_h.as<float>();
-    const float* wts = h_w.as<float>();
-    std::vector<float> xs, ys;
-    for (int e : cpu_experts) {
-      const auto& entries = by_expert[size_t(e)];
-      const int64_t cnt = int64_t(entries.size());
-      xs.resize(size_t(cnt * D));
-      ys.resize(size_t(cnt * D));
-      for (int64_t i = 0; i < cnt; ++i)
-        std::memcpy(xs.data() + i * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
-      const auto t0 = std::chrono::steady_clock::now();
-      cpu::mlp_forward(hw.experts[size_t(e)], xs.data(), cnt, ys.data());
-      update_cpu_rate(cnt, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const int64_t wave = moe_wave_rows;
+  size_t r = 0;  // first run that may reach into the wave
+  for (int64_t a = 0; a < rows_total; a += wave) {
+    const int64_t b = std::min(rows_total, a + wave);
+    if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>() + a, int(b - a), int(D), s.xs.as<uint16_t>(), stream);
+    for (size_t q = r; q < gpu_runs.size(); ++q) {
+      const int e = gpu_runs[q].first;
+      const int64_t first = gpu_runs[q].second, end = first + int64_t(by_expert[size_t(e)].size());
+      if (first >= b) break;
+      if (end <= b) r = q + 1;
+      const int64_t lo = std::max(first, a), cnt = std::min(end, b) - lo;
+      int slot = -1;
+      const void* block = expert_weights(l, e, &slot);
       stats.routed_selections += cnt;
-      const MlpWeights& ew = hw.experts[size_t(e)];
-      stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
-      for (int64_t i = 0; i < cnt; ++i)
-        cpu::axpy(wts[entries[size_t(i)]], ys.data() + i * D, D, out + (entries[size_t(i)] / k) * D);
-      stats.cpu_expert_tokens += cnt;
+      if (resident[q]) stats.vram_selections += cnt;
+      if (m.exl3) {
+        expert_exl3(m, e, block, h, lo, lo - a, cnt);
+      } else {
+        const uint16_t* w = static_cast<const uint16_t*>(block);
+        const int64_t b0 = lo - a;
+        float* gu = s.mgu.as<float>() + b0 * 2 * I;
+        gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + b0 * D, cnt, gu);
+        silu_mul_clamped(gu, int(cnt), int(I), m.limit, s.mact.as<float>() + b0 * I, stream);
+        to_bf16(s.mact.as<float>() + b0 * I, cnt * I, s.mactb.as<uint16_t>() + b0 * I, stream);
+        gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + b0 * I, cnt, s.ysorted.as<float>() + b0 * D);
+      }
+      if (slot >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot)].free, stream));
     }
-    MOESRV_CUDA_OK(cudaMemcpyAsync(s.extra.as<void>(), out, size_t(n * D) * 4, cudaMemcpyHostToDevice, stream));
-    extra = s.extra.as<float>();
+    moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
+                int(a), int(b));
   }
-  moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, extra, int(n), int(k), int(D), stream);
+  // CPU experts while the GPU works through the queue above; their sum joins s.y in slices of moe_rows tokens.
+  if (cpu_experts.empty()) return;
+  if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(rows * D) * 4);
+  float* out = h_extra.as<float>();
+  std::fill(out, out + n * D, 0.0f);
+  const float* hh = h_h.as<float>();
+  const float* wts = h_w.as<float>();
+  std::vector<float> xs, ys;
+  for (int e : cpu_experts) {
+    const auto& entries = by_expert[size_t(e)];
+    const int64_t cnt = int64_t(entries.size());
+    xs.resize(size_t(cnt * D));
+    ys.resize(size_t(cnt * D));
+    for (int64_t i = 0; i < cnt; ++i) std::memcpy(xs.data() + i * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
+    const auto t0 = std::chrono::steady_clock::now();
+    cpu::mlp_forward(hw.experts[size_t(e)], xs.data(), cnt, ys.data());
+    update_cpu_rate(cnt, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    stats.routed_selections += cnt;
+    const MlpWeights& ew = hw.experts[size_t(e)];
+    stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
+    for (int64_t i = 0; i < cnt; ++i)
+      cpu::axpy(wts[entries[size_t(i)]], ys.data() + i * D, D, out + (entries[size_t(i)] / k) * D);
+    stats.cpu_expert_tokens += cnt;
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += moe_rows) {
+    const int64_t cnt = std::min(moe_rows, n - t0);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(s.extra.as<void>(), out + t0 * D, size_t(cnt * D) * 4, cudaMemcpyHostToDevice, stream));
+    moe_combine(y + t0 * D, nullptr, nullptr, nullptr, s.extra.as<float>(), int(cnt), int(k), int(D), stream, false, 0,
+                0);
+  }
 }
 
 }  // namespace moesrv

@@ -39,6 +39,7 @@ void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out,
 // Gated attention output (attn_output_gate): x[r][i] *= sigmoid(gate[r * gate_stride + i]), rows of n values.
 void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st);
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
+void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st);
 // y[t][o] = w[o] . x[t] (+ bias[o]) for n <= kBf16GemvMaxRows tokens: bf16 weights [out][in], fp32 inputs, one
 // launch (the decode path of bf16 linears; more rows go through cuBLAS).
 constexpr int kBf16GemvMaxRows = 8;
@@ -79,6 +80,12 @@ bool mla_split_supported(const AttentionArgs& a);
 size_t mla_split_floats(int S, int H, int v_dim);
 void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st);
 
+// MLA attention of a prefill pass on tensor cores (mla_prefill.cu): attention()'s result for a.mla with a bf16 cache,
+// each block one token and 16 heads sharing every staged key tile; fp16 MMAs with fp32 accumulation (q split into
+// two fp16 parts, the probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640.
+bool mla_prefill_supported(const AttentionArgs& a);
+void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st);
+
 // DSA lightning indexer top-k for queries [s_begin, s_begin + n): scores over cached keys with ReLU heads,
 // exact top-min(K, pos+1), ties to the lower position, written in ascending position order, -1 padded.
 // q: [S][nh][d] (roped), hw: [S][nh] head weights; scratch: n * max_ctx floats.
@@ -111,9 +118,10 @@ void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, 
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
               const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st,
               float limit = 0.0f);  // limit > 0: clamped SwiGLU
-// out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j]] (rowmap -1: skipped; rowmap null: identity) + extra[s];
-// overwrite: out[s] = that sum (out is not read).
+// out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j] - row_lo] (rowmap null: identity) + extra[s], over the entries
+// whose row is in [row_lo, row_hi) (rowmap -1: skipped): a pass whose sorted rows run in waves combines each wave
+// from its buffer. overwrite: out[s] = that sum (out is not read).
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
-                 int k, int D, cudaStream_t st, bool overwrite = false);
+                 int k, int D, cudaStream_t st, bool overwrite = false, int row_lo = 0, int row_hi = 1 << 30);
 
 }  // namespace moesrv::cuda

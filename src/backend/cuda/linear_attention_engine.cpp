@@ -18,6 +18,7 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   const float* h = s.h.as<float>();
   float *qkv = s.lqkv.as<float>(), *g = s.lg.as<float>(), *beta = s.lbeta.as<float>(), *o = s.lo.as<float>();
   float *low = s.lfa.as<float>(), *gate = s.lgate.as<float>();
+  phase(CudaPhase::LinearProj);
 
   if (S == 1 && kda_decode_supported(d, d, K)) {  // decode: everything between the linears in one launch
     linear(w.qkv, h, S, s.lraw.as<float>());
@@ -59,7 +60,9 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   dr.T = int(S), dr.heads = H, dr.dk = d, dr.dv = d, dr.per_channel_decay = true;
   dr.q = qkv, dr.k = qkv + Hd, dr.qk_stride = C, dr.v = qkv + 2 * Hd, dr.v_stride = C;
   dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o;
+  phase(CudaPhase::LinearCore);
   delta_rule(dr, stream);
+  phase(CudaPhase::LinearProj);
 
   linear(w.g_a, h, S, low);
   linear(w.g_b, low, S, gate);

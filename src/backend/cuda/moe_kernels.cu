@@ -128,13 +128,21 @@ __global__ void expert_gemv_kernel(const float* x, int64_t x_stride, int x_div, 
 }
 
 __global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap, const float* weights,
-                               const float* extra, int k, int D, bool overwrite) {
+                               const float* extra, int k, int D, bool overwrite, int row_lo, int row_hi) {
   const int s = blockIdx.y;
+  if (!overwrite && !extra) {  // a token with no entry in this wave keeps its row
+    bool any = false;
+    for (int j = 0; j < k; ++j) {
+      const int row = rowmap ? rowmap[s * k + j] : s * k + j;
+      any |= row >= row_lo && row < row_hi;
+    }
+    if (!any) return;
+  }
   for (int d = blockIdx.x * blockDim.x + threadIdx.x; d < D; d += gridDim.x * blockDim.x) {
     float v = (overwrite ? 0.0f : out[int64_t(s) * D + d]) + (extra ? extra[int64_t(s) * D + d] : 0.0f);
     for (int j = 0; j < k; ++j) {
       const int e = s * k + j, row = rowmap ? rowmap[e] : e;
-      if (row >= 0) v += weights[e] * y[int64_t(row) * D + d];
+      if (row >= row_lo && row < row_hi) v += weights[e] * y[int64_t(row - row_lo) * D + d];
     }
     out[int64_t(s) * D + d] = v;
   }
@@ -172,10 +180,11 @@ void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, co
 }
 
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
-                 int k, int D, cudaStream_t st, bool overwrite) {
+                 int k, int D, cudaStream_t st, bool overwrite, int row_lo, int row_hi) {
   if (S <= 0) return;
+  if (row_lo < 0) throw std::runtime_error("moe_combine: negative first row");
   combine_kernel<<<dim3(unsigned(ceil_div(D, 256)), unsigned(S)), 256, 0, st>>>(out, y, rowmap, weights, extra, k, D,
-                                                                                overwrite);
+                                                                                overwrite, row_lo, row_hi);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
