@@ -635,6 +635,7 @@ TEST(CudaGlm5NextKernels, KpoolIndexerTinyShapes) {
   run_kpool_case({16, 16, 4, 16, {37, 1, 1, 1, 1, 1, 6}});
 }
 
+// (Batches of more than 8 queries score on tensor cores, single queries on CUDA cores: both against the CPU.)
 TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
   SKIP_WITHOUT_DEVICE();
   run_kpool_case({32, 128, 4, 2048, {2999, 1, 1, 1, 1, 1, 7}});

@@ -1,6 +1,7 @@
 // Small device helpers shared by the engine's kernels.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,6 +32,29 @@ __device__ __forceinline__ float cache_elem<uint16_t>(const uint16_t* p, int64_t
 template <>
 __device__ __forceinline__ float cache_elem<int8_t>(const int8_t* p, int64_t i) {
   return float(p[i]);
+}
+
+// D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulation). Fragments (g = lane / 4,
+// t = lane % 4): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t, 2t+1][g],
+// b1 = B[2t+8, 2t+9][g]; d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]. Pairs: the lower index in the low half.
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
+  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+}
+
+// (x, y) as fp16 pairs hi = fp16(v) and lo = fp16(v - hi): hi + lo carries ~22 bits, so products of split operands
+// (hi.hi + hi.lo + lo.hi) reach fp32-like accuracy on fp16 tensor cores.
+__device__ __forceinline__ void split_half2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const half hx = __float2half_rn(x), hy = __float2half_rn(y);
+  hi = pack_half2(hx, hy);
+  lo = pack_half2(__float2half_rn(x - __half2float(hx)), __float2half_rn(y - __half2float(hy)));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

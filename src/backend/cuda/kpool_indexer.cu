@@ -128,6 +128,66 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
   scores[int64_t(s) * max_pools + P0 + lane] = sum;
 }
 
+// The same scores for a prefill batch on tensor cores: block (x, y) scores pools [128 x, 128 x + 128) for queries
+// [8 y, 8 y + 8); warp w owns 16 pools (the MMA's rows, their keys split into fp16 value + remainder and held in
+// registers for every head) and runs heads 0.. in order over the 8 queries (the MMA's columns, split the same way,
+// read from global memory): q . key as hi.hi + hi.lo + lo.hi products (~2^-21 relative), then ReLU, the head
+// weight and the sum over heads in fp32. d = 16 * kSteps (kpool_mma_dim).
+constexpr int kMmaPools = 128, kMmaQueries = 8, kMmaWarps = kMmaPools / 16;
+constexpr bool kpool_mma_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
+template <int kSteps>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    kpool_score_mma_kernel(const float* q, const float* hw, const float* pool_k, int S, int nh, int kpool,
+                           const int32_t* pos0, int max_pools, float* scores) {
+  constexpr int d = 16 * kSteps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int s0 = blockIdx.y * kMmaQueries, P0 = blockIdx.x * kMmaPools + warp * 16;
+  const int last = min(S, s0 + kMmaQueries) - 1;
+  const int pools = int(min((int64_t(*pos0) + last + 1) / kpool, int64_t(max_pools)));  // the most any query sees
+  if (P0 >= pools) return;                                                             // uniform over the warp
+  uint32_t a_hi[kSteps][4], a_lo[kSteps][4];  // keys of pools P0 + g (rows g) and P0 + g + 8, dims 16 j ..
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int P = P0 + g + 8 * (r & 1), c = 16 * j + 2 * t + 8 * (r >> 1);
+      const float2 v = P < pools ? *reinterpret_cast<const float2*>(pool_k + int64_t(P) * d + c) : make_float2(0, 0);
+      split_half2(v.x, v.y, a_hi[j][r], a_lo[j][r]);
+    }
+  }
+  const int sq = min(s0 + g, S - 1);  // the query of this lane's B columns (clamped rows are computed, not stored)
+  const float scale = 1.0f / sqrtf(float(d));
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int h = 0; h < nh; ++h) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* qh = q + (int64_t(sq) * nh + h) * d + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j), v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
+      uint32_t b0h, b0l, b1h, b1l;
+      split_half2(v0.x, v0.y, b0h, b0l);
+      split_half2(v1.x, v1.y, b1h, b1l);
+      const uint32_t(&ah)[4] = a_hi[j];
+      const uint32_t(&al)[4] = a_lo[j];
+      mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
+      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
+      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+    }
+    // c: pools g / g + 8 (rows) x queries 2t / 2t + 1 (columns)
+    const int qa = min(s0 + 2 * t, S - 1), qb = min(s0 + 2 * t + 1, S - 1);
+    const float wa = hw[int64_t(qa) * nh + h], wb = hw[int64_t(qb) * nh + h];
+    acc[0] += wa * fmaxf(c[0] * scale, 0.0f);
+    acc[1] += wb * fmaxf(c[1] * scale, 0.0f);
+    acc[2] += wa * fmaxf(c[2] * scale, 0.0f);
+    acc[3] += wb * fmaxf(c[3] * scale, 0.0f);
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int sq_r = s0 + 2 * t + (r & 1), P = P0 + g + 8 * (r >> 1);
+    if (sq_r < S && P < max_pools) scores[int64_t(sq_r) * max_pools + P] = acc[r];
+  }
+}
+
 // One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
 // lower pool index), written as ascending positions, then the tail, then -1.
 __global__ void __launch_bounds__(kSelectThreads)
@@ -188,7 +248,16 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
   if (!lanes && smem > 48 * 1024)
     throw std::runtime_error("kpool_select: indexer query of " + std::to_string(nh * d) +
                              " floats exceeds shared memory");
-  if (max_pools > 0 && lanes) {
+  if (max_pools > 0 && S > kMmaQueries && kpool_mma_dim(d)) {  // prefill: tensor cores
+    const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(ceil_div(S, kMmaQueries)));
+    const auto kernel = d == 16   ? kpool_score_mma_kernel<1>
+                        : d == 32 ? kpool_score_mma_kernel<2>
+                        : d == 64 ? kpool_score_mma_kernel<4>
+                        : d == 128 ? kpool_score_mma_kernel<8>
+                                   : kpool_score_mma_kernel<16>;
+    kernel<<<grid, kMmaWarps * 32, 0, st>>>(q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  } else if (max_pools > 0 && lanes) {
     // A host-side call, legal while a graph is captured.
     if (cudaFuncSetAttribute(kpool_score_lanes_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lane_smem)) !=
         cudaSuccess)

@@ -6,8 +6,6 @@
 // softmax scale) enters as two fp16 parts (value and remainder), so the scores are fp32-accurate products of the
 // bf16 keys; the probabilities enter the value MMA rounded to fp16 (2^-11 relative).
 // Widths: q_dim and v_dim multiples of 8 (q_dim zero padded to 16), v_dim <= 512 and <= q_dim, q_dim <= 640.
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -31,18 +29,6 @@ constexpr int kProbHalves = kKeys + 8;  // p rows
 size_t prefill_smem_bytes(int q_dim) {
   return size_t(2 * kHeads + kKeys) * row_halves(q_dim) * 2 + size_t(kHeads) * kProbHalves * 2 +
          size_t(kHeads) * (kKeys + 1) * 4;
-}
-
-__device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
-  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8).
@@ -117,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
 #pragma unroll
       for (int part = 0; part < 2; ++part) {  // q's fp16 value, then its remainder: ~fp32 scores
         const uint32_t* qp = qw + part * kHeads * RW;
-        mma_f16(sc, qp[g * RW + kq], qp[(g + 8) * RW + kq], qp[g * RW + kq + 4], qp[(g + 8) * RW + kq + 4], b0, b1);
+        mma_m16n8k16_f16(sc, qp[g * RW + kq], qp[(g + 8) * RW + kq], qp[g * RW + kq + 4], qp[(g + 8) * RW + kq + 4], b0, b1);
       }
     }
     {
@@ -167,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
         const int col = (warp + 8 * n) * 8 + g;
         const uint32_t b0 = uint32_t(r0[col]) | (uint32_t(r0[RH + col]) << 16);
         const uint32_t b1 = uint32_t(r0[8 * RH + col]) | (uint32_t(r0[9 * RH + col]) << 16);
-        mma_f16(o[n], a0, a1, a2, a3, b0, b1);
+        mma_m16n8k16_f16(o[n], a0, a1, a2, a3, b0, b1);
       }
     }
   }
