@@ -628,6 +628,127 @@ TEST(ServerContract, TopPZeroIsGreedyAndSeedsReproduce) {
   EXPECT_NE(a.find('b'), std::string::npos);  // really sampled
 }
 
+// tool_choice required / named without --strict-tools, a model that would think forever and the default reasoning
+// budget (4096, far beyond max_tokens): reasoning gets at most half of max_tokens, then the grammar closes the
+// call (a free string value included) before max_tokens. Greedy and sampled alike.
+TEST(ServerContract, ForcedCallFitsInMaxTokensAfterEndlessReasoning) {
+  ByteCodec codec;
+  int32_t think_close = *codec.special_id("</think>");
+  Policy endless_thinking = [&codec, think_close](const std::vector<int32_t>& gen) -> Preferences {
+    if (std::find(gen.begin(), gen.end(), think_close) == gen.end())
+      return {{gen.empty() ? *codec.special_id("<think>") : int32_t('r'), 10.f}};
+    return {{int32_t('x'), 10.f}, {int32_t('y'), 9.f}};  // then free text it would never stop writing
+  };
+  Harness h(endless_thinking);
+  json read_file = json::parse(R"({"type":"function","function":{"name":"read_file",
+    "parameters":{"type":"object","properties":{"path":{"type":"string"}},"required":["path"]}}})");
+  json named = {{"type", "function"}, {"function", {{"name", "read_file"}}}};
+  for (const json& choice : {json("required"), named})
+    for (int seed = 0; seed <= 4; ++seed) {
+      json body = {
+          {"messages", {user("q")}}, {"tools", {kWeatherTool, read_file}}, {"tool_choice", choice}, {"max_tokens", 60}};
+      if (seed) body["seed"] = seed, body["temperature"] = 1.0;
+      else body["temperature"] = 0;
+      json r = h.post("/v1/chat/completions", body);
+      SCOPED_TRACE(choice.dump() + " seed " + std::to_string(seed) + ": " + r.dump());
+      auto& msg = r["choices"][0]["message"];
+      EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+      EXPECT_LE(r["usage"]["completion_tokens"].get<int>(), 60);
+      EXPECT_LE(r["usage"]["completion_tokens_details"]["reasoning_tokens"].get<int>(), 30);
+      ASSERT_EQ(msg["tool_calls"].size(), 1u);
+      std::string name = msg["tool_calls"][0]["function"]["name"];
+      json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
+      if (choice == named || name == "read_file") {
+        EXPECT_EQ(name, "read_file");
+        EXPECT_TRUE(args["path"].is_string());
+      } else {
+        EXPECT_EQ(name, "get_weather");
+        EXPECT_TRUE(args["city"].is_string());
+      }
+    }
+}
+
+// A call that max_tokens cuts is not reported as a call: finish_reason "length" and no tool_calls (the arguments
+// so far would miss a required key). Strict or not, whole or streamed (the stream's finish_reason).
+TEST(ServerContract, CallCutByMaxTokensIsNotReported) {
+  ByteCodec codec;
+  const char* call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>";
+  for (bool strict : {false, true}) {
+    Harness h(script_policy(codec, call, "<|observation|>"), {.strict_tools = strict});
+    for (int max_tokens : {3, 14, 20}) {
+      json body = {{"messages", {user("q")}}, {"tools", {kWeatherTool}}, {"max_tokens", max_tokens}};
+      json r = h.post("/v1/chat/completions", body);
+      SCOPED_TRACE(std::string(strict ? "strict " : "") + std::to_string(max_tokens) + ": " + r.dump());
+      EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+      EXPECT_FALSE(r["choices"][0]["message"].contains("tool_calls"));
+      auto c = h.client();
+      body["stream"] = true;
+      std::string finish;
+      join_chat_deltas(post_stream(c, "/v1/chat/completions", body).events, &finish);
+      EXPECT_EQ(finish, "length");
+    }
+    json whole = h.post("/v1/chat/completions", {{"messages", {user("q")}}, {"tools", {kWeatherTool}}});
+    EXPECT_EQ(whole["choices"][0]["finish_reason"], "tool_calls");
+    EXPECT_EQ(whole["choices"][0]["message"]["tool_calls"].size(), 1u);
+  }
+}
+
+// Strict tools: a model that would close the call before its required "days" cannot; sampled with several seeds,
+// every call has every required argument, and a call that cannot fit in max_tokens is cut and not reported.
+TEST(ServerContract, StrictCallsNeverMissARequiredArgument) {
+  ByteCodec codec;
+  json tool = json::parse(R"({"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
+    "properties":{"city":{"type":"string"},"days":{"type":"integer"}},"required":["city","days"]}}})");
+  const char* hasty = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>";
+  Harness h(script_policy(codec, hasty, "<|observation|>", {{int32_t('7'), 2.f}}), {.strict_tools = true});
+  for (int max_tokens : {12, 80})
+    for (int seed = 1; seed <= 6; ++seed) {
+      json r = h.post("/v1/chat/completions", {{"messages", {user("q")}},
+                                               {"tools", {tool}},
+                                               {"max_tokens", max_tokens},
+                                               {"temperature", 1.0},
+                                               {"seed", seed}});
+      SCOPED_TRACE(std::to_string(max_tokens) + " seed " + std::to_string(seed) + ": " + r.dump());
+      auto& msg = r["choices"][0]["message"];
+      if (max_tokens == 12) {
+        EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+        EXPECT_FALSE(msg.contains("tool_calls"));
+        continue;
+      }
+      EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+      ASSERT_EQ(msg["tool_calls"].size(), 1u);
+      json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
+      EXPECT_EQ(args["city"], "Paris");
+      EXPECT_TRUE(args["days"].is_number_integer());
+    }
+}
+
+// logprobs cover reasoning tokens too (as vLLM reports them): a turn whose tokens are all reasoning has one entry
+// per reasoning token, whole and streamed; a turn with both lists them in order.
+TEST(ServerContract, LogprobsOfAReasoningOnlyTurn) {
+  ByteCodec codec;
+  Harness h(script_policy(codec, "<think>abc", "<|endoftext|>"));
+  json body = {{"messages", {user("q")}}, {"logprobs", true}, {"top_logprobs", 1}, {"temperature", 0}};
+  json r = h.post("/v1/chat/completions", body);
+  EXPECT_EQ(r["choices"][0]["message"]["reasoning_content"], "abc");
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "");
+  json tokens = json::array();
+  for (auto& e : r["choices"][0]["logprobs"]["content"]) tokens.push_back(e["token"]);
+  EXPECT_EQ(tokens, json({"a", "b", "c"})) << r.dump();
+  auto c = h.client();
+  body["stream"] = true;
+  json streamed = json::array();
+  for (auto& e : post_stream(c, "/v1/chat/completions", body).events)
+    if (!e["choices"].empty() && e["choices"][0]["logprobs"].is_object())
+      for (auto& x : e["choices"][0]["logprobs"]["content"]) streamed.push_back(x);
+  EXPECT_EQ(streamed, r["choices"][0]["logprobs"]["content"]);
+  Harness both(script_policy(codec, "<think>ab</think>cd", "<|endoftext|>"));
+  json b = both.post("/v1/chat/completions", {{"messages", {user("q")}}, {"logprobs", true}, {"temperature", 0}});
+  tokens = json::array();
+  for (auto& e : b["choices"][0]["logprobs"]["content"]) tokens.push_back(e["token"]);
+  EXPECT_EQ(tokens, json({"a", "b", "c", "d"})) << b.dump();
+}
+
 TEST(ServerContract, ChatAndCompletionLogprobs) {
   ByteCodec codec;
   Harness h(script_policy(codec, "hi", "<|endoftext|>", {{int32_t('z'), 9.f}}));

@@ -288,6 +288,51 @@ TEST(TurnGrammar, MaskAgreesWithAdvanceEverywhere) {
   }
 }
 
+// tokens_to_end is a real way to the end: from every state of random walks (reasoning, a forced call of each
+// format, JSON content), some token brings it down by exactly one, and following such tokens ends the turn in
+// exactly that many steps. This is what lets the decoder close a forced call within max_tokens.
+TEST(TurnGrammar, TokensToEndIsAWayToTheEnd) {
+  auto schema = JsonSchema::compile(json::parse(R"({"type":"object","properties":{"a":{"type":"array",
+    "items":{"type":"string","minLength":2},"minItems":2},"b":{"enum":["xy","z"]}},"required":["a","b"]})"));
+  for (auto f : {TestFormat::kGlm, TestFormat::kQwen3, TestFormat::kDeepSeek})
+    for (bool json_content : {false, true}) {
+      Turn t(f);
+      TurnRules r = strict_auto();
+      r.call_required = !json_content;
+      if (json_content) r.content_schema = schema;
+      r.start_in_reasoning = t.markers.think_close >= 0;  // the DeepSeek test vocabulary has no </think>
+      auto g = t.grammar(r);
+      std::mt19937 rng(5);
+      for (int walk = 0; walk < 3; ++walk) {
+        auto s = g.initial();
+        for (int step = 0; step < 40 && s.phase != TurnGrammar::State::kEnd; ++step) {
+          auto closing = s;
+          uint32_t d = g.tokens_to_end(closing);
+          ASSERT_LT(d, JsonSchema::kFar) << family_name(t.markers.family) << " step " << step;
+          for (uint32_t left = d; left > 0; --left) {
+            bool found = false;
+            for (int32_t tok = 0; tok < int32_t(t.vocab.bytes.size()) && !found; ++tok) {
+              auto next = closing;
+              if (g.advance(next, tok) && g.tokens_to_end(next) == left - 1) closing = next, found = true;
+            }
+            ASSERT_TRUE(found) << family_name(t.markers.family) << " step " << step << ": stuck " << left
+                               << " from end";
+          }
+          EXPECT_EQ(closing.phase, TurnGrammar::State::kEnd);
+          std::vector<uint8_t> mask;
+          g.mask(s, mask);
+          std::vector<int32_t> ok;
+          for (size_t i = 0; i < mask.size(); ++i)
+            if (mask[i]) ok.push_back(int32_t(i));
+          int32_t pick = ok[rng() % ok.size()];
+          for (int32_t id : ok)
+            if (t.codec.is_special(id) && rng() % 2) pick = id;
+          ASSERT_TRUE(g.advance(s, pick));
+        }
+      }
+    }
+}
+
 // ---- output parsers ----
 
 namespace {

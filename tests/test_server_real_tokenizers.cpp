@@ -147,7 +147,8 @@ std::string skip_reason(const Family& f) {
   return "";
 }
 
-std::unique_ptr<Served> serve(const Family& f) {
+// Served with --strict-tools and a reasoning budget of 10 unless a test asks otherwise.
+std::unique_ptr<Served> serve(const Family& f, bool strict_tools = true, int64_t reasoning_budget = 10) {
   std::signal(SIGPIPE, SIG_IGN);
   auto s = std::make_unique<Served>();
   std::string dir = kTokenizers + "/" + f.tokenizer;
@@ -162,8 +163,8 @@ std::unique_ptr<Served> serve(const Family& f) {
   }
   ServerOptions opt;
   opt.port = 0;
-  opt.reasoning_budget = 10;
-  opt.strict_tools = true;
+  opt.reasoning_budget = reasoning_budget;
+  opt.strict_tools = strict_tools;
   s->server = std::make_unique<HttpServer>(*s->engine, *s->codec, opt);
   s->port = s->server->start();
   return s;
@@ -426,6 +427,91 @@ TEST(RealTokenizers, OpenAIClientAgentLoop) {
       httplib::Client m("127.0.0.1", s->port);
       EXPECT_NE(m.Get("/metrics")->body.find("moesrv_reasoning_reattached_total 1"), std::string::npos);
     }
+  }
+  if (!ran) MOESRV_E2E_SKIP("no real tokenizers (run scripts/fetch_tokenizers.sh)");
+}
+
+// tool_choice required and named without --strict-tools, the default reasoning budget (4096) and a model that
+// starts by thinking (Qwen3) and would rarely stop: every turn, greedy or sampled, ends in a valid call to an
+// allowed tool within max_tokens (reasoning gets at most half of it).
+TEST(RealTokenizers, ForcedCallsWithoutStrictToolsAlwaysCallAnAllowedTool) {
+  int ran = 0;
+  for (const Family& f : {kDeepSeek, kQwen}) {
+    if (!skip_reason(f).empty()) continue;
+    ++ran;
+    auto s = serve(f, /*strict_tools=*/false, /*reasoning_budget=*/4096);
+    json named = {{"type", "function"}, {"function", {{"name", "read_file"}}}};
+    for (const json& choice : {json("required"), named})
+      for (int seed = 0; seed <= 3; ++seed) {
+        json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Lima?"}}}},
+                     {"tools", kTools},
+                     {"tool_choice", choice},
+                     {"max_tokens", 160}};
+        if (seed) body["seed"] = seed, body["temperature"] = 1.0;
+        else body["temperature"] = 0;
+        json r = post(s->port, body);
+        SCOPED_TRACE(f.served + " " + choice.dump() + " seed " + std::to_string(seed) + ": " + r.dump());
+        auto& msg = r["choices"][0]["message"];
+        EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+        ASSERT_GE(msg["tool_calls"].size(), 1u);
+        for (auto& c : msg["tool_calls"]) {
+          if (choice == named) {
+            EXPECT_EQ(c["function"]["name"], "read_file");
+          }
+          expect_valid_call(c["function"]["name"], c["function"]["arguments"]);
+        }
+        EXPECT_LE(r["usage"]["completion_tokens_details"]["reasoning_tokens"].get<int>(), 80);
+      }
+  }
+  if (!ran) MOESRV_E2E_SKIP("no real tokenizers (run scripts/fetch_tokenizers.sh)");
+}
+
+// --strict-tools with a required integer argument (the acceptance run once saw a sampled get_weather call without
+// its required "days"): sampled with several seeds, every reported call has it; when max_tokens cuts in, the turn
+// ends with finish_reason "length" and no tool_calls, whole and streamed.
+TEST(RealTokenizers, StrictCallsKeepRequiredArgumentsUnderMaxTokens) {
+  int ran = 0;
+  json tools = kTools;
+  tools[0]["function"]["parameters"]["required"] = {"city", "unit", "days"};
+  for (const Family& f : {kDeepSeek, kQwen}) {
+    if (!skip_reason(f).empty()) continue;
+    ++ran;
+    auto s = serve(f);
+    for (int max_tokens : {8, 200})
+      for (int seed = 1; seed <= 6; ++seed) {
+        json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Oslo for 3 days?"}}}},
+                     {"tools", tools},
+                     {"tool_choice", "required"},
+                     {"temperature", 1.0},
+                     {"seed", seed},
+                     {"max_tokens", max_tokens}};
+        json r = post(s->port, body);
+        SCOPED_TRACE(f.served + " max_tokens " + std::to_string(max_tokens) + " seed " + std::to_string(seed) + ": " +
+                     r.dump());
+        auto& msg = r["choices"][0]["message"];
+        if (max_tokens == 8) {  // shorter than any call
+          EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+          EXPECT_FALSE(msg.contains("tool_calls"));
+          if (seed == 1) {
+            body["stream"] = true;
+            httplib::Client c("127.0.0.1", s->port);
+            c.set_read_timeout(300, 0);
+            std::string finish;
+            join_chat_deltas(post_stream(c, "/v1/chat/completions", body).events, &finish);
+            EXPECT_EQ(finish, "length");
+          }
+          continue;
+        }
+        EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+        ASSERT_GE(msg["tool_calls"].size(), 1u);
+        for (auto& c : msg["tool_calls"]) {
+          expect_valid_call(c["function"]["name"], c["function"]["arguments"]);
+          if (c["function"]["name"] == "get_weather") {
+            json args = json::parse(c["function"]["arguments"].get<std::string>());
+            EXPECT_TRUE(args.contains("days") && args["days"].is_number_integer()) << args.dump();
+          }
+        }
+      }
   }
   if (!ran) MOESRV_E2E_SKIP("no real tokenizers (run scripts/fetch_tokenizers.sh)");
 }

@@ -29,6 +29,12 @@ nlohmann::json bytes_array(const std::string& s) {
 }
 }  // namespace
 
+int64_t turn_reasoning_budget(const ChatTurnConfig& cfg, const TurnRules& rules) {
+  if (!(rules.call_required || rules.content_schema) || cfg.max_new_tokens <= 0) return cfg.reasoning_budget;
+  int64_t half = std::max<int64_t>(1, cfg.max_new_tokens / 2);
+  return cfg.reasoning_budget > 0 ? std::min(cfg.reasoning_budget, half) : half;
+}
+
 nlohmann::json logprob_entry(const ChatCodec& codec, std::span<const float> logits, int32_t id, int top) {
   TokenLogprobs lp = token_logprobs(tokenizer_logits(codec, logits), id, top);
   std::string text = codec.token_bytes(id);
@@ -52,12 +58,13 @@ ChatTurnDecoder::ChatTurnDecoder(const ChatCodec& codec, const VocabText& vocab,
       parser_(OutputParser::create(codec, markers, &req.tool_specs, cfg.start_in_reasoning)),
       stops_(req.gen.stop),
       grammar_(markers, req.tool_specs, rules_for(req, cfg), vocab) {
+  reasoning_budget_ = turn_reasoning_budget(cfg_, grammar_.rules());
   gstate_ = grammar_.initial();
 }
 
 std::optional<int32_t> ChatTurnDecoder::forced_token() {
-  if (cfg_.reasoning_budget > 0 && m_.think_close >= 0 && parser_->mode() == OutputParser::Mode::kReasoning &&
-      reasoning_tokens_ + 1 >= cfg_.reasoning_budget) {
+  if (reasoning_budget_ > 0 && m_.think_close >= 0 && parser_->mode() == OutputParser::Mode::kReasoning &&
+      reasoning_tokens_ + 1 >= reasoning_budget_) {
     budget_forced_ = true;
     return m_.think_close;  // the close itself is the budget's last token
   }
@@ -67,17 +74,42 @@ std::optional<int32_t> ChatTurnDecoder::forced_token() {
 const std::vector<uint8_t>* ChatTurnDecoder::allowed_tokens() {
   if (broken_) return nullptr;
   grammar_.mask(gstate_, mask_);
+  keep_end_in_reach();
   return &mask_;
 }
 
+// A turn that must end in a call (or JSON content), or that is inside a strict call: near max_tokens, only tokens after
+// which it can still end within the tokens left. Checked from kWindow tokens before the end is due, a margin for
+// tokens that lengthen the way (an opened object, a chosen key).
+void ChatTurnDecoder::keep_end_in_reach() {
+  constexpr int64_t kWindow = 64;
+  const TurnRules& rules = grammar_.rules();
+  bool strict_call = rules.strict_calls && gstate_.phase == TurnGrammar::State::kCall;  // free bodies: cut, not closed
+  bool must_close = rules.call_required || rules.content_schema || strict_call;
+  if (cfg_.max_new_tokens <= 0 || !must_close) return;
+  int64_t left = cfg_.max_new_tokens - generated_ - 1;  // after this token
+  if (int64_t(grammar_.tokens_to_end(gstate_)) + kWindow <= left) return;
+  std::vector<uint8_t> kept(mask_.size(), 0);
+  bool any = false;
+  for (size_t t = 0; t < mask_.size(); ++t) {
+    if (!mask_[t]) continue;
+    TurnGrammar::State next = gstate_;
+    if (grammar_.advance(next, int32_t(t)) && int64_t(grammar_.tokens_to_end(next)) <= left) kept[t] = 1, any = true;
+  }
+  if (any) mask_.swap(kept);  // else the end is out of reach already: the turn is cut at max_tokens
+}
+
 void ChatTurnDecoder::on_sampled(std::span<const float> logits, int32_t id) {
-  if (req_.logprobs.enabled && parser_->mode() == OutputParser::Mode::kContent && !codec_.is_special(id))
+  auto mode = parser_->mode();
+  bool text = mode == OutputParser::Mode::kContent || mode == OutputParser::Mode::kReasoning;
+  if (req_.logprobs.enabled && text && !codec_.is_special(id))
     last_logprob_ = logprob_entry(codec_, logits, id, req_.logprobs.top);
   else last_logprob_ = nullptr;
 }
 
 bool ChatTurnDecoder::on_token(int32_t id) {
   using Mode = OutputParser::Mode;
+  ++generated_;
   if (!broken_ && !grammar_.advance(gstate_, id)) broken_ = true;  // unconstrained from here (never expected)
   if (m_.is_end(id)) return false;
   Mode before = parser_->mode();
@@ -85,7 +117,7 @@ bool ChatTurnDecoder::on_token(int32_t id) {
   parser_->push(id, d);
   Mode after = parser_->mode();
   if (before == Mode::kReasoning || (after == Mode::kReasoning && before != Mode::kReasoning)) ++reasoning_tokens_;
-  if (!last_logprob_.is_null() && before == Mode::kContent && after == Mode::kContent) {
+  if (!last_logprob_.is_null() && before == after) {
     pending_logprobs_.push_back(last_logprob_);
     all_logprobs_.push_back(last_logprob_);
   }
@@ -94,12 +126,18 @@ bool ChatTurnDecoder::on_token(int32_t id) {
     d.content = stops_.push(d.content);
     content_ += d.content;
   }
-  if (!d.content.empty() && !pending_logprobs_.empty()) {
+  if ((!d.content.empty() || !d.reasoning.empty()) && !pending_logprobs_.empty()) {
     d.logprobs = std::move(pending_logprobs_);
     pending_logprobs_ = nlohmann::json::array();
   }
   if (!emit(std::move(d))) return false;
   return !stops_.hit();
+}
+
+std::vector<ParsedToolCall> ChatTurnDecoder::complete_calls() const {
+  std::vector<ParsedToolCall> calls = parser_->tool_calls();
+  if (!broken_) calls.resize(std::min<size_t>(calls.size(), gstate_.calls));  // the grammar counts closed calls
+  return calls;
 }
 
 bool ChatTurnDecoder::emit(ChatDelta d) {

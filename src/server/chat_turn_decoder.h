@@ -1,7 +1,8 @@
 // DecodeHooks for one assistant turn of a chat completion: parses output into reasoning/content/tool calls
 // (the model family's format), constrains every token through the turn grammar (tool_choice, parallel calls,
 // strict tool arguments, response_format), bounds reasoning (forces the reasoning close), applies stop
-// sequences and end-of-turn tokens, records logprobs, and hands each delta to a sink (false = client gone).
+// sequences and end-of-turn tokens, records logprobs (reasoning and content tokens), and hands each delta to a
+// sink (false = client gone).
 #pragma once
 #include <deque>
 #include <functional>
@@ -21,7 +22,12 @@ struct ChatTurnConfig {
   int64_t reasoning_budget = 4096;  // max reasoning tokens, <think> and </think> included; 0: unlimited
   bool strict_tools = false;
   bool start_in_reasoning = false;  // the prompt ends inside <think>
+  int64_t max_new_tokens = 0;       // the turn's token limit (0: none): bounds reasoning before a required call
 };
+
+// The reasoning budget of a turn. When a tool call or JSON content is required, reasoning may use at most half of
+// the turn's tokens, so that what is required still fits after it.
+int64_t turn_reasoning_budget(const ChatTurnConfig& cfg, const TurnRules& rules);
 
 // The reasoning-close forcing and usage count both rely on this: tokens from the reasoning open (or the turn's
 // start when the prompt opened it) through the reasoning close, inclusive.
@@ -39,7 +45,9 @@ class ChatTurnDecoder : public DecodeHooks {
   void finish();  // flush the parser and stop matcher into a last delta
   const OutputParser& parser() const { return *parser_; }
   const std::string& content() const { return content_; }  // after stop sequences
-  const nlohmann::json& content_logprobs() const { return all_logprobs_; }
+  const nlohmann::json& logprobs() const { return all_logprobs_; }  // reasoning and content tokens, in order
+  // The calls that were closed: a call cut by the token limit is not one (the parser still reports it).
+  std::vector<ParsedToolCall> complete_calls() const;
   int64_t reasoning_tokens() const { return reasoning_tokens_; }
   bool cancelled() const { return cancelled_; }
   bool stop_hit() const { return stops_.hit(); }
@@ -48,15 +56,17 @@ class ChatTurnDecoder : public DecodeHooks {
 
  private:
   bool emit(ChatDelta d);
+  void keep_end_in_reach();
   const ChatCodec& codec_;
   const TurnMarkers& m_;
   const ChatCompletionRequest& req_;
   ChatTurnConfig cfg_;
+  int64_t reasoning_budget_;
   Sink sink_;
   std::unique_ptr<OutputParser> parser_;
   StopMatcher stops_;
   std::string content_;
-  int64_t reasoning_tokens_ = 0;
+  int64_t reasoning_tokens_ = 0, generated_ = 0;
   bool budget_forced_ = false, cancelled_ = false, broken_ = false;
   TurnGrammar grammar_;
   TurnGrammar::State gstate_;

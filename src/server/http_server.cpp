@@ -190,7 +190,7 @@ struct HttpServer::Impl {
     dec.finish();
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
     if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
-    const auto& calls = dec.parser().tool_calls();
+    auto calls = dec.complete_calls();
     bool truncated = out.gen.finish == GenerationResult::Finish::kLength && !dec.stop_hit();
     out.finish_reason = truncated ? "length" : !calls.empty() && !dec.stop_hit() ? "tool_calls" : "stop";
     out.usage = {out.gen.prompt_tokens, out.gen.completion_tokens, out.gen.cached_tokens, dec.reasoning_tokens()};
@@ -201,7 +201,7 @@ struct HttpServer::Impl {
   }
 
   ChatTurnConfig turn_config(const ChatJob& job) {
-    return {opt.reasoning_budget, opt.strict_tools, job.start_in_reasoning};
+    return {opt.reasoning_budget, opt.strict_tools, job.start_in_reasoning, job.max_new};
   }
 
   void handle_chat(const httplib::Request& http_req, httplib::Response& res) {
@@ -233,8 +233,8 @@ struct HttpServer::Impl {
       job->slot.reset();
       if (out.cancelled)
         throw ApiError(499, "The client closed the connection.", "invalid_request_error", "", "client_closed");
-      json msg = openai::chat_message(dec.content(), dec.parser().reasoning(), dec.parser().tool_calls());
-      json lp = job->req.logprobs.enabled ? json(dec.content_logprobs()) : json(nullptr);
+      json msg = openai::chat_message(dec.content(), dec.parser().reasoning(), dec.complete_calls());
+      json lp = job->req.logprobs.enabled ? json(dec.logprobs()) : json(nullptr);
       send_json(res, 200, openai::chat_completion(job->head, msg, out.finish_reason, out.usage, lp));
       return;
     }

@@ -6,6 +6,8 @@
 #include <map>
 #include <stdexcept>
 
+#include "server/json_matcher_phases.h"
+
 namespace moesrv {
 
 using nlohmann::json;
@@ -203,6 +205,7 @@ std::shared_ptr<const JsonSchema> JsonSchema::compile(const json& schema) {
     throw std::invalid_argument(e.what());
   }
   if (s->nodes_.size() > 60000) throw std::invalid_argument("schema is too large");
+  s->compute_min_chars();
   return s;
 }
 
@@ -237,13 +240,9 @@ int JsonSchema::key_index(const Node& n, const std::string& key) {
 namespace {
 bool ws(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 bool digit(char c) { return c >= '0' && c <= '9'; }
-const char* kLiterals[] = {"true", "false", "null"};
-
-enum ObjPhase : uint8_t { kObjFirst, kObjKey, kObjColon, kObjValue, kObjAfter, kObjNextKey };
-enum ArrPhase : uint8_t { kArrFirst, kArrValue, kArrAfter, kArrNext };
-enum NumPhase : uint8_t { kMinus = 1, kZero, kInt, kDot, kFrac, kExp, kExpSign, kExpDigits };
-enum StrPhase : uint8_t { kChars, kEscape, kHex, kDone };
 }  // namespace
+
+using namespace json_phases;
 
 JsonMatcher::JsonMatcher(const JsonSchema* schema, int node, bool trailing_ws)
     : schema_(schema), trailing_ws_(trailing_ws) {

@@ -37,7 +37,9 @@ class JsonSchema {
     int min_length = 0, max_length = -1;
     // anyOf: branches by JSON type (first branch allowing that type wins)
     std::vector<int> any_of;
+    uint32_t min_chars = 0;  // characters of the shortest valid value (kFar: none)
   };
+  static constexpr uint32_t kFar = 1u << 24;  // "no way to complete" for character counts
 
   // Throws std::invalid_argument naming what is wrong.
   static std::shared_ptr<const JsonSchema> compile(const nlohmann::json& schema);
@@ -52,6 +54,7 @@ class JsonSchema {
 
  private:
   friend struct SchemaCompiler;
+  void compute_min_chars();  // fills Node::min_chars (json_closing.cpp)
   std::vector<Node> nodes_;  // node 0: any value
   int root_ = 0;
 };
@@ -71,6 +74,8 @@ class JsonMatcher {
   // When the matcher is inside a string whose content is free (no enum or key constraint) and at a character
   // boundary: how many more characters it may hold (INT32_MAX: unbounded). -1 otherwise.
   int32_t free_string_room() const;
+  // Characters that must still be written, at least, to complete the value (JsonSchema::kFar: it cannot be).
+  uint32_t chars_to_complete() const;
 
   static constexpr int kMaxDepth = 24;
   static constexpr int kMaxSpaces = 16;
@@ -97,6 +102,7 @@ class JsonMatcher {
   bool enum_done(const Frame& f) const;
   static bool key_free(const Frame& obj, size_t idx) { return idx >= 64 || !(obj.used >> idx & 1); }
   bool any_key_left(const Frame& obj, const JsonSchema::Node& n) const;
+  uint32_t frame_rest(const Frame& f, bool top) const;  // json_closing.cpp
   void pop_done();
   Frame& top() { return stack_[size_t(depth_ - 1)]; }
   const Frame& top() const { return stack_[size_t(depth_ - 1)]; }

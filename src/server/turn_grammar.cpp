@@ -6,8 +6,7 @@ namespace moesrv {
 
 namespace {
 bool ws(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-constexpr uint8_t kMaxSpaces = 2;   // between structure elements
-constexpr uint8_t kFreeStep = 255;  // a call body that is not constrained
+constexpr uint8_t kMaxSpaces = 2;  // between structure elements
 
 // Keeps candidates (sorted) whose character at `off` is `c`; false when none is left.
 bool narrow(const std::vector<std::string>& cands, uint32_t& lo, uint32_t& hi, uint16_t& off, char c) {
@@ -207,7 +206,6 @@ bool TurnGrammar::call_marker(State& s, int32_t t) const {
 }
 
 // ---- GLM: NAME \n <arg_key>K</arg_key> \n <arg_value>V</arg_value> ... </tool_call> ----
-enum GlmStep : uint8_t { kGName, kGAfterName, kGKey, kGAfterKey, kGValue, kGAfterValue };
 
 bool TurnGrammar::glm_required_done(const State& s) const {
   const auto& n = args_node(s.tool);

@@ -74,9 +74,15 @@ class TurnGrammar {
   void mask(const State& s, std::vector<uint8_t>& mask) const;
   // End of turn allowed now (for callers that need to know, e.g. the forced-token logic).
   bool may_end(const State& s) const;
+  // Tokens that must still come, at least, before the turn may end, counting each character as a token (a
+  // byte-level vocabulary spells any text that way) and each marker as one; JsonSchema::kFar: it cannot end.
+  uint32_t tokens_to_end(const State& s) const;
   const TurnRules& rules() const { return rules_; }
 
  private:
+  static constexpr uint8_t kFreeStep = 255;  // a call body that is not constrained
+  // GLM: NAME \n <arg_key>K</arg_key> \n <arg_value>V</arg_value> ... </tool_call>
+  enum GlmStep : uint8_t { kGName, kGAfterName, kGKey, kGAfterKey, kGValue, kGAfterValue };
   struct Step {  // one element of a JSON-format call's layout
     enum Kind { kMarker, kLiteral, kName, kArgs } kind;
     int32_t marker = -1;
@@ -97,6 +103,11 @@ class TurnGrammar {
   bool glm_required_done(const State& s) const;
   bool glm_key_left(const State& s) const;
   const JsonSchema::Node& args_node(int tool) const;
+  // turn_closing.cpp
+  uint64_t call_rest(const State& s) const;             // from inside a call to its end
+  uint64_t whole_call() const;                          // a call's body, from its opening marker
+  uint64_t glm_missing(int tool, uint64_t used) const;  // the required GLM arguments not given yet
+  uint64_t glm_value_min(int tool, int key) const;
 
   TurnMarkers m_;
   const std::vector<ToolSpec>& tools_;
