@@ -338,12 +338,13 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer lraw, lqkv, lg, lbeta, lo, lfa, lgate;   // KDA, Gated DeltaNet
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
+    cuda::DeviceBuffer row_expert;  // expert of each sorted row of a planned pass (grouped EXL3 waves)
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
     // fp16 W_hat slabs of the GEMM path.
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
   } s;
-  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_logits;
+  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits;
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
   cuda::DeviceBuffer d_usage, d_usage_tokens;
   mutable std::unique_ptr<UsageStats> usage;
@@ -386,6 +387,15 @@ struct CudaEngine::Impl {
   // One expert over `cnt` sorted rows from row0: inputs h rows through sorted_tok[row0..], out s.ysorted rows from
   // buf0 (the row's place in the current wave).
   void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0, int64_t cnt);
+  // A wave of sorted rows [a, a + rows) of an all-VRAM EXL3 layer whose experts share shapes: each projection's input
+  // and output rotations run once for the wave (s.row_expert picks each row's signs from the expert table), the
+  // dequantization and GEMM per expert piece (expert, first sorted row, rows).
+  struct ExpertPiece {
+    int e;
+    int64_t row0, cnt;
+  };
+  void moe_exl3_wave(cuda::DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces);
+  int64_t exl3_wave_rows(const cuda::DevMoe& m) const;  // rows such a wave may hold (the EXL3 scratch's height)
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);

@@ -117,6 +117,36 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
   }
 }
 
+int64_t CudaEngine::Impl::exl3_wave_rows(const DevMoe& m) const {
+  int64_t in = 0, out = 0;
+  for (const Exl3Dev& w : m.x3_off[0]) in = std::max<int64_t>(in, w.in_pad), out = std::max<int64_t>(out, w.out_pad);
+  return std::min({moe_wave_rows, int64_t(s.x3_xh.bytes() / (size_t(in) * 2)), int64_t(s.x3_yr.bytes() / (size_t(out) * 4))});
+}
+
+void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const Exl3Dev* tab = m.x3_tab.as<Exl3Dev>();
+  const int32_t* ids = s.row_expert.as<int32_t>() + a;
+  uint16_t* xh = s.x3_xh.as<uint16_t>();
+  float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
+  const size_t w16 = s.x3_w16.bytes() / 2;
+  for (int p = 0; p < 3; ++p) {
+    const Exl3Dev& shape = m.x3_off[0][size_t(p)];
+    const Exl3Group g{tab + p * m.x3_stride, ids};
+    const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, s.sorted_tok.as<int32_t>() + a}
+                              : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};  // SwiGLU of gate | up
+    exl3_rotate_in(shape, g, src, int(rows), xh, true, stream);
+    for (const ExpertPiece& pc : pieces) {
+      const int64_t b0 = pc.row0 - a;
+      const Exl3Dev w = rebase(m.x3_off[size_t(pc.e)][size_t(p)], m.vram[size_t(pc.e)].as<void>());
+      exl3_gemm_rotated(w, xh + b0 * shape.in_pad, int(pc.cnt), yr + b0 * shape.out_pad, s.x3_w16.as<uint16_t>(), w16,
+                        false, cublas, stream);
+    }
+    if (p < 2) exl3_rotate_out(shape, g, yr, int(rows), gu + p * I, 2 * I, nullptr, stream);
+    else exl3_rotate_out(shape, g, yr, int(rows), s.ysorted.as<float>(), D, nullptr, stream);
+  }
+}
+
 void CudaEngine::Impl::expert_exl3(DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0,
                                    int64_t cnt) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;

@@ -210,10 +210,22 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
     const int e = gpu_runs[r].first;
     resident[r] = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
   }
-  const int64_t wave = moe_wave_rows;
+  // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
+  const bool grouped = m.exl3 && m.x3_grouped && m.all_vram && cpu_experts.empty();
+  if (grouped) {
+    int32_t* row_expert = h_row_expert.as<int32_t>();
+    for (const auto& [e, row0] : gpu_runs)
+      std::fill_n(row_expert + row0, by_expert[size_t(e)].size(), int32_t(e));
+    MOESRV_CUDA_OK(cudaMemcpyAsync(s.row_expert.as<void>(), row_expert, size_t(rows_total) * 4,
+                                   cudaMemcpyHostToDevice, stream));
+  }
+  const int64_t wave = grouped ? exl3_wave_rows(m) : moe_wave_rows;
+  if (wave < 1) fail("layer {}: MoE wave of no rows", l);
+  std::vector<ExpertPiece> pieces;
   size_t r = 0;  // first run that may reach into the wave
   for (int64_t a = 0; a < rows_total; a += wave) {
     const int64_t b = std::min(rows_total, a + wave);
+    pieces.clear();
     if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>() + a, int(b - a), int(D), s.xs.as<uint16_t>(), stream);
     for (size_t q = r; q < gpu_runs.size(); ++q) {
       const int e = gpu_runs[q].first;
@@ -221,6 +233,11 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       if (first >= b) break;
       if (end <= b) r = q + 1;
       const int64_t lo = std::max(first, a), cnt = std::min(end, b) - lo;
+      if (grouped) {
+        pieces.push_back({e, lo, cnt});
+        stats.routed_selections += cnt, stats.vram_selections += cnt;
+        continue;
+      }
       int slot = -1;
       const void* block = expert_weights(l, e, &slot);
       stats.routed_selections += cnt;
@@ -238,6 +255,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       }
       if (slot >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot)].free, stream));
     }
+    if (grouped) moe_exl3_wave(m, a, b - a, pieces);
     moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
                 int(a), int(b));
   }
