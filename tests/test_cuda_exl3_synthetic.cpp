@@ -417,7 +417,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         for (const SliceRun* run : {&r4, &r8}) {
           std::string raw;
           for (size_t p = 0; p < run->prefill_phase_s.size(); ++p)
-            raw += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " + std::to_string(run->prefill_phase_s[p]).substr(0, 6);
+            raw += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " +
+                   std::to_string(run->prefill_phase_s[p]).substr(0, 6);
           std::printf("[ perf ]   measured, %d layers:%s\n", run == &r4 ? 4 : 8, raw.c_str());
         }
         nlohmann::json row = {

@@ -915,9 +915,9 @@ TEST(CudaMlaKernels, TensorCorePrefillMatchesAttention) {
         for (int s = 0; s < S; ++s)
           for (int i = 0; i < sel_k; ++i) {
             const int r = int(rng() % 20);
-            sel[size_t(s * sel_k + i)] = (s == 3 && i >= 64 && i < 128) || r == 0 ? -1
-                                         : r == 1 ? pos0 + s + 1 + int(rng() % 50)
-                                                  : int(rng() % (pos0 + s + 1));
+            int v = r == 1 ? pos0 + s + 1 + int(rng() % 50) : int(rng() % (pos0 + s + 1));  // r == 1: a future key
+            if (r == 0 || (s == 3 && i >= 64 && i < 128)) v = -1;  // padding; token 3: a whole tile of it
+            sel[size_t(s * sel_k + i)] = v;
           }
         Dev<int32_t> dsel(sel);
         Dev<float> dq(uniform(size_t(S) * H * D, -0.2f, 0.2f, uint32_t(3 * D + H)));

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <iterator>
 #include <cstring>
+#include <iterator>
 
 #include "backend/cuda/engine_internal.h"
 #include "model/decoder.h"
@@ -299,7 +299,8 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     args.scale = float(c.softmax_scale);
     args.out = s.olat.as<float>();
     if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
-    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args)) mla_prefill_attention(args, stream);
+    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
+      mla_prefill_attention(args, stream);
     else attention(args, stream);
     phase(CudaPhase::AttnAbsorb);
     if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]

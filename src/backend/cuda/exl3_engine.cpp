@@ -120,7 +120,8 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
 int64_t CudaEngine::Impl::exl3_wave_rows(const DevMoe& m) const {
   int64_t in = 0, out = 0;
   for (const Exl3Dev& w : m.x3_off[0]) in = std::max<int64_t>(in, w.in_pad), out = std::max<int64_t>(out, w.out_pad);
-  return std::min({moe_wave_rows, int64_t(s.x3_xh.bytes() / (size_t(in) * 2)), int64_t(s.x3_yr.bytes() / (size_t(out) * 4))});
+  return std::min(
+      {moe_wave_rows, int64_t(s.x3_xh.bytes() / (size_t(in) * 2)), int64_t(s.x3_yr.bytes() / (size_t(out) * 4))});
 }
 
 void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces) {

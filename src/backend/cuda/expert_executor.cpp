@@ -214,10 +214,9 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   const bool grouped = m.exl3 && m.x3_grouped && m.all_vram && cpu_experts.empty();
   if (grouped) {
     int32_t* row_expert = h_row_expert.as<int32_t>();
-    for (const auto& [e, row0] : gpu_runs)
-      std::fill_n(row_expert + row0, by_expert[size_t(e)].size(), int32_t(e));
-    MOESRV_CUDA_OK(cudaMemcpyAsync(s.row_expert.as<void>(), row_expert, size_t(rows_total) * 4,
-                                   cudaMemcpyHostToDevice, stream));
+    for (const auto& [e, row0] : gpu_runs) std::fill_n(row_expert + row0, by_expert[size_t(e)].size(), int32_t(e));
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(s.row_expert.as<void>(), row_expert, size_t(rows_total) * 4, cudaMemcpyHostToDevice, stream));
   }
   const int64_t wave = grouped ? exl3_wave_rows(m) : moe_wave_rows;
   if (wave < 1) fail("layer {}: MoE wave of no rows", l);
@@ -285,7 +284,8 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   }
   for (int64_t t0 = 0; t0 < n; t0 += moe_rows) {
     const int64_t cnt = std::min(moe_rows, n - t0);
-    MOESRV_CUDA_OK(cudaMemcpyAsync(s.extra.as<void>(), out + t0 * D, size_t(cnt * D) * 4, cudaMemcpyHostToDevice, stream));
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(s.extra.as<void>(), out + t0 * D, size_t(cnt * D) * 4, cudaMemcpyHostToDevice, stream));
     moe_combine(y + t0 * D, nullptr, nullptr, nullptr, s.extra.as<float>(), int(cnt), int(k), int(D), stream, false, 0,
                 0);
   }

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int s0 = blockIdx.y * kMmaQueries, P0 = blockIdx.x * kMmaPools + warp * 16;
   const int last = min(S, s0 + kMmaQueries) - 1;
   const int pools = int(min((int64_t(*pos0) + last + 1) / kpool, int64_t(max_pools)));  // the most any query sees
-  if (P0 >= pools) return;                                                             // uniform over the warp
+  if (P0 >= pools) return;                                                              // uniform over the warp
   uint32_t a_hi[kSteps][4], a_lo[kSteps][4];  // keys of pools P0 + g (rows g) and P0 + g + 8, dims 16 j ..
 #pragma unroll
   for (int j = 0; j < kSteps; ++j) {
@@ -163,7 +163,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     const float* qh = q + (int64_t(sq) * nh + h) * d + 2 * t;
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      const float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j), v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
+      const float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j),
+                   v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
       uint32_t b0h, b0l, b1h, b1l;
       split_half2(v0.x, v0.y, b0h, b0l);
       split_half2(v1.x, v1.y, b1h, b1l);
@@ -250,9 +251,9 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
                              " floats exceeds shared memory");
   if (max_pools > 0 && S > kMmaQueries && kpool_mma_dim(d)) {  // prefill: tensor cores
     const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(ceil_div(S, kMmaQueries)));
-    const auto kernel = d == 16   ? kpool_score_mma_kernel<1>
-                        : d == 32 ? kpool_score_mma_kernel<2>
-                        : d == 64 ? kpool_score_mma_kernel<4>
+    const auto kernel = d == 16    ? kpool_score_mma_kernel<1>
+                        : d == 32  ? kpool_score_mma_kernel<2>
+                        : d == 64  ? kpool_score_mma_kernel<4>
                         : d == 128 ? kpool_score_mma_kernel<8>
                                    : kpool_score_mma_kernel<16>;
     kernel<<<grid, kMmaWarps * 32, 0, st>>>(q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);

@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = a.q_dim, D16 = padded_dim(D), RH = row_halves(D), RW = RH / 2;  // RW: 32-bit words per row
   const int NT = a.v_dim / 8;
-  half* q_h = reinterpret_cast<half*>(smem_raw);           // [2][kHeads][RH]: fp16(q), fp16(q - fp16(q))
-  half* kv_h = q_h + 2 * kHeads * RH;                       // [kKeys][RH]
-  half* p_h = kv_h + kKeys * RH;                            // [kHeads][kProbHalves]
+  half* q_h = reinterpret_cast<half*>(smem_raw);                      // [2][kHeads][RH]: fp16(q), fp16(q - fp16(q))
+  half* kv_h = q_h + 2 * kHeads * RH;                                 // [kKeys][RH]
+  half* p_h = kv_h + kKeys * RH;                                      // [kHeads][kProbHalves]
   float* s_f = reinterpret_cast<float*>(p_h + kHeads * kProbHalves);  // [kHeads][kKeys + 1]
   __shared__ int key_s[kKeys];
   __shared__ float corr_s[kHeads], l_s[kHeads];
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   }
   for (int i = tid; i < kKeys * (D16 - D); i += kThreads)  // the keys' padding columns, never gathered
     kv_h[(i / (D16 - D)) * RH + D + i % (D16 - D)] = __float2half_rn(0.0f);
-  if (tid < kHeads) l_s[tid] = 0.0f;  // read at the end even when every tile is padding
+  if (tid < kHeads) l_s[tid] = 0.0f;                           // read at the end even when every tile is padding
   float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.0f, 0.0f};  // softmax state of heads 2 * warp + j (lane-uniform)
   float o[VN][4];
 #pragma unroll
@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
 #pragma unroll
       for (int part = 0; part < 2; ++part) {  // q's fp16 value, then its remainder: ~fp32 scores
         const uint32_t* qp = qw + part * kHeads * RW;
-        mma_m16n8k16_f16(sc, qp[g * RW + kq], qp[(g + 8) * RW + kq], qp[g * RW + kq + 4], qp[(g + 8) * RW + kq + 4], b0, b1);
+        mma_m16n8k16_f16(sc, qp[g * RW + kq], qp[(g + 8) * RW + kq], qp[g * RW + kq + 4], qp[(g + 8) * RW + kq + 4], b0,
+                         b1);
       }
     }
     {
