@@ -35,10 +35,10 @@ san="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 cflags="-std=c++20 -O1 -g -fno-omit-frame-pointer $san -Isrc -Itests $(pkg-config --cflags fmt)"
 libs="$(pkg-config --libs fmt) -lpthread"
 
-server_srcs="src/server/chat_request.cpp src/server/json_schema.cpp src/server/output_parser.cpp src/server/turn_grammar.cpp"
+server_srcs="src/server/chat_request.cpp src/server/json_schema.cpp src/server/json_closing.cpp src/server/output_parser.cpp src/server/turn_grammar.cpp src/server/turn_closing.cpp"
 jinja_srcs=$(ls src/tokenizer/jinja/*.cpp)
 declare -A srcs=(
-  [fuzz_request]="src/server/chat_request.cpp src/server/json_schema.cpp"
+  [fuzz_request]="src/server/chat_request.cpp src/server/json_schema.cpp src/server/json_closing.cpp"
   [fuzz_jinja]="$jinja_srcs"
   [fuzz_tool_parser]="$server_srcs"
   [fuzz_safetensors]="src/format/safetensors.cpp src/format/tensor_view.cpp src/format/dtype.cpp"

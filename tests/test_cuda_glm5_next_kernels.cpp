@@ -23,6 +23,7 @@
 #include "util/numeric.h"
 
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include "backend/cuda/glm5_next_kernels.h"
@@ -440,8 +441,16 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
 
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
-  // S = 6: the logits spread over blocks (decode path); S = 40: one block per token.
-  for (auto [D, S] : {std::pair{128, 6}, std::pair{4096, 6}, std::pair{128, 40}, std::pair{4096, 40}}) {
+  // S = 6: the logits spread over blocks (decode path); S = 40: one block per token, or (with a cuBLAS handle,
+  // as the engine runs prefill) the logits from one GEMM.
+  cublasHandle_t blas = nullptr;
+  ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  struct Shape {
+    int D, S;
+    bool gemm;
+  };
+  for (auto [D, S, gemm] : {Shape{128, 6, false}, Shape{4096, 6, false}, Shape{128, 40, false},
+                            Shape{4096, 40, false}, Shape{128, 40, true}, Shape{4096, 40, true}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
     ModelConfig c;
     c.hidden_size = D;
@@ -467,7 +476,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     Dev<float> dh(size_t(S) * D), dpost(size_t(S) * n), dcomb(size_t(S) * n * n);
     cuda::hyper_enter(dx.get(), S, n, D, dfn.get(), dscale.get(), dbase.get(), dnorm.get(), float(c.rms_eps),
                       float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(), dpost.get(), dcomb.get(),
-                      nullptr);
+                      nullptr, gemm ? blas : nullptr);
     cuda::hyper_leave(dx.get(), dy.get(), dpost.get(), dcomb.get(), S, n, D, nullptr);
 
     std::vector<float> pre(static_cast<size_t>(n)), post(size_t(S) * n), comb(size_t(S) * n * n);
@@ -479,10 +488,10 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     res.enter(x.data(), S, norm, hw, h.data());
     res.leave(x.data(), S, y.data());
 
-    EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D << " S " << S;
-    EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D << " S " << S;
-    EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D << " S " << S;
-    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D << " S " << S;
+    EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
+    EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
+    EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
+    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
     // The Sinkhorn result is close to doubly stochastic: columns sum to ~1.
     const std::vector<float> cg = dcomb.host();
     for (int j = 0; j < n; ++j) {
@@ -507,6 +516,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     }
     EXPECT_LT(rel_err(dmean.host(), mean), 1e-5) << "D " << D << " S " << S;
   }
+  cublasDestroy(blas);
 }
 
 // ---------------------------------------------------------------- k-pool indexer

@@ -99,9 +99,10 @@ void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, 
 // pre = sigmoid(m*scale[0] + base) + hc_eps, post = 2 sigmoid(m*scale[1] + base), comb = Sinkhorn(softmax rows
 // + hc_eps) with the column-first order; h = rms_norm(sum_i pre_i x_i) * norm_w. fn [(2+n)*n, n*D], base
 // [(2+n)*n], scale [3], norm_w [D]: fp32 device. Outputs h [S, D], post [S, n], comb [S, n, n]. n <= 8.
+// cublas (a cublasHandle_t, optional): more than 16 tokens get their mixing logits from one fp32 GEMM.
 void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, cudaStream_t st);
+                 float* comb, cudaStream_t st, void* cublas = nullptr);
 // Sub-layer exit (cpu::Residual::leave): x_j = post_j * y + sum_i comb[i][j] * x_i (old values), in place.
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st);
 // x [S, n*D] = the embedding rows e [S, D] copied to every stream.

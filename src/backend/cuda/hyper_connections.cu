@@ -1,6 +1,8 @@
 // mHC (manifold-constrained hyper-connections) around each sub-layer: the per-token mixing weights (pre, post,
 // Sinkhorn comb), the collapsed and normalised sub-layer input, and the stream update; one block per token.
 // Same math and eps placements as cpu::hyper_mix / cpu::Residual (src/backend/cpu/residual.cpp).
+#include <cublas_v2.h>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -19,11 +21,11 @@ constexpr int kDotChunks = 16;    // ... each of them split over up to this many
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // Decode: the mixing logits fn[kk] . X (kk < mix) and X . X (kk == mix) of token s, chunk c of the n*D values per
-// block (grid (mix + 1, chunks, S)), so that hundreds of blocks share the reads. The partial sums are parked in the
-// token's h row at [kk * chunks + c] until hyper_enter_kernel adds them up in chunk order.
+// block (grid (mix + 1 - kk0, chunks, S), kk = kk0 + x), so that hundreds of blocks share the reads. The partial sums
+// are parked in the token's h row at [kk * chunks + c] until hyper_enter_kernel adds them up in chunk order.
 __global__ void __launch_bounds__(kThreads)
-    hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix, float* h) {
-  const int kk = blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
+    hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix, int kk0, float* h) {
+  const int kk = kk0 + blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
   const int64_t W = int64_t(n) * D, per = (W + chunks - 1) / chunks, i0 = c * per, i1 = min(W, i0 + per);
   const float* X = x + s * W;
   const float* row = kk < mix ? fn + kk * W : X;
@@ -252,16 +254,32 @@ void check_streams(int n, const char* what) {
 
 void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, cudaStream_t st) {
+                 float* comb, cudaStream_t st, void* cublas) {
   check_streams(n, "hyper_enter");
   if (S <= 0) return;
   // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM; the logits and X . X go
   // to (mix + 1) x chunks blocks per token first (their partials fit the token's h row).
   const int mix = (2 + n) * n;
-  const int chunks = S <= kSplitTokens ? std::min(kDotChunks, D / (mix + 1)) : 0;
+  const int64_t W = int64_t(n) * D;
+  int chunks = S <= kSplitTokens ? std::min(kDotChunks, D / (mix + 1)) : 0;
   if (chunks > 0) {
-    hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, h);
+    hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, 0,
+                                                                                                   h);
     MOESRV_CUDA_LAUNCH_CHECK();
+  } else if (cublas && D > mix) {
+    // Many tokens (prefill): a block per token would read all of fn per token; the logits of every token as one fp32
+    // GEMM into the tokens' h rows (h[s][kk] = fn[kk] . X_s), X . X per token into h[s][mix]: one chunk each.
+    cublasHandle_t blas = static_cast<cublasHandle_t>(cublas);
+    cudaStream_t cur = nullptr;
+    if (cublasGetStream(blas, &cur) != CUBLAS_STATUS_SUCCESS || (cur != st && cublasSetStream(blas, st) != CUBLAS_STATUS_SUCCESS))
+      throw std::runtime_error("hyper_enter: cublas stream");
+    const float one = 1.0f, zero = 0.0f;
+    if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
+        CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error("hyper_enter: cublasSgemm failed");
+    hyper_dot_kernel<<<dim3(1, 1, unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, mix, h);
+    MOESRV_CUDA_LAUNCH_CHECK();
+    chunks = 1;
   }
   hyper_enter_kernel<<<S, kEnterThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters,
                                                   chunks, h, post, comb);
