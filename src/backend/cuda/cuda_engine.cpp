@@ -433,7 +433,7 @@ class CudaBlocks final : public BlockExecutor {
 
 // Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
 void CudaEngine::Impl::run_layers(int64_t S) {
-  clock.active = opt.time_phases && S > 1;
+  clock.begin(opt.time_phases && S > 1);
   phase(CudaPhase::Residual);
   CudaBlocks blocks(*this, S);
   blocks.embed();
