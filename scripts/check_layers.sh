@@ -3,6 +3,8 @@
 #
 #   util(0) < format, tokenizer(1) < model(2) < backend(3) < runtime, serving(4) < server(5) < tools(6) < cli(7) < src/main.cpp(8)
 #
+# Inside backend/, cpu/ never includes cuda/.
+#
 # Every `#include "area/..."` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include whose rank
 # is higher than the including file's is a violation. Areas of equal rank (format, tokenizer) may include each
 # other. Includes that do not start with a known area (same-folder "ops.h", system headers) are not checked.
@@ -51,6 +53,13 @@ if [[ -s $tmp/unknown ]]; then
   for a in $(sort -u "$tmp/unknown"); do
     echo "check_layers: src/$a/ has no rank; add it to the rank table in scripts/check_layers.sh" >&2
   done
+fi
+# Backends are siblings: the CPU backend never includes the CUDA one (CPU-only builds have no CUDA headers; shared
+# pieces live in backend/ itself).
+if cross=$(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"backend/cuda/' src/backend/cpu); then
+  status=1
+  echo "check_layers: backend/cpu includes backend/cuda:" >&2
+  sed 's/^/  /' <<<"$cross" >&2
 fi
 if [[ -f $allow ]]; then
   sed -E 's/#.*//; s/[[:space:]]+->[[:space:]]+/ -> /; s/^[[:space:]]+//; s/[[:space:]]+$//' "$allow" | grep -v '^$' \

@@ -218,7 +218,7 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
 TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
   SKIP_WITHOUT_CUDA();
   const auto pkg = ModelPackage::open(tiny(GetParam()));
-  if (ModelConfig::from_json(pkg->config()).attention != AttentionKind::MLA) GTEST_SKIP() << "not an MLA model";
+  if (ModelSpec::from_json(pkg->config()).attention != AttentionKind::MLA) GTEST_SKIP() << "not an MLA model";
   auto all = ids(GetParam(), "gen_ids");
   std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
   CudaEngineOptions split, per_head;
@@ -360,7 +360,7 @@ TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
   // A budget that fits the dense part and a few experts: the plan puts the rest on the CPU.
   auto full = gpu_engine(GetParam());
   const auto pkg = ModelPackage::open(tiny(GetParam()));
-  const ModelConfig cfg = ModelConfig::from_json(pkg->config());  // flat or nested (text_config)
+  const ModelSpec cfg = ModelSpec::from_json(pkg->config());  // flat or nested (text_config)
   int64_t experts = 0;
   for (auto& l : full->placement()) experts += int64_t(l.size());
   const double expert_bytes = 6.0 * double(cfg.moe_intermediate_size) * double(cfg.hidden_size);

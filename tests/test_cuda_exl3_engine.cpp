@@ -57,7 +57,7 @@ std::string exl3_tiny(const Variant& v) {
   const fs::path dir = fs::path(cache ? cache : fs::temp_directory_path().string()) /
                        fmt::format("moesrv_exl3_{}_k{}_h{}_{}", v.model, v.bits, v.head_bits, exl3_codebook_name(v.cb));
   if (fs::exists(dir / "converted")) return dir.string();
-  const int64_t layers = ModelConfig::from_json(ModelPackage::open(tiny(v.model))->config()).num_layers;
+  const int64_t layers = ModelSpec::from_json(ModelPackage::open(tiny(v.model))->config()).num_layers;
   Exl3ConvertOptions opt;
   opt.bits = v.bits;
   opt.head_bits = v.head_bits;
@@ -138,7 +138,7 @@ TEST_P(CudaExl3, PrefillAndGreedyDecodeMatchCpu) {
   // A DSA / k-pool indexer picks keys by a discrete top-k: bf16 activations move its near-ties (and the GPU breaks
   // exact ties toward lower positions, the CPU in torch.topk's order), so decode rows may part where a pick flips,
   // as test_cuda_engine allows for glm_moe_dsa and glm5_next.
-  const bool selects_keys = ModelConfig::from_json(ModelPackage::open(dir)->config()).dsa;
+  const bool selects_keys = ModelSpec::from_json(ModelPackage::open(dir)->config()).dsa;
   auto all = ids(v.model, "gen_ids");
   std::vector<int32_t> prompt(all.begin(), all.begin() + 40);
   cs = cpu->new_sequence();

@@ -77,7 +77,7 @@ std::shared_ptr<ModelPackage> synthetic_exl3(std::shared_ptr<ModelPackage> bf, i
 TEST(CudaExl3Footprint, PackageFootprintUsesStoredBytes) {
   auto cfg = tiny_moe_config(2);
   cfg["moe_intermediate_size"] = 128;  // 128-aligned experts (the synthetic EXL3 skips unaligned shapes)
-  const ModelConfig c = ModelConfig::from_json(cfg);
+  const ModelSpec c = ModelSpec::from_json(cfg);
   auto bf = make_synthetic_model(cfg);
   auto q = synthetic_exl3(bf, 3);
   const ModelFootprint fc = footprint_from_config(c), fb = footprint_from_package(c, *bf),
@@ -277,7 +277,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   const std::vector<std::string> routings = env_list("MOESRV_BENCH_ROUTING", "uniform");
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
   constexpr int kFull = 45, kDecode = 32;
-  const ModelConfig c45 = ModelConfig::from_json(glm5_next_config(kFull));
+  const ModelSpec c45 = ModelSpec::from_json(glm5_next_config(kFull));
   const int64_t E = c45.n_routed_experts, K = c45.experts_per_token;
   nlohmann::json results = nlohmann::json::array();
 
@@ -287,7 +287,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     so.router_skew = routing == "skewed" ? 0.05 : 0.0;
     std::map<int, std::shared_ptr<ModelPackage>> pkg;
     for (int layers : {4, 8}) pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4);
-    const ModelConfig c4 = ModelConfig::from_json(pkg[4]->config());
+    const ModelSpec c4 = ModelSpec::from_json(pkg[4]->config());
     const ModelFootprint fp4 = footprint_from_package(c4, *pkg[4]);
     // The whole model's footprint and usage: the slice's 4 layers repeated.
     ModelFootprint fp45 = fp4;

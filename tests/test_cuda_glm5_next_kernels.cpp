@@ -294,7 +294,7 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
   SKIP_WITHOUT_DEVICE();
   for (auto [H, d, lb] : {std::tuple{4, 32, true}, std::tuple{64, 128, true}, std::tuple{8, 64, false}}) {
     const int D = H == 4 ? 128 : 256, Hd = H * d, C = 3 * Hd, K = 4;
-    ModelConfig c;
+    ModelSpec c;
     c.hidden_size = D;
     c.rms_eps = 1e-6;
     c.linear.k_heads = c.linear.v_heads = H;
@@ -390,7 +390,7 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
   for (const Case& cs : {Case{2, 2, 32, 32, 128}, Case{16, 2, 128, 128, 256}}) {
     const int Hk = cs.Hk, r = cs.r, Hv = Hk * r, dk = cs.dk, dv = cs.dv, D = cs.D, K = 4;
     const int QK = Hk * dk, V = Hv * dv, C = 2 * QK + V, group = 2 * dk + 2 * r * dv;
-    ModelConfig c;
+    ModelSpec c;
     c.hidden_size = D;
     c.rms_eps = 1e-6;
     c.linear.k_heads = Hk;
@@ -452,7 +452,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   for (auto [D, S, gemm] : {Shape{128, 6, false}, Shape{4096, 6, false}, Shape{128, 40, false},
                             Shape{4096, 40, false}, Shape{128, 40, true}, Shape{4096, 40, true}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
-    ModelConfig c;
+    ModelSpec c;
     c.hidden_size = D;
     c.rms_eps = 1e-6;
     c.residual.hyper = true;
@@ -531,7 +531,7 @@ void run_kpool_case(const KpoolCase& kc) {
   int total = 0;
   for (int S : kc.batches) total += S;
   const int max_pools = total / kp + 1;
-  ModelConfig c;
+  ModelSpec c;
   c.index_n_heads = nh;
   c.index_head_dim = d;
   c.index_kpool = kp;
@@ -698,9 +698,9 @@ TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
 
 // The sigmoid router (DeepSeek-V3 / GLM: correction bias for the choice, optional group limit) against route_token,
 // with logits on a coarse grid so that many scores tie exactly: ids in pick order and weights must match.
-// The router fields of a ModelConfig (route_token's inputs).
-ModelConfig router_config(RouterKind kind, int E, int k, int groups, int topk_groups, bool norm, double scaling) {
-  ModelConfig c;
+// The router fields of a ModelSpec (route_token's inputs).
+ModelSpec router_config(RouterKind kind, int E, int k, int groups, int topk_groups, bool norm, double scaling) {
+  ModelSpec c;
   c.router = kind;
   c.n_routed_experts = E;
   c.experts_per_token = k;
@@ -721,7 +721,7 @@ TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
   for (const Case& cs : {Case{288, 8, 1, 1, true, 0}, Case{288, 8, 1, 1, true, 4}, Case{256, 8, 8, 4, true, 0},
                          Case{256, 8, 8, 4, true, 2}, Case{64, 6, 1, 1, false, 0}, Case{1024, 16, 16, 3, true, 8}}) {
     const int S = 13;
-    const ModelConfig c = router_config(RouterKind::SigmoidGroup, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 2.5);
+    const ModelSpec c = router_config(RouterKind::SigmoidGroup, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 2.5);
     std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 500 + uint32_t(cs.E));
     std::vector<float> bias = uniform(size_t(cs.E), -0.05f, 0.05f, 501);
     if (cs.levels > 0) {
@@ -785,7 +785,7 @@ TEST(CudaQwen3NextKernels, SoftmaxRouterMatchesRouteToken) {
   for (const Case& cs :
        {Case{16, 4, 1, 1, true}, Case{512, 10, 1, 1, true}, Case{64, 6, 1, 1, false}, Case{64, 4, 8, 3, true}}) {
     const int S = 9;
-    const ModelConfig c = router_config(RouterKind::Softmax, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 1.0);
+    const ModelSpec c = router_config(RouterKind::Softmax, cs.E, cs.k, cs.groups, cs.topk_groups, cs.norm, 1.0);
     const std::vector<float> logits = uniform(size_t(S) * cs.E, -4.0f, 4.0f, 400 + uint32_t(cs.E));
     const std::vector<float> bias(size_t(cs.E), 0.0f);
     Dev<float> dlogits(logits), dbias(bias), dw(size_t(S) * cs.k);

@@ -25,7 +25,7 @@ using namespace moesrv::testing;
 
 // The stage boundary: the first shared-indexer layer (its top-k must cross the hand-off) when the model has one,
 // else the middle of the model.
-[[maybe_unused]] int64_t split_of(const ModelConfig& c) {
+[[maybe_unused]] int64_t split_of(const ModelSpec& c) {
   for (int64_t l = 1; l < c.num_layers; ++l)
     if (c.layers[size_t(l)].indexer == IndexerKind::Shared) return l;
   return c.num_layers / 2;
@@ -53,7 +53,7 @@ TEST_P(CudaPipeline, TwoStagesMatchOneEngine) {
   SKIP_WITHOUT_CUDA();
   const auto& [model, chunk] = GetParam();
   auto pkg = ModelPackage::open(hf_tiny(model));
-  const ModelConfig c = ModelConfig::from_json(pkg->config());
+  const ModelSpec c = ModelSpec::from_json(pkg->config());
   const int64_t split = split_of(c), V = c.vocab_size;
   CudaEngineOptions opt;
   opt.max_ctx = 512;
@@ -95,7 +95,7 @@ TEST_P(CudaPipeline, CloneAndTruncateReplayIdentically) {
   SKIP_WITHOUT_CUDA();
   const auto& [model, chunk] = GetParam();
   auto pkg = ModelPackage::open(hf_tiny(model));
-  const ModelConfig c = ModelConfig::from_json(pkg->config());
+  const ModelSpec c = ModelSpec::from_json(pkg->config());
   CudaEngineOptions opt;
   opt.max_ctx = 512;
   opt.prefill_chunk = chunk;
@@ -132,7 +132,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CudaPipelineDsa, SharedLayerSelectionCrossesTheHandOff) {
   SKIP_WITHOUT_CUDA();
   auto pkg = ModelPackage::open(hf_tiny("glm_moe_dsa"));
-  const ModelConfig c = ModelConfig::from_json(pkg->config());
+  const ModelSpec c = ModelSpec::from_json(pkg->config());
   ASSERT_EQ(c.layers[2].indexer, IndexerKind::Shared);
   Reference ref = load_reference("glm_moe_dsa");
   ASSERT_GT(int64_t(ref.input_ids.size()), c.index_topk + 8) << "prompt must exceed index_topk to exercise top-k";
@@ -227,7 +227,7 @@ TEST(CudaPipelineBench, HandOffOverheadPerToken) {
   auto secs = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   for (const char* model : {"deepseek_v3", "glm4_moe", "glm_moe_dsa", "glm5_next"}) {
     auto pkg = ModelPackage::open(hf_tiny(model));
-    const ModelConfig c = ModelConfig::from_json(pkg->config());
+    const ModelSpec c = ModelSpec::from_json(pkg->config());
     CudaEngineOptions opt;
     opt.max_ctx = 1024;
     CudaEngine single(pkg, opt);
@@ -257,7 +257,7 @@ TEST(CudaPipeline, CpuBuildFailsClearly) {
   EXPECT_EQ(cuda_device_count(), 0);
   EXPECT_THROW(make_cuda_pipeline(ModelPackage::open(hf_tiny("deepseek_v3")), {CudaEngineOptions{}}, {2}),
                std::exception);
-  EXPECT_EQ(split_of(ModelConfig::from_json(ModelPackage::open(hf_tiny("glm_moe_dsa"))->config())), 2);
+  EXPECT_EQ(split_of(ModelSpec::from_json(ModelPackage::open(hf_tiny("glm_moe_dsa"))->config())), 2);
 }
 
 #endif

@@ -18,7 +18,7 @@ struct Routed {
   std::vector<std::vector<float>> weights;
 };
 
-Routed route(const MoeWeights& w, const ModelConfig& c, const std::vector<float>& x, int64_t S) {
+Routed route(const MoeWeights& w, const ModelSpec& c, const std::vector<float>& x, int64_t S) {
   std::vector<float> logits(size_t(S * c.n_routed_experts));
   gemm_f32(x.data(), S, w.router.data(), c.n_routed_experts, c.hidden_size, logits.data());
   Routed r;
@@ -41,7 +41,7 @@ std::vector<float> random_rows(int64_t S, int64_t D, uint32_t seed) {
 
 TEST(CpuExpertPool, MatchesMoeForward) {
   auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)), load_linear);
-  const ModelConfig& c = w->config;
+  const ModelSpec& c = w->config;
   const MoeWeights& moe = *w->layers[0].moe;
   const int64_t D = c.hidden_size;
   CpuExpertPool pool;
@@ -68,7 +68,7 @@ TEST(CpuExpertPool, MatchesMoeForward) {
 
 TEST(CpuExpertPool, SplitBatchesAccumulateAndErrorsPropagate) {
   auto w = ModelWeights::load(make_synthetic_model(tiny_moe_config(1)), load_linear);
-  const ModelConfig& c = w->config;
+  const ModelSpec& c = w->config;
   const MoeWeights& moe = *w->layers[0].moe;
   const int64_t D = c.hidden_size, S = 5;
   auto x = random_rows(S, D, 99);

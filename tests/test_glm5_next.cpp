@@ -281,7 +281,7 @@ TEST(Glm5NextErrors, UnknownMlpAndIndexerTypesAreNamed) {
     json bad = nested_config();
     bad["text_config"][key][index] = value;
     try {
-      ModelConfig::from_json(bad);
+      ModelSpec::from_json(bad);
       ADD_FAILURE() << key << " " << value << " accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
@@ -293,7 +293,7 @@ TEST(Glm5NextErrors, UnknownLayerTypeAndMissingTensorsAreNamed) {
   json bad = nested_config();
   bad["text_config"]["layer_types"][2] = "mamba2";
   try {
-    ModelConfig::from_json(bad);
+    ModelSpec::from_json(bad);
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("layer_types[2] is mamba2"), std::string::npos) << e.what();

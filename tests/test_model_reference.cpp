@@ -100,7 +100,7 @@ TEST_P(LayerReference, LayerOutputsAndSelectionsMatch) {
   auto engine = CpuEngine::open(hf_tiny(GetParam()));
   Reference ref = load_reference(GetParam());
   auto layers = SafetensorsFile::open(hf_tiny(GetParam()) + "/reference_layers.safetensors");
-  const ModelConfig& c = engine->config();
+  const ModelSpec& c = engine->config();
   const int64_t S = int64_t(ref.input_ids.size()), W = c.stream_width();
   auto seq = engine->new_sequence();
   CpuSequence& cs = engine->own_sequence(*seq);

@@ -109,7 +109,7 @@ TEST(MultiGpuPlan, BudgetListParsing) {
 TEST(MultiGpuPlan, CostsFromARealConfig) {
   std::ifstream f(std::string(MOESRV_TESTDATA) + "/hf-tiny/glm_moe_dsa/config.json");
   ASSERT_TRUE(f) << "missing test model";
-  ModelConfig cfg = ModelConfig::from_json(nlohmann::json::parse(f));
+  ModelSpec cfg = ModelSpec::from_json(nlohmann::json::parse(f));
   ModelFootprint fp = footprint_from_config(cfg);
   auto costs = layer_split_costs(cfg, fp, 1024, std::vector<int64_t>(size_t(cfg.num_layers), cfg.n_routed_experts));
   ASSERT_EQ(int64_t(costs.vram_bytes.size()), cfg.num_layers);

@@ -75,7 +75,7 @@ INSTANTIATE_TEST_SUITE_P(HfTiny, Pipeline, ::testing::Values("deepseek_v3", "glm
 // it must reuse layer 1's top-k, which travels in StageActivations::selection.
 TEST(PipelineDsa, SharedLayerSelectionCrossesStageBoundary) {
   std::shared_ptr<CpuEngine> cpu = CpuEngine::open(hf_tiny("glm_moe_dsa"));
-  const ModelConfig& c = cpu->config();
+  const ModelSpec& c = cpu->config();
   ASSERT_TRUE(c.dsa);
   ASSERT_TRUE(c.layer_has_indexer[1]);
   ASSERT_FALSE(c.layer_has_indexer[2]);
@@ -114,7 +114,7 @@ TEST(PipelineDsa, SelectionRoundTripsThroughTheDeviceLayout) {
   for (const char* model : {"glm_moe_dsa", "glm5_next"}) {
     SCOPED_TRACE(model);
     std::shared_ptr<CpuEngine> cpu = CpuEngine::open(hf_tiny(model));
-    const ModelConfig& c = cpu->config();
+    const ModelSpec& c = cpu->config();
     int64_t own = -1;
     for (int64_t l = 0; l < c.num_layers && own < 0; ++l)
       if (c.layers[size_t(l)].indexer == IndexerKind::Own) own = l;

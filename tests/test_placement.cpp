@@ -15,10 +15,10 @@
 namespace moesrv {
 namespace {
 
-ModelConfig glm5(int64_t layers, int64_t dense_layers = 3) {
+ModelSpec glm5(int64_t layers, int64_t dense_layers = 3) {
   auto j = glm5_config(layers);
   j["first_k_dense_replace"] = dense_layers;
-  return ModelConfig::from_json(j);
+  return ModelSpec::from_json(j);
 }
 
 int64_t sum_homes(const LayerPlacement& L) {
@@ -26,7 +26,7 @@ int64_t sum_homes(const LayerPlacement& L) {
 }
 
 TEST(Placement, KvCacheBytesMlaPlusIndexer) {
-  ModelConfig c = glm5(2, 0);
+  ModelSpec c = glm5(2, 0);
   // (512 + 64) * 2 bytes latent + rope key, 128 * 2 bytes indexer key, per token per layer.
   EXPECT_EQ(kv_cache_bytes(c, 1000), uint64_t(2 * 1000 * (576 * 2 + 128 * 2)));
   EXPECT_EQ(kv_cache_bytes(c, 1000, 2, 1), uint64_t(2 * 1000 * (576 * 2 + 128)));
@@ -48,7 +48,7 @@ TEST(Placement, FootprintMatchesLoadedWeights) {
 }
 
 TEST(Placement, HybridRespectsBudgetWithEqualSlots) {
-  ModelConfig c = glm5(78);
+  ModelSpec c = glm5(78);
   ModelFootprint fp = footprint_from_config(c, /*expert_bits=*/2.0, /*dense_bits=*/4.0);
   PlacementRequest req;
   req.vram_budget = 22 * kGiB;
@@ -81,7 +81,7 @@ TEST(Placement, HybridRespectsBudgetWithEqualSlots) {
 }
 
 TEST(Placement, AllInVramAndTooSmall) {
-  ModelConfig c = ModelConfig::from_json(tiny_moe_config(2));
+  ModelSpec c = ModelSpec::from_json(tiny_moe_config(2));
   ModelFootprint fp = footprint_from_config(c);
   PlacementRequest req;
   req.vram_budget = 4 * kGiB;
@@ -100,7 +100,7 @@ TEST(Placement, AllInVramAndTooSmall) {
   }
 }
 
-UsageStats skewed_usage(const ModelConfig& c, int64_t concentrated_layer) {
+UsageStats skewed_usage(const ModelSpec& c, int64_t concentrated_layer) {
   UsageStats u(c.num_layers, c.n_routed_experts, c.experts_per_token);
   for (int64_t l = 0; l < c.num_layers; ++l)
     for (int t = 0; t < 400; ++t) {
@@ -114,7 +114,7 @@ UsageStats skewed_usage(const ModelConfig& c, int64_t concentrated_layer) {
 }
 
 TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
-  ModelConfig c = glm5(6, 0);
+  ModelSpec c = glm5(6, 0);
   ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
   UsageStats usage = skewed_usage(c, /*concentrated_layer=*/2);
   PlacementRequest req;
@@ -145,7 +145,7 @@ TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
 }
 
 TEST(Placement, ColdSplitFollowsCostModel) {
-  ModelConfig c = glm5(4, 0);
+  ModelSpec c = glm5(4, 0);
   ModelFootprint fp = footprint_from_config(c, 4.0, 4.0);
   PlacementRequest req;
   req.context = 8192;
@@ -178,7 +178,7 @@ TEST(Placement, ColdSplitFollowsCostModel) {
 }
 
 TEST(Placement, EstimatesImproveWithVram) {
-  ModelConfig c = glm5(78);
+  ModelSpec c = glm5(78);
   ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
   PlacementRequest req;
   req.context = 8192;
@@ -208,7 +208,7 @@ TEST(Placement, Glm5NextStepReadsStateByLayerKind) {
   for (int64_t kpool : {16, 4}) {
     nlohmann::json j = read_json_file(std::string(MOESRV_TESTDATA) + "/hf-tiny/info/cfg_glm5_next.json");
     j["text_config"]["index_kpool"] = kpool;
-    const ModelConfig c = ModelConfig::from_json(j);
+    const ModelSpec c = ModelSpec::from_json(j);
     ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
     PlacementRequest req;
     req.vram_budget = uint64_t(1) << 62;

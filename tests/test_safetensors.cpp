@@ -172,13 +172,13 @@ TEST(Package, ShardedPackageServesTheSameModel) {
 TEST(Config, BadConfigsAreClearErrors) {
   nlohmann::json c = read_json_file(kModel + "/config.json");
   c["model_type"] = "llama";
-  expect_error([&] { ModelConfig::from_json(c); }, "not supported");
+  expect_error([&] { ModelSpec::from_json(c); }, "not supported");
   c = read_json_file(kModel + "/config.json");
   c.erase("kv_lora_rank");
-  expect_error([&] { ModelConfig::from_json(c); }, "kv_lora_rank");
+  expect_error([&] { ModelSpec::from_json(c); }, "kv_lora_rank");
   c = read_json_file(kModel + "/config.json");
   c["hidden_size"] = "wide";
-  expect_error([&] { ModelConfig::from_json(c); }, "wrong type");
+  expect_error([&] { ModelSpec::from_json(c); }, "wrong type");
 }
 
 TEST(Engine, RejectsOutOfVocabTokensAndOverlongContext) {

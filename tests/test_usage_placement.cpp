@@ -19,7 +19,7 @@ TEST(UsagePlacement, EngineRecordsPersistsMergesAndPins) {
   for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(fs::path(src) / f, dir / f);
 
   auto engine = CpuEngine::open(dir.string());
-  const ModelConfig& c = engine->config();
+  const ModelSpec& c = engine->config();
   auto seq = engine->new_sequence();
   std::vector<int32_t> prompt;
   for (int i = 0; i < 48; ++i) prompt.push_back((i * 37) % 1000);

@@ -7,7 +7,7 @@
 
 namespace moesrv {
 
-RoutedExperts route_token(const float* logits, const float* bias, const ModelConfig& c) {
+RoutedExperts route_token(const float* logits, const float* bias, const ModelSpec& c) {
   const int64_t E = c.n_routed_experts, G = c.n_group, per = E / G;
   std::vector<float> s(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
   if (c.router == RouterKind::Softmax) {  // softmax over all experts; no correction bias

@@ -13,6 +13,6 @@ struct RoutedExperts {
 };
 
 // `logits`: router logits for one token [E] (fp32). `bias`: e_score_correction_bias [E].
-RoutedExperts route_token(const float* logits, const float* bias, const ModelConfig& c);
+RoutedExperts route_token(const float* logits, const float* bias, const ModelSpec& c);
 
 }  // namespace moesrv

@@ -104,7 +104,4 @@ struct ModelSpec {
   static ModelSpec from_json(const nlohmann::json& j);
 };
 
-// Transitional name: most code still says ModelConfig.
-using ModelConfig = ModelSpec;
-
 }  // namespace moesrv

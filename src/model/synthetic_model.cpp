@@ -225,7 +225,7 @@ std::vector<float> skewed_router_bias(int64_t experts, int64_t layer, double ske
 }  // namespace
 
 std::shared_ptr<ModelPackage> make_synthetic_model(const json& config, const SyntheticOptions& opt) {
-  const ModelConfig c = ModelConfig::from_json(config);
+  const ModelSpec c = ModelSpec::from_json(config);
   const std::string root = config.contains("text_config") ? "model.language_model." : "model.";
   Builder b(opt);
   // Experts beyond `distinct` alias the weights of expert e % distinct (each keeps its own name and identity).

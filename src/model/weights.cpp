@@ -43,7 +43,7 @@ MlpWeights load_mlp(const LinearLoader& make, const ModelPackage& pkg, const std
   return m;
 }
 
-MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p,
+MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const std::string& p,
                     int64_t layer) {
   MlaWeights a;
   int64_t H = c.num_heads, qk = c.qk_head_dim(), r = c.kv_lora_rank, dn = c.qk_nope_dim, dv = c.v_head_dim;
@@ -84,7 +84,7 @@ MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const Mod
   return a;
 }
 
-GqaWeights load_gqa(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+GqaWeights load_gqa(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const std::string& p) {
   GqaWeights g;
   int64_t hd = c.head_dim;
   g.q = linear(make, pkg, p + ".q_proj", c.hidden_size, c.num_heads * hd * (c.attn_output_gate ? 2 : 1));
@@ -101,7 +101,7 @@ GqaWeights load_gqa(const LinearLoader& make, const ModelPackage& pkg, const Mod
   return g;
 }
 
-MoeWeights load_moe(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+MoeWeights load_moe(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const std::string& p) {
   MoeWeights m;
   const TensorView& gate = pkg.require(p + ".gate.weight");
   if (gate.numel() != c.n_routed_experts * c.hidden_size)
@@ -134,7 +134,7 @@ std::vector<float> load_conv(const ModelPackage& pkg, const std::string& p, cons
   return w;
 }
 
-KdaWeights load_kda(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+KdaWeights load_kda(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const std::string& p) {
   const LinearAttnDims& la = c.linear;
   const int64_t D = c.hidden_size, H = la.v_heads, d = la.dk, Hd = H * d;
   KdaWeights w;
@@ -154,7 +154,7 @@ KdaWeights load_kda(const LinearLoader& make, const ModelPackage& pkg, const Mod
   return w;
 }
 
-GatedDeltaWeights load_gated_delta(const LinearLoader& make, const ModelPackage& pkg, const ModelConfig& c,
+GatedDeltaWeights load_gated_delta(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c,
                                    const std::string& p) {
   const LinearAttnDims& la = c.linear;
   const int64_t D = c.hidden_size;
@@ -169,7 +169,7 @@ GatedDeltaWeights load_gated_delta(const LinearLoader& make, const ModelPackage&
   return w;
 }
 
-HyperWeights load_hyper(const ModelPackage& pkg, const ModelConfig& c, const std::string& p) {
+HyperWeights load_hyper(const ModelPackage& pkg, const ModelSpec& c, const std::string& p) {
   const int64_t hc = c.residual.streams, mix = (2 + hc) * hc;
   return {load_f32(pkg, p + "_fn", mix * hc * c.hidden_size), load_f32(pkg, p + "_base", mix), load_f32(pkg, p + "_scale", 3)};
 }
@@ -196,7 +196,7 @@ void refuse_unindexed(const ModelPackage& pkg, const std::string& root) {
 
 // Every tensor of the manifest must be present (a matrix as .weight or EXL3 .trellis; KDA's q/k/v convs apart or
 // merged): a layer with missing tensors is refused with all their names.
-void refuse_missing(const ModelPackage& pkg, const ModelConfig& c, const std::string& root) {
+void refuse_missing(const ModelPackage& pkg, const ModelSpec& c, const std::string& root) {
   std::vector<std::string> missing;
   for (const TensorEntry& t : manifest(c, root)) {
     if (t.optional || pkg.has(t.name)) continue;
@@ -215,8 +215,8 @@ void refuse_missing(const ModelPackage& pkg, const ModelConfig& c, const std::st
 std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> pkg, const LinearLoader& make) {
   auto w = std::make_unique<ModelWeights>();
   w->package = pkg;
-  w->config = ModelConfig::from_json(pkg->config());
-  const ModelConfig& c = w->config;
+  w->config = ModelSpec::from_json(pkg->config());
+  const ModelSpec& c = w->config;
   const bool nested = pkg->has("model.language_model.embed_tokens.weight") ||
                       pkg->unindexed().count("model.language_model.embed_tokens.weight");
   w->root = nested ? "model.language_model." : "model.";

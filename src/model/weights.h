@@ -85,7 +85,7 @@ struct LayerWeights {
 
 struct ModelWeights {
   std::shared_ptr<ModelPackage> package;
-  ModelConfig config;
+  ModelSpec config;
   const TensorView* embed = nullptr;  // [vocab, hidden], any float dtype
   NormWeights final_norm;
   std::unique_ptr<Linear> lm_head;

@@ -25,7 +25,7 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   // The CUDA engine runs every layer kind: MLA/GQA (with the gated output), KDA and Gated DeltaNet, plain or mHC
   // residuals, the DSA and k-pool indexers, sigmoid-group and softmax routers, gated shared experts. Its delta-rule
   // kernel takes key heads of 32, 64, 96, 128, 192 or 256 values; a linear-attention model with others runs on the CPU.
-  const ModelConfig spec = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
+  const ModelSpec spec = ModelSpec::from_json(read_json_file(model_dir + "/config.json"));
   const bool cuda_ready = !spec.has_recurrent_layers() || cuda_delta_rule_supports(spec.linear.dk);
   if (!cuda_ready) {
     if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
@@ -47,7 +47,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
     // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16).
-    ModelConfig cfg = ModelConfig::from_json(pkg->config());
+    ModelSpec cfg = ModelSpec::from_json(pkg->config());
     int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(cfg.max_position, 32768);
     const ModelFootprint fp = footprint_from_package(cfg, *pkg);
     PlacementPlan plan = plan_with_usage(cfg, c.vram_budget_gib, ctx, load_model_usage(model_dir, cfg), 1.0, &fp);

@@ -11,7 +11,7 @@
 
 namespace moesrv {
 
-MultiGpuPlan plan_model_split(const ModelConfig& c, const ModelFootprint& fp, const ModelSplitRequest& req,
+MultiGpuPlan plan_model_split(const ModelSpec& c, const ModelFootprint& fp, const ModelSplitRequest& req,
                               bool* experts_resident) {
   auto with = [&](int64_t experts) {
     std::vector<int64_t> resident(size_t(c.num_layers), 0);
@@ -36,7 +36,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   if (gib.empty()) gib.push_back(o.vram_budget_gib);
   if (gib.size() == 1 && gib[0] <= 0) fail("--gpus {}: give --vram-budget (GiB, one for all or one per GPU)", o.gpus);
   std::shared_ptr<CpuEngine> engine = CpuEngine::open(model_dir, o.served_name);
-  const ModelConfig& c = engine->config();
+  const ModelSpec& c = engine->config();
   ModelSplitRequest req;
   req.budgets = vram_budgets_for(gib, o.gpus);
   req.context = o.max_ctx > 0 ? o.max_ctx : std::min<int64_t>(c.max_position, 32768);

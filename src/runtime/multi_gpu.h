@@ -18,7 +18,7 @@ struct ModelSplitRequest {
 
 // Tries every routed expert resident in VRAM first; when that cannot fit, splits dense weights + KV only (each
 // GPU's engine then places experts in its leftover VRAM or host RAM). `experts_resident` says which one held.
-MultiGpuPlan plan_model_split(const ModelConfig& c, const ModelFootprint& fp, const ModelSplitRequest& req,
+MultiGpuPlan plan_model_split(const ModelSpec& c, const ModelFootprint& fp, const ModelSplitRequest& req,
                               bool* experts_resident = nullptr);
 
 // The engine for `--gpus N` (o.gpus >= 1): a PipelineEngine of one stage per planned GPU.

@@ -10,7 +10,7 @@
 
 namespace moesrv {
 
-LayerSplitCosts layer_split_costs(const ModelConfig& c, const ModelFootprint& fp, int64_t context,
+LayerSplitCosts layer_split_costs(const ModelSpec& c, const ModelFootprint& fp, int64_t context,
                                   const std::vector<int64_t>& resident_experts, int kv_elem_bytes) {
   LayerSplitCosts out;
   const int64_t L = c.num_layers;

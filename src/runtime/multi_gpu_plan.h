@@ -22,7 +22,7 @@ struct LayerSplitCosts {
 
 // From shapes: KV for `context` tokens at kv_elem_bytes; resident_experts[l] experts of layer l in VRAM
 // (empty: none; the rest stay in host RAM and are not counted here).
-LayerSplitCosts layer_split_costs(const ModelConfig& c, const ModelFootprint& fp, int64_t context,
+LayerSplitCosts layer_split_costs(const ModelSpec& c, const ModelFootprint& fp, int64_t context,
                                   const std::vector<int64_t>& resident_experts = {}, int kv_elem_bytes = 2);
 
 struct GpuShare {

@@ -23,7 +23,7 @@ std::vector<float> CpuPipelineStage::logits(const StageActivations& a, int64_t r
 }
 
 std::unique_ptr<PipelineEngine> make_cpu_pipeline(std::shared_ptr<CpuEngine> engine, const std::vector<int64_t>& splits) {
-  const ModelConfig& c = engine->config();
+  const ModelSpec& c = engine->config();
   std::vector<PipelineStageSpec> specs;
   int64_t begin = 0;
   for (size_t i = 0; i <= splits.size(); ++i) {

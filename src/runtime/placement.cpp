@@ -35,7 +35,7 @@ uint64_t ModelFootprint::dense_total() const {
   return std::accumulate(dense_bytes.begin(), dense_bytes.end(), head_bytes);
 }
 
-uint64_t ModelFootprint::experts_total(const ModelConfig& c) const {
+uint64_t ModelFootprint::experts_total(const ModelSpec& c) const {
   uint64_t t = 0;
   for (uint64_t b : expert_bytes) t += b * uint64_t(c.n_routed_experts);
   return t;
@@ -47,7 +47,7 @@ uint64_t to_bytes(double params, double bits) { return uint64_t(std::ceil(params
 
 }  // namespace
 
-ModelFootprint footprint_from_config(const ModelConfig& c, double expert_bits, double dense_bits) {
+ModelFootprint footprint_from_config(const ModelSpec& c, double expert_bits, double dense_bits) {
   // Summed from the manifest (model/manifest.h): per layer the dense tensors, and one routed expert's matrices.
   ModelFootprint f;
   f.dense_params.assign(size_t(c.num_layers), 0.0);
@@ -126,7 +126,7 @@ int64_t index_after(const std::string& name, const char* key) {
 
 }  // namespace
 
-ModelFootprint footprint_from_package(const ModelConfig& c, const ModelPackage& pkg) {
+ModelFootprint footprint_from_package(const ModelSpec& c, const ModelPackage& pkg) {
   ModelFootprint f = footprint_from_config(c);
   const size_t L = size_t(c.num_layers);
   std::vector<std::map<int64_t, int64_t>> expert_delta(L);  // [layer] expert -> device bytes - bf16 bytes
@@ -161,7 +161,7 @@ ModelFootprint footprint_from_package(const ModelConfig& c, const ModelPackage& 
   return f;
 }
 
-uint64_t kv_cache_bytes(const ModelConfig& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
+uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
   return state_bytes(c, std::max<int64_t>(context, 0), kv_elem_bytes, 4, 0, -1, index_elem_bytes);
 }
 
@@ -206,12 +206,12 @@ StepUse step_use(double p, int64_t T) {
   return {h, h > 0 ? double(T) * p / h : 1.0};
 }
 
-std::vector<double> layer_probability(const ModelConfig& c, const UsageStats* usage, int64_t l) {
+std::vector<double> layer_probability(const ModelSpec& c, const UsageStats* usage, int64_t l) {
   if (usage && l < usage->layers() && usage->experts() == c.n_routed_experts) return usage->selection_probability(l);
   return std::vector<double>(size_t(c.n_routed_experts), double(c.experts_per_token) / double(c.n_routed_experts));
 }
 
-bool has_usage(const ModelConfig& c, const UsageStats* usage, int64_t l) {
+bool has_usage(const ModelSpec& c, const UsageStats* usage, int64_t l) {
   return usage && l < usage->layers() && usage->experts() == c.n_routed_experts && !usage->empty(l);
 }
 
@@ -271,7 +271,7 @@ int64_t fetch_threshold(const CostModel& m, uint64_t bytes, double params) {
   return hi;
 }
 
-void place_layer(const ModelConfig& c, const ModelFootprint& fp, const PlacementRequest& req, const UsageStats* usage,
+void place_layer(const ModelSpec& c, const ModelFootprint& fp, const PlacementRequest& req, const UsageStats* usage,
                  int64_t l, bool all_in_vram, LayerPlacement& L) {
   const int64_t E = c.n_routed_experts, T = std::max<int64_t>(1, req.step_tokens);
   const uint64_t b = fp.expert_bytes[size_t(l)];
@@ -314,7 +314,7 @@ void place_layer(const ModelConfig& c, const ModelFootprint& fp, const Placement
 
 }  // namespace
 
-PlacementPlan plan_placement(const ModelConfig& c, const ModelFootprint& fp, const PlacementRequest& req,
+PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const PlacementRequest& req,
                              const UsageStats* usage) {
   if (int64_t(fp.expert_bytes.size()) != c.num_layers || int64_t(fp.dense_bytes.size()) != c.num_layers)
     fail("placement: footprint has {} layers, the model {}", fp.expert_bytes.size(), c.num_layers);
@@ -407,7 +407,7 @@ json StepEstimate::to_json() const {
               {"pcie_bytes", pcie_bytes}, {"host_bytes", host_bytes}};
 }
 
-StepEstimate estimate_step(const ModelConfig& c, const ModelFootprint& fp, const PlacementPlan& plan,
+StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const PlacementPlan& plan,
                            const CostModel& m, int64_t tokens, int64_t context, const UsageStats* usage) {
   StepEstimate est;
   const double T = double(std::max<int64_t>(1, tokens));

@@ -34,20 +34,20 @@ struct ModelFootprint {
   double head_params = 0;
   uint64_t embed_bytes = 0;             // embedding table (kept in host RAM: only looked-up rows are read)
   uint64_t dense_total() const;         // layers + head
-  uint64_t experts_total(const ModelConfig& c) const;
+  uint64_t experts_total(const ModelSpec& c) const;
 };
 // From the config's shapes at the given storage precision (16 = bf16; EXL3: its bits per weight).
-ModelFootprint footprint_from_config(const ModelConfig& c, double expert_bits = 16, double dense_bits = 16);
+ModelFootprint footprint_from_config(const ModelSpec& c, double expert_bits = 16, double dense_bits = 16);
 // From loaded weights (stored bytes of every Linear).
 ModelFootprint footprint_from_weights(const ModelWeights& w);
 // What the CUDA engine keeps on the device for a package, from tensor headers only: EXL3 linears as stored
 // (trellis + fp16 suh/svh), every other weight as footprint_from_config at bf16. MLA kv_b_proj is bf16 on the
 // device whatever its format (absorbed per head); expert layers count EXL3 only when all 3E projections are.
-ModelFootprint footprint_from_package(const ModelConfig& c, const ModelPackage& pkg);
+ModelFootprint footprint_from_package(const ModelSpec& c, const ModelPackage& pkg);
 
 // KV cache bytes for `context` tokens: MLA (kv_lora_rank + qk_rope_dim) or GQA 2*kv_heads*head_dim elements per
 // token per layer, plus DSA indexer keys (index_head_dim) on layers with their own indexer.
-uint64_t kv_cache_bytes(const ModelConfig& c, int64_t context, int kv_elem_bytes = 2, int index_elem_bytes = 2);
+uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes = 2, int index_elem_bytes = 2);
 
 // Throughputs the split decisions and estimates use (GB/s = 1e9 bytes/s).
 struct CostModel {
@@ -99,7 +99,7 @@ struct PlacementPlan {
   nlohmann::json to_json() const;
 };
 
-PlacementPlan plan_placement(const ModelConfig& c, const ModelFootprint& fp, const PlacementRequest& req,
+PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const PlacementRequest& req,
                              const UsageStats* usage = nullptr);
 
 // Expected seconds of one forward step (`tokens` new tokens at `context`) under a plan: GPU dense + KV reads,
@@ -110,7 +110,7 @@ struct StepEstimate {
   double hbm_bytes = 0, pcie_bytes = 0, host_bytes = 0;
   nlohmann::json to_json() const;
 };
-StepEstimate estimate_step(const ModelConfig& c, const ModelFootprint& fp, const PlacementPlan& plan,
+StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const PlacementPlan& plan,
                            const CostModel& cost, int64_t tokens, int64_t context, const UsageStats* usage = nullptr);
 
 }  // namespace moesrv

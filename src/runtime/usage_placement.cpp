@@ -6,12 +6,12 @@
 
 namespace moesrv {
 
-std::optional<UsageStats> load_model_usage(const std::string& model_dir, const ModelConfig& c) {
+std::optional<UsageStats> load_model_usage(const std::string& model_dir, const ModelSpec& c) {
   if (c.n_routed_experts <= 0) return std::nullopt;
   return UsageStats::load(UsageStats::default_path(model_dir), c.num_layers, c.n_routed_experts);
 }
 
-void save_model_usage(const std::string& model_dir, const ModelConfig& c, const UsageStats& run,
+void save_model_usage(const std::string& model_dir, const ModelSpec& c, const UsageStats& run,
                       const std::string& model_id) {
   bool any = false;
   for (int64_t l = 0; l < run.layers() && !any; ++l) any = !run.empty(l);
@@ -27,14 +27,14 @@ void save_engine_usage(const std::string& model_dir, const Engine& engine) {
   const UsageStats* run = engine.expert_usage();
   if (!run) return;
   try {
-    ModelConfig c = ModelConfig::from_json(read_json_file(model_dir + "/config.json"));
+    ModelSpec c = ModelSpec::from_json(read_json_file(model_dir + "/config.json"));
     save_model_usage(model_dir, c, *run, engine.name());
   } catch (const std::exception& e) {  // a read-only model folder must not fail the run
     fmt::print(stderr, "warning: expert usage statistics not saved: {}\n", e.what());
   }
 }
 
-PlacementPlan plan_with_usage(const ModelConfig& c, double vram_budget_gib, int64_t context,
+PlacementPlan plan_with_usage(const ModelSpec& c, double vram_budget_gib, int64_t context,
                               const std::optional<UsageStats>& usage, double workspace_gib,
                               const ModelFootprint* footprint) {
   PlacementRequest req;

@@ -52,7 +52,7 @@ struct Calibration {
 Calibration calibrate(const ModelWeights& w, const ModelFootprint& fp) {
   Calibration cal;
   cal.memcpy_gbps = measure_memcpy_gbps();
-  const ModelConfig& c = w.config;
+  const ModelSpec& c = w.config;
   const int64_t D = c.hidden_size;
   std::vector<float> x(size_t(64 * D), 0.01f), out(size_t(64 * D), 0.0f), logits(size_t(c.vocab_size));
   for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i * 7919 % 201) - 100) * 1e-3f;
@@ -124,7 +124,7 @@ json full_config(json cfg, const BenchOptions& opt) {
 }
 
 // Skewed synthetic routing (Zipf exponent s, a different random hot set per layer) to model real traffic.
-UsageStats zipf_usage(const ModelConfig& c, double s, uint64_t seed) {
+UsageStats zipf_usage(const ModelSpec& c, double s, uint64_t seed) {
   UsageStats u(c.num_layers, c.n_routed_experts, c.experts_per_token);
   const int64_t E = c.n_routed_experts;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -163,7 +163,7 @@ double floor_seconds(const StepEstimate& e, const CostModel& m) {
       {e.hbm_bytes / (m.hbm_gbps * 1e9), e.pcie_bytes / (m.pcie_gbps * 1e9), e.host_bytes / (m.host_mem_gbps * 1e9)});
 }
 
-Projection project(const std::string& name, const ModelConfig& c, const ModelFootprint& fp, PlacementRequest req,
+Projection project(const std::string& name, const ModelSpec& c, const ModelFootprint& fp, PlacementRequest req,
                    int64_t context, int64_t chunk, const UsageStats* usage) {
   Projection p;
   p.placement = name;
@@ -195,7 +195,7 @@ std::string fmt_rate(double per_s) {
 // GPU measurement (CUDA builds with a visible device): the same engine runs under three expert placements on
 // the loaded layers. The hybrid one copies the per-layer homes of the full model's hybrid plan, so each measured
 // layer sees the VRAM share it would get in the full model.
-void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& pkg, const ModelConfig& c,
+void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& pkg, const ModelSpec& c,
                  const PlacementPlan& full_hybrid, const ModelFootprint& fp, BenchResult& r) {
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
   if (!cuda_available()) return;
@@ -301,7 +301,7 @@ BenchResult run_bench(const BenchOptions& opt) {
   // The CPU engine always runs (calibration, baseline); CUDA builds add measure_gpu() below.
   CpuEngine engine(pkg, "bench");
   const double load_s = since(t_load);
-  const ModelConfig& c = engine.config();
+  const ModelSpec& c = engine.config();
   const ModelFootprint fp = footprint_from_weights(engine.weights());
   const Calibration cal = calibrate(engine.weights(), fp);
 
@@ -328,7 +328,7 @@ BenchResult run_bench(const BenchOptions& opt) {
 
   // Projected: the full model under three placements, cost model calibrated by this run.
   const json full_cfg_json = full_config(pkg->config(), opt);
-  const ModelConfig fc = ModelConfig::from_json(full_cfg_json);
+  const ModelSpec fc = ModelSpec::from_json(full_cfg_json);
   int64_t moe_layer = 0;
   while (moe_layer < c.num_layers && !c.layer_is_moe[size_t(moe_layer)]) ++moe_layer;
   double loaded_expert_bits =
@@ -513,7 +513,7 @@ struct StepTimes {
 // with the same checkpoint cuts and checkpoints, timing each step.
 std::vector<float> timed_forward(CpuEngine& engine, CpuSequence& seq, const std::vector<int32_t>& tokens,
                                  StepTimes& t) {
-  const ModelConfig& c = engine.config();
+  const ModelSpec& c = engine.config();
   const int64_t S = int64_t(tokens.size()), pos0 = seq.length(), W = c.stream_width();
   t.layer_s.resize(size_t(c.num_layers), 0.0);
   std::vector<float> out;
@@ -546,7 +546,7 @@ std::vector<float> timed_forward(CpuEngine& engine, CpuSequence& seq, const std:
 
 // Grows every per-token buffer of `seq` (MLA latent / rope key, GQA K/V, indexer keys, pooled keys) to `tokens`
 // tokens by repeating its rows; fixed-size state (recurrent, conv, open pool) is kept. Needs pool-aligned lengths.
-void tile_state(CpuSequence& seq, const ModelConfig& c, int64_t tokens) {
+void tile_state(CpuSequence& seq, const ModelSpec& c, int64_t tokens) {
   const int64_t t0 = seq.length(), pool = std::max<int64_t>(1, c.index_kpool);
   if (t0 <= 0 || tokens < t0 || t0 % pool || tokens % pool)
     fail("tile_state: {} -> {} tokens (pool {})", t0, tokens, pool);
@@ -566,7 +566,7 @@ void tile_state(CpuSequence& seq, const ModelConfig& c, int64_t tokens) {
 
 // Bytes of weights one decode token reads in layer L: every linear the token passes through (MLA: the absorbed
 // fp32 w_uk/w_uv instead of kv_b; MoE: the shared expert and experts_per_token routed experts), convs, router, mHC.
-double decode_weight_bytes(const LayerWeights& L, const ModelConfig& c) {
+double decode_weight_bytes(const LayerWeights& L, const ModelSpec& c) {
   double b = 0;
   auto lin = [&b](const Linear* l) { b += l ? double(l->stored_bytes()) : 0.0; };
   auto mlp = [&](const MlpWeights& m) { lin(m.gate.get()), lin(m.up.get()), lin(m.down.get()); };
@@ -666,8 +666,8 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt) {
   auto t0 = Clock::now();
   CpuEngine engine(make_synthetic_model(cfg, opt.synthetic), "bench");
   const double load_s = since(t0);
-  const ModelConfig& c = engine.config();
-  const ModelConfig fc = ModelConfig::from_json(full_cfg);
+  const ModelSpec& c = engine.config();
+  const ModelSpec fc = ModelSpec::from_json(full_cfg);
   const int threads = ThreadPool::global().size();
 
   // Layer kinds: measured layers of each kind, and how many the full model has.

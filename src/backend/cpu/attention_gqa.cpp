@@ -8,7 +8,7 @@
 
 namespace moesrv::cpu {
 
-void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
+void gqa_forward(const GqaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, float* out) {
   const int64_t H = c.num_heads, KV = c.num_kv_heads, hd = c.head_dim, T = pos0 + S;
   std::vector<float> q(size_t(S * H * hd)), k(size_t(S * KV * hd)), v(size_t(S * KV * hd)), gate;

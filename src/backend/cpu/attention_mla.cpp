@@ -10,7 +10,7 @@
 
 namespace moesrv::cpu {
 
-void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
+void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, TokenSelection& selection, float* out) {
   const int64_t H = c.num_heads, dn = c.qk_nope_dim, dr = c.qk_rope_dim, qk = c.qk_head_dim();
   const int64_t r = c.kv_lora_rank, dv = c.v_head_dim;

@@ -16,7 +16,7 @@ namespace {
 constexpr size_t kMaxCheckpoints = 16;
 }  // namespace
 
-CpuSequence::CpuSequence(const ModelConfig& c, const void* engine)
+CpuSequence::CpuSequence(const ModelSpec& c, const void* engine)
     : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
   for (const StateSpec& st : state_specs(c)) {
     recurrent_ |= st.recurrent;
@@ -62,7 +62,7 @@ void CpuSequence::truncate(int64_t n) {
   const Checkpoint* cp = nullptr;
   for (const auto& c : checkpoints_)
     if (c->length == n) cp = c.get();
-  const ModelConfig& c = *c_;
+  const ModelSpec& c = *c_;
   for (size_t l = 0; l < layers.size(); ++l) {
     cpu::LayerState& L = layers[l];
     auto cut = [n](std::vector<float>& v, int64_t per_token) {
@@ -122,7 +122,7 @@ CpuSequence& CpuEngine::own_sequence(SequenceState& seq_base) const {
 }
 
 void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
-  const ModelConfig& c = weights_->config;
+  const ModelSpec& c = weights_->config;
   const int64_t D = c.hidden_size, n = c.residual.streams;
   for (size_t s = 0; s < tokens.size(); ++s) {
     int32_t t = tokens[s];
@@ -180,7 +180,7 @@ class CpuBlocks final : public BlockExecutor {
   cpu::LayerState& state(int64_t l) { return seq_.layers[size_t(l)]; }
 
   const ModelWeights& w_;
-  const ModelConfig& c_;
+  const ModelSpec& c_;
   const Rope& rope_;
   CpuSequence& seq_;
   float* x_;
@@ -200,7 +200,7 @@ void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t po
 }
 
 std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) const {
-  const ModelConfig& c = weights_->config;
+  const ModelSpec& c = weights_->config;
   const int64_t D = c.hidden_size, n = c.residual.streams;
   std::vector<float> h(size_t(rows * D), 0.0f), out(size_t(rows * c.vocab_size));
   for (int64_t r = 0; r < rows; ++r) {  // mean over the residual streams
@@ -216,7 +216,7 @@ std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) co
 
 std::vector<float> CpuEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
   CpuSequence& seq = own_sequence(seq_base);
-  const ModelConfig& c = weights_->config;
+  const ModelSpec& c = weights_->config;
   const int64_t S = int64_t(tokens.size()), pos0 = seq.length(), W = c.stream_width();
   if (S == 0) fail("forward: no tokens");
   if (pos0 + S > c.max_position) fail("context length exceeded: {} + {} tokens > {}", pos0, S, c.max_position);

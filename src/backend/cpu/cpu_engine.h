@@ -18,7 +18,7 @@ class CpuSequence : public SequenceState {
     std::vector<cpu::LayerState> fixed;  // per layer: conv, recurrent, open_k, open_g only
   };
 
-  CpuSequence(const ModelConfig& c, const void* owner);
+  CpuSequence(const ModelSpec& c, const void* owner);
   int64_t length() const override { return length_; }
   void truncate(int64_t n) override;
   std::unique_ptr<SequenceState> clone() const override { return std::make_unique<CpuSequence>(*this); }
@@ -32,7 +32,7 @@ class CpuSequence : public SequenceState {
 
  private:
   bool resumable(int64_t n) const;
-  const ModelConfig* c_;
+  const ModelSpec* c_;
   bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
   bool recurrent_ = false;
   std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
@@ -65,7 +65,7 @@ class CpuEngine : public Engine {
   std::vector<float> logits(const float* x, int64_t S, int64_t rows) const;
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
 
-  const ModelConfig& config() const { return weights_->config; }
+  const ModelSpec& config() const { return weights_->config; }
   // Routed-expert selections seen so far (for pinning hot experts at the next start, see usage_placement.h).
   const UsageStats* expert_usage() const override { return &usage_; }
   const ModelWeights& weights() const { return *weights_; }

@@ -31,30 +31,30 @@ using TokenSelection = std::vector<std::vector<int32_t>>;
 
 // MLA attention for S tokens at positions [pos0, pos0+S). Appends to `cache`. When the layer has an indexer,
 // computes and returns the DSA selection in `selection`; for "shared" DSA layers `selection` is the input.
-void mla_forward(const MlaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
+void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, TokenSelection& selection, float* out);
 
 // DSA lightning indexer: top-k key positions for each of the S query tokens (appends indexer keys to cache).
-TokenSelection dsa_select(const IndexerWeights& w, const ModelConfig& c, const Rope& rope, const float* x,
+TokenSelection dsa_select(const IndexerWeights& w, const ModelSpec& c, const Rope& rope, const float* x,
                           const float* q_latent, int64_t S, int64_t pos0, LayerState& cache);
 
 // k-pool DSA indexer (GLM-5.3-Flash): scores completed pools of index_kpool tokens, keeps the best
 // index_topk / kpool pools per query, expands them to positions and appends the open pool's visible tail.
-TokenSelection kpool_select(const IndexerWeights& w, const ModelConfig& c, const float* x, const float* q_latent,
+TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const float* x, const float* q_latent,
                             int64_t S, int64_t pos0, LayerState& state);
 
 // KDA linear attention (GLM-5.3-Flash) and Gated DeltaNet (Qwen3-Next) over S tokens; update state's conv and
 // recurrent buffers (allocated zero on first use).
-void kda_forward(const KdaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& state, float* out);
-void gated_delta_forward(const GatedDeltaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& state,
+void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& state, float* out);
+void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& state,
                          float* out);
 
-void gqa_forward(const GqaWeights& w, const ModelConfig& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
+void gqa_forward(const GqaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, float* out);
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out);
 // Records each token's routed experts into `usage` (layer `layer`) when given.
-void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out,
+void moe_forward(const MoeWeights& w, const ModelSpec& c, const float* x, int64_t S, float* out,
                  UsageStats* usage = nullptr, int64_t layer = 0);
 
 }  // namespace moesrv::cpu

@@ -10,7 +10,7 @@
 
 namespace moesrv::cpu {
 
-void gated_delta_forward(const GatedDeltaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& st,
+void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& st,
                          float* out) {
   const LinearAttnDims& la = c.linear;
   const int64_t Hk = la.k_heads, Hv = la.v_heads, dk = la.dk, dv = la.dv, r = Hv / Hk, K = la.conv_kernel;

@@ -15,7 +15,7 @@ float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 }  // namespace
 
-void kda_forward(const KdaWeights& w, const ModelConfig& c, const float* x, int64_t S, LayerState& st, float* out) {
+void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& st, float* out) {
   const LinearAttnDims& la = c.linear;
   const int64_t H = la.v_heads, d = la.dk, Hd = H * d, C = 3 * Hd, K = la.conv_kernel;
   if (st.conv.empty()) st.conv.assign(size_t((K - 1) * C), 0.0f);

@@ -30,7 +30,7 @@ void pool_key(const float* k, const float* g, const float* ape, int64_t kp, int6
 
 }  // namespace
 
-TokenSelection kpool_select(const IndexerWeights& w, const ModelConfig& c, const float* x, const float* q_latent,
+TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const float* x, const float* q_latent,
                             int64_t S, int64_t pos0, LayerState& st) {
   const int64_t nh = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
   std::vector<float> q(size_t(S * nh * d)), k(size_t(S * d)), g(size_t(S * d)), hw(size_t(S * nh));

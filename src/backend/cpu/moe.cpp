@@ -23,7 +23,7 @@ void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out) {
   w.down->forward(g.data(), S, out);
 }
 
-void moe_forward(const MoeWeights& w, const ModelConfig& c, const float* x, int64_t S, float* out, UsageStats* usage,
+void moe_forward(const MoeWeights& w, const ModelSpec& c, const float* x, int64_t S, float* out, UsageStats* usage,
                  int64_t layer) {
   const int64_t D = c.hidden_size, E = c.n_routed_experts;
   std::vector<float> logits(size_t(S * E));

@@ -10,14 +10,14 @@ namespace moesrv::cpu {
 
 class Residual {
  public:
-  explicit Residual(const ModelConfig& c) : c_(c) {}
+  explicit Residual(const ModelSpec& c) : c_(c) {}
   // x: [S, stream_width]; h: [S, hidden]. `hc` is the site's mHC weights (ignored for a plain residual).
   void enter(const float* x, int64_t S, const NormWeights& norm, const HyperWeights& hc, float* h);
   // x: [S, stream_width] updated in place from y [S, hidden] with the mixing enter() computed.
   void leave(float* x, int64_t S, const float* y);
 
  private:
-  const ModelConfig& c_;
+  const ModelSpec& c_;
   std::vector<float> post_, comb_;  // per token: [streams], [streams x streams]
 };
 

@@ -24,7 +24,7 @@ class CudaSequence : public SequenceState {
  public:
   explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
     const DeviceGuard on(e.opt.device);
-    const ModelConfig& c = e.c;
+    const ModelSpec& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
     layers.resize(size_t(c.num_layers));
     table.resize(size_t(c.num_layers));

@@ -299,7 +299,7 @@ struct CudaEngine::Impl {
   std::unique_ptr<ModelWeights> weights;  // host weights: CPU experts and upload source
   // Page-locked host expert weights (declared before `layers`, so it outlives every HostExperts using it).
   std::unique_ptr<cuda::HostRegistration> host_registration = std::make_unique<cuda::HostRegistration>();
-  ModelConfig c;
+  ModelSpec c;
   std::string name;
   int64_t layer_begin = 0, layer_end = 0;  // the layers held (CudaEngineOptions); the whole model by default
   std::shared_ptr<cuda::DeviceBudget> budget;
