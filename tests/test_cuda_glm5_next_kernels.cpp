@@ -449,8 +449,8 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     int D, S;
     bool gemm;
   };
-  for (auto [D, S, gemm] : {Shape{128, 6, false}, Shape{4096, 6, false}, Shape{128, 40, false},
-                            Shape{4096, 40, false}, Shape{128, 40, true}, Shape{4096, 40, true}}) {
+  for (auto [D, S, gemm] : {Shape{128, 6, false}, Shape{4096, 6, false}, Shape{128, 40, false}, Shape{4096, 40, false},
+                            Shape{128, 40, true}, Shape{4096, 40, true}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
     ModelSpec c;
     c.hidden_size = D;

@@ -407,8 +407,8 @@ json StepEstimate::to_json() const {
               {"pcie_bytes", pcie_bytes}, {"host_bytes", host_bytes}};
 }
 
-StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const PlacementPlan& plan,
-                           const CostModel& m, int64_t tokens, int64_t context, const UsageStats* usage) {
+StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const PlacementPlan& plan, const CostModel& m,
+                           int64_t tokens, int64_t context, const UsageStats* usage) {
   StepEstimate est;
   const double T = double(std::max<int64_t>(1, tokens));
   const double ctx = double(std::max<int64_t>(1, context));

@@ -16,8 +16,7 @@ namespace {
 constexpr size_t kMaxCheckpoints = 16;
 }  // namespace
 
-CpuSequence::CpuSequence(const ModelSpec& c, const void* engine)
-    : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
+CpuSequence::CpuSequence(const ModelSpec& c, const void* engine) : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
   for (const StateSpec& st : state_specs(c)) {
     recurrent_ |= st.recurrent;
     fixed_state_ |= st.recurrent || st.pool > 1;

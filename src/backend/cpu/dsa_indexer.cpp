@@ -11,7 +11,6 @@
 
 namespace moesrv::cpu {
 
-
 TokenSelection dsa_select(const IndexerWeights& w, const ModelSpec& c, const Rope& rope, const float* x,
                           const float* q_latent, int64_t S, int64_t pos0, LayerState& cache) {
   const int64_t nh = c.index_n_heads, d = c.index_head_dim, T = pos0 + S;

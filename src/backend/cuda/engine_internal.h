@@ -263,7 +263,7 @@ class PhaseClock {
   ~PhaseClock() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
-  bool active = false;  // inside a timed pass
+  bool active = false;   // inside a timed pass
   void begin(bool on) {  // a pass starts (marks of a pass cut short by an error are dropped)
     used_ = 0, phases_.clear(), active = on;
   }

@@ -264,14 +264,15 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
   int chunks = S <= kSplitTokens ? std::min(kDotChunks, D / (mix + 1)) : 0;
   if (chunks > 0) {
     hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, 0,
-                                                                                                   h);
+                                                                                                  h);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (cublas && D > mix) {
     // Many tokens (prefill): a block per token would read all of fn per token; the logits of every token as one fp32
     // GEMM into the tokens' h rows (h[s][kk] = fn[kk] . X_s), X . X per token into h[s][mix]: one chunk each.
     cublasHandle_t blas = static_cast<cublasHandle_t>(cublas);
     cudaStream_t cur = nullptr;
-    if (cublasGetStream(blas, &cur) != CUBLAS_STATUS_SUCCESS || (cur != st && cublasSetStream(blas, st) != CUBLAS_STATUS_SUCCESS))
+    if (cublasGetStream(blas, &cur) != CUBLAS_STATUS_SUCCESS ||
+        (cur != st && cublasSetStream(blas, st) != CUBLAS_STATUS_SUCCESS))
       throw std::runtime_error("hyper_enter: cublas stream");
     const float one = 1.0f, zero = 0.0f;
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
