@@ -287,10 +287,19 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
   if (name == "join") {
     Value sep = arg(args, kwargs, 0, "d", Value(""));
     Value attr = arg(args, kwargs, 1, "attribute", kNone);
+    const std::string sep_s = sep.to_str();
+    // A join over a string's characters: the separators alone may exceed the bound; fail before splitting it (nested
+    // joins over characters grow ~|sep| times each).
+    if (v.is_string()) {
+      size_t chars = 0;
+      for (unsigned char ch : v.str()) chars += (ch & 0xC0) != 0x80;  // UTF-8 characters
+      if (chars > 1) check_size((chars - 1) * sep_s.size(), kMaxStringBytes, "a joined string of bytes");
+    }
+    const Array items = v.iterate();
     std::string out;
     bool first = true;
-    for (const auto& x : v.iterate()) {
-      if (!first) out += sep.to_str();
+    for (const auto& x : items) {
+      if (!first) out += sep_s;
       first = false;
       out += (attr.is_none() ? x : attr_path(x, attr.to_str())).to_str();
       check_size(out.size(), kMaxStringBytes, "a joined string of bytes");
