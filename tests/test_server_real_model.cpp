@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <csignal>
 #include <filesystem>
 
@@ -119,3 +120,85 @@ TEST_F(RealServer, StrictNamedToolCallWithRealVocabulary) {
   json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
   EXPECT_TRUE(args["flag"].is_boolean()) << r.dump();
 }
+
+namespace {
+json chat(int port, const json& body) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(300, 0);
+  auto res = c.Post("/v1/chat/completions", body.dump(), "application/json");
+  EXPECT_TRUE(res && res->status == 200) << (res ? res->body : "no response");
+  return res ? json::parse(res->body) : json();
+}
+int64_t cached(const json& r) { return r["usage"]["prompt_tokens_details"]["cached_tokens"]; }
+int64_t prompt_tokens(const json& r) { return r["usage"]["prompt_tokens"]; }
+}  // namespace
+
+// Hybrid models (linear-attention layers with recurrent + conv state, resumable only at checkpoints) behind the
+// fixture tokenizer (vocab 1024 too). A resubmitted prompt reuses all but its last token and answers as a cold
+// server does; a follow-up turn reuses at least the first turn's prompt and also answers as a cold server does.
+class HybridServer : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::signal(SIGPIPE, SIG_IGN);
+    const std::string dir = std::string(MOESRV_TESTDATA) + "/hf-tiny/" + GetParam();
+    if (!fs::exists(dir + "/model.safetensors")) MOESRV_E2E_SKIP("no hf-tiny model at " << dir);
+    engine = CpuEngine::open(dir);
+    codec = std::make_unique<TokenizerCodec>(kTokenizer, dir);
+  }
+  // A fresh server (its own, empty prefix cache) on the shared engine.
+  std::unique_ptr<HttpServer> serve(int& port) {
+    ServerOptions opt;
+    opt.port = 0;
+    auto s = std::make_unique<HttpServer>(*engine, *codec, opt);
+    port = s->start();
+    return s;
+  }
+  std::unique_ptr<CpuEngine> engine;
+  std::unique_ptr<TokenizerCodec> codec;
+};
+
+TEST_P(HybridServer, SamePromptTwiceHitsAndAnswersAsAColdServer) {
+  std::string question;
+  for (int i = 0; i < 24; ++i)
+    question += "Item " + std::to_string(i) + ": the quick brown fox jumps over the lazy dog. ";
+  json body = {{"messages", {{{"role", "user"}, {"content", question}}}}, {"max_tokens", 16}, {"temperature", 0}};
+  int warm_port = 0, cold_port = 0;
+  auto warm = serve(warm_port);
+  json a = chat(warm_port, body), b = chat(warm_port, body);
+  const int64_t n = prompt_tokens(a);
+  EXPECT_GT(n, 400);
+  EXPECT_EQ(cached(a), 0);
+  EXPECT_EQ(prompt_tokens(b), n);
+  EXPECT_GE(cached(b), n - 1) << b.dump();
+  EXPECT_EQ(b["choices"][0]["message"], a["choices"][0]["message"]);
+  auto cold = serve(cold_port);
+  json c = chat(cold_port, body);
+  EXPECT_EQ(cached(c), 0);
+  EXPECT_EQ(c["choices"][0]["message"], a["choices"][0]["message"]);
+
+  // The next turn: the first prompt, the answer, a new question. Its rendering shares with the first prompt all
+  // that a KV cache could reuse (the template re-renders the end of the first prompt, e.g. an opened <think>);
+  // the hybrid state resumes there too (the checkpoint before the prompt's last token, or the one after it).
+  auto ids = [&](const json& messages) {
+    return codec->encode(codec->render_chat(nlohmann::ordered_json::parse(messages.dump()),
+                                            nlohmann::ordered_json::array(), nlohmann::ordered_json::object()));
+  };
+  const auto first = ids(body["messages"]);
+  ASSERT_EQ(int64_t(first.size()), n);  // rendered as the server does
+  body["messages"].push_back(a["choices"][0]["message"]);
+  body["messages"].push_back({{"role", "user"}, {"content", "And the next item?"}});
+  const auto next = ids(body["messages"]);
+  const int64_t shared = std::mismatch(first.begin(), first.end(), next.begin(), next.end()).first - first.begin();
+  EXPECT_GE(shared, n - 1);
+  json d = chat(warm_port, body);
+  EXPECT_EQ(prompt_tokens(d), int64_t(next.size()));
+  EXPECT_EQ(cached(d), shared) << d.dump();
+  EXPECT_LT(cached(d), prompt_tokens(d));
+  int fresh_port = 0;
+  auto fresh = serve(fresh_port);
+  json f = chat(fresh_port, body);
+  EXPECT_EQ(cached(f), 0);
+  EXPECT_EQ(d["choices"][0]["message"], f["choices"][0]["message"]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HybridServer, ::testing::Values("glm5_next", "qwen3_next"));

@@ -82,6 +82,7 @@ class RecordingSeq : public SequenceState {
   size_t bytes() const override { return inner->bytes(); }
   int64_t resume_point(int64_t n) const override { return inner->resume_point(n); }
   void checkpoint() override { inner->checkpoint(); }
+  bool has_fixed_state() const override { return inner->has_fixed_state(); }
   std::unique_ptr<SequenceState> inner;
   std::vector<int32_t> tokens;
 };

@@ -21,6 +21,8 @@ class SequenceState {
   virtual int64_t resume_point(int64_t n) const { return n; }
   // Records a resume point at the current length (recurrent state; KV caches need none).
   virtual void checkpoint() {}
+  // Holds fixed-size state (recurrent, conv, open k-pool) that resumes only at checkpoints.
+  virtual bool has_fixed_state() const { return false; }
 };
 
 class Engine {

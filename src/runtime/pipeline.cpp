@@ -37,6 +37,12 @@ void PipelineSequence::checkpoint() {
   for (auto& s : stages) s->checkpoint();
 }
 
+bool PipelineSequence::has_fixed_state() const {
+  for (const auto& s : stages)
+    if (s->has_fixed_state()) return true;
+  return false;
+}
+
 PipelineEngine::PipelineEngine(std::vector<PipelineStageSpec> stages, PipelineModelInfo info)
     : stages_(std::move(stages)), info_(std::move(info)) {
   if (stages_.empty()) fail("pipeline: no stages");

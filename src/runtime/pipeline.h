@@ -43,6 +43,7 @@ class PipelineSequence : public SequenceState {
   size_t bytes() const override;
   int64_t resume_point(int64_t n) const override;
   void checkpoint() override;
+  bool has_fixed_state() const override;
 };
 
 struct PipelineModelInfo {

@@ -49,12 +49,18 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
 
   auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
-  int64_t total = r.prompt_tokens - r.cached_tokens;
+  // Fixed-size state resumes only at checkpoints: the prompt's last token runs alone, with one before it (the
+  // longest prefix the same prompt may reuse: one token is left to produce logits) and one after it (where a
+  // follow-up turn whose history diverges in the answer resumes).
+  const int64_t total = r.prompt_tokens - r.cached_tokens;
+  const bool fixed = seq->has_fixed_state();
+  const int64_t split = fixed && total > 1 ? total - 1 : total;
   for (int64_t done = 0; done < total;) {
-    int64_t n = std::min(config.prefill_chunk, total - done);
+    int64_t n = std::min(config.prefill_chunk, (done < split ? split : total) - done);
     auto begin = prompt.begin() + r.cached_tokens + done;
     logits = forward(std::vector<int32_t>(begin, begin + n));
     done += n;
+    if (fixed && (done == split || done == total)) seq->checkpoint();
     bool gone = hooks.client_alive && !hooks.client_alive();
     if (gone || (done < total && !hooks.on_prefill_progress(done, total))) {
       r.finish = GenerationResult::Finish::kCancelled;

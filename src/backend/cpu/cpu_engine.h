@@ -25,6 +25,7 @@ class CpuSequence : public SequenceState {
   size_t bytes() const override;
   int64_t resume_point(int64_t n) const override;
   void checkpoint() override;
+  bool has_fixed_state() const override { return fixed_state_; }
 
   std::vector<cpu::LayerState> layers;
   int64_t length_ = 0;

@@ -144,7 +144,7 @@ class CudaSequence : public SequenceState {
     const Layer& L = layers[l];
     return {L.conv.as<float>(), L.recurrent.as<float>(), L.pool_k.as<float>(), L.open.as<float>()};
   }
-  bool has_fixed_state() const { return fixed_state_; }
+  bool has_fixed_state() const override { return fixed_state_; }
 
   struct Layer {
     DeviceBuffer kv, kv_scale, v, v_scale, index_k;  // per token
