@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "backend/cuda/kernel_util.cuh"  // mma_m16n8k16_f16
+
 // Throws std::runtime_error naming the failed CUDA call.
 #define EXL3_CHECK(expr)                                                                       \
   do {                                                                                         \
@@ -101,15 +103,6 @@ __device__ __forceinline__ uint32_t stream_bits16(const uint32_t (&b)[N], int r)
   const int w = r >> 5, o = r & 31;
   if (o <= 16) return (b[w] >> (16 - o)) & 0xFFFFu;
   return __funnelshift_l(b[w + 1 < N ? w + 1 : N - 1], b[w], o) >> 16;
-}
-
-// D += A . B for one m16n8k16 tensor-core tile (fp16 inputs, fp32 accumulate)
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // ---- 128-point Hadamard: lane holds elements 4*lane..4*lane+3 of a block ----

@@ -220,8 +220,8 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
         pos.states(wsw + u * kWords, st);
         const half* xk = xs + g * xs_stride + (kt - kt0) * 16 + 2 * tid;
         uint32_t a0 = *reinterpret_cast<const uint32_t*>(xk), a2 = *reinterpret_cast<const uint32_t*>(xk + 8);
-        mma_16816(d0, a0, 0u, a2, 0u, decode_state2<CB>(st[0], st[1]), decode_state2<CB>(st[2], st[3]));
-        mma_16816(d1, a0, 0u, a2, 0u, decode_state2<CB>(st[4], st[5]), decode_state2<CB>(st[6], st[7]));
+        mma_m16n8k16_f16(d0, a0, 0u, a2, 0u, decode_state2<CB>(st[0], st[1]), decode_state2<CB>(st[2], st[3]));
+        mma_m16n8k16_f16(d1, a0, 0u, a2, 0u, decode_state2<CB>(st[4], st[5]), decode_state2<CB>(st[6], st[7]));
       }
     }
     __syncwarp();

@@ -103,9 +103,7 @@ __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
 template <int R>
 void launch(const KdaDecodeArgs& a, cudaStream_t st) {
   const size_t smem = smem_floats(32 * R, a.dv) * sizeof(float);
-  // A host-side call, legal while a graph is captured.
-  if (cudaFuncSetAttribute(kda_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-    throw std::runtime_error("kda_decode: cannot reserve " + std::to_string(smem) + " B of shared memory");
+  reserve_dynamic_smem(kda_decode_kernel<R>, smem, "kda_decode");
   kda_decode_kernel<R><<<a.heads, kThreads, smem, st>>>(a);
 }
 

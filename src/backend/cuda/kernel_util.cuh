@@ -57,6 +57,14 @@ __device__ __forceinline__ void split_half2(float x, float y, uint32_t& hi, uint
   lo = pack_half2(__float2half_rn(x - __half2float(hx)), __float2half_rn(y - __half2float(hy)));
 }
 
+// Lets `kernel` launch with `bytes` of dynamic shared memory on the current device. A host-side call, legal while a
+// graph is captured; per device, so each pipeline stage's device gets it. Throws naming `who`.
+template <typename Kernel>
+void reserve_dynamic_smem(Kernel kernel, size_t bytes, const char* who) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) != cudaSuccess)
+    throw std::runtime_error(std::string(who) + ": cannot reserve " + std::to_string(bytes) + " B of shared memory");
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -259,10 +259,7 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     kernel<<<grid, kMmaWarps * 32, 0, st>>>(q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && lanes) {
-    // A host-side call, legal while a graph is captured.
-    if (cudaFuncSetAttribute(kpool_score_lanes_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(lane_smem)) !=
-        cudaSuccess)
-      throw std::runtime_error("kpool_select: cannot reserve " + std::to_string(lane_smem) + " B of shared memory");
+    reserve_dynamic_smem(kpool_score_lanes_kernel, lane_smem, "kpool_select");
     const dim3 grid(unsigned(ceil_div(max_pools, kLanePools)), unsigned(S));
     kpool_score_lanes_kernel<<<grid, 32 * kHeadGroups, lane_smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools,
                                                                         scratch);

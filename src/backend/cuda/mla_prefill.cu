@@ -175,10 +175,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
 template <int VN>
 void launch(const AttentionArgs& a, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
-  // Per device (pipeline stages may run on several); a host-side call.
-  if (cudaFuncSetAttribute(mla_prefill_kernel<VN>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) !=
-      cudaSuccess)
-    throw std::runtime_error("mla_prefill_attention: cannot reserve " + std::to_string(smem) + " B of shared memory");
+  reserve_dynamic_smem(mla_prefill_kernel<VN>, smem, "mla_prefill_attention");
   mla_prefill_kernel<VN><<<dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads))), kThreads, smem, st>>>(a);
 }
 

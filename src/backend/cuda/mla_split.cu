@@ -165,9 +165,7 @@ __global__ void mla_split_combine(const float* part, int H, int R, float* out) {
 template <typename T>
 void launch_split(const AttentionArgs& a, float* part, cudaStream_t st) {
   const size_t smem = split_smem_bytes(a.q_dim);
-  // Per device (pipeline stages may run on several); a host-side call, legal while a graph is captured.
-  if (cudaFuncSetAttribute(mla_split_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-    throw std::runtime_error("mla_split_attention: cannot reserve " + std::to_string(smem) + " B of shared memory");
+  reserve_dynamic_smem(mla_split_kernel<T>, smem, "mla_split_attention");
   mla_split_kernel<T><<<dim3(a.S, (a.H + kHeads - 1) / kHeads, kSplits), kThreads, smem, st>>>(a, part);
 }
 
