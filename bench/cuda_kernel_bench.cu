@@ -59,6 +59,7 @@ constexpr int MH = 64, QL = 2048, R = 512, DN = 256, DV = 256;             // ML
 constexpr int IH = 32, ID = 128, KPOOL = 4, TOPK_KEYS = 2048;              // k-pool indexer
 constexpr int BUDGET = TOPK_KEYS / KPOOL, SELW = TOPK_KEYS + KPOOL;        // pools kept, selection row width
 constexpr int E = 288, TOPK = 8, KK = TOPK + 1, I = 2048, VOCAB = 154880;  // MoE (KK: shared + routed), head
+constexpr size_t kYrFloats = size_t(kExl3MaxGemvParts) * VOCAB;            // EXL3 GEMV output, K parts included
 constexpr float LIMIT = 10.0f, MLA_SCALE = 1.0f / 16, ROUTED_SCALING = 2.5f;
 constexpr int kCalls = 32;                     // calls per graph
 constexpr size_t kRotate = size_t(256) << 20;  // rotating copies of a weight span >= this
@@ -193,7 +194,7 @@ struct Weights {
 } W;
 
 struct Buffers {
-  float *x, *h, *y, *post, *comb, *xh, *yr;
+  float *x, *h, *y, *post, *comb, *hc_part, *xh, *yr;
   uint16_t* xb;
   float *lraw, *lqkv, *low, *g, *beta, *o, *gate;
   float *q_lat, *q, *kv, *qcat, *olat, *attn_out, *part;
@@ -234,7 +235,7 @@ Ctx make_ctx(int ctx, const char* label, std::mt19937& rng) {
       for (int t = 0; t < KPOOL; ++t) sel[size_t(i) * SELW + size_t(j * KPOOL + t)] = pools[size_t(j)] * KPOOL + t;
   }
   c.sel = upload(sel);
-  c.scores = dalloc<float>(size_t(c.max_pools));
+  c.scores = dalloc<float>(size_t(c.max_pools) + 16 * BUDGET);  // + the split top-k's candidates
   return c;
 }
 
@@ -274,7 +275,8 @@ void setup(std::mt19937& rng) {
 
   B.x = randf(size_t(NS) * D, 1.0f), B.h = randf(D, 1.0f), B.y = randf(D, 1.0f);
   B.post = randf(NS, 0.5f, 1.0f), B.comb = randf(NS * NS, 0.1f, 0.25f);
-  B.xh = dalloc<float>(size_t(16) * 16384), B.yr = dalloc<float>(size_t(VOCAB) + 16384);
+  B.hc_part = randf(hyper_enter_scratch(1, NS), 1.0f);
+  B.xh = dalloc<float>(size_t(16) * 16384), B.yr = dalloc<float>(kYrFloats);
   B.xb = dalloc<uint16_t>(size_t(MH) * DV);
   B.lraw = randf(KC, 1.0f), B.lqkv = randf(KC, 0.1f), B.low = randf(2 * KD, 1.0f), B.g = randf(2 * KHD, 1.0f);
   B.beta = randf(KH, 1.0f), B.o = randf(KHD, 1.0f), B.gate = randf(KHD, 1.0f);
@@ -298,11 +300,14 @@ void setup(std::mt19937& rng) {
 }
 
 // ---- the engine's launch sequences (same order and arguments as its decode path)
+// The GEMV with its input rotation, then the output rotation (summing the GEMV's K parts).
+void exl3_chain(const Exl3Dev& shape, Exl3Group g, Exl3Src src, int n, float* y, int64_t y_ld) {
+  const int parts = exl3_gemv_in(shape, g, src, n, B.xh, B.yr, kYrFloats, g_st);
+  exl3_rotate_out(shape, g, B.yr, n, y, y_ld, nullptr, g_st, parts);
+}
 void exl3_linear(const Exl3Dev& w, const float* x, float* y, int64_t y_ld) {  // Impl::exl3_forward, n = 1
   g_bytes += double(w.bytes());
-  exl3_rotate_in(w, {}, Exl3Src{x, w.in}, 1, B.xh, false, g_st, B.yr);
-  exl3_gemv_rotated(w, {}, B.xh, 1, B.yr, Exl3Gemv::Auto, g_st, true);
-  exl3_rotate_out(w, {}, B.yr, 1, y, y_ld, nullptr, g_st);
+  exl3_chain(w, {}, Exl3Src{x, w.in}, 1, y, y_ld);
 }
 // Impl::linear over bf16 weights: bf16_gemv for n <= kBf16GemvMaxRows, else (cublas) to_bf16 + cublasGemmEx.
 void bf16_linear(const uint16_t* w, int out, int in, const float* x, float* y, bool cublas = false) {
@@ -317,19 +322,13 @@ void bf16_linear(const uint16_t* w, int out, int in, const float* x, float* y, b
 // Impl::exl3_group of two: two linears of one shape in one grouped call, rows 0 and 1 of y (y_ld apart).
 void exl3_pair(const Exl3Dev& shape, const Exl3Dev* tab, Exl3Src src, float* y, int64_t y_ld) {
   g_bytes += 2.0 * double(shape.bytes());
-  const Exl3Group g{tab, B.pair_ids};
-  exl3_rotate_in(shape, g, src, 2, B.xh, false, g_st, B.yr);
-  exl3_gemv_rotated(shape, g, B.xh, 2, B.yr, Exl3Gemv::Auto, g_st, true);
-  exl3_rotate_out(shape, g, B.yr, 2, y, y_ld, nullptr, g_st);
+  exl3_chain(shape, Exl3Group{tab, B.pair_ids}, src, 2, y, y_ld);
 }
 // Impl::linear for one token over parts of one shape (DevLinear::parts): q | k | v as one grouped call.
 void qkv_group(int i) {
   const Exl3Dev& shape = W.qkv[0][i];
   g_bytes += 3.0 * double(shape.bytes());
-  const Exl3Group g{W.qkv_tab[i], B.tri_ids};
-  exl3_rotate_in(shape, g, Exl3Src{B.h, D, nullptr, 3}, 3, B.xh, false, g_st, B.yr);
-  exl3_gemv_rotated(shape, g, B.xh, 3, B.yr, Exl3Gemv::Auto, g_st, true);
-  exl3_rotate_out(shape, g, B.yr, 3, B.lraw, KHD, nullptr, g_st);
+  exl3_chain(shape, Exl3Group{W.qkv_tab[i], B.tri_ids}, Exl3Src{B.h, D, nullptr, 3}, 3, B.lraw, KHD);
 }
 void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 0), gate = g_b low1 (row 1)
   exl3_pair(W.f_a[i], W.fg_a[i], Exl3Src{B.h, D, nullptr, 2}, B.low, KD);
@@ -339,7 +338,7 @@ void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 
 void hc_enter(int i) {
   g_bytes += double((2 + NS) * NS) * NS * D * 4;
   hyper_enter(B.x, 1, NS, D, W.hc_fn[i], W.hc_scale, W.hc_base, W.norm_w, RMS_EPS, HC_EPS, HC_ITERS, B.h, B.post,
-              B.comb, g_st);
+              B.comb, B.hc_part, g_st);
 }
 void hc_leave() { hyper_leave(B.x, B.y, B.post, B.comb, 1, NS, D, g_st); }
 
@@ -376,8 +375,8 @@ void kda(int i) {  // Impl::kda for S = 1 (its decode path: EXL3 pairs, one fuse
 
 void kpool_sel(int i, const Ctx& c) {
   g_bytes += double(c.ctx / KPOOL) * ID * 4;  // the completed pools' keys
-  kpool_select(B.iq, B.ihw, c.pool_k[i], 1, IH, ID, KPOOL, BUDGET, true, c.pos0, c.max_pools, c.scores, B.sel, SELW,
-               g_st);
+  kpool_select(B.iq, B.ihw, c.pool_k[i], 1, IH, ID, KPOOL, BUDGET, true, c.pos0, c.max_pools, c.scores,
+               size_t(c.max_pools) + 16 * BUDGET, B.sel, SELW, g_st);
 }
 void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer
   bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
@@ -439,13 +438,18 @@ void experts_part(int p, const int32_t* ids, int M) {
   const Exl3Group g{W.tab + p * (E + 1), ids};
   const Exl3Src src = p < 2 ? Exl3Src{B.h, D, nullptr, M} : Exl3Src{B.mgu, 2 * I, nullptr, 1, true, LIMIT};
   g_bytes += double(M) * double(shape.bytes());
-  exl3_rotate_in(shape, g, src, M, B.xh, false, g_st, B.yr);
-  exl3_gemv_rotated(shape, g, B.xh, M, B.yr, Exl3Gemv::Auto, g_st, true);
-  if (p < 2) exl3_rotate_out(shape, g, B.yr, M, B.mgu + p * I, 2 * I, nullptr, g_st);
-  else exl3_rotate_out(shape, g, B.yr, M, B.ysorted, D, nullptr, g_st);
+  if (p < 2) exl3_chain(shape, g, src, M, B.mgu + p * I, 2 * I);
+  else exl3_chain(shape, g, src, M, B.ysorted, D);
+}
+// gate and up as the two parts of one grouped call, as the engine runs them when their shapes match.
+void experts_gate_up(const int32_t* ids, int M) {
+  const Exl3Dev& shape = W.expert_shape[0];
+  g_bytes += 2.0 * double(M) * double(shape.bytes());
+  exl3_chain(shape, Exl3Group{W.tab, ids, M, E + 1, I}, Exl3Src{B.h, D, nullptr, M}, 2 * M, B.mgu, 2 * I);
 }
 void experts(const int32_t* ids, int M) {
-  for (int p = 0; p < 3; ++p) experts_part(p, ids, M);
+  experts_gate_up(ids, M);
+  experts_part(2, ids, M);
 }
 void moe(int i) {  // Impl::moe, all experts in VRAM, shared expert grouped with the routed ones
   router(i);
@@ -615,6 +619,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("MoE cuBLAS Sgemm router 288x4096 fp32", [](int i) { router(i); });
   bench("MoE route sigmoid top-8 + shared + counts", [](int) { route_call(); });
   bench("MoE EXL3 experts gate, 9x 2048x4096", [](int i) { experts_part(0, B.rand_ids + size_t(i) * KK, KK); });
+  bench("MoE EXL3 experts gate|up, 2x 9x 2048x4096", [](int i) { experts_gate_up(B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts down, 9x 4096x2048 (SwiGLU in)",
         [](int i) { experts_part(2, B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts 8 routed (gate, up, down)", [](int i) { experts(B.rand_ids + size_t(i) * KK + 1, TOPK); });

@@ -152,6 +152,19 @@ void correctness(bool quick) {
       double eg = gpu_vs_cpu(g, h->w, 37, true);
       check(eg < 3e-3, tag + ": GEMM (fp16 dequant + cuBLAS) n=37 rel err " + std::to_string(eg));
     }
+  // Real decode shapes: the one-row kernel (input rotation fused in, tensor-core sums, the K split left in parts for
+  // the output rotation) against the CPU.
+  struct Shape {
+    int64_t in, out;
+    int K;
+  };
+  for (auto [sin, sout, K] : {Shape{4096, 2048, 4}, Shape{2048, 4096, 3}, Shape{8192, 4096, 4}, Shape{4096, 512, 2}}) {
+    auto h = random_weights(sin, sout, K, Exl3Codebook::Mul1, uint32_t(sin + sout + K));
+    Exl3CudaLinear g(h->w);
+    const double e1 = gpu_vs_cpu(g, h->w, 1, false);
+    check(e1 < 1e-5, "K=" + std::to_string(K) + " " + std::to_string(sin) + "->" + std::to_string(sout) +
+                         ": one-row GEMV rel err " + std::to_string(e1));
+  }
 }
 
 struct Timer {

@@ -441,16 +441,19 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
 
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
-  // S = 6: the logits spread over blocks (decode path); S = 40: one block per token, or (with a cuBLAS handle,
-  // as the engine runs prefill) the logits from one GEMM.
+  // S = 1, 6: the sums spread over blocks, h and the weights from different blocks (decode path; or one block per
+  // token without scratch); S = 40: one block per token, or (with a cuBLAS handle, as the engine runs prefill) the
+  // logits from one GEMM.
   cublasHandle_t blas = nullptr;
   ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
   struct Shape {
     int D, S;
-    bool gemm;
+    bool gemm, single;  // single: no scratch, so few tokens also take one block per token
   };
-  for (auto [D, S, gemm] : {Shape{128, 6, false}, Shape{4096, 6, false}, Shape{128, 40, false}, Shape{4096, 40, false},
-                            Shape{128, 40, true}, Shape{4096, 40, true}}) {
+  for (auto [D, S, gemm, single] :
+       {Shape{128, 6, false, false}, Shape{4096, 6, false, false}, Shape{4096, 1, false, false},
+        Shape{4096, 6, false, true}, Shape{128, 40, false, false}, Shape{4096, 40, false, false},
+        Shape{128, 40, true, false}, Shape{4096, 40, true, false}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
     ModelSpec c;
     c.hidden_size = D;
@@ -474,9 +477,10 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
 
     Dev<float> dx(x), dfn(hw.fn), dbase(hw.base), dscale(hw.scale), dnorm(norm.weight), dy(y);
     Dev<float> dh(size_t(S) * D), dpost(size_t(S) * n), dcomb(size_t(S) * n * n);
+    Dev<float> dpart(std::max<size_t>(1, cuda::hyper_enter_scratch(S, n)));
     cuda::hyper_enter(dx.get(), S, n, D, dfn.get(), dscale.get(), dbase.get(), dnorm.get(), float(c.rms_eps),
                       float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(), dpost.get(), dcomb.get(),
-                      nullptr, gemm ? blas : nullptr);
+                      single ? nullptr : dpart.get(), nullptr, gemm ? blas : nullptr);
     cuda::hyper_leave(dx.get(), dy.get(), dpost.get(), dcomb.get(), S, n, D, nullptr);
 
     std::vector<float> pre(static_cast<size_t>(n)), post(size_t(S) * n), comb(size_t(S) * n * n);
@@ -569,13 +573,15 @@ void run_kpool_case(const KpoolCase& kc) {
         hwv[size_t(s * nh + h)] = x[size_t(s * xw + 2 * d + h)] * (1.0f / std::sqrt(float(nh)));
     }
     cpu::layer_norm(k.data(), w.k_norm.weight.data(), w.k_norm.bias.data(), S, d, 1e-6, k.data());
-    Dev<float> dk(k), dg(g), dq(qv), dhw(hwv), dscratch(size_t(S) * max_pools);
+    // scratch for the split top-k too (the engine's), used when S <= 8 and the rows are long
+    const size_t scratch = size_t(S) * (max_pools + 16 * budget);
+    Dev<float> dk(k), dg(g), dq(qv), dhw(hwv), dscratch(scratch);
     Dev<int32_t> dsel(size_t(S) * sel_k);
     dpos.put({pos0});
     cuda::kpool_append(dk.get(), dg.get(), dape.get(), S, d, kp, dpos.get(), dpool.get(), dopen_k.get(), dopen_g.get(),
                        nullptr);
     cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), S, nh, d, kp, budget, true, dpos.get(), max_pools,
-                       dscratch.get(), dsel.get(), sel_k, nullptr);
+                       dscratch.get(), scratch, dsel.get(), sel_k, nullptr);
 
     // State: pooled keys and the open pool's rows.
     const int pools = (pos0 + S) / kp, open = (pos0 + S) % kp;
@@ -657,7 +663,7 @@ TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
 TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
   SKIP_WITHOUT_DEVICE();
   const int nh = 4, d = 32, kp = 4, budget = 100;
-  for (int pools : {600, 5000}) {
+  for (int pools : {600, 5000, 60000}) {  // 60000: more than the top-k stages in shared memory (global passes)
     const int p = pools * kp + 1, max_pools = pools + 1, sel_k = budget * kp + kp - 1;
     const std::vector<float> rows = uniform(size_t(40) * d, -1.0f, 1.0f, 77), q = uniform(size_t(nh) * d, -1, 1, 78);
     const std::vector<float> hw = uniform(size_t(nh), 0.1f, 1.0f, 79);
@@ -688,11 +694,15 @@ TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
     for (int t = pools * kp; t <= p; ++t) want.push_back(t);
     want.resize(size_t(sel_k), -1);
 
-    Dev<float> dq(q), dhw(hw), dpool(pool_k), dscratch(static_cast<size_t>(max_pools));
-    Dev<int32_t> dpos(std::vector<int32_t>{p}), dsel(static_cast<size_t>(sel_k));
-    cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), 1, nh, d, kp, budget, true, dpos.get(), max_pools,
-                       dscratch.get(), dsel.get(), sel_k, nullptr);
-    EXPECT_EQ(dsel.host(), want) << pools << " pools";
+    // scratch of one row: one block per query; with room for the candidates: the top-k split over blocks (rows of
+    // more than 4 x 8 x budget pools)
+    for (size_t scratch : {size_t(max_pools), size_t(max_pools) + 16 * budget}) {
+      Dev<float> dq(q), dhw(hw), dpool(pool_k), dscratch(scratch);
+      Dev<int32_t> dpos(std::vector<int32_t>{p}), dsel(static_cast<size_t>(sel_k));
+      cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), 1, nh, d, kp, budget, true, dpos.get(), max_pools,
+                         dscratch.get(), scratch, dsel.get(), sel_k, nullptr);
+      EXPECT_EQ(dsel.host(), want) << pools << " pools, scratch " << scratch;
+    }
   }
 }
 

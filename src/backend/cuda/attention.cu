@@ -11,26 +11,44 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kTile = 64, kMaxValuesPerThread = 4;
 
-// Block (token * H + head, column block of kQueryCols): thread = column j, the sum over the nope dims in order.
-constexpr int kQueryCols = 128;
-__global__ void __launch_bounds__(kQueryCols)
+// Block (token * H + head, block of 2 * kQueryPairs columns): thread (group g, pair) sums columns j, j + 1 over the
+// g-th quarter of the nope dims (one 4-byte load carries both), the quarters then added in order; the rope part copied
+// by the first column block. Four groups keep ~32 KB of loads in flight per SM (one group per column: ~4 KB).
+constexpr int kQueryPairs = 128, kQueryGroups = 4;
+__global__ void __launch_bounds__(kQueryPairs* kQueryGroups)
     mla_query_kernel(const float* q, const uint16_t* w_uk, int H, int dn, int dr, int r, float* qcat) {
   extern __shared__ float qn[];  // dn
-  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, j = blockIdx.y * kQueryCols + threadIdx.x;
+  __shared__ float part[kQueryGroups - 1][2 * kQueryPairs];
+  const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, tid = threadIdx.x;
+  const int pair = tid % kQueryPairs, g = tid / kQueryPairs, j = 2 * (blockIdx.y * kQueryPairs + pair);
   const float* qh = q + (int64_t(s) * H + h) * qk;
-  for (int d = threadIdx.x; d < dn; d += blockDim.x) qn[d] = qh[d];
-  __syncthreads();
-  if (j >= r + dr) return;
   float* out = qcat + (int64_t(s) * H + h) * (r + dr);
-  if (j >= r) {
-    out[j] = qh[dn + j - r];
-    return;
-  }
+  for (int d = tid; d < dn; d += blockDim.x) qn[d] = qh[d];
+  if (blockIdx.y == 0)
+    for (int i = tid; i < dr; i += blockDim.x) out[r + i] = qh[dn + i];
+  __syncthreads();
+  const int d0 = g * dn / kQueryGroups, d1 = (g + 1) * dn / kQueryGroups;
+  float a0 = 0.0f, a1 = 0.0f;
   const uint16_t* w = w_uk + int64_t(h) * dn * r + j;
-  float acc = 0.0f;
-#pragma unroll 8
-  for (int d = 0; d < dn; ++d) acc += qn[d] * bf16_to_f32(w[int64_t(d) * r]);
-  out[j] = acc;
+  if (j + 1 < r && r % 2 == 0) {
+#pragma unroll 16
+    for (int d = d0; d < d1; ++d) {
+      const uint32_t v = __ldg(reinterpret_cast<const unsigned int*>(w + int64_t(d) * r));
+      a0 += qn[d] * bf16_to_f32(uint16_t(v & 0xffffu));
+      a1 += qn[d] * bf16_to_f32(uint16_t(v >> 16));
+    }
+  } else if (j < r) {
+    for (int d = d0; d < d1; ++d) {
+      a0 += qn[d] * bf16_to_f32(w[int64_t(d) * r]);
+      if (j + 1 < r) a1 += qn[d] * bf16_to_f32(w[int64_t(d) * r + 1]);
+    }
+  }
+  if (g > 0) part[g - 1][2 * pair] = a0, part[g - 1][2 * pair + 1] = a1;
+  __syncthreads();
+  if (g > 0 || j >= r) return;
+  for (int i = 0; i < kQueryGroups - 1; ++i) a0 += part[i][2 * pair], a1 += part[i][2 * pair + 1];
+  out[j] = a0;
+  if (j + 1 < r) out[j + 1] = a1;
 }
 
 // Block (token * H + head, group of 32 output rows): warp per row.
@@ -129,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
 
 void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st) {
   if (S <= 0) return;
-  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r + dr, kQueryCols))), kQueryCols,
+  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r, 2 * kQueryPairs))), kQueryPairs * kQueryGroups,
                      size_t(dn) * sizeof(float), st>>>(q, w_uk, H, dn, dr, r, qcat);
   MOESRV_CUDA_LAUNCH_CHECK();
 }

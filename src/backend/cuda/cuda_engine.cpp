@@ -373,7 +373,7 @@ class CudaBlocks final : public BlockExecutor {
     const ResidualSpec& r = m_.c.residual;
     hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(), norm.w.as<float>(),
                 eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(), m_.s.comb.as<float>(),
-                m_.stream, m_.cublas);
+                m_.s.hc_part.as<float>(), m_.stream, m_.cublas);
   }
   void leave(int64_t, Site) override {
     m_.phase(CudaPhase::Residual);

@@ -405,7 +405,9 @@ void CudaEngine::Impl::allocate_scratch() {
       s.ihw = f32(R * c.index_n_heads, "indexer weights");
       if (c.index_kpool > 1) s.ig = f32(R * c.index_head_dim, "indexer pool gate");
       s.sel = DeviceBuffer(budget, size_t(R * sel_width()) * 4, "dsa selection");
-      s.dsa_scores = f32(dsa_rows * keys, "dsa scores");
+      // + the split top-k's candidates of up to 8 decode queries (kpool_select)
+      const int64_t cand = c.index_kpool > 1 ? std::min<int64_t>(R, 8) * 16 * (c.index_topk / c.index_kpool) : 0;
+      s.dsa_scores = f32(dsa_rows * keys + cand, "dsa scores");
     }
   } else if (c.attention == AttentionKind::GQA) {
     attn_rows = R;
@@ -418,6 +420,8 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.residual.hyper) {
     s.post = f32(R * c.residual.streams, "mHC post");
     s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
+    const size_t part = hyper_enter_scratch(int(std::min<int64_t>(R, 16)), int(c.residual.streams));
+    if (part) s.hc_part = f32(int64_t(part), "mHC partial sums");
   }
   if (c.has_recurrent_layers()) {
     // KDA: q/k/v projection, conv output, decay, beta, out, low rank, gate. Gated DeltaNet: qkvz then the conv

@@ -53,10 +53,11 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   }
   if (all.in == 0 && head.in == 0) return;
   exl3_sm_count();  // GEMV geometry, read before any graph capture
-  const int64_t rb = std::min(rows, kGemmRowBlock), grouped = int64_t(kExl3MaxGemvRows) * (c.experts_per_token + 1);
+  const int64_t rb = std::min(rows, kGemmRowBlock), grouped = 2 * int64_t(kExl3MaxGemvRows) * (c.experts_per_token + 1);
   const int64_t in = std::max(all.in, head.in), out = std::max(all.out, head.out);
   const size_t xh = size_t(std::max({rb * in * 2, kExl3MaxGemvRows * in * 4, grouped * moe.in * 4}));
-  const size_t yr = size_t(std::max({rb * all.out, kExl3MaxGemvRows * out, grouped * moe.out})) * 4;
+  const size_t yr =  // a one-row GEMV leaves up to kExl3MaxGemvParts K parts (grouped calls: what fits)
+      size_t(std::max({rb * all.out, int64_t(kExl3MaxGemvParts) * out, 2 * grouped * moe.out})) * 4;
   const size_t w16 = std::max(std::min(kW16Elems, std::max(all.whole, head.whole)), size_t(in) * 16) * 2;
   s.x3_xh = DeviceBuffer(budget, xh, "EXL3 rotated input");
   s.x3_yr = DeviceBuffer(budget, yr, "EXL3 rotated output");
@@ -67,9 +68,8 @@ void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, fl
                                     const float* bias) {
   float* yr = s.x3_yr.as<float>();
   if (n <= kExl3MaxGemvRows) {
-    exl3_rotate_in(w, {}, src, int(n), s.x3_xh.as<void>(), false, stream, yr);
-    exl3_gemv_rotated(w, {}, s.x3_xh.as<float>(), int(n), yr, Exl3Gemv::Auto, stream, true);
-    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream);
+    const int parts = exl3_gemv_in(w, {}, src, int(n), s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, stream);
+    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream, parts);
     return;
   }
   const int64_t blk = std::min(
@@ -91,13 +91,13 @@ void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, fl
 void CudaEngine::Impl::exl3_group(const DevGroup& grp, const Exl3Dev& w, Exl3Src src, float* y, int64_t y_ld) {
   const Exl3Group g{grp.tab.as<Exl3Dev>(), grp.ids.as<int32_t>()};
   float* yr = s.x3_yr.as<float>();
-  exl3_rotate_in(w, g, src, grp.count, s.x3_xh.as<void>(), false, stream, yr);
-  exl3_gemv_rotated(w, g, s.x3_xh.as<float>(), grp.count, yr, Exl3Gemv::Auto, stream, true);
-  exl3_rotate_out(w, g, yr, grp.count, y, y_ld, nullptr, stream);
+  const int parts = exl3_gemv_in(w, g, src, grp.count, s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, stream);
+  exl3_rotate_out(w, g, yr, grp.count, y, y_ld, nullptr, stream, parts);
 }
 
 // Entry i = token i / kk with expert ids[i] (kk = k, or 1 + k with the shared expert first): gate and up into s.mgu
-// rows [gate | up], then down over their SwiGLU (computed while rotating its input) into s.ysorted. 9 launches.
+// rows [gate | up] (one grouped call when their shapes match), then down over their SwiGLU (computed while rotating
+// its input) into s.ysorted. 4 launches (6 when gate and up differ in shape or bits).
 void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const int64_t kk = c.experts_per_token + (m.shared_grouped ? 1 : 0);
@@ -105,15 +105,25 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
   const Exl3Dev* tab = m.x3_tab.as<Exl3Dev>();
   const int32_t* ids = s.ids.as<int32_t>();
   float *xh = s.x3_xh.as<float>(), *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
+  const size_t yr_floats = s.x3_yr.bytes() / 4;
+  const Exl3Dev &gate = m.x3_off[0][0], &up = m.x3_off[0][1];
+  const bool paired = gate.K == up.K && gate.cb == up.cb && gate.in_pad == up.in_pad && gate.out_pad == up.out_pad;
+  if (paired) {
+    // gate and up as the two parts of one grouped call (3 launches instead of 6): row r < M is gate, r >= M up
+    const Exl3Group g{tab, ids, M, int(m.x3_stride), I};
+    const int parts =
+        exl3_gemv_in(gate, g, Exl3Src{s.h.as<float>(), D, nullptr, int(kk)}, 2 * M, xh, yr, yr_floats, stream);
+    exl3_rotate_out(gate, g, yr, 2 * M, gu, 2 * I, nullptr, stream, parts);
+  }
   for (int p = 0; p < 3; ++p) {
+    if (p < 2 && paired) continue;
     const Exl3Dev& shape = m.x3_off[0][size_t(p)];
     const Exl3Group g{tab + p * m.x3_stride, ids};
     const Exl3Src src =
         p < 2 ? Exl3Src{s.h.as<float>(), D, nullptr, int(kk)} : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};
-    exl3_rotate_in(shape, g, src, M, xh, false, stream, yr);
-    exl3_gemv_rotated(shape, g, xh, M, yr, Exl3Gemv::Auto, stream, true);
-    if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream);
-    else exl3_rotate_out(shape, g, yr, M, s.ysorted.as<float>(), D, nullptr, stream);
+    const int parts = exl3_gemv_in(shape, g, src, M, xh, yr, yr_floats, stream);
+    if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream, parts);
+    else exl3_rotate_out(shape, g, yr, M, s.ysorted.as<float>(), D, nullptr, stream, parts);
   }
 }
 

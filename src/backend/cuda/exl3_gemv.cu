@@ -21,6 +21,11 @@ namespace {
 
 constexpr int kMaxTilesPerBlock = 64;
 
+// The table entry of grouped row r (Exl3Group).
+__device__ __forceinline__ const Exl3Dev& group_entry(const Exl3Group& g, int r) {
+  return g.tab[g.part_rows ? g.ids[r % g.part_rows] + (r / g.part_rows) * g.part_stride : g.ids[r]];
+}
+
 struct RotArgs {  // both Hadamard kernels
   Exl3Dev w;
   Exl3Group g;
@@ -31,7 +36,37 @@ struct RotArgs {  // both Hadamard kernels
   const float* bias;
   void* out;    // rotate_in: xh
   float* zero;  // rotate_in: GEMV output rows to zero (out_pad floats each), or null
+  int parts;    // rotate_out: yr holds this many K parts of the n rows
 };
+
+// The input row and suh of grouped row `row` (Exl3Src, Exl3Group).
+struct RowIn {
+  const float* x;
+  const half* suh;
+};
+__device__ __forceinline__ RowIn row_in(const Exl3Dev& w, const Exl3Group& g, const Exl3Src& src, int row) {
+  const int lrow = g.part_rows ? row % g.part_rows : row;
+  return {src.x + size_t(src.rows ? src.rows[lrow] : lrow / src.div) * src.ld,
+          reinterpret_cast<const half*>(g.ids ? group_entry(g, row).suh : w.suh)};
+}
+// (x ⊙ suh)[e..e+3], zero beyond the logical `in`; with src.swiglu x is silu_mul_clamped of the row's gate | up.
+__device__ __forceinline__ float4 scaled_in4(const Exl3Dev& w, const Exl3Src& src, RowIn r, int e) {
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float xv = 0.f;
+    if (e + i < w.in) {
+      xv = r.x[e + i];
+      if (src.swiglu) {  // silu_mul_clamped's arithmetic
+        float gt = xv, up = r.x[w.in + e + i];
+        if (src.limit > 0.f) gt = fminf(gt, src.limit), up = fminf(fmaxf(up, -src.limit), src.limit);
+        xv = gt / (1.0f + expf(-gt)) * up;
+      }
+    }
+    v[i] = xv * __half2float(r.suh[e + i]);
+  }
+  return make_float4(v[0], v[1], v[2], v[3]);
+}
 
 // out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
 template <bool kHalfOut>
@@ -41,25 +76,8 @@ __global__ void rotate_in_kernel(RotArgs a) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.w.out_pad; i += gridDim.x * blockDim.x)
       a.zero[size_t(row) * a.w.out_pad + i] = 0.f;
   if (blk * 128 >= dim) return;
-  const half* suh = reinterpret_cast<const half*>(a.g.ids ? a.g.tab[a.g.ids[row]].suh : a.w.suh);
-  const int src = a.src.rows ? a.src.rows[row] : row / a.src.div;
-  const float* x = a.src.x + size_t(src) * a.src.ld;
   const int e = blk * 128 + lane * 4;
-  float v[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float xv = 0.f;
-    if (e + i < a.w.in) {
-      xv = x[e + i];
-      if (a.src.swiglu) {  // silu_mul_clamped's arithmetic
-        float gt = xv, up = x[a.w.in + e + i];
-        if (a.src.limit > 0.f) gt = fminf(gt, a.src.limit), up = fminf(fmaxf(up, -a.src.limit), a.src.limit);
-        xv = gt / (1.0f + expf(-gt)) * up;
-      }
-    }
-    v[i] = xv * __half2float(suh[e + i]);
-  }
-  float4 h = make_float4(v[0], v[1], v[2], v[3]);
+  float4 h = scaled_in4(a.w, a.src, row_in(a.w, a.g, a.src, row), e);
   hadamard128_lane(h, lane);
   if constexpr (kHalfOut) {
     half2* o = reinterpret_cast<half2*>(static_cast<half*>(a.out) + size_t(row) * dim + e);
@@ -74,12 +92,17 @@ __global__ void rotate_in_kernel(RotArgs a) {
 __global__ void rotate_out_kernel(RotArgs a) {
   const int dim = a.w.out_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
   if (blk * 128 >= dim) return;
-  const half* svh = reinterpret_cast<const half*>(a.g.ids ? a.g.tab[a.g.ids[row]].svh : a.w.svh);
+  const half* svh = reinterpret_cast<const half*>(a.g.ids ? group_entry(a.g, row).svh : a.w.svh);
   const int e = blk * 128 + lane * 4;
   float4 h = *reinterpret_cast<const float4*>(a.yr + size_t(row) * dim + e);
+  for (int p = 1; p < a.parts; ++p) {  // the fused GEMV's K parts, in part order
+    const float4 q = *reinterpret_cast<const float4*>(a.yr + (size_t(p) * gridDim.y + row) * dim + e);
+    h.x += q.x, h.y += q.y, h.z += q.z, h.w += q.w;
+  }
   hadamard128_lane(h, lane);
   const float v[4] = {h.x, h.y, h.z, h.w};
-  float* y = a.y + size_t(row) * a.y_ld;
+  float* y = a.y + (a.g.part_rows ? (row % a.g.part_rows) * a.y_ld + (row / a.g.part_rows) * a.g.part_out
+                                  : size_t(row) * a.y_ld);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     if (e + i < a.w.out) y[e + i] = v[i] * __half2float(svh[e + i]) + (a.bias ? a.bias[e + i] : 0.f);
@@ -98,7 +121,7 @@ struct GemvArgs {
 
 template <class Args>
 __device__ __forceinline__ const uint4* gemv_weights(const Args& a) {
-  return a.g.ids ? static_cast<const uint4*>(a.g.tab[a.g.ids[blockIdx.z]].trellis) : a.trellis;
+  return a.g.ids ? static_cast<const uint4*>(group_entry(a.g, blockIdx.z).trellis) : a.trellis;
 }
 
 template <int K, int CB>
@@ -273,6 +296,10 @@ struct Gemv1Args {
   const float* xh;
   float* yr;
   int in_pad, out_pad, tiles_k, tiles_n, tiles_per_warp, warps_k;
+  // fused (src.x set): the block makes its xh range itself from src (rotate_in's math; the range is whole 128-blocks)
+  // and a K split stores part p of row z at yr[p][z] (rotate_out sums the parts) instead of adding atomically.
+  Exl3Dev w;
+  Exl3Src src;
 };
 
 template <int K>
@@ -321,7 +348,49 @@ __device__ __forceinline__ void gemv1_tile(const uint32_t (&w)[Gemv1<K>::N], int
     }
 }
 
+// gemv1_tile on tensor cores: the lane's decoded pairs are A fragments of m16n8k16 products (A row g = lane/4 holds
+// the even column of each pair of the lane quad's columns, row g + 8 the odd one; k = the 4 rows a lane decodes per
+// product), B is the k-tile's xh split in fp16 hi and lo parts, nonzero only in lane t's own k slots: column t (hi)
+// and t + 4 (lo). So D[g][n] + D[g][n + 4] is lane 4g+n's column sum (accurate to ~fp32: the weights are exact in
+// fp16 and hi + lo carries ~22 bits of xh), and the fp32 convert + FMA per weight are gone. xb: the k-tile's B words
+// of this lane (zeros on lanes that are not the diagonal ones).
 template <int K, int CB>
+__device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const uint4 (&xb)[2],
+                                               float (&d)[Gemv1<K>::C / 2][4]) {
+  using G = Gemv1<K>;
+  uint32_t b[G::N + 1];
+  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
+#pragma unroll
+  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+  const uint32_t xw[8] = {xb[0].x, xb[0].y, xb[0].z, xb[0].w, xb[1].x, xb[1].y, xb[1].z, xb[1].w};
+#pragma unroll
+  for (int pp = 0; pp < G::P; ++pp) {
+    uint32_t h[4];  // pairs i = 0, 2, 4, 6: (column even, rows r, r + 1), (even, r + 8), (odd, r), (odd, r + 8)
+#pragma unroll
+    for (int i = 0; i < 8; i += 2)
+      h[i / 2] =
+          decode_state2<CB>(stream_bits16(b, (8 * pp + i + 1) * K + 16), stream_bits16(b, (8 * pp + i + 2) * K + 16));
+    const int p4 = pp & 3;
+    mma_m16n8k16_f16(d[pp >> 2], h[0], h[2], h[1], h[3], xw[2 * p4], xw[2 * p4 + 1]);
+  }
+}
+
+// The lane's sums of its C columns from the tensor-core accumulators (see gemv1_tile_mma).
+template <int C>
+__device__ __forceinline__ void gemv1_mma_sums(const float (&d)[C / 2][4], int lane, float (&acc)[C]) {
+  const int n = lane & 3, src = (lane & ~3) + (n >> 1);
+#pragma unroll
+  for (int q = 0; q < C / 2; ++q)
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {  // m = 0: column 2q (regs 0, 1), m = 1: column 2q + 1 (regs 2, 3)
+      const float v0 = __shfl_sync(0xffffffffu, d[q][2 * m], src), v1 = __shfl_sync(0xffffffffu, d[q][2 * m + 1], src);
+      const float u0 = __shfl_sync(0xffffffffu, d[q][2 * m], src + 2);
+      const float u1 = __shfl_sync(0xffffffffu, d[q][2 * m + 1], src + 2);
+      acc[2 * q + m] = (n & 1) ? v1 + u1 : v0 + u0;
+    }
+}
+
+template <int K, int CB, bool kMma>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
@@ -341,8 +410,36 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
   const uint32_t* next = wsrc + G::D * step;
 
-  const float4* xg = reinterpret_cast<const float4*>(a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16);
-  for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) reinterpret_cast<float4*>(smem)[i] = xg[i];
+  if (a.src.x) {  // fused: x ⊙ suh over the range by all threads (loads in flight), then a warp per 128-block rotates
+    const RowIn r = row_in(a.w, a.g, a.src, blockIdx.z);
+    float4* x4 = reinterpret_cast<float4*>(smem);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) x4[i] = scaled_in4(a.w, a.src, r, kb0 * 16 + 4 * i);
+    __syncthreads();
+    for (int b = warp; b < (kb1 - kb0) / 8; b += kGemv1Warps) {
+      float4 h = x4[b * 32 + lane];
+      hadamard128_lane(h, lane);
+      if constexpr (kMma) {  // lane's rows 4q..4q+3 of tile lane / 4: hi/lo words 4(q%2) + q/2 and 2 more
+        __syncwarp();        // (the tile's 4 lanes have read their floats)
+        const int t = b * 8 + lane / 4, q = lane & 3, j = 4 * (q & 1) + (q >> 1);
+        uint32_t* xw = reinterpret_cast<uint32_t*>(smem) + t * 16;
+        split_half2(h.x, h.y, xw[j], xw[8 + j]);
+        split_half2(h.z, h.w, xw[j + 2], xw[8 + j + 2]);
+      } else {
+        x4[b * 32 + lane] = h;
+      }
+    }
+  } else if constexpr (kMma) {  // per k-tile: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
+    const float* xg = a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16;
+    uint32_t* xw = reinterpret_cast<uint32_t*>(smem);
+    for (int i = threadIdx.x; i < (kb1 - kb0) * 8; i += blockDim.x) {
+      const int t = i >> 3, j = i & 7, r = t * 16 + 2 * (j >> 1) + 8 * (j & 1);
+      split_half2(xg[r], xg[r + 1], xw[t * 16 + j], xw[t * 16 + 8 + j]);
+    }
+  } else {
+    const float4* xg = reinterpret_cast<const float4*>(a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16);
+    for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) reinterpret_cast<float4*>(smem)[i] = xg[i];
+  }
   __syncthreads();
 
   const int prev_lane = lane % G::L == 0 ? lane + G::L - 1 : lane - 1;
@@ -350,17 +447,30 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   float acc[G::C];
 #pragma unroll
   for (int c = 0; c < G::C; ++c) acc[c] = 0.f;
+  float d[G::C / 2][4] = {};
+  // tensor cores: lanes 0, 5, 10, 15 read the hi words, 16, 21, 26, 31 the lo words, the others hold zeros
+  const int diag = (lane >> 2) == (lane & 3) ? 0 : (lane >> 2) == (lane & 3) + 4 ? 8 : -1;
   for (int k = 0; k < nkt; k += G::D) {
 #pragma unroll
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
-        gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
+        if constexpr (kMma) {
+          uint4 xb[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+          if (diag >= 0) {
+            const uint4* src = reinterpret_cast<const uint4*>(xs + (k + u) * 16 + diag);
+            xb[0] = src[0], xb[1] = src[1];
+          }
+          gemv1_tile_mma<K, CB>(ring[u], prev_lane, xb, d);
+        } else {
+          gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
+        }
         if (k + u + G::D < nkt) {
           gemv1_load<K>(next, ring[u]);
           next += step;
         }
       }
   }
+  if constexpr (kMma) gemv1_mma_sums<G::C>(d, lane, acc);
 
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
     float* red = smem + wk * tpw * 16;
@@ -377,10 +487,11 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   }
   if (panel >= a.tiles_n / G::P) return;
   float* y = a.yr + size_t(blockIdx.z) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
+  if (a.src.x) y += size_t(blockIdx.y) * gridDim.z * a.out_pad;  // fused: this K part's slice
 #pragma unroll
   for (int c = 0; c < G::C; ++c) {
     float* yc = y + (c >> 1) + 8 * (c & 1);
-    if (gridDim.y == 1) *yc = acc[c];
+    if (gridDim.y == 1 || a.src.x) *yc = acc[c];
     else atomicAdd(yc, acc[c]);
   }
 }
@@ -420,8 +531,16 @@ const GemvFn kGemv[3][8] = {EXL3_K_TABLE(gemv_kernel, 0), EXL3_K_TABLE(gemv_kern
 const GemvFn kGemvMma[3][8] = {EXL3_K_TABLE(gemv_mma_kernel, 0), EXL3_K_TABLE(gemv_mma_kernel, 1),
                                EXL3_K_TABLE(gemv_mma_kernel, 2)};
 using Gemv1Fn = void (*)(Gemv1Args);
-const Gemv1Fn kGemv1[3][8] = {EXL3_K_TABLE(gemv1_kernel, 0), EXL3_K_TABLE(gemv1_kernel, 1),
-                              EXL3_K_TABLE(gemv1_kernel, 2)};
+#define EXL3_K_TABLE_MMA(fn, cb, mma)                                                                     \
+  {                                                                                                       \
+    &fn<1, cb, mma>, &fn<2, cb, mma>, &fn<3, cb, mma>, &fn<4, cb, mma>, &fn<5, cb, mma>, &fn<6, cb, mma>, \
+        &fn<7, cb, mma>, &fn<8, cb, mma>                                                                  \
+  }
+const Gemv1Fn kGemv1[2][3][8] = {{EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
+                                  EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
+                                 {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
+                                  EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)}};
+#undef EXL3_K_TABLE_MMA
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
 #undef EXL3_K_TABLE
@@ -442,7 +561,9 @@ struct Gemv1Split {
 };
 // MOESRV_EXL3_GEMV1_SPLIT=<warps_k>x<tiles_per_warp> forces the shape (correctness runs: the checks' small weights
 // otherwise all take one), read once.
-Gemv1Split gemv1_split(const Exl3Dev& w, int groups) {
+// max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
+Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
+  const bool aligned = max_parts > 0;
   const int K = w.K, P = gemv1_positions(K), tk = w.in_pad / 16, panels = w.out_pad / 16 / P;
   static const Gemv1Split forced = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMV1_SPLIT");
@@ -452,26 +573,47 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups) {
       return Gemv1Split{wk, tpw, 0};
     return Gemv1Split{0, 0, 0};
   }();
-  if (const int span = forced.warps_k * forced.tiles_per_warp)
-    return {forced.warps_k, forced.tiles_per_warp, (tk + span - 1) / span};
+  // tiles per warp a multiple of `unit` keeps a block's range whole 128-blocks (8 k-tiles)
+  auto unit = [&](int wk) { return aligned ? 8 / std::min(wk, 8) : 1; };
+  if (forced.warps_k) {
+    const int u = unit(forced.warps_k), tpw = (forced.tiles_per_warp + u - 1) / u * u, span = forced.warps_k * tpw;
+    if (!aligned || (tk + span - 1) / span <= max_parts) return {forced.warps_k, tpw, (tk + span - 1) / span};
+  }
   const long sms = exl3_sm_count(), res = exl3_gemv_blocks_per_sm();
+  if (aligned) {
+    // Calls of a wave or more of blocks at 2 k-ranges of 16 tiles take that split: in the sweep of the decode shapes
+    // (docs/perf-cuda.md) it beat the model's choice on each of them, by up to 11% (finer blocks fill the last wave,
+    // which the model ignores); smaller calls keep the model's choice, which was the best there.
+    const int kb = (tk + 31) / 32;
+    if (kb <= max_parts && long((panels + 1) / 2) * kb * groups >= sms * res) return {2, 16, kb};
+  }
   const double lat = 1500, kt_issue = 256.0 * P * 7 / 128, hbm = double(tk) * panels * groups * P * 32 * K / 2000;
   Gemv1Split best{1, tk, 1};
   double best_cost = -1;
   for (int wk = 1; wk <= kGemv1Warps; wk *= 2) {
     const long bx = (panels + kGemv1Warps / wk - 1) / (kGemv1Warps / wk);
     for (int sb = 1;; ++sb) {
-      const int tpw = (tk + wk * sb - 1) / (wk * sb), kb = (tk + wk * tpw - 1) / (wk * tpw);
+      const int u = unit(wk), tpw = ((tk + wk * sb - 1) / (wk * sb) + u - 1) / u * u;
+      const int kb = (tk + wk * tpw - 1) / (wk * tpw);
       const long per_sm = (bx * kb * groups + sms - 1) / sms, waves = (per_sm + res - 1) / res;
       const double b = double(std::min(per_sm, res)), issue = per_sm * 4.0 * (tpw + 1) * kt_issue * (b + 1.5) / b;
       const double cost = lat + std::max({issue, waves * tpw * lat / gemv1_depth(K), hbm}) +
                           (kb > 1 ? double(panels) * groups * P * 16 * kb / 256 : 0);
-      if (wk * tpw <= kGemv1MaxBlockTiles && (best_cost < 0 || cost < best_cost))
+      if (wk * tpw <= kGemv1MaxBlockTiles && (!aligned || kb <= max_parts) && (best_cost < 0 || cost < best_cost))
         best = {wk, tpw, kb}, best_cost = cost;
-      if (tpw <= 1 || per_sm > 4 * res) break;
+      if (tpw <= unit(wk) || per_sm > 4 * res) break;
     }
   }
   return best;
+}
+
+// MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor cores (comparisons), read once.
+bool exl3_gemv1_fma() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMV1_FMA");
+    return v && std::atoi(v) != 0;
+  }();
+  return on;
 }
 
 bool exl3_gemv_v1() {
@@ -515,7 +657,7 @@ void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh,
                     float* zero_yr) {
   check_shape(w);
   if (n <= 0) return;
-  RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh, zero_yr};
+  RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh, zero_yr, 1};
   const dim3 grid((w.in_pad / 128 + 3) / 4, n);
   if (half_out) rotate_in_kernel<true><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
   else rotate_in_kernel<false><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
@@ -523,10 +665,10 @@ void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh,
 }
 
 void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,
-                     void* stream) {
+                     void* stream, int parts) {
   check_shape(w);
   if (n <= 0) return;
-  RotArgs a{w, g, Exl3Src{}, yr, y, y_ld, bias, nullptr, nullptr};
+  RotArgs a{w, g, Exl3Src{}, yr, y, y_ld, bias, nullptr, nullptr, std::max(parts, 1)};
   rotate_out_kernel<<<dim3((w.out_pad / 128 + 3) / 4, n), 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
   EXL3_CHECK(cudaGetLastError());
 }
@@ -551,7 +693,8 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
     Gemv1Args a{
         static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, tk, tn, sp.tiles_per_warp, sp.warps_k};
     const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-    kGemv1[w.cb][w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
+    kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb]
+          [w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
     EXL3_CHECK(cudaGetLastError());
     return;
   }
@@ -566,6 +709,46 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   GemvArgs a{static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, nb, tk, tn, tpb};
   (tc ? kGemvMma : kGemv)[w.cb][w.K - 1]<<<dim3(tn, ksplit, groups), kGemvWarps * 32, smem, s>>>(a);
   EXL3_CHECK(cudaGetLastError());
+}
+
+int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                 void* stream) {
+  check_shape(w);
+  if (n <= 0) return 1;
+  const bool grouped = g.ids != nullptr;
+  static const bool unfused = [] {  // MOESRV_EXL3_GEMV_UNFUSED=1: rotate first (comparisons), read once
+    const char* v = std::getenv("MOESRV_EXL3_GEMV_UNFUSED");
+    return v && std::atoi(v) != 0;
+  }();
+  if ((!grouped && n > 1) || unfused || exl3_gemv_v1() || exl3_gemv_tc_single()) {  // rotate, then the GEMV
+    exl3_rotate_in(w, g, src, n, xh, false, stream, yr);
+    exl3_gemv_rotated(w, g, static_cast<const float*>(xh), n, yr, Exl3Gemv::Auto, stream, true);
+    return 1;
+  }
+  const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K), groups = n;
+  const int max_parts = int(std::min<size_t>(kExl3MaxGemvParts, yr_floats / (size_t(n) * w.out_pad)));
+  if (max_parts < 1) throw std::runtime_error("EXL3 GEMV: output scratch smaller than its rows");
+  const Gemv1Split sp = gemv1_split(w, groups, max_parts);
+  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
+                       (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
+                      sizeof(float);
+  Gemv1Args a{static_cast<const uint4*>(w.trellis),
+              g,
+              nullptr,
+              yr,
+              w.in_pad,
+              w.out_pad,
+              tk,
+              tn,
+              sp.tiles_per_warp,
+              sp.warps_k,
+              w,
+              src};
+  const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
+  kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb][w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups),
+                                                    kGemv1Warps * 32, smem, static_cast<cudaStream_t>(stream)>>>(a);
+  EXL3_CHECK(cudaGetLastError());
+  return sp.kblocks;
 }
 
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream) {

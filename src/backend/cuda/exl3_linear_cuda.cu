@@ -97,6 +97,13 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   Impl& m = *impl_;
   if (n < 1 || n > kMaxGemvBatch) throw std::runtime_error("Exl3CudaLinear::forward_gemv: batch must be 1..8");
   m.xh.reserve(size_t(n) * m.w.in_pad);
+  if (n == 1 && m.gemv_kernel != cuda::Exl3Gemv::TensorCore) {  // the engine's one-row path: rotation fused in
+    m.yr.reserve(size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad);
+    const int parts = cuda::exl3_gemv_in(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, 1, m.xh.p, m.yr.p,
+                                         size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad, stream);
+    cuda::exl3_rotate_out(m.w, {}, m.yr.p, 1, d_y, m.w.out_pad, nullptr, stream, parts);
+    return;
+  }
   m.yr.reserve(size_t(n) * m.w.out_pad);
   cuda::exl3_rotate_in(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, n, m.xh.p, false, stream);
   cuda::exl3_gemv_rotated(m.w, {}, m.xh.p, n, m.yr.p, m.gemv_kernel, stream);

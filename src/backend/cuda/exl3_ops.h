@@ -37,9 +37,14 @@ struct Exl3Src {
 };
 // Grouped call: row r uses the weights tab[ids[r]] (device arrays; same shape, K and codebook as the Exl3Dev
 // passed alongside, which then only supplies those). Default: every row uses that Exl3Dev.
+// With part_rows > 0 the call stacks parts of part_rows rows each (gate and up of the same routed rows): row r uses
+// tab[ids[r % part_rows] + (r / part_rows) * part_stride], reads source row r % part_rows, and rotate_out writes it
+// to y + (r % part_rows) * y_ld + (r / part_rows) * part_out.
 struct Exl3Group {
   const Exl3Dev* tab = nullptr;
   const int32_t* ids = nullptr;
+  int part_rows = 0, part_stride = 0;
+  int64_t part_out = 0;
 };
 
 // Multiprocessors of the current device, read once (first call outside CUDA graph capture).
@@ -62,6 +67,13 @@ void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh,
 // unless yr_zeroed (exl3_rotate_in did).
 void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, float* yr, Exl3Gemv kind, void* stream,
                        bool yr_zeroed = false);
+// The GEMV with its input rotation: yr = H(x ⊙ suh) · W_hat for n rows (grouped: one row per weight; else n <= 8).
+// One row per weight runs one fused launch whose K split leaves parts (the return value) of the result, part p of
+// row r at yr[(p * n + r) * out_pad], as many as yr_floats allow (<= kExl3MaxGemvParts); pass that count to
+// exl3_rotate_out. Batches rotate into xh first (1 part).
+constexpr int kExl3MaxGemvParts = 16;
+int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                 void* stream);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
 // yr[n][out_pad] = xh16 · W_hat through fp16 slabs of W_hat (at most w16_elems in w16; cuBLAS, fp32 accumulate).
@@ -69,8 +81,9 @@ void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, voi
 bool exl3_fits_whole(const Exl3Dev& w, size_t w16_elems);
 void exl3_gemm_rotated(const Exl3Dev& w, const uint16_t* xh16, int n, float* yr, uint16_t* w16, size_t w16_elems,
                        bool w16_ready, void* cublas, void* stream);
-// y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart.
+// y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart. parts: yr holds that many K parts of
+// the n rows (exl3_gemv_in), summed in part order.
 void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,
-                     void* stream);
+                     void* stream, int parts = 1);
 
 }  // namespace moesrv::cuda

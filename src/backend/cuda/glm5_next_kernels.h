@@ -99,10 +99,14 @@ void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, 
 // pre = sigmoid(m*scale[0] + base) + hc_eps, post = 2 sigmoid(m*scale[1] + base), comb = Sinkhorn(softmax rows
 // + hc_eps) with the column-first order; h = rms_norm(sum_i pre_i x_i) * norm_w. fn [(2+n)*n, n*D], base
 // [(2+n)*n], scale [3], norm_w [D]: fp32 device. Outputs h [S, D], post [S, n], comb [S, n, n]. n <= 8.
-// cublas (a cublasHandle_t, optional): more than 16 tokens get their mixing logits from one fp32 GEMM.
+// part (optional, hyper_enter_scratch(S, n) floats): up to 16 tokens take the split decode path (the sums over many
+// blocks, h and the Sinkhorn weights in parallel blocks). cublas (a cublasHandle_t, optional): the others get their
+// mixing logits from one fp32 GEMM. Without either, one block per token does everything.
 void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, cudaStream_t st, void* cublas = nullptr);
+                 float* comb, float* part, cudaStream_t st, void* cublas = nullptr);
+// Floats of hyper_enter's part scratch for S tokens (0: S takes another path).
+size_t hyper_enter_scratch(int S, int n);
 // Sub-layer exit (cpu::Residual::leave): x_j = post_j * y + sum_i comb[i][j] * x_i (old values), in place.
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st);
 // x [S, n*D] = the embedding rows e [S, D] copied to every stream.
@@ -125,9 +129,10 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
 // pools (ties at the k-th score go to the lower pool index; the CPU follows torch.topk's order instead), expands
 // them to their kpool positions, then (select_tail) appends positions kpool*((p+1)/kpool) .. p. sel [S][sel_k]:
 // ascending positions, -1 padded; sel_k >= budget*kpool + (select_tail ? kpool-1 : 0). q [S, nh, d]; hw [S, nh]
-// already scaled by nh^-0.5. scratch: S * max_pools floats (max_pools = pool_k capacity, >= (*pos0+S)/kpool).
+// already scaled by nh^-0.5. scratch: scratch_floats >= S * max_pools floats (max_pools = pool_k capacity,
+// >= (*pos0+S)/kpool); with S * 16 * budget more, a few queries split their top-k over several blocks (decode).
 void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
-                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, int32_t* sel, int sel_k,
-                  cudaStream_t st);
+                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, size_t scratch_floats,
+                  int32_t* sel, int sel_k, cudaStream_t st);
 
 }  // namespace moesrv::cuda

@@ -15,25 +15,32 @@ namespace moesrv::cuda {
 namespace {
 
 constexpr int kMaxStreams = 8, kThreads = 256, kEnterThreads = 1024;
-constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens, the mixing logits use more blocks
+constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens (with scratch), the split decode path
 constexpr int kDotChunks = 16;    // ... each of them split over up to this many blocks
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Decode: the mixing logits fn[kk] . X (kk < mix) and X . X (kk == mix) of token s, chunk c of the n*D values per
-// block (grid (mix + 1 - kk0, chunks, S), kk = kk0 + x), so that hundreds of blocks share the reads. The partial sums
-// are parked in the token's h row at [kk * chunks + c] until hyper_enter_kernel adds them up in chunk order.
-__global__ void __launch_bounds__(kThreads)
-    hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix, int kk0, float* h) {
+// The mixing logits fn[kk] . X (kk < mix) and, with gram, the stream products X_i . X_j (i <= j, kk - mix counting
+// them row by row) of token s, chunk c of the values per block (grid (rows - kk0, chunks, S), kk = kk0 + x), so that
+// hundreds of blocks share the reads; without gram, kk == mix is X . X. The partial sums go to
+// out[s * out_ld + kk * chunks + c] for the enter kernels, which add them up in chunk order.
+__global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix,
+                                                             int kk0, bool gram, float* out, int64_t out_ld) {
   const int kk = kk0 + blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
-  const int64_t W = int64_t(n) * D, per = (W + chunks - 1) / chunks, i0 = c * per, i1 = min(W, i0 + per);
-  const float* X = x + s * W;
-  const float* row = kk < mix ? fn + kk * W : X;
+  const float* X = x + s * int64_t(n) * D;
+  const float *a = kk < mix ? fn + kk * int64_t(n) * D : X, *b = X;
+  int64_t W = int64_t(n) * D;
+  if (gram && kk >= mix) {  // pair (i, j) of the upper triangle, row by row
+    int g = kk - mix, i = 0;
+    while (g >= n - i) g -= n - i, ++i;
+    a = X + int64_t(i) * D, b = X + int64_t(i + g) * D, W = D;
+  }
+  const int64_t per = (W + chunks - 1) / chunks, i0 = c * per, i1 = min(W, i0 + per);
   float acc = 0.0f;
 #pragma unroll 4
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) acc += row[i] * X[i];
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) acc += a[i] * b[i];
   acc = block_sum(acc);
-  if (threadIdx.x == 0) h[int64_t(s) * D + kk * chunks + c] = acc;
+  if (threadIdx.x == 0) out[int64_t(s) * out_ld + kk * chunks + c] = acc;
 }
 
 // pre, post and the Sinkhorn-normalised comb from the scaled mixing logits m_s, by the first warp: lane l owns the
@@ -52,21 +59,32 @@ __device__ void mix_weights(const float* m_s, int n, const float* scale, const f
     float c = lane < nn ? m_s[2 * n + lane] * scale[2] + base[2 * n + lane] : 0.0f;
     auto row_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, i * n + t); };
     auto col_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, t * n + j); };
+    // (n <= 5 here: the loops unroll over kMaxStreams with uniform guards, so a sum's shuffles issue together)
+    auto row_sum = [&](float v) {
+      float r[kMaxStreams], sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kMaxStreams; ++t) r[t] = t < n ? row_at(v, t) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < kMaxStreams; ++t)
+        if (t < n) sum += r[t];
+      return sum;
+    };
+    auto col_sum = [&](float v) {
+      float r[kMaxStreams], sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kMaxStreams; ++t) r[t] = t < n ? col_at(v, t) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < kMaxStreams; ++t)
+        if (t < n) sum += r[t];
+      return sum;
+    };
     float mx = -INFINITY;
     for (int t = 0; t < n; ++t) mx = fmaxf(mx, row_at(c, t));
     c = expf(c - mx);
-    float sum = 0.0f;
-    for (int t = 0; t < n; ++t) sum += row_at(c, t);
-    c = c * (1.0f / sum) + hc_eps;
+    c = c * (1.0f / row_sum(c)) + hc_eps;
     for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {
-      if (it > 0) {  // rows (from the second iteration on), then columns
-        sum = 0.0f;
-        for (int t = 0; t < n; ++t) sum += row_at(c, t);
-        c /= sum + hc_eps;
-      }
-      sum = 0.0f;
-      for (int t = 0; t < n; ++t) sum += col_at(c, t);
-      c /= sum + hc_eps;
+      if (it > 0) c /= row_sum(c) + hc_eps;  // rows (from the second iteration on), then columns
+      c /= col_sum(c) + hc_eps;
     }
     if (lane < nn) comb[lane] = c;
     return;
@@ -122,8 +140,8 @@ __device__ void mix_weights(const float* m_s, int n, const float* scale, const f
     if (lane + 32 * q < nn) comb[lane + 32 * q] = c[q];
 }
 
-// One block per token. dot_chunks > 0: hyper_dot_kernel left the partial logits and X . X in h (decode); else this
-// block computes them, 8 rows per pass over X.
+// One block per token. dot_chunks > 0: the logits and X . X are in h (prefill: the GEMM and hyper_dot_kernel put them
+// there, dot_chunks partials each); else this block computes them, 8 rows per pass over X.
 __global__ void __launch_bounds__(kEnterThreads)
     hyper_enter_kernel(const float* x, int n, int D, const float* fn, const float* scale, const float* base,
                        const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, int dot_chunks, float* h,
@@ -210,6 +228,65 @@ __global__ void __launch_bounds__(kEnterThreads)
   for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) hs[d] = (hs[d] * inv) * norm_w[d];
 }
 
+// Decode (few tokens): grid (blocks + 1, S) over the partial sums hyper_dot_kernel left in part (the mix logits, then
+// the n(n+1)/2 stream products X_i . X_j). The last block of each token makes post and comb (the Sinkhorn chain)
+// while the others make h over their share of D: its norm is sum_ij pre_i pre_j X_i . X_j, so no block waits for
+// another.
+__global__ void __launch_bounds__(kThreads)
+    hyper_enter_split_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
+                             float rms_eps, float hc_eps, int sinkhorn_iters, int chunks, const float* part, float* h,
+                             float* post_out, float* comb_out) {
+  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams + kMaxStreams * (kMaxStreams + 1) / 2 + 1];
+  __shared__ float pre_s[kMaxStreams];
+  const int s = blockIdx.y, tid = threadIdx.x, mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
+  const bool weights_block = blockIdx.x == gridDim.x - 1;
+  const float* P = part + int64_t(s) * rows * chunks;
+  for (int kk = tid; kk < rows; kk += blockDim.x) {
+    if (!weights_block && kk >= n && kk < mix) continue;  // h needs pre's logits and the products only
+    float p[kDotChunks], t = 0.0f;                        // all loads first, then the sum in chunk order
+#pragma unroll
+    for (int c = 0; c < kDotChunks; ++c) p[c] = c < chunks ? P[kk * chunks + c] : 0.0f;
+#pragma unroll
+    for (int c = 0; c < kDotChunks; ++c)
+      if (c < chunks) t += p[c];
+    m_s[kk] = t;
+  }
+  __syncthreads();
+  const float* gram = m_s + mix;  // (i, j), i <= j, row by row
+  auto at = [&](int i, int j) {   // X_i . X_j
+    if (i > j) {
+      const int t = i;
+      i = j, j = t;
+    }
+    return gram[i * n - i * (i - 1) / 2 + (j - i)];
+  };
+  float xx = 0.0f;
+  for (int i = 0; i < n; ++i) xx += at(i, i);
+  const float r = 1.0f / sqrtf(xx / float(int64_t(n) * D) + rms_eps);
+  __syncthreads();
+  if (tid < (weights_block ? mix : n)) m_s[tid] *= r;
+  __syncthreads();
+  if (weights_block) {
+    if (tid < 32)
+      mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
+                  comb_out + int64_t(s) * n * n);
+    return;
+  }
+  float pre[kMaxStreams];
+  for (int i = 0; i < n; ++i) pre[i] = sigmoidf(m_s[i] * scale[0] + base[i]) + hc_eps;
+  float hss = 0.0f;  // sum_d (sum_i pre_i X_i[d])^2
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) hss += pre[i] * pre[j] * at(i, j);
+  const float inv = 1.0f / sqrtf(fmaxf(hss, 0.0f) / float(D) + rms_eps);
+  const float* X = x + int64_t(s) * n * D;
+  float* hs = h + int64_t(s) * D;
+  for (int d = blockIdx.x * blockDim.x + tid; d < D; d += (gridDim.x - 1) * blockDim.x) {
+    float v = 0.0f;
+    for (int i = 0; i < n; ++i) v += pre[i] * X[int64_t(i) * D + d];
+    hs[d] = (v * inv) * norm_w[d];
+  }
+}
+
 __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, const float* comb, int n, int D) {
   const int s = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
@@ -252,21 +329,33 @@ void check_streams(int n, const char* what) {
 
 }  // namespace
 
+size_t hyper_enter_scratch(int S, int n) {
+  return S <= kSplitTokens ? size_t(S) * size_t((2 + n) * n + n * (n + 1) / 2) * kDotChunks : 0;
+}
+
 void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, cudaStream_t st, void* cublas) {
+                 float* comb, float* part, cudaStream_t st, void* cublas) {
   check_streams(n, "hyper_enter");
   if (S <= 0) return;
-  // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM; the logits and X . X go
-  // to (mix + 1) x chunks blocks per token first (their partials fit the token's h row).
   const int mix = (2 + n) * n;
   const int64_t W = int64_t(n) * D;
-  int chunks = S <= kSplitTokens ? std::min(kDotChunks, D / (mix + 1)) : 0;
-  if (chunks > 0) {
-    hyper_dot_kernel<<<dim3(unsigned(mix + 1), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, 0,
-                                                                                                  h);
+  if (part && S <= kSplitTokens) {
+    // Few tokens (decode): one block per token would read fn ((2+n)*n rows of n*D) on one SM and run the Sinkhorn
+    // chain while the block waits; the logits and stream products go to (rows x chunks) blocks per token first,
+    // then h and the weights are made by different blocks.
+    const int rows = mix + n * (n + 1) / 2, chunks = std::clamp(D / 32, 1, kDotChunks);
+    hyper_dot_kernel<<<dim3(unsigned(rows), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(
+        x, n, D, fn, mix, 0, true, part, int64_t(rows) * chunks);
     MOESRV_CUDA_LAUNCH_CHECK();
-  } else if (cublas && D > mix) {
+    const int blocks = std::min(ceil_div(D, kThreads), 64);
+    hyper_enter_split_kernel<<<dim3(unsigned(blocks + 1), unsigned(S)), kThreads, 0, st>>>(
+        x, n, D, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb);
+    MOESRV_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  int chunks = 0;
+  if (cublas && D > mix) {
     // Many tokens (prefill): a block per token would read all of fn per token; the logits of every token as one fp32
     // GEMM into the tokens' h rows (h[s][kk] = fn[kk] . X_s), X . X per token into h[s][mix]: one chunk each.
     cublasHandle_t blas = static_cast<cublasHandle_t>(cublas);
@@ -278,7 +367,7 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
-    hyper_dot_kernel<<<dim3(1, 1, unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, mix, h);
+    hyper_dot_kernel<<<dim3(1, 1, unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, mix, false, h, D);
     MOESRV_CUDA_LAUNCH_CHECK();
     chunks = 1;
   }

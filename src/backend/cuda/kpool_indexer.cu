@@ -2,6 +2,7 @@
 // a pool whose key is a per-channel softmax-weighted sum of its tokens' keys) and the per-query selection (ReLU-head
 // scores over the completed pools visible to the query, exact top-`budget` by radix select, expanded to positions,
 // plus the open pool's visible tail). Positions come from device memory (pos0) so a decode graph can be replayed.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -17,6 +18,9 @@ constexpr int kThreads = kTopkThreads, kWarps = kTopkWarps;
 constexpr int kPoolsPerBlock = 64;  // scoring: pools per block (kPoolsPerBlock / kWarps per warp)
 constexpr int kLanePools = 32, kHeadGroups = 8;  // kpool_score_lanes_kernel: pools per block (one per lane), warps
 constexpr int kSelectThreads = 1024;             // the top-k: passes over up to max_pools scores
+constexpr int kSelectSmemPools = 48 * 1024;      // ... staged in shared memory first when this many or fewer (and
+                                                 // they fit the device's shared memory)
+constexpr int kSplitQueries = 8;                 // up to this many queries (decode) split each row's top-k
 
 // Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
 // in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
@@ -189,15 +193,73 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
-// One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
-// lower pool index), written as ascending positions, then the tail, then -1.
+// Decode rows of many pools: the top-k runs in two steps. kpool_topk_split_kernel, grid (kTopkSplit, S): block c keeps
+// the best `budget` pools of its chunk (all of them when fewer), in ascending pool order, as candidates (score, pool)
+// at [s][c * budget ...); kpool_topk_kernel then selects among the candidates. Exact: each pool of the final top-k
+// (score descending, then pool ascending) is in its chunk's top-k by the same order, and the candidates keep pool
+// order, so ties again go to the lower pool.
+constexpr int kTopkSplit = 8;
+
+__device__ __forceinline__ int visible_pools(const int32_t* pos0, int s, int kpool, int max_pools) {
+  return min((*pos0 + s + 1) / kpool, max_pools);  // max_pools: the caller's bound (the scratch row)
+}
+__device__ __forceinline__ int split_chunk(int pools) { return (pools + kTopkSplit - 1) / kTopkSplit; }
+
 __global__ void __launch_bounds__(kSelectThreads)
-    kpool_topk_kernel(const float* scores, int kpool, int budget, bool select_tail, const int32_t* pos0, int max_pools,
-                      int32_t* sel, int sel_k) {
-  const int s = blockIdx.x, tid = threadIdx.x;
-  const int p = *pos0 + s;
-  const int pools = min((p + 1) / kpool, max_pools);  // max_pools: the caller's bound (the scratch row)
+    kpool_topk_split_kernel(const float* __restrict__ scores, int kpool, int budget, const int32_t* pos0, int max_pools,
+                            float* cand_score, int32_t* cand_pool) {
+  extern __shared__ float staged[];
+  const int c = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+  const int pools = visible_pools(pos0, s, kpool, max_pools);
+  if (pools <= budget) return;  // kpool_topk_kernel takes them all
+  const int chunk = split_chunk(pools), lo = min(pools, c * chunk), len = min(pools, lo + chunk) - lo;
+  const float* sc = scores + int64_t(s) * max_pools + lo;
+  float* cs = cand_score + (int64_t(s) * kTopkSplit + c) * budget;
+  int32_t* cp = cand_pool + (int64_t(s) * kTopkSplit + c) * budget;
+  if (len <= budget) {
+    for (int i = tid; i < len; i += kSelectThreads) cs[i] = sc[i], cp[i] = lo + i;
+    return;
+  }
+#pragma unroll 8
+  for (int i = tid; i < len; i += kSelectThreads) staged[i] = __ldg(sc + i);
+  __syncthreads();
+  block_radix_topk<kSelectThreads>(staged, len, budget,
+                                   [&](int t, int slot) { cs[slot] = staged[t], cp[slot] = lo + t; });
+}
+
+// One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
+// lower pool index), written as ascending positions, then the tail, then -1. The scores are staged in shared memory
+// first (all loads in flight; up to smem_floats of them), so the five passes over them do not wait on L2 one load at
+// a time. With candidates (cand_pool set), the row is kpool_topk_split_kernel's candidates instead.
+__global__ void __launch_bounds__(kSelectThreads)
+    kpool_topk_kernel(const float* __restrict__ scores, int kpool, int budget, bool select_tail, const int32_t* pos0,
+                      int max_pools, int smem_floats, const float* cand_score, const int32_t* cand_pool, int32_t* sel,
+                      int sel_k) {
+  extern __shared__ float staged[];
+  const int s = blockIdx.x, tid = threadIdx.x, p = *pos0 + s;
+  const int pools = visible_pools(pos0, s, kpool, max_pools);
   const float* sc = scores + int64_t(s) * max_pools;
+  int n = pools;                                    // scores to select from
+  const int32_t* pool_of = nullptr;                 // their pools (candidates), else the identity
+  if (budget > 0 && pools > budget && cand_pool) {  // block-uniform: gather the chunks' candidates in pool order
+    int32_t* ids = reinterpret_cast<int32_t*>(staged + kTopkSplit * budget);
+    const int chunk = split_chunk(pools);
+    n = 0;
+    for (int c = 0; c < kTopkSplit; ++c) {
+      const int lo = min(pools, c * chunk), len = min(budget, min(pools, lo + chunk) - lo);
+      const int64_t at = (int64_t(s) * kTopkSplit + c) * budget;
+      for (int i = tid; i < len; i += kSelectThreads)
+        staged[n + i] = cand_score[at + i], ids[n + i] = cand_pool[at + i];
+      n += len;
+    }
+    __syncthreads();
+    sc = staged, pool_of = ids;
+  } else if (budget > 0 && pools > budget && pools <= smem_floats) {
+#pragma unroll 8
+    for (int i = tid; i < pools; i += kSelectThreads) staged[i] = __ldg(sc + i);
+    __syncthreads();
+    sc = staged;
+  }
   int32_t* out = sel + int64_t(s) * sel_k;
   int written = 0;  // pools written
   if (budget <= 0) {
@@ -206,18 +268,19 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int i = tid; i < pools * kpool; i += kSelectThreads) out[i] = i;
     written = pools;
   } else {
-    block_radix_topk<kSelectThreads>(sc, pools, budget, [&](int P, int slot) {
-      for (int t = 0; t < kpool; ++t) out[slot * kpool + t] = P * kpool + t;
+    block_radix_topk<kSelectThreads>(sc, n, budget, [&](int t, int slot) {
+      const int P = pool_of ? pool_of[t] : t;
+      for (int j = 0; j < kpool; ++j) out[slot * kpool + j] = P * kpool + j;
     });
     written = budget;
   }
-  int n = written * kpool;
+  int m = written * kpool;
   if (select_tail) {
-    const int tail = min(p + 1 - pools * kpool, sel_k - n);  // positions pools*kpool .. p
-    for (int i = tid; i < tail; i += kSelectThreads) out[n + i] = pools * kpool + i;
-    n += tail;
+    const int tail = min(p + 1 - pools * kpool, sel_k - m);  // positions pools*kpool .. p
+    for (int i = tid; i < tail; i += kSelectThreads) out[m + i] = pools * kpool + i;
+    m += tail;
   }
-  for (int i = n + tid; i < sel_k; i += kSelectThreads) out[i] = -1;
+  for (int i = m + tid; i < sel_k; i += kSelectThreads) out[i] = -1;
 }
 
 }  // namespace
@@ -236,8 +299,8 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
 }
 
 void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
-                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, int32_t* sel, int sel_k,
-                  cudaStream_t st) {
+                  bool select_tail, const int32_t* pos0, int max_pools, float* scratch, size_t scratch_floats,
+                  int32_t* sel, int sel_k, cudaStream_t st) {
   if (S <= 0) return;
   if (kpool < 1 || budget < 0) throw std::runtime_error("kpool_select: kpool " + std::to_string(kpool));
   if (sel_k < budget * kpool + (select_tail ? kpool - 1 : 0))
@@ -269,7 +332,30 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     kpool_score_kernel<<<grid, kThreads, smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
-  kpool_topk_kernel<<<S, kSelectThreads, 0, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools, sel, sel_k);
+  // Few queries over long rows: the top-k split over kTopkSplit blocks per query, when the candidates fit the
+  // scratch after the S score rows and one chunk fits shared memory.
+  // (shared memory: at most the device's opt-in bound, 99 KB on an RTX 3090 / 4090, 227 KB on an H100 / H200)
+  int dev = 0, optin = 48 * 1024;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    throw std::runtime_error("kpool_select: cannot read the device's shared memory size");
+  const size_t smem_floats = std::min<size_t>(kSelectSmemPools, size_t(optin) / 4);
+  const size_t cand = size_t(kTopkSplit) * budget, chunk = (size_t(max_pools) + kTopkSplit - 1) / kTopkSplit;
+  const bool split = budget > 0 && S <= kSplitQueries && size_t(max_pools) > 4 * cand && chunk <= smem_floats &&
+                     2 * cand <= smem_floats && size_t(S) * (max_pools + 2 * cand) <= scratch_floats;
+  float* cand_score = split ? scratch + int64_t(S) * max_pools : nullptr;
+  int32_t* cand_pool = split ? reinterpret_cast<int32_t*>(cand_score + int64_t(S) * cand) : nullptr;
+  if (split) {
+    if (chunk * sizeof(float) > 48 * 1024)
+      reserve_dynamic_smem(kpool_topk_split_kernel, chunk * sizeof(float), "kpool_select");
+    kpool_topk_split_kernel<<<dim3(kTopkSplit, unsigned(S)), kSelectThreads, chunk * sizeof(float), st>>>(
+        scratch, kpool, budget, pos0, max_pools, cand_score, cand_pool);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  }
+  const size_t staged = split ? cand * 8 : budget > 0 ? std::min<size_t>(max_pools, smem_floats) * 4 : 0;
+  if (staged > 48 * 1024) reserve_dynamic_smem(kpool_topk_kernel, staged, "kpool_select");
+  kpool_topk_kernel<<<S, kSelectThreads, staged, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools,
+                                                       int(staged / 4), cand_score, cand_pool, sel, sel_k);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -117,7 +117,8 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
     const int n = int(std::min(dsa_rows, S - s0));
     const int32_t* pos = slice_pos0(s0);
     kpool_select(iq + s0 * nh * d, ihw + s0 * nh, st.pool_k, n, nh, d, kp, int(c.index_topk / kp), c.index_select_tail,
-                 pos, int(max_pools()), s.dsa_scores.as<float>(), s.sel.as<int32_t>() + s0 * W, W, stream);
+                 pos, int(max_pools()), s.dsa_scores.as<float>(), s.dsa_scores.bytes() / 4,
+                 s.sel.as<int32_t>() + s0 * W, W, stream);
   }
 }
 
