@@ -30,8 +30,9 @@ class Exl3CudaLinear {
   void forward_gemv(const float* d_x, int n, float* d_y, void* stream = nullptr);  // n in 1..8
   void forward_gemm(const float* d_x, int n, float* d_y, void* stream = nullptr);  // fp16 operands, fp32 accumulate
   // GEMV inner product: TensorCore (fp16 activations in m16n8k16 mma, fp32 accumulate; cost flat in batch),
-  // Fp32 (fp32 activations and FMAs: matches the CPU to ~1e-7; fastest at batch 1), or Auto (default:
-  // Fp32 for n == 1, TensorCore for n >= 2; see docs/perf-exl3.md).
+  // Fp32 (fp32-accurate activations: at one row, tensor-core products of the input split into fp16 hi + lo parts
+  // with the input rotation in the same launch, ~1e-6 of the CPU; MOESRV_EXL3_GEMV1_FMA=1: fp32 FMAs, ~1e-7; more
+  // rows: fp32 FMAs), or Auto (default: Fp32 for n == 1, TensorCore for n >= 2; see docs/perf-exl3.md).
   enum class GemvKernel { Auto, TensorCore, Fp32 };
   void set_gemv_kernel(GemvKernel k);
   // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.

@@ -56,7 +56,9 @@ int exl3_gemv_blocks_per_sm();
 // MOESRV_EXL3_GEMV_TC=1 for tuning runs), read once.
 bool exl3_gemv_tc_single();
 
-enum class Exl3Gemv { Auto, TensorCore, Fp32 };  // Auto: Fp32 for one row per weight, TensorCore for 2..8
+// Auto: Fp32 for one row per weight, TensorCore for 2..8. Fp32 at one row: the input split into fp16 hi + lo parts
+// on tensor cores (fp32-accurate; MOESRV_EXL3_GEMV1_FMA=1: fp32 FMAs instead).
+enum class Exl3Gemv { Auto, TensorCore, Fp32 };
 constexpr int kExl3MaxGemvRows = 8;
 
 // xh[n][in_pad] = H(x ⊙ suh), fp32 or (half_out) fp16 bits. zero_yr (optional): also zeroes n rows of out_pad
