@@ -235,7 +235,7 @@ Ctx make_ctx(int ctx, const char* label, std::mt19937& rng) {
       for (int t = 0; t < KPOOL; ++t) sel[size_t(i) * SELW + size_t(j * KPOOL + t)] = pools[size_t(j)] * KPOOL + t;
   }
   c.sel = upload(sel);
-  c.scores = dalloc<float>(size_t(c.max_pools) + 16 * BUDGET);  // + the split top-k's candidates
+  c.scores = dalloc<float>(kpool_select_scratch(1, c.max_pools, BUDGET));  // + the split top-k's candidates
   return c;
 }
 
@@ -376,7 +376,7 @@ void kda(int i) {  // Impl::kda for S = 1 (its decode path: EXL3 pairs, one fuse
 void kpool_sel(int i, const Ctx& c) {
   g_bytes += double(c.ctx / KPOOL) * ID * 4;  // the completed pools' keys
   kpool_select(B.iq, B.ihw, c.pool_k[i], 1, IH, ID, KPOOL, BUDGET, true, c.pos0, c.max_pools, c.scores,
-               size_t(c.max_pools) + 16 * BUDGET, B.sel, SELW, g_st);
+               kpool_select_scratch(1, c.max_pools, BUDGET), B.sel, SELW, g_st);
 }
 void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer
   bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);

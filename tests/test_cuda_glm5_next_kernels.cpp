@@ -574,7 +574,7 @@ void run_kpool_case(const KpoolCase& kc) {
     }
     cpu::layer_norm(k.data(), w.k_norm.weight.data(), w.k_norm.bias.data(), S, d, 1e-6, k.data());
     // scratch for the split top-k too (the engine's), used when S <= 8 and the rows are long
-    const size_t scratch = size_t(S) * (max_pools + 16 * budget);
+    const size_t scratch = cuda::kpool_select_scratch(S, max_pools, budget);
     Dev<float> dk(k), dg(g), dq(qv), dhw(hwv), dscratch(scratch);
     Dev<int32_t> dsel(size_t(S) * sel_k);
     dpos.put({pos0});
@@ -696,7 +696,7 @@ TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
 
     // scratch of one row: one block per query; with room for the candidates: the top-k split over blocks (rows of
     // more than 4 x 8 x budget pools)
-    for (size_t scratch : {size_t(max_pools), size_t(max_pools) + 16 * budget}) {
+    for (size_t scratch : {size_t(max_pools), cuda::kpool_select_scratch(1, max_pools, budget)}) {
       Dev<float> dq(q), dhw(hw), dpool(pool_k), dscratch(scratch);
       Dev<int32_t> dpos(std::vector<int32_t>{p}), dsel(static_cast<size_t>(sel_k));
       cuda::kpool_select(dq.get(), dhw.get(), dpool.get(), 1, nh, d, kp, budget, true, dpos.get(), max_pools,

@@ -405,9 +405,11 @@ void CudaEngine::Impl::allocate_scratch() {
       s.ihw = f32(R * c.index_n_heads, "indexer weights");
       if (c.index_kpool > 1) s.ig = f32(R * c.index_head_dim, "indexer pool gate");
       s.sel = DeviceBuffer(budget, size_t(R * sel_width()) * 4, "dsa selection");
-      // + the split top-k's candidates of up to 8 decode queries (kpool_select)
-      const int64_t cand = c.index_kpool > 1 ? std::min<int64_t>(R, 8) * 16 * (c.index_topk / c.index_kpool) : 0;
-      s.dsa_scores = f32(dsa_rows * keys + cand, "dsa scores");
+      // + what a decode row's split top-k needs besides its scores (kpool_select)
+      const int64_t split = c.index_kpool > 1 ? int64_t(kpool_select_scratch(1, 0, int(c.index_topk / c.index_kpool))) *
+                                                    std::min<int64_t>(R, 8)
+                                              : 0;
+      s.dsa_scores = f32(dsa_rows * keys + split, "dsa scores");
     }
   } else if (c.attention == AttentionKind::GQA) {
     attn_rows = R;

@@ -607,21 +607,49 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
   return best;
 }
 
-// MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor cores (comparisons), read once.
+// Whether the comparison switch `name` (an environment variable) is set to a nonzero number.
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::atoi(v) != 0;
+}
+// Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
+// cores; MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GEMV1_FMA");
-    return v && std::atoi(v) != 0;
-  }();
+  static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
+  return on;
+}
+bool exl3_gemv_v1() {
+  static const bool on = env_flag("MOESRV_EXL3_GEMV_V1");
+  return on;
+}
+bool exl3_gemv_unfused() {
+  static const bool on = env_flag("MOESRV_EXL3_GEMV_UNFUSED");
   return on;
 }
 
-bool exl3_gemv_v1() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GEMV_V1");
-    return v && std::atoi(v) != 0;
-  }();
-  return on;
+// Launches gemv1_kernel with split sp over `groups` rows (src.x set: the fused form, see Gemv1Args).
+void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
+                  const Gemv1Split& sp, cudaStream_t s) {
+  const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
+  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
+                       (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
+                      sizeof(float);
+  const Gemv1Args a{static_cast<const uint4*>(w.trellis),
+                    g,
+                    xh,
+                    yr,
+                    w.in_pad,
+                    w.out_pad,
+                    tk,
+                    tn,
+                    sp.tiles_per_warp,
+                    sp.warps_k,
+                    w,
+                    src};
+  const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
+  kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb]
+        [w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
+  EXL3_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -646,10 +674,7 @@ int exl3_gemv_blocks_per_sm() {
 }
 
 bool exl3_gemv_tc_single() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GEMV_TC");
-    return v && std::atoi(v) != 0;
-  }();
+  static const bool on = env_flag("MOESRV_EXL3_GEMV_TC");
   return on;
 }
 
@@ -684,18 +709,9 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   const int tk = w.in_pad / 16, tn = w.out_pad / 16;
   const bool tc = kind == Exl3Gemv::TensorCore || (kind == Exl3Gemv::Auto && (nb >= 2 || exl3_gemv_tc_single()));
   if (nb == 1 && !tc && !exl3_gemv_v1()) {
-    const int panels = tn / gemv1_positions(w.K);
     const Gemv1Split sp = gemv1_split(w, groups);
     if (!yr_zeroed && sp.kblocks > 1) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
-    const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
-                         (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
-                        sizeof(float);
-    Gemv1Args a{
-        static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, tk, tn, sp.tiles_per_warp, sp.warps_k};
-    const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-    kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb]
-          [w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
-    EXL3_CHECK(cudaGetLastError());
+    launch_gemv1(w, g, xh, Exl3Src{}, yr, groups, sp, s);
     return;
   }
   if (!yr_zeroed) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
@@ -716,38 +732,15 @@ int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, fl
   check_shape(w);
   if (n <= 0) return 1;
   const bool grouped = g.ids != nullptr;
-  static const bool unfused = [] {  // MOESRV_EXL3_GEMV_UNFUSED=1: rotate first (comparisons), read once
-    const char* v = std::getenv("MOESRV_EXL3_GEMV_UNFUSED");
-    return v && std::atoi(v) != 0;
-  }();
-  if ((!grouped && n > 1) || unfused || exl3_gemv_v1() || exl3_gemv_tc_single()) {  // rotate, then the GEMV
+  if ((!grouped && n > 1) || exl3_gemv_unfused() || exl3_gemv_v1() || exl3_gemv_tc_single()) {  // rotate, then GEMV
     exl3_rotate_in(w, g, src, n, xh, false, stream, yr);
     exl3_gemv_rotated(w, g, static_cast<const float*>(xh), n, yr, Exl3Gemv::Auto, stream, true);
     return 1;
   }
-  const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K), groups = n;
   const int max_parts = int(std::min<size_t>(kExl3MaxGemvParts, yr_floats / (size_t(n) * w.out_pad)));
   if (max_parts < 1) throw std::runtime_error("EXL3 GEMV: output scratch smaller than its rows");
-  const Gemv1Split sp = gemv1_split(w, groups, max_parts);
-  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
-                       (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
-                      sizeof(float);
-  Gemv1Args a{static_cast<const uint4*>(w.trellis),
-              g,
-              nullptr,
-              yr,
-              w.in_pad,
-              w.out_pad,
-              tk,
-              tn,
-              sp.tiles_per_warp,
-              sp.warps_k,
-              w,
-              src};
-  const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-  kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb][w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups),
-                                                    kGemv1Warps * 32, smem, static_cast<cudaStream_t>(stream)>>>(a);
-  EXL3_CHECK(cudaGetLastError());
+  const Gemv1Split sp = gemv1_split(w, n, max_parts);
+  launch_gemv1(w, g, nullptr, src, yr, n, sp, static_cast<cudaStream_t>(stream));
   return sp.kblocks;
 }
 

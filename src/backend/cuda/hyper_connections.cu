@@ -43,6 +43,17 @@ __global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int
   if (threadIdx.x == 0) out[int64_t(s) * out_ld + kk * chunks + c] = acc;
 }
 
+// The sum of a logit's `chunks` partial sums p[0..chunks) (<= kDotChunks), all loaded first, added in chunk order.
+__device__ __forceinline__ float sum_chunks(const float* p, int chunks) {
+  float v[kDotChunks], t = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kDotChunks; ++c) v[c] = c < chunks ? p[c] : 0.0f;
+#pragma unroll
+  for (int c = 0; c < kDotChunks; ++c)
+    if (c < chunks) t += v[c];
+  return t;
+}
+
 // pre, post and the Sinkhorn-normalised comb from the scaled mixing logits m_s, by the first warp: lane l owns the
 // comb entries l and l + 32 (n*n <= 64); every row / column sum runs in index order, as the CPU's serial loops, so
 // the result is bit-identical to them. pre_s gets pre (shared), post and comb go to global memory.
@@ -59,32 +70,21 @@ __device__ void mix_weights(const float* m_s, int n, const float* scale, const f
     float c = lane < nn ? m_s[2 * n + lane] * scale[2] + base[2 * n + lane] : 0.0f;
     auto row_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, i * n + t); };
     auto col_at = [&](float v, int t) { return __shfl_sync(0xffffffffu, v, t * n + j); };
-    // (n <= 5 here: the loops unroll over kMaxStreams with uniform guards, so a sum's shuffles issue together)
-    auto row_sum = [&](float v) {
-      float r[kMaxStreams], sum = 0.0f;
-#pragma unroll
-      for (int t = 0; t < kMaxStreams; ++t) r[t] = t < n ? row_at(v, t) : 0.0f;
-#pragma unroll
-      for (int t = 0; t < kMaxStreams; ++t)
-        if (t < n) sum += r[t];
-      return sum;
-    };
-    auto col_sum = [&](float v) {
-      float r[kMaxStreams], sum = 0.0f;
-#pragma unroll
-      for (int t = 0; t < kMaxStreams; ++t) r[t] = t < n ? col_at(v, t) : 0.0f;
-#pragma unroll
-      for (int t = 0; t < kMaxStreams; ++t)
-        if (t < n) sum += r[t];
-      return sum;
-    };
     float mx = -INFINITY;
     for (int t = 0; t < n; ++t) mx = fmaxf(mx, row_at(c, t));
     c = expf(c - mx);
-    c = c * (1.0f / row_sum(c)) + hc_eps;
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum += row_at(c, t);
+    c = c * (1.0f / sum) + hc_eps;
     for (int it = 0; it < max(sinkhorn_iters, 1); ++it) {
-      if (it > 0) c /= row_sum(c) + hc_eps;  // rows (from the second iteration on), then columns
-      c /= col_sum(c) + hc_eps;
+      if (it > 0) {  // rows (from the second iteration on), then columns
+        sum = 0.0f;
+        for (int t = 0; t < n; ++t) sum += row_at(c, t);
+        c /= sum + hc_eps;
+      }
+      sum = 0.0f;
+      for (int t = 0; t < n; ++t) sum += col_at(c, t);
+      c /= sum + hc_eps;
     }
     if (lane < nn) comb[lane] = c;
     return;
@@ -155,15 +155,7 @@ __global__ void __launch_bounds__(kEnterThreads)
 
   // m = fn . X * rsqrt(mean(X^2) + rms_eps)
   if (dot_chunks > 0) {
-    if (tid <= mix) {
-      float p[kDotChunks], t = 0.0f;  // all loads first, then the sum in chunk order
-#pragma unroll
-      for (int c = 0; c < kDotChunks; ++c) p[c] = c < dot_chunks ? h[int64_t(s) * D + tid * dot_chunks + c] : 0.0f;
-#pragma unroll
-      for (int c = 0; c < kDotChunks; ++c)
-        if (c < dot_chunks) t += p[c];
-      m_s[tid] = t;
-    }
+    if (tid <= mix) m_s[tid] = sum_chunks(h + int64_t(s) * D + tid * dot_chunks, dot_chunks);
     __syncthreads();
     const float r = 1.0f / sqrtf(m_s[mix] / float(W) + rms_eps);
     __syncthreads();
@@ -243,13 +235,7 @@ __global__ void __launch_bounds__(kThreads)
   const float* P = part + int64_t(s) * rows * chunks;
   for (int kk = tid; kk < rows; kk += blockDim.x) {
     if (!weights_block && kk >= n && kk < mix) continue;  // h needs pre's logits and the products only
-    float p[kDotChunks], t = 0.0f;                        // all loads first, then the sum in chunk order
-#pragma unroll
-    for (int c = 0; c < kDotChunks; ++c) p[c] = c < chunks ? P[kk * chunks + c] : 0.0f;
-#pragma unroll
-    for (int c = 0; c < kDotChunks; ++c)
-      if (c < chunks) t += p[c];
-    m_s[kk] = t;
+    m_s[kk] = sum_chunks(P + kk * chunks, chunks);
   }
   __syncthreads();
   const float* gram = m_s + mix;  // (i, j), i <= j, row by row

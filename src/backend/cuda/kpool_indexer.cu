@@ -204,6 +204,12 @@ __device__ __forceinline__ int visible_pools(const int32_t* pos0, int s, int kpo
   return min((*pos0 + s + 1) / kpool, max_pools);  // max_pools: the caller's bound (the scratch row)
 }
 __device__ __forceinline__ int split_chunk(int pools) { return (pools + kTopkSplit - 1) / kTopkSplit; }
+// staged[0, n) = src[0, n) by the whole block, the loads in flight together; then a block barrier.
+__device__ __forceinline__ void stage_scores(float* staged, const float* __restrict__ src, int n) {
+#pragma unroll 8
+  for (int i = threadIdx.x; i < n; i += blockDim.x) staged[i] = __ldg(src + i);
+  __syncthreads();
+}
 
 __global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_split_kernel(const float* __restrict__ scores, int kpool, int budget, const int32_t* pos0, int max_pools,
@@ -220,9 +226,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int i = tid; i < len; i += kSelectThreads) cs[i] = sc[i], cp[i] = lo + i;
     return;
   }
-#pragma unroll 8
-  for (int i = tid; i < len; i += kSelectThreads) staged[i] = __ldg(sc + i);
-  __syncthreads();
+  stage_scores(staged, sc, len);
   block_radix_topk<kSelectThreads>(staged, len, budget,
                                    [&](int t, int slot) { cs[slot] = staged[t], cp[slot] = lo + t; });
 }
@@ -255,9 +259,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     sc = staged, pool_of = ids;
   } else if (budget > 0 && pools > budget && pools <= smem_floats) {
-#pragma unroll 8
-    for (int i = tid; i < pools; i += kSelectThreads) staged[i] = __ldg(sc + i);
-    __syncthreads();
+    stage_scores(staged, sc, pools);
     sc = staged;
   }
   int32_t* out = sel + int64_t(s) * sel_k;
@@ -296,6 +298,10 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
   MOESRV_CUDA_LAUNCH_CHECK();
   kpool_open_kernel<<<S, threads, 0, st>>>(k, g, S, d, kpool, pos0, open_k, open_g);
   MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+size_t kpool_select_scratch(int S, int max_pools, int budget) {
+  return size_t(S) * max_pools + (S <= kSplitQueries ? size_t(S) * 2 * kTopkSplit * std::max(budget, 0) : 0);
 }
 
 void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
@@ -342,7 +348,7 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
   const size_t smem_floats = std::min<size_t>(kSelectSmemPools, size_t(optin) / 4);
   const size_t cand = size_t(kTopkSplit) * budget, chunk = (size_t(max_pools) + kTopkSplit - 1) / kTopkSplit;
   const bool split = budget > 0 && S <= kSplitQueries && size_t(max_pools) > 4 * cand && chunk <= smem_floats &&
-                     2 * cand <= smem_floats && size_t(S) * (max_pools + 2 * cand) <= scratch_floats;
+                     2 * cand <= smem_floats && kpool_select_scratch(S, max_pools, budget) <= scratch_floats;
   float* cand_score = split ? scratch + int64_t(S) * max_pools : nullptr;
   int32_t* cand_pool = split ? reinterpret_cast<int32_t*>(cand_score + int64_t(S) * cand) : nullptr;
   if (split) {
