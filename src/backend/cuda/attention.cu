@@ -4,6 +4,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -17,6 +18,7 @@ constexpr int kThreads = 256, kWarps = kThreads / 32, kTile = 64, kMaxValuesPerT
 constexpr int kQueryPairs = 128, kQueryGroups = 4;
 __global__ void __launch_bounds__(kQueryPairs* kQueryGroups)
     mla_query_kernel(const float* q, const uint16_t* w_uk, int H, int dn, int dr, int r, float* qcat) {
+  pdl_enter();
   extern __shared__ float qn[];  // dn
   __shared__ float part[kQueryGroups - 1][2 * kQueryPairs];
   const int s = blockIdx.x / H, h = blockIdx.x % H, qk = dn + dr, tid = threadIdx.x;
@@ -54,6 +56,7 @@ __global__ void __launch_bounds__(kQueryPairs* kQueryGroups)
 // Block (token * H + head, group of 32 output rows): warp per row.
 constexpr int kOutputRows = 32;
 __global__ void mla_output_kernel(const float* o_lat, const uint16_t* w_uv, int H, int dv, int r, float* out) {
+  pdl_enter();
   const int s = blockIdx.x / H, h = blockIdx.x % H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* x = o_lat + (int64_t(s) * H + h) * r;
   const int i1 = min(dv, int(blockIdx.y + 1) * kOutputRows);
@@ -65,6 +68,7 @@ __global__ void mla_output_kernel(const float* o_lat, const uint16_t* w_uv, int 
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
+  pdl_enter();
   extern __shared__ float q_s[];  // q_dim
   __shared__ float p_s[kTile];
   __shared__ int key_s[kTile];
@@ -147,23 +151,23 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a) {
 
 void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st) {
   if (S <= 0) return;
-  mla_query_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(r, 2 * kQueryPairs))), kQueryPairs * kQueryGroups,
-                     size_t(dn) * sizeof(float), st>>>(q, w_uk, H, dn, dr, r, qcat);
+  launch(mla_query_kernel, dim3(unsigned(S * H), unsigned(ceil_div(r, 2 * kQueryPairs))), kQueryPairs * kQueryGroups,
+         size_t(dn) * sizeof(float), st, q, w_uk, H, dn, dr, r, qcat);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void mla_output(const float* o_lat, const uint16_t* w_uv, int S, int H, int dv, int r, float* out, cudaStream_t st) {
   if (S <= 0) return;
-  mla_output_kernel<<<dim3(unsigned(S * H), unsigned(ceil_div(dv, kOutputRows))), 256, 0, st>>>(o_lat, w_uv, H, dv, r,
-                                                                                                out);
+  launch(mla_output_kernel, dim3(unsigned(S * H), unsigned(ceil_div(dv, kOutputRows))), 256, 0, st, o_lat, w_uv, H, dv,
+         r, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void attention(const AttentionArgs& a, cudaStream_t st) {
   if (a.v_dim > kThreads * kMaxValuesPerThread) throw std::runtime_error("attention: value width " + std::to_string(a.v_dim) + " is too large");
   const size_t smem = size_t(a.q_dim) * sizeof(float);
-  if (a.q8) attention_kernel<int8_t><<<a.S * a.H, kThreads, smem, st>>>(a);
-  else attention_kernel<uint16_t><<<a.S * a.H, kThreads, smem, st>>>(a);
+  if (a.q8) launch(attention_kernel<int8_t>, a.S * a.H, kThreads, smem, st, a);
+  else launch(attention_kernel<uint16_t>, a.S * a.H, kThreads, smem, st, a);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

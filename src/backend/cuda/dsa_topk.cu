@@ -5,6 +5,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/radix_topk.cuh"
 
 namespace moesrv::cuda {
@@ -16,6 +17,7 @@ constexpr int kThreads = kTopkThreads;
 __global__ void __launch_bounds__(kThreads) dsa_topk_kernel(const float* q, const float* hw, const DeviceLayerCache* lcp,
                                                              int s_begin, int nh, int d, int K, const int32_t* pos0,
                                                              int64_t max_ctx, float* scratch, int32_t* sel) {
+  pdl_enter();
   extern __shared__ float q_s[];  // nh * d, then nh head weights
   const int s = s_begin + blockIdx.x, tid = threadIdx.x;
   const int n_valid = *pos0 + s + 1;
@@ -51,7 +53,7 @@ void dsa_topk(const float* q, const float* hw, const DeviceLayerCache* lc, int s
   if (n == 0) return;
   const size_t smem = size_t(nh * d + nh) * sizeof(float);
   if (smem > 48 * 1024) throw std::runtime_error("dsa_topk: indexer query of " + std::to_string(nh * d + nh) + " floats exceeds shared memory");
-  dsa_topk_kernel<<<n, kThreads, smem, st>>>(q, hw, lc, s_begin, nh, d, K, pos0, max_ctx, scratch, sel);
+  launch(dsa_topk_kernel, n, kThreads, smem, st, q, hw, lc, s_begin, nh, d, K, pos0, max_ctx, scratch, sel);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -2,17 +2,20 @@
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
 namespace {
 
 __global__ void embed_kernel(const uint16_t* table, const int32_t* ids, int D, float* out) {
+  pdl_enter();
   const uint16_t* row = table + int64_t(ids[blockIdx.x]) * D;
   for (int i = threadIdx.x; i < D; i += blockDim.x) out[int64_t(blockIdx.x) * D + i] = bf16_to_f32(row[i]);
 }
 
 __global__ void rms_norm_kernel(const float* x, int64_t xs, const float* w, int d, float eps, float* y, int64_t ys) {
+  pdl_enter();
   const float* xr = x + blockIdx.x * xs;
   float* yr = y + blockIdx.x * ys;
   float ss = 0.0f;
@@ -23,6 +26,7 @@ __global__ void rms_norm_kernel(const float* x, int64_t xs, const float* w, int 
 }
 
 __global__ void add_rms_norm_kernel(float* x, const float* add, const float* w, int d, float eps, float* y) {
+  pdl_enter();
   float* xr = x + int64_t(blockIdx.x) * d;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -36,6 +40,7 @@ __global__ void add_rms_norm_kernel(float* x, const float* add, const float* w, 
 }
 
 __global__ void layer_norm_kernel(const float* x, const float* w, const float* b, int d, float eps, float* y) {
+  pdl_enter();
   const float* xr = x + int64_t(blockIdx.x) * d;
   float s = 0.0f;
   for (int i = threadIdx.x; i < d; i += blockDim.x) s += xr[i];
@@ -49,6 +54,7 @@ __global__ void layer_norm_kernel(const float* x, const float* w, const float* b
 
 __global__ void rope_kernel(float* x, int heads, int64_t tok_stride, int head_stride, int offset, int dim,
                             bool interleaved, const float* cos_sin, const int32_t* pos0) {
+  pdl_enter();
   const int s = blockIdx.x, half = dim / 2;
   const float* cs = cos_sin + int64_t(*pos0 + s) * dim;  // [half][2]
   for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
@@ -63,6 +69,7 @@ __global__ void rope_kernel(float* x, int heads, int64_t tok_stride, int head_st
 }
 
 __global__ void silu_mul_kernel(const float* gu, int64_t n, int I, float* out) {
+  pdl_enter();
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / I, i = idx % I;
     const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
@@ -72,6 +79,7 @@ __global__ void silu_mul_kernel(const float* gu, int64_t n, int I, float* out) {
 
 // SwiGLU with clamping (swiglu_limit): gate = min(gate, limit), up = clamp(up, -limit, limit), then silu(gate) * up.
 __global__ void silu_mul_clamped_kernel(const float* gu, int64_t n, int I, float limit, float* out) {
+  pdl_enter();
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / I, i = idx % I;
     const float g = fminf(gu[r * 2 * I + i], limit), u = fminf(fmaxf(gu[r * 2 * I + I + i], -limit), limit);
@@ -80,6 +88,7 @@ __global__ void silu_mul_clamped_kernel(const float* gu, int64_t n, int I, float
 }
 
 __global__ void sigmoid_gate_rows_kernel(float* x, const float* gate, int64_t gate_stride, int64_t n, int cols) {
+  pdl_enter();
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const float g = gate[idx / cols * gate_stride + idx % cols];
     x[idx] *= 1.0f / (1.0f + expf(-g));
@@ -87,27 +96,32 @@ __global__ void sigmoid_gate_rows_kernel(float* x, const float* gate, int64_t ga
 }
 
 __global__ void to_bf16_kernel(const float* x, int64_t n, uint16_t* y) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = f32_to_bf16(x[i]);
 }
 
 __global__ void from_bf16_kernel(const uint16_t* x, int64_t n, float* y) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = bf16_to_f32(x[i]);
 }
 
 __global__ void add_bias_kernel(float* y, const float* b, int64_t n, int cols) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] += b[i % cols];
 }
 
 __global__ void gather_rows_kernel(const float* x, const int32_t* rows, int D, uint16_t* out) {
+  pdl_enter();
   const float* src = x + int64_t(rows[blockIdx.x]) * D;
   for (int i = threadIdx.x; i < D; i += blockDim.x) out[int64_t(blockIdx.x) * D + i] = f32_to_bf16(src[i]);
 }
 
 __global__ void cache_write_kernel(const float* src, int64_t src_stride, int row_len, const DeviceLayerCache* lc,
                                    CacheField field, bool q8, const int32_t* pos0) {
+  pdl_enter();
   const float* x = src + blockIdx.x * src_stride;
   const int64_t t = *pos0 + blockIdx.x;
   if (field == CacheField::IndexK) {
@@ -134,7 +148,10 @@ __global__ void cache_write_kernel(const float* src, int64_t src_stride, int row
   if (threadIdx.x == 0) (field == CacheField::Kv ? lc->kv_scale : lc->v_scale)[t] = scale;
 }
 
-__global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* out) { *out = *pos0 + add; }
+__global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* out) {
+  pdl_enter();
+  *out = *pos0 + add;
+}
 
 // Block per kGemvRowsPerBlock output rows of w [out][in] (bf16); each row's dot is split over kGemvSplit warps (one
 // contiguous, 8-aligned range of the inputs each) so that a small matrix still spreads over many SMs, and the
@@ -142,6 +159,7 @@ __global__ void offset_position_kernel(const int32_t* pos0, int add, int32_t* ou
 constexpr int kGemvSplit = 4, kGemvRowsPerBlock = 2;
 __global__ void __launch_bounds__(32 * kGemvSplit * kGemvRowsPerBlock)
     bf16_gemv_kernel(const uint16_t* w, int out, int in, const float* x, int n, const float* bias, float* y) {
+  pdl_enter();
   __shared__ float part[kGemvRowsPerBlock][kGemvSplit][kBf16GemvMaxRows];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rb = warp / kGemvSplit, q = warp % kGemvSplit, row = blockIdx.x * kGemvRowsPerBlock + rb;
@@ -165,43 +183,43 @@ int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); 
 }  // namespace
 
 void offset_position(const int32_t* pos0, int add, int32_t* out, cudaStream_t st) {
-  offset_position_kernel<<<1, 1, 0, st>>>(pos0, add, out);
+  launch(offset_position_kernel, 1, 1, 0, st, pos0, add, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void embed_gather(const uint16_t* table, const int32_t* ids, int S, int D, float* out, cudaStream_t st) {
-  embed_kernel<<<S, 256, 0, st>>>(table, ids, D, out);
+  launch(embed_kernel, S, 256, 0, st, table, ids, D, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void rms_norm(const float* x, int64_t x_stride, const float* w, int rows, int d, float eps, float* y,
               int64_t y_stride, cudaStream_t st) {
   if (rows == 0) return;
-  rms_norm_kernel<<<rows, 256, 0, st>>>(x, x_stride, w, d, eps, y, y_stride);
+  launch(rms_norm_kernel, rows, 256, 0, st, x, x_stride, w, d, eps, y, y_stride);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void add_rms_norm(float* x, const float* add, const float* w, int rows, int d, float eps, float* y, cudaStream_t st) {
-  add_rms_norm_kernel<<<rows, 256, 0, st>>>(x, add, w, d, eps, y);
+  launch(add_rms_norm_kernel, rows, 256, 0, st, x, add, w, d, eps, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void layer_norm(const float* x, const float* w, const float* b, int rows, int d, float eps, float* y, cudaStream_t st) {
-  layer_norm_kernel<<<rows, 128, 0, st>>>(x, w, b, d, eps, y);
+  launch(layer_norm_kernel, rows, 128, 0, st, x, w, b, d, eps, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void rope(float* x, int S, int heads, int64_t tok_stride, int head_stride, int offset, int dim, bool interleaved,
           const float* cos_sin, const int32_t* pos0, cudaStream_t st) {
   if (dim == 0 || S == 0) return;
-  rope_kernel<<<S, 128, 0, st>>>(x, heads, tok_stride, head_stride, offset, dim, interleaved, cos_sin, pos0);
+  launch(rope_kernel, S, 128, 0, st, x, heads, tok_stride, head_stride, offset, dim, interleaved, cos_sin, pos0);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void silu_mul(const float* gu, int rows, int I, float* out, cudaStream_t st) {
   const int64_t n = int64_t(rows) * I;
   if (n == 0) return;
-  silu_mul_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, out);
+  launch(silu_mul_kernel, grid_for(n), 256, 0, st, gu, n, I, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -209,26 +227,26 @@ void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out,
   if (!(limit > 0.0f)) return silu_mul(gu, rows, I, out, st);
   const int64_t n = int64_t(rows) * I;
   if (n == 0) return;
-  silu_mul_clamped_kernel<<<grid_for(n), 256, 0, st>>>(gu, n, I, limit, out);
+  launch(silu_mul_clamped_kernel, grid_for(n), 256, 0, st, gu, n, I, limit, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st) {
   const int64_t total = int64_t(rows) * n;
   if (total == 0) return;
-  sigmoid_gate_rows_kernel<<<grid_for(total), 256, 0, st>>>(x, gate, gate_stride, total, n);
+  launch(sigmoid_gate_rows_kernel, grid_for(total), 256, 0, st, x, gate, gate_stride, total, n);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st) {
   if (n == 0) return;
-  to_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
+  launch(to_bf16_kernel, grid_for(n), 256, 0, st, x, n, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st) {
   if (n == 0) return;
-  from_bf16_kernel<<<grid_for(n), 256, 0, st>>>(x, n, y);
+  launch(from_bf16_kernel, grid_for(n), 256, 0, st, x, n, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -236,28 +254,28 @@ void bf16_gemv(const uint16_t* w, int out, int in, const float* x, int n, const 
                cudaStream_t st) {
   if (n <= 0 || out <= 0) return;
   if (n > kBf16GemvMaxRows) throw std::runtime_error("bf16_gemv: more than 8 rows");
-  bf16_gemv_kernel<<<ceil_div(out, kGemvRowsPerBlock), 32 * kGemvSplit * kGemvRowsPerBlock, 0, st>>>(w, out, in, x, n,
-                                                                                                     bias, y);
+  launch(bf16_gemv_kernel, ceil_div(out, kGemvRowsPerBlock), 32 * kGemvSplit * kGemvRowsPerBlock, 0, st, w, out, in, x,
+         n, bias, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void add_bias(float* y, const float* b, int rows, int cols, cudaStream_t st) {
   const int64_t n = int64_t(rows) * cols;
   if (n == 0) return;
-  add_bias_kernel<<<grid_for(n), 256, 0, st>>>(y, b, n, cols);
+  launch(add_bias_kernel, grid_for(n), 256, 0, st, y, b, n, cols);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_t* out, cudaStream_t st) {
   if (n == 0) return;
-  gather_rows_kernel<<<n, 256, 0, st>>>(x, rows, D, out);
+  launch(gather_rows_kernel, n, 256, 0, st, x, rows, D, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void cache_write(const float* src, int64_t src_stride, int S, int row_len, const DeviceLayerCache* lc,
                  CacheField field, bool q8, const int32_t* pos0, cudaStream_t st) {
   if (S == 0) return;
-  cache_write_kernel<<<S, 256, 0, st>>>(src, src_stride, row_len, lc, field, q8, pos0);
+  launch(cache_write_kernel, S, 256, 0, st, src, src_stride, row_len, lc, field, q8, pos0);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

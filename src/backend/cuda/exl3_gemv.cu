@@ -12,6 +12,7 @@
 
 #include "backend/cuda/exl3_device.cuh"
 #include "backend/cuda/exl3_ops.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -71,6 +72,7 @@ __device__ __forceinline__ float4 scaled_in4(const Exl3Dev& w, const Exl3Src& sr
 // out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
 template <bool kHalfOut>
 __global__ void rotate_in_kernel(RotArgs a) {
+  pdl_enter();
   const int dim = a.w.in_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
   if (a.zero)  // the blocks of this row share its GEMV output row
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.w.out_pad; i += gridDim.x * blockDim.x)
@@ -90,6 +92,7 @@ __global__ void rotate_in_kernel(RotArgs a) {
 
 // y[row][o] = (H(yr[row]) ⊙ svh)[o] (+ bias) for o < out.
 __global__ void rotate_out_kernel(RotArgs a) {
+  pdl_enter();
   const int dim = a.w.out_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
   if (blk * 128 >= dim) return;
   const half* svh = reinterpret_cast<const half*>(a.g.ids ? group_entry(a.g, row).svh : a.w.svh);
@@ -126,6 +129,7 @@ __device__ __forceinline__ const uint4* gemv_weights(const Args& a) {
 
 template <int K, int CB>
 __global__ __launch_bounds__(kGemvWarps * 32) void gemv_kernel(GemvArgs a) {
+  pdl_enter();
   constexpr int kWords = 8 * K;
   extern __shared__ __align__(16) float smem[];
   const int nb = a.nb, xs_stride = a.tiles_per_block * 16;
@@ -205,6 +209,7 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_kernel(GemvArgs a) {
 // (columns c0 and c0+8), with the batch rows (<= 8, fp16) as the A operand's M.
 template <int K, int CB>
 __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
+  pdl_enter();
   constexpr int kWords = 8 * K;
   extern __shared__ __align__(16) float smem[];
   const int nb = a.nb, xs_stride = a.tiles_per_block * 16;
@@ -400,7 +405,9 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
   const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
 
-  // first D k-tiles of weights in flight before xh is staged
+  // first D k-tiles of weights in flight before xh is staged; a plain call's weights also before the previous
+  // kernel finishes (pdl.cuh: nothing in the stream writes them), a grouped call's table rows come from routing
+  if (a.g.ids) pdl_enter();
   const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
                          (size_t(kt0) * a.tiles_n + size_t(panel) * G::P) * (8 * K) + lane * G::N;
   const size_t step = size_t(a.tiles_n) * (8 * K);
@@ -409,6 +416,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   for (int u = 0; u < G::D; ++u)
     if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
   const uint32_t* next = wsrc + G::D * step;
+  if (!a.g.ids) pdl_enter();
 
   if (a.src.x) {  // fused: x ⊙ suh over the range by all threads (loads in flight), then a warp per 128-block rotates
     const RowIn r = row_in(a.w, a.g, a.src, blockIdx.z);
@@ -500,6 +508,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 template <int K, int CB>
 __global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, int nt0, int nts,
                                half* __restrict__ out) {
+  pdl_enter();
   constexpr int kWords = 8 * K, kChunks = 2 * K;
   __shared__ __align__(16) uint32_t ws[4][kWords];
   __shared__ __align__(16) half tile[4][16][16];
@@ -647,8 +656,8 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
                     w,
                     src};
   const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-  kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb]
-        [w.K - 1]<<<dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s>>>(a);
+  launch(kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups),
+         kGemv1Warps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -684,8 +693,8 @@ void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh,
   if (n <= 0) return;
   RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh, zero_yr, 1};
   const dim3 grid((w.in_pad / 128 + 3) / 4, n);
-  if (half_out) rotate_in_kernel<true><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
-  else rotate_in_kernel<false><<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  if (half_out) launch(rotate_in_kernel<true>, grid, 128, 0, static_cast<cudaStream_t>(stream), a);
+  else launch(rotate_in_kernel<false>, grid, 128, 0, static_cast<cudaStream_t>(stream), a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -694,7 +703,7 @@ void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, floa
   check_shape(w);
   if (n <= 0) return;
   RotArgs a{w, g, Exl3Src{}, yr, y, y_ld, bias, nullptr, nullptr, std::max(parts, 1)};
-  rotate_out_kernel<<<dim3((w.out_pad / 128 + 3) / 4, n), 128, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  launch(rotate_out_kernel, dim3((w.out_pad / 128 + 3) / 4, n), 128, 0, static_cast<cudaStream_t>(stream), a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -723,7 +732,7 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   const size_t smem = (tc ? size_t(8) * tpb * 16 * sizeof(half) : size_t(nb) * tpb * 16 * sizeof(float)) +
                       size_t(kGemvWarps) * kGemvUnroll * 8 * w.K * 4 + size_t(kGemvWarps) * 8 * 16 * sizeof(float);
   GemvArgs a{static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, nb, tk, tn, tpb};
-  (tc ? kGemvMma : kGemv)[w.cb][w.K - 1]<<<dim3(tn, ksplit, groups), kGemvWarps * 32, smem, s>>>(a);
+  launch((tc ? kGemvMma : kGemv)[w.cb][w.K - 1], dim3(tn, ksplit, groups), kGemvWarps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -746,8 +755,8 @@ int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, fl
 
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream) {
   check_shape(w);
-  kDequant[w.cb][w.K - 1]<<<dim3((nts + 3) / 4, w.in_pad / 16), 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(w.trellis), w.out_pad / 16, nt0, nts, reinterpret_cast<half*>(out));
+  launch(kDequant[w.cb][w.K - 1], dim3((nts + 3) / 4, w.in_pad / 16), 128, 0, static_cast<cudaStream_t>(stream),
+         static_cast<const uint4*>(w.trellis), w.out_pad / 16, nt0, nts, reinterpret_cast<half*>(out));
   EXL3_CHECK(cudaGetLastError());
 }
 

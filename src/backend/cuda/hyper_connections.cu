@@ -9,6 +9,7 @@
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -26,6 +27,7 @@ __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(
 // out[s * out_ld + kk * chunks + c] for the enter kernels, which add them up in chunk order.
 __global__ void __launch_bounds__(kThreads) hyper_dot_kernel(const float* x, int n, int D, const float* fn, int mix,
                                                              int kk0, bool gram, float* out, int64_t out_ld) {
+  pdl_enter();
   const int kk = kk0 + blockIdx.x, c = blockIdx.y, chunks = gridDim.y, s = blockIdx.z;
   const float* X = x + s * int64_t(n) * D;
   const float *a = kk < mix ? fn + kk * int64_t(n) * D : X, *b = X;
@@ -146,6 +148,7 @@ __global__ void __launch_bounds__(kEnterThreads)
     hyper_enter_kernel(const float* x, int n, int D, const float* fn, const float* scale, const float* base,
                        const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, int dot_chunks, float* h,
                        float* post_out, float* comb_out) {
+  pdl_enter();
   constexpr int kRows = 8;
   __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams + 1], pre_s[kMaxStreams];
   const int s = blockIdx.x, tid = threadIdx.x;
@@ -228,6 +231,7 @@ __global__ void __launch_bounds__(kThreads)
     hyper_enter_split_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
                              float rms_eps, float hc_eps, int sinkhorn_iters, int chunks, const float* part, float* h,
                              float* post_out, float* comb_out) {
+  pdl_enter();
   __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams + kMaxStreams * (kMaxStreams + 1) / 2 + 1];
   __shared__ float pre_s[kMaxStreams];
   const int s = blockIdx.y, tid = threadIdx.x, mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
@@ -274,6 +278,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, const float* comb, int n, int D) {
+  pdl_enter();
   const int s = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= D) return;
@@ -291,6 +296,7 @@ __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, 
 }
 
 __global__ void hyper_expand_kernel(const float* e, int n, int D, float* x) {
+  pdl_enter();
   const int s = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= D) return;
@@ -299,6 +305,7 @@ __global__ void hyper_expand_kernel(const float* e, int n, int D, float* x) {
 }
 
 __global__ void hyper_collapse_mean_kernel(const float* x, int n, int D, float* out) {
+  pdl_enter();
   const int s = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= D) return;
@@ -331,12 +338,12 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     // chain while the block waits; the logits and stream products go to (rows x chunks) blocks per token first,
     // then h and the weights are made by different blocks.
     const int rows = mix + n * (n + 1) / 2, chunks = std::clamp(D / 32, 1, kDotChunks);
-    hyper_dot_kernel<<<dim3(unsigned(rows), unsigned(chunks), unsigned(S)), kThreads, 0, st>>>(
-        x, n, D, fn, mix, 0, true, part, int64_t(rows) * chunks);
+    launch(hyper_dot_kernel, dim3(unsigned(rows), unsigned(chunks), unsigned(S)), kThreads, 0, st, x, n, D, fn, mix, 0,
+           true, part, int64_t(rows) * chunks);
     MOESRV_CUDA_LAUNCH_CHECK();
     const int blocks = std::min(ceil_div(D, kThreads), 64);
-    hyper_enter_split_kernel<<<dim3(unsigned(blocks + 1), unsigned(S)), kThreads, 0, st>>>(
-        x, n, D, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb);
+    launch(hyper_enter_split_kernel, dim3(unsigned(blocks + 1), unsigned(S)), kThreads, 0, st, x, n, D, scale, base,
+           norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb);
     MOESRV_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -353,31 +360,32 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
-    hyper_dot_kernel<<<dim3(1, 1, unsigned(S)), kThreads, 0, st>>>(x, n, D, fn, mix, mix, false, h, D);
+    launch(hyper_dot_kernel, dim3(1, 1, unsigned(S)), kThreads, 0, st, x, n, D, fn, mix, mix, false, h, D);
     MOESRV_CUDA_LAUNCH_CHECK();
     chunks = 1;
   }
-  hyper_enter_kernel<<<S, kEnterThreads, 0, st>>>(x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters,
-                                                  chunks, h, post, comb);
+  launch(hyper_enter_kernel, S, kEnterThreads, 0, st, x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters,
+         chunks, h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st) {
   check_streams(n, "hyper_leave");
   if (S <= 0) return;
-  hyper_leave_kernel<<<dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st>>>(x, y, post, comb, n, D);
+  launch(hyper_leave_kernel, dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st, x, y, post, comb, n,
+         D);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void hyper_expand(const float* e, int S, int n, int D, float* x, cudaStream_t st) {
   if (S <= 0) return;
-  hyper_expand_kernel<<<dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st>>>(e, n, D, x);
+  launch(hyper_expand_kernel, dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st, e, n, D, x);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void hyper_collapse_mean(const float* x, int S, int n, int D, float* out, cudaStream_t st) {
   if (S <= 0) return;
-  hyper_collapse_mean_kernel<<<dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st>>>(x, n, D, out);
+  launch(hyper_collapse_mean_kernel, dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st, x, n, D, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

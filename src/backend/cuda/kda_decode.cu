@@ -7,6 +7,7 @@
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -20,6 +21,7 @@ size_t smem_floats(int dk, int dv) { return size_t(dk) * (dv + 1) + 3 * size_t(d
 
 template <int R>
 __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
+  pdl_enter();
   constexpr int dk = 32 * R;
   extern __shared__ float sm[];
   __shared__ float inv_o;
@@ -104,7 +106,7 @@ template <int R>
 void launch(const KdaDecodeArgs& a, cudaStream_t st) {
   const size_t smem = smem_floats(32 * R, a.dv) * sizeof(float);
   reserve_dynamic_smem(kda_decode_kernel<R>, smem, "kda_decode");
-  kda_decode_kernel<R><<<a.heads, kThreads, smem, st>>>(a);
+  launch(kda_decode_kernel<R>, a.heads, kThreads, smem, st, a);
 }
 
 }  // namespace

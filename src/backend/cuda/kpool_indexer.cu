@@ -8,6 +8,7 @@
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/radix_topk.cuh"
 
 namespace moesrv::cuda {
@@ -26,6 +27,7 @@ constexpr int kSplitQueries = 8;                 // up to this many queries (dec
 // in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
 __global__ void kpool_close_kernel(const float* k, const float* g, const float* ape, int S, int d, int kpool,
                                    const int32_t* pos0, float* pool_k, const float* open_k, const float* open_g) {
+  pdl_enter();
   const int64_t p0 = *pos0;
   const int64_t P = p0 / kpool + blockIdx.x;
   if ((P + 1) * kpool > p0 + S) return;  // not completed by this batch
@@ -50,6 +52,7 @@ __global__ void kpool_close_kernel(const float* k, const float* g, const float* 
 // Stores the batch tokens of the pool left open after the batch (positions >= kpool * ((pos0+S)/kpool)).
 __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, int kpool, const int32_t* pos0,
                                   float* open_k, float* open_g) {
+  pdl_enter();
   const int64_t p0 = *pos0, pos = p0 + blockIdx.x;
   const int64_t open_start = (p0 + S) / kpool * kpool;
   if (pos < open_start) return;
@@ -65,6 +68,7 @@ __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, 
 __global__ void __launch_bounds__(kThreads)
     kpool_score_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
                        const int32_t* pos0, int max_pools, float* scores) {
+  pdl_enter();
   extern __shared__ float smem[];  // q [nh*d] | hw [nh] | per-warp pool key [kWarps][d]
   const int s = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t p = int64_t(*pos0) + s;
@@ -100,6 +104,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(32 * kHeadGroups)
     kpool_score_lanes_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
                              const int32_t* pos0, int max_pools, float* scores) {
+  pdl_enter();
   extern __shared__ __align__(16) float lsm[];  // q [nh*d] | hw [nh, padded to 4] | keys [32][d + 4]
   __shared__ float part[kHeadGroups][kLanePools];
   const int s = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, ks = d + 4;
@@ -143,6 +148,7 @@ template <int kSteps>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     kpool_score_mma_kernel(const float* q, const float* hw, const float* pool_k, int S, int nh, int kpool,
                            const int32_t* pos0, int max_pools, float* scores) {
+  pdl_enter();
   constexpr int d = 16 * kSteps;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int s0 = blockIdx.y * kMmaQueries, P0 = blockIdx.x * kMmaPools + warp * 16;
@@ -214,6 +220,7 @@ __device__ __forceinline__ void stage_scores(float* staged, const float* __restr
 __global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_split_kernel(const float* __restrict__ scores, int kpool, int budget, const int32_t* pos0, int max_pools,
                             float* cand_score, int32_t* cand_pool) {
+  pdl_enter();
   extern __shared__ float staged[];
   const int c = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
   const int pools = visible_pools(pos0, s, kpool, max_pools);
@@ -239,6 +246,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_kernel(const float* __restrict__ scores, int kpool, int budget, bool select_tail, const int32_t* pos0,
                       int max_pools, int smem_floats, const float* cand_score, const int32_t* cand_pool, int32_t* sel,
                       int sel_k) {
+  pdl_enter();
   extern __shared__ float staged[];
   const int s = blockIdx.x, tid = threadIdx.x, p = *pos0 + s;
   const int pools = visible_pools(pos0, s, kpool, max_pools);
@@ -294,9 +302,9 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
   const int threads = std::min(256, ceil_div(d, 32) * 32);
   // The batch completes at most S/kpool + 1 pools (the first may have started before pos0). Pool keys first: they
   // read the open slots that the open-pool store then overwrites.
-  kpool_close_kernel<<<S / kpool + 1, threads, 0, st>>>(k, g, ape, S, d, kpool, pos0, pool_k, open_k, open_g);
+  launch(kpool_close_kernel, S / kpool + 1, threads, 0, st, k, g, ape, S, d, kpool, pos0, pool_k, open_k, open_g);
   MOESRV_CUDA_LAUNCH_CHECK();
-  kpool_open_kernel<<<S, threads, 0, st>>>(k, g, S, d, kpool, pos0, open_k, open_g);
+  launch(kpool_open_kernel, S, threads, 0, st, k, g, S, d, kpool, pos0, open_k, open_g);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -325,17 +333,17 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
                         : d == 64  ? kpool_score_mma_kernel<4>
                         : d == 128 ? kpool_score_mma_kernel<8>
                                    : kpool_score_mma_kernel<16>;
-    kernel<<<grid, kMmaWarps * 32, 0, st>>>(q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
+    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && lanes) {
     reserve_dynamic_smem(kpool_score_lanes_kernel, lane_smem, "kpool_select");
     const dim3 grid(unsigned(ceil_div(max_pools, kLanePools)), unsigned(S));
-    kpool_score_lanes_kernel<<<grid, 32 * kHeadGroups, lane_smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools,
-                                                                        scratch);
+    launch(kpool_score_lanes_kernel, grid, 32 * kHeadGroups, lane_smem, st, q, hw, pool_k, nh, d, kpool, pos0,
+           max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0) {
     const dim3 grid(unsigned(ceil_div(max_pools, kPoolsPerBlock)), unsigned(S));
-    kpool_score_kernel<<<grid, kThreads, smem, st>>>(q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
+    launch(kpool_score_kernel, grid, kThreads, smem, st, q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
   // Few queries over long rows: the top-k split over kTopkSplit blocks per query, when the candidates fit the
@@ -354,14 +362,14 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
   if (split) {
     if (chunk * sizeof(float) > 48 * 1024)
       reserve_dynamic_smem(kpool_topk_split_kernel, chunk * sizeof(float), "kpool_select");
-    kpool_topk_split_kernel<<<dim3(kTopkSplit, unsigned(S)), kSelectThreads, chunk * sizeof(float), st>>>(
-        scratch, kpool, budget, pos0, max_pools, cand_score, cand_pool);
+    launch(kpool_topk_split_kernel, dim3(kTopkSplit, unsigned(S)), kSelectThreads, chunk * sizeof(float), st, scratch,
+           kpool, budget, pos0, max_pools, cand_score, cand_pool);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
   const size_t staged = split ? cand * 8 : budget > 0 ? std::min<size_t>(max_pools, smem_floats) * 4 : 0;
   if (staged > 48 * 1024) reserve_dynamic_smem(kpool_topk_kernel, staged, "kpool_select");
-  kpool_topk_kernel<<<S, kSelectThreads, staged, st>>>(scratch, kpool, budget, select_tail, pos0, max_pools,
-                                                       int(staged / 4), cand_score, cand_pool, sel, sel_k);
+  launch(kpool_topk_kernel, S, kSelectThreads, staged, st, scratch, kpool, budget, select_tail, pos0, max_pools,
+         int(staged / 4), cand_score, cand_pool, sel, sel_k);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

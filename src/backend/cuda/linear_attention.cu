@@ -5,6 +5,7 @@
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -17,6 +18,7 @@ int grid_1d(int64_t n, int threads) { return int(std::min<int64_t>((n + threads 
 // ---- causal conv1d + SiLU: one thread per (token, channel); then the state update, one thread per channel.
 __global__ void conv1d_silu_kernel(const float* x, int64_t x_stride, int T, int C, const float* w, int K,
                                    const float* state, float* y) {
+  pdl_enter();
   const int64_t n = int64_t(T) * C;
   const int P = K - 1;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
@@ -32,6 +34,7 @@ __global__ void conv1d_silu_kernel(const float* x, int64_t x_stride, int T, int 
 }
 
 __global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int C, int K, float* state) {
+  pdl_enter();
   const int P = K - 1;
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
     // Ascending r: row r reads old row r + T (> r, not yet overwritten) or input row T - P + r.
@@ -44,6 +47,7 @@ __global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int
 
 // ---- l2norm: one warp per row.
 __global__ void l2norm_kernel(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale) {
+  pdl_enter();
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= int64_t(tokens) * heads) return;  // whole warps leave together
@@ -58,6 +62,7 @@ __global__ void l2norm_kernel(float* x, int tokens, int heads, int64_t token_str
 // ---- KDA gates: one thread per g element; the first S*H threads also do beta.
 __global__ void kda_gates_kernel(float* g, const float* dt_bias, const float* a_log, int S, int H, int d,
                                  bool lower_bound_set, float lower_bound, float* beta) {
+  pdl_enter();
   const int64_t n = int64_t(S) * H * d, nb = int64_t(S) * H;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t hd = idx % (int64_t(H) * d);
@@ -78,6 +83,7 @@ constexpr int kDrWarps = 8, kDrTokens = 8;
 
 template <int R>
 __global__ void __launch_bounds__(kDrWarps * 32) delta_rule_kernel(DeltaRuleArgs a) {
+  pdl_enter();
   constexpr int dk = 32 * R;
   __shared__ float q_s[kDrTokens][dk], k_s[kDrTokens][dk], e_s[kDrTokens][dk], b_s[kDrTokens];
   __shared__ float tile[dk][kDrWarps + 1];  // state columns j0 .. j0+kDrWarps-1 (padded: no bank conflicts)
@@ -140,13 +146,14 @@ __global__ void __launch_bounds__(kDrWarps * 32) delta_rule_kernel(DeltaRuleArgs
 template <int R>
 void launch_delta_rule(const DeltaRuleArgs& a, cudaStream_t st) {
   const dim3 grid(unsigned(ceil_div(a.dv, kDrWarps)), unsigned(a.heads));
-  delta_rule_kernel<R><<<grid, kDrWarps * 32, 0, st>>>(a);
+  launch(delta_rule_kernel<R>, grid, kDrWarps * 32, 0, st, a);
 }
 
 // ---- gated output RMSNorm: one warp per (token, head) row: rms_norm(o) * w * sigmoid(gate) (KDA) or
 // * silu(gate) (Gated DeltaNet).
 template <bool kSilu>
 __global__ void gated_rms_norm_kernel(float* o, const float* gate, const float* w, int rows, int d, float eps) {
+  pdl_enter();
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -164,6 +171,7 @@ __global__ void gated_rms_norm_kernel(float* o, const float* gate, const float* 
 
 // ---- Gated DeltaNet input regrouping and gates (layouts of cpu::gated_delta_forward).
 __global__ void gdn_split_kernel(const float* qkvz, int S, int Hk, int r, int dk, int dv, float* mixed, float* z) {
+  pdl_enter();
   const int group = 2 * dk + 2 * r * dv, QK = Hk * dk, V = Hk * r * dv, C = 2 * QK + V;
   const int64_t n = int64_t(S) * Hk * group;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
@@ -180,6 +188,7 @@ __global__ void gdn_split_kernel(const float* qkvz, int S, int Hk, int r, int dk
 
 __global__ void gdn_gates_kernel(const float* ba, const float* dt_bias, const float* a_log, int S, int Hk, int r,
                                  float* g, float* beta) {
+  pdl_enter();
   const int Hv = Hk * r;
   const int64_t n = int64_t(S) * Hv;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
@@ -198,10 +207,10 @@ void causal_conv1d_silu(const float* x, int64_t x_stride, int T, int C, const fl
                         cudaStream_t st) {
   if (T <= 0 || C <= 0) return;
   if (K < 1) throw std::runtime_error("causal_conv1d_silu: kernel size " + std::to_string(K));
-  conv1d_silu_kernel<<<grid_1d(int64_t(T) * C, 256), 256, 0, st>>>(x, x_stride, T, C, w, K, state, y);
+  launch(conv1d_silu_kernel, grid_1d(int64_t(T) * C, 256), 256, 0, st, x, x_stride, T, C, w, K, state, y);
   MOESRV_CUDA_LAUNCH_CHECK();
   if (K == 1) return;
-  conv1d_state_kernel<<<grid_1d(C, 256), 256, 0, st>>>(x, x_stride, T, C, K, state);
+  launch(conv1d_state_kernel, grid_1d(C, 256), 256, 0, st, x, x_stride, T, C, K, state);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -209,7 +218,7 @@ void l2norm_rows(float* x, int tokens, int heads, int64_t token_stride, int n, f
                  cudaStream_t st) {
   const int64_t rows = int64_t(tokens) * heads;
   if (rows == 0) return;
-  l2norm_kernel<<<ceil_div(rows * 32, 256), 256, 0, st>>>(x, tokens, heads, token_stride, n, eps, scale);
+  launch(l2norm_kernel, ceil_div(rows * 32, 256), 256, 0, st, x, tokens, heads, token_stride, n, eps, scale);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -217,7 +226,7 @@ void kda_gates(float* g, const float* dt_bias, const float* a_log, int S, int H,
                float lower_bound, float* beta, cudaStream_t st) {
   const int64_t n = int64_t(S) * H * d;
   if (n == 0) return;
-  kda_gates_kernel<<<grid_1d(n, 256), 256, 0, st>>>(g, dt_bias, a_log, S, H, d, lower_bound_set, lower_bound, beta);
+  launch(kda_gates_kernel, grid_1d(n, 256), 256, 0, st, g, dt_bias, a_log, S, H, d, lower_bound_set, lower_bound, beta);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -251,20 +260,20 @@ void delta_rule(int T, int H, int dk, int dv, bool per_channel_decay, const floa
 
 void kda_output_norm(float* o, const float* gate, const float* w, int rows, int d, float eps, cudaStream_t st) {
   if (rows <= 0) return;
-  gated_rms_norm_kernel<false><<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, gate, w, rows, d, eps);
+  launch(gated_rms_norm_kernel<false>, ceil_div(int64_t(rows) * 32, 256), 256, 0, st, o, gate, w, rows, d, eps);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, float eps, cudaStream_t st) {
   if (rows <= 0) return;
-  gated_rms_norm_kernel<true><<<ceil_div(int64_t(rows) * 32, 256), 256, 0, st>>>(o, z, w, rows, d, eps);
+  launch(gated_rms_norm_kernel<true>, ceil_div(int64_t(rows) * 32, 256), 256, 0, st, o, z, w, rows, d, eps);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void gdn_split_qkvz(const float* qkvz, int S, int Hk, int r, int dk, int dv, float* mixed, float* z, cudaStream_t st) {
   const int64_t n = int64_t(S) * Hk * (2 * dk + 2 * r * dv);
   if (n <= 0) return;
-  gdn_split_kernel<<<grid_1d(n, 256), 256, 0, st>>>(qkvz, S, Hk, r, dk, dv, mixed, z);
+  launch(gdn_split_kernel, grid_1d(n, 256), 256, 0, st, qkvz, S, Hk, r, dk, dv, mixed, z);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -272,7 +281,7 @@ void gdn_gates(const float* ba, const float* dt_bias, const float* a_log, int S,
                cudaStream_t st) {
   const int64_t n = int64_t(S) * Hk * r;
   if (n <= 0) return;
-  gdn_gates_kernel<<<grid_1d(n, 256), 256, 0, st>>>(ba, dt_bias, a_log, S, Hk, r, g, beta);
+  launch(gdn_gates_kernel, grid_1d(n, 256), 256, 0, st, ba, dt_bias, a_log, S, Hk, r, g, beta);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

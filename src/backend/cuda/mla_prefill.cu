@@ -12,6 +12,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -34,6 +35,7 @@ size_t prefill_smem_bytes(int q_dim) {
 // VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8).
 template <int VN>
 __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) {
+  pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = a.q_dim, D16 = padded_dim(D), RH = row_halves(D), RW = RH / 2;  // RW: 32-bit words per row
   const int NT = a.v_dim / 8;
@@ -176,7 +178,7 @@ template <int VN>
 void launch(const AttentionArgs& a, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
   reserve_dynamic_smem(mla_prefill_kernel<VN>, smem, "mla_prefill_attention");
-  mla_prefill_kernel<VN><<<dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads))), kThreads, smem, st>>>(a);
+  launch(mla_prefill_kernel<VN>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads))), kThreads, smem, st, a);
 }
 
 }  // namespace

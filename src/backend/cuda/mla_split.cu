@@ -7,6 +7,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -23,6 +24,7 @@ size_t split_smem_bytes(int D) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, float* part) {
+  pdl_enter();
   extern __shared__ float smem[];
   __shared__ int key_s[kKeyTile];
   __shared__ float kscale_s[kKeyTile];
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(kThreads) mla_split_kernel(AttentionArgs a, fl
 }
 
 __global__ void mla_split_combine(const float* part, int H, int R, float* out) {
+  pdl_enter();
   const int sh = blockIdx.x;  // s * H + h
   const float* p = part + int64_t(sh) * kSplits * (R + 2);
   float M = -INFINITY;
@@ -166,7 +169,7 @@ template <typename T>
 void launch_split(const AttentionArgs& a, float* part, cudaStream_t st) {
   const size_t smem = split_smem_bytes(a.q_dim);
   reserve_dynamic_smem(mla_split_kernel<T>, smem, "mla_split_attention");
-  mla_split_kernel<T><<<dim3(a.S, (a.H + kHeads - 1) / kHeads, kSplits), kThreads, smem, st>>>(a, part);
+  launch(mla_split_kernel<T>, dim3(a.S, (a.H + kHeads - 1) / kHeads, kSplits), kThreads, smem, st, a, part);
 }
 
 }  // namespace
@@ -183,7 +186,7 @@ void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st) {
   if (a.q8) launch_split<int8_t>(a, part, st);
   else launch_split<uint16_t>(a, part, st);
   MOESRV_CUDA_LAUNCH_CHECK();
-  mla_split_combine<<<a.S * a.H, kThreads, 0, st>>>(part, a.H, a.v_dim, a.out);
+  launch(mla_split_combine, a.S * a.H, kThreads, 0, st, part, a.H, a.v_dim, a.out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

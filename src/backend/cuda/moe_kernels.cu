@@ -4,6 +4,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
@@ -26,6 +27,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 // over the lanes' best candidates, so the result is the CPU router's (route_token): ties to the lower index.
 __global__ void __launch_bounds__(kRouteWarps * 32)
     route_kernel(const float* logits, const float* bias, int S, RouterArgs a, int32_t* ids, float* weights) {
+  pdl_enter();
   extern __shared__ float sm[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, s = blockIdx.x * kRouteWarps + warp;
   if (s >= S) return;                         // warp-uniform; no block barrier below
@@ -108,6 +110,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 
 // Block per token: y[s] *= sigmoid(x[s] . w).
 __global__ void shared_gate_kernel(const float* x, const float* w, int D, float* y) {
+  pdl_enter();
   const int64_t s = blockIdx.x;
   float acc = 0.0f;
   for (int d = threadIdx.x; d < D; d += blockDim.x) acc += x[s * D + d] * w[d];
@@ -120,6 +123,7 @@ constexpr int kGemvWarps = 8;
 // Block (row tile, entry): warp per output row of the entry's expert matrix.
 __global__ void expert_gemv_kernel(const float* x, int64_t x_stride, int x_div, const int32_t* ids,
                                    const uint16_t* const* mats, int rows, int cols, float* y) {
+  pdl_enter();
   const int entry = blockIdx.y, warp = threadIdx.x >> 5, row = blockIdx.x * kGemvWarps + warp;
   if (row >= rows) return;
   const uint16_t* w = mats[ids[entry]] + int64_t(row) * cols;
@@ -129,6 +133,7 @@ __global__ void expert_gemv_kernel(const float* x, int64_t x_stride, int x_div, 
 
 __global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap, const float* weights,
                                const float* extra, int k, int D, bool overwrite, int row_lo, int row_hi) {
+  pdl_enter();
   const int s = blockIdx.y;
   if (!overwrite && !extra) {  // a token with no entry in this wave keeps its row
     bool any = false;
@@ -158,24 +163,25 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
                              " groups, top-" + std::to_string(a.k) + " is not supported");
   if (S <= 0) return;
   const size_t smem = size_t(kRouteWarps) * (2 * a.E + 64) * sizeof(float);
-  route_kernel<<<ceil_div(S, kRouteWarps), kRouteWarps * 32, smem, st>>>(logits, bias, S, a, ids, weights);
+  launch(route_kernel, ceil_div(S, kRouteWarps), kRouteWarps * 32, smem, st, logits, bias, S, a, ids, weights);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st) {
   if (S == 0) return;
-  shared_gate_kernel<<<S, 256, 0, st>>>(x, w, D, y);
+  launch(shared_gate_kernel, S, 256, 0, st, x, w, D, y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, const uint16_t* const* gate_up,
               const uint16_t* const* down, float* gu_scratch, float* act, float* y, cudaStream_t st, float limit) {
   const int entries = S * k;
-  expert_gemv_kernel<<<dim3(ceil_div(2 * I, kGemvWarps), entries), kGemvWarps * 32, 0, st>>>(x, D, k, ids, gate_up,
-                                                                                              2 * I, D, gu_scratch);
+  launch(expert_gemv_kernel, dim3(ceil_div(2 * I, kGemvWarps), entries), kGemvWarps * 32, 0, st, x, D, k, ids, gate_up,
+         2 * I, D, gu_scratch);
   MOESRV_CUDA_LAUNCH_CHECK();
   silu_mul_clamped(gu_scratch, entries, I, limit, act, st);
-  expert_gemv_kernel<<<dim3(ceil_div(D, kGemvWarps), entries), kGemvWarps * 32, 0, st>>>(act, I, 1, ids, down, D, I, y);
+  launch(expert_gemv_kernel, dim3(ceil_div(D, kGemvWarps), entries), kGemvWarps * 32, 0, st, act, I, 1, ids, down, D, I,
+         y);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
@@ -183,8 +189,8 @@ void moe_combine(float* out, const float* y, const int32_t* rowmap, const float*
                  int k, int D, cudaStream_t st, bool overwrite, int row_lo, int row_hi) {
   if (S <= 0) return;
   if (row_lo < 0) throw std::runtime_error("moe_combine: negative first row");
-  combine_kernel<<<dim3(unsigned(ceil_div(D, 256)), unsigned(S)), 256, 0, st>>>(out, y, rowmap, weights, extra, k, D,
-                                                                                overwrite, row_lo, row_hi);
+  launch(combine_kernel, dim3(unsigned(ceil_div(D, 256)), unsigned(S)), 256, 0, st, out, y, rowmap, weights, extra, k,
+         D, overwrite, row_lo, row_hi);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
