@@ -101,6 +101,7 @@ struct LanePos {
 template <int N>
 __device__ __forceinline__ uint32_t stream_bits16(const uint32_t (&b)[N], int r) {
   const int w = r >> 5, o = r & 31;
+  if (o == 8) return __byte_perm(b[w], 0u, 0x4421);  // bytes 1, 2: one PRMT instead of a shift and a mask
   if (o <= 16) return (b[w] >> (16 - o)) & 0xFFFFu;
   return __funnelshift_l(b[w + 1 < N ? w + 1 : N - 1], b[w], o) >> 16;
 }

@@ -279,6 +279,7 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
 constexpr int kGemv1Warps = 4;
 constexpr int kGemv1Blocks = 8;           // resident blocks per SM the register budget allows (64 a thread)
 constexpr int kGemv1MaxBlockTiles = 256;  // k-tiles of xh a block stages (16 KB)
+constexpr int kGemv1ZeroWords = 8;        // after them: zeros, the tensor-core B words of the off-diagonal lanes
 
 __host__ __device__ constexpr int gemv1_positions(int K) { return K <= 3 ? 8 : 4; }
 __host__ __device__ constexpr int gemv1_depth(int K) {  // k-tiles in flight per warp (~2 KB, as registers allow)
@@ -448,6 +449,8 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     const float4* xg = reinterpret_cast<const float4*>(a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16);
     for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) reinterpret_cast<float4*>(smem)[i] = xg[i];
   }
+  float* zero = smem + wk * tpw * 16;  // kGemv1ZeroWords zeros: the B words of the lanes off the diagonal
+  if (kMma && threadIdx.x < kGemv1ZeroWords) zero[threadIdx.x] = 0.f;
   __syncthreads();
 
   const int prev_lane = lane % G::L == 0 ? lane + G::L - 1 : lane - 1;
@@ -458,16 +461,15 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   float d[G::C / 2][4] = {};
   // tensor cores: lanes 0, 5, 10, 15 read the hi words, 16, 21, 26, 31 the lo words, the others hold zeros
   const int diag = (lane >> 2) == (lane & 3) ? 0 : (lane >> 2) == (lane & 3) + 4 ? 8 : -1;
+  const uint4* xsrc = reinterpret_cast<const uint4*>(diag >= 0 ? xs + diag : zero);
+  const int xstep = diag >= 0 ? 4 : 0;  // uint4 per k-tile
   for (int k = 0; k < nkt; k += G::D) {
 #pragma unroll
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
         if constexpr (kMma) {
-          uint4 xb[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-          if (diag >= 0) {
-            const uint4* src = reinterpret_cast<const uint4*>(xs + (k + u) * 16 + diag);
-            xb[0] = src[0], xb[1] = src[1];
-          }
+          const uint4* src = xsrc + (k + u) * xstep;
+          const uint4 xb[2] = {src[0], src[1]};
           gemv1_tile_mma<K, CB>(ring[u], prev_lane, xb, d);
         } else {
           gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
@@ -481,7 +483,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   if constexpr (kMma) gemv1_mma_sums<G::C>(d, lane, acc);
 
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
-    float* red = smem + wk * tpw * 16;
+    float* red = smem + wk * tpw * 16 + kGemv1ZeroWords;
 #pragma unroll
     for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
     __syncthreads();
@@ -640,7 +642,7 @@ bool exl3_gemv_unfused() {
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
                   const Gemv1Split& sp, cudaStream_t s) {
   const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
-  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 +
+  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 + kGemv1ZeroWords +
                        (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
                       sizeof(float);
   const Gemv1Args a{static_cast<const uint4*>(w.trellis),
