@@ -279,6 +279,7 @@ __global__ __launch_bounds__(kGemvWarps * 32) void gemv_mma_kernel(GemvArgs a) {
 constexpr int kGemv1Warps = 4;
 constexpr int kGemv1Blocks = 8;           // resident blocks per SM the register budget allows (64 a thread)
 constexpr int kGemv1MaxBlockTiles = 256;  // k-tiles of xh a block stages (16 KB)
+static_assert(kGemv1Warps == 4, "gemv1_kernel splits its 4 warps by shifts");
 constexpr int kGemv1ZeroWords = 8;        // after them: zeros, the tensor-core B words of the off-diagonal lanes
 
 __host__ __device__ constexpr int gemv1_positions(int K) { return K <= 3 ? 8 : 4; }
@@ -401,8 +402,9 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wk = a.warps_k, wp = kGemv1Warps / wk, ksub = warp / wp, tpw = a.tiles_per_warp;
-  const int panel = blockIdx.x * wp + warp % wp;
+  // warps_k is 1, 2 or 4: shifts instead of divisions
+  const int wk = a.warps_k, wp_log = 2 - (wk >> 1), wp = 1 << wp_log, ksub = warp >> wp_log, tpw = a.tiles_per_warp;
+  const int panel = blockIdx.x * wp + (warp & (wp - 1));
   const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
   const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
 

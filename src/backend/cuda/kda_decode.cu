@@ -19,6 +19,34 @@ __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(
 
 size_t smem_floats(int dk, int dv) { return size_t(dk) * (dv + 1) + 3 * size_t(dk) + 2 * size_t(dv); }
 
+// The head's state [dk][dv] between global memory (S) and the padded shared copy st_s [dk][dv + 1], kBatch float4
+// per thread in flight at once (a plain loop waits for each load: ~10 us of a 14 us kernel). dv % 4 == 0.
+constexpr int kBatch = 8;
+template <bool kLoad>
+__device__ __forceinline__ void move_state(float* S, float* st_s, int dk, int dv) {
+  const int n4 = dk * dv / 4, ST = dv + 1;
+  float4* S4 = reinterpret_cast<float4*>(S);
+  for (int base = 0; base < n4; base += kThreads * kBatch) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * kThreads + int(threadIdx.x);
+      if (i >= n4) continue;
+      float* row = st_s + (4 * i / dv) * ST + 4 * i % dv;
+      if constexpr (kLoad) v[u] = S4[i];
+      else S4[i] = make_float4(row[0], row[1], row[2], row[3]);
+    }
+    if constexpr (kLoad)
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * kThreads + int(threadIdx.x);
+        if (i >= n4) continue;
+        float* row = st_s + (4 * i / dv) * ST + 4 * i % dv;
+        row[0] = v[u].x, row[1] = v[u].y, row[2] = v[u].z, row[3] = v[u].w;
+      }
+  }
+}
+
 template <int R>
 __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
   pdl_enter();
@@ -36,11 +64,12 @@ __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
   const int Hd = a.heads * dk, C = 2 * Hd + a.heads * dv, K = a.conv_k, P = K - 1;
 
   float* S = a.state + int64_t(h) * dk * dv;
-  for (int i = tid; i < dk * dv; i += kThreads) st_s[(i / dv) * ST + i % dv] = S[i];
+  move_state<true>(S, st_s, dk, dv);
   // Conv + SiLU of the head's q | k | v channels; each thread then shifts its own channels' conv state.
   for (int i = tid; i < 2 * dk + dv; i += kThreads) {
     const int c = i < dk ? h * dk + i : i < 2 * dk ? Hd + h * dk + (i - dk) : 2 * Hd + h * dv + (i - 2 * dk);
     float acc = 0.0f;
+#pragma unroll 4
     for (int j = 0; j < K; ++j) {
       const float xv = j < P ? a.conv_state[int64_t(j) * C + c] : a.qkv[c];
       acc += a.conv_w[int64_t(c) * K + j] * xv;
@@ -90,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
     if (lane == 0) o_s[j] = o;
   }
   __syncthreads();
-  for (int i = tid; i < dk * dv; i += kThreads) S[i] = st_s[(i / dv) * ST + i % dv];
+  move_state<false>(S, st_s, dk, dv);
   if (warp == 0) {  // gated output RMSNorm over the head's dv values
     float ss = 0.0f;
     for (int i = lane; i < dv; i += 32) ss += o_s[i] * o_s[i];
@@ -112,7 +141,7 @@ void launch(const KdaDecodeArgs& a, cudaStream_t st) {
 }  // namespace
 
 bool kda_decode_supported(int dk, int dv, int conv_k) {
-  return (dk == 32 || dk == 64 || dk == 128) && dv >= 1 && conv_k >= 1 &&
+  return (dk == 32 || dk == 64 || dk == 128) && dv >= 4 && dv % 4 == 0 && conv_k >= 1 &&
          smem_floats(dk, dv) * sizeof(float) <= size_t(200) << 10;
 }
 
