@@ -646,12 +646,17 @@ void run_kpool_case(const KpoolCase& kc) {
   EXPECT_LE(near_ties * 50, queries);
 }
 
+// Head dims of 16 score on tensor cores (queries as the MMA's columns for batches of more than 8, heads for up to 8);
+// 20 (not a multiple of 16) by the fp32 lanes kernel, 18 (not a multiple of 4) by the warp-per-pool kernel.
 TEST(CudaGlm5NextKernels, KpoolIndexerTinyShapes) {
   SKIP_WITHOUT_DEVICE();
   run_kpool_case({16, 16, 4, 16, {37, 1, 1, 1, 1, 1, 6}});
+  run_kpool_case({12, 16, 4, 16, {37, 1, 1, 1, 6}});  // a head tile of 8 half full
+  run_kpool_case({16, 20, 4, 16, {37, 1, 1, 1, 6}});
+  run_kpool_case({12, 18, 4, 16, {37, 1, 1, 1, 6}});
 }
 
-// (Batches of more than 8 queries score on tensor cores, single queries on CUDA cores: both against the CPU.)
+// (Batches of more than 8 queries and single queries both score on tensor cores: against the CPU.)
 TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
   SKIP_WITHOUT_DEVICE();
   run_kpool_case({32, 128, 4, 2048, {2999, 1, 1, 1, 1, 1, 7}});

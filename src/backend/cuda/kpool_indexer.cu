@@ -4,6 +4,7 @@
 // plus the open pool's visible tail). Positions come from device memory (pos0) so a decode graph can be replayed.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/glm5_next_kernels.h"
@@ -199,6 +200,67 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
+// Decode scores (a few queries) on tensor cores with the heads as the MMA's columns: block (x, s) scores pools
+// [128 x, 128 x + 128) for query s; warp w owns 16 pools (the A rows: keys split into fp16 value + remainder, in
+// registers, as above) and runs the heads 8 at a time (the B columns: the query's head rows, split the same way). Each
+// lane then holds pools g and g + 8 for heads 2t and 2t + 1 of the tile: ReLU and head weight in fp32, and the 4
+// lanes of a pool summed by shuffles. The lanes kernel re-read each key from shared memory for every head.
+template <int kSteps>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    kpool_score_heads_mma_kernel(const float* q, const float* hw, const float* pool_k, int nh, int kpool,
+                                 const int32_t* pos0, int max_pools, float* scores) {
+  pdl_enter();
+  constexpr int d = 16 * kSteps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, s = blockIdx.y;
+  const int P0 = blockIdx.x * kMmaPools + warp * 16;
+  const int pools = int(min((int64_t(*pos0) + s + 1) / kpool, int64_t(max_pools)));
+  if (P0 >= pools) return;  // uniform over the warp
+  uint32_t a_hi[kSteps][4], a_lo[kSteps][4];
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int P = P0 + g + 8 * (r & 1), c = 16 * j + 2 * t + 8 * (r >> 1);
+      const float2 v = P < pools ? *reinterpret_cast<const float2*>(pool_k + int64_t(P) * d + c) : make_float2(0, 0);
+      split_half2(v.x, v.y, a_hi[j][r], a_lo[j][r]);
+    }
+  }
+  const float scale = 1.0f / sqrtf(float(d));
+  const float* qs = q + int64_t(s) * nh * d;
+  const float* ws = hw + int64_t(s) * nh;
+  float acc[2] = {0.0f, 0.0f};  // pools g, g + 8
+  for (int n0 = 0; n0 < nh; n0 += 8) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const bool col = n0 + g < nh;  // this lane's B column (head n0 + g)
+    const float* qh = qs + int64_t(col ? n0 + g : 0) * d + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j), v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
+      if (!col) v0 = v1 = make_float2(0.0f, 0.0f);
+      uint32_t b0h, b0l, b1h, b1l;
+      split_half2(v0.x, v0.y, b0h, b0l);
+      split_half2(v1.x, v1.y, b1h, b1l);
+      const uint32_t(&ah)[4] = a_hi[j];
+      const uint32_t(&al)[4] = a_lo[j];
+      mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
+      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
+      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+    }
+    // c: pools g / g + 8 (rows) x heads n0 + 2t / n0 + 2t + 1 (columns)
+    const int ha = n0 + 2 * t;
+    const float wa = ha < nh ? ws[ha] : 0.0f, wb = ha + 1 < nh ? ws[ha + 1] : 0.0f;
+    acc[0] += wa * fmaxf(c[0] * scale, 0.0f) + wb * fmaxf(c[1] * scale, 0.0f);
+    acc[1] += wa * fmaxf(c[2] * scale, 0.0f) + wb * fmaxf(c[3] * scale, 0.0f);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    const int P = P0 + g + 8 * r;
+    if (t == 0 && P < pools) scores[int64_t(s) * max_pools + P] = acc[r];
+  }
+}
+
 // Decode rows of many pools: the top-k runs in two steps. kpool_topk_split_kernel, grid (kTopkSplit, S): block c keeps
 // the best `budget` pools of its chunk (all of them when fewer), in ascending pool order, as candidates (score, pool)
 // at [s][c * budget ...); kpool_topk_kernel then selects among the candidates. Exact: each pool of the final top-k
@@ -308,6 +370,15 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
+// MOESRV_KPOOL_LANES=1: decode scores by the fp32 lanes kernel instead of tensor cores (comparisons), read once.
+static bool kpool_lanes_forced() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESRV_KPOOL_LANES");
+    return v && std::atoi(v) != 0;
+  }();
+  return on;
+}
+
 size_t kpool_select_scratch(int S, int max_pools, int budget) {
   return size_t(S) * max_pools + (S <= kSplitQueries ? size_t(S) * 2 * kTopkSplit * std::max(budget, 0) : 0);
 }
@@ -334,6 +405,14 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
                         : d == 128 ? kpool_score_mma_kernel<8>
                                    : kpool_score_mma_kernel<16>;
     launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
+    MOESRV_CUDA_LAUNCH_CHECK();
+  } else if (max_pools > 0 && S <= kSplitQueries && kpool_mma_dim(d) && d <= 128 && !kpool_lanes_forced()) {
+    const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(S));
+    const auto kernel = d == 16   ? kpool_score_heads_mma_kernel<1>
+                        : d == 32 ? kpool_score_heads_mma_kernel<2>
+                        : d == 64 ? kpool_score_heads_mma_kernel<4>
+                                  : kpool_score_heads_mma_kernel<8>;
+    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, pool_k, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && lanes) {
     reserve_dynamic_smem(kpool_score_lanes_kernel, lane_smem, "kpool_select");
