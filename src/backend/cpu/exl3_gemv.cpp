@@ -277,31 +277,26 @@ MOESRV_VBMI_FN void strip_vbmi(const Exl3Weights& w, const float* xs, int64_t nt
     }
 }
 
-// Dispatch on the row count (a compile-time constant, so the accumulators are registers where they fit).
-template <typename F>
-void with_rows(int64_t n, F&& f) {
-  switch (n) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    case 4: return f.template operator()<4>();
-    case 5: return f.template operator()<5>();
-    case 6: return f.template operator()<6>();
-    case 7: return f.template operator()<7>();
-    case 8: return f.template operator()<8>();
-  }
-  fail("exl3 gemv: {} rows (1..{})", n, kExl3GemvMaxRows);
-}
-
+// Rows go through in groups whose accumulators fit the registers (2 rows: 16 zmm; 1 row: 8 ymm), each group
+// decoding the tiles again: cheaper than accumulators spilled to memory. Each row's sums are the same either way.
 template <Exl3Codebook CB>
 void strip_simd(Exl3GemvPath path, const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr,
                 int64_t ldy) {
   static const bool avx_vnni = __builtin_cpu_supports("avxvnni");
-  with_rows(n, [&]<int NR>() {
-    if (path == Exl3GemvPath::Avx512Vbmi) return strip_vbmi<CB, NR>(w, xs, nt, yr, ldy);
-    if (avx_vnni) return strip_avx2<CB, true, NR>(w, xs, nt, yr, ldy);
-    strip_avx2<CB, false, NR>(w, xs, nt, yr, ldy);
-  });
+  const bool vbmi = path == Exl3GemvPath::Avx512Vbmi;
+  const int64_t group = vbmi ? 2 : 1, tk = w.tiles_k();
+  for (int64_t r0 = 0; r0 < n; r0 += group) {
+    const float* x = xs + r0 * tk * 32;
+    float* y = yr + r0 * ldy;
+    if (!vbmi) {
+      if (avx_vnni) strip_avx2<CB, true, 1>(w, x, nt, y, ldy);
+      else strip_avx2<CB, false, 1>(w, x, nt, y, ldy);
+    } else if (n - r0 >= 2) {
+      strip_vbmi<CB, 2>(w, x, nt, y, ldy);
+    } else {
+      strip_vbmi<CB, 1>(w, x, nt, y, ldy);
+    }
+  }
 }
 
 }  // namespace
@@ -333,6 +328,10 @@ bool exl3_gemv_path_supported(Exl3GemvPath p) {
 #else
   return p == Exl3GemvPath::Scalar;
 #endif
+}
+
+int64_t exl3_gemv_fast_rows(Exl3GemvPath p) {
+  return p == Exl3GemvPath::Scalar ? 0 : p == Exl3GemvPath::Avx2 ? 1 : kExl3GemvMaxRows;
 }
 
 Exl3GemvPath exl3_gemv_best_path() {

@@ -16,6 +16,8 @@ enum class Exl3GemvPath {
 };
 
 constexpr int64_t kExl3GemvMaxRows = 8;
+// Rows up to which the path beats the decoded-tile GEMM (AVX2 decodes the tiles again for each row).
+int64_t exl3_gemv_fast_rows(Exl3GemvPath p);
 
 const char* exl3_gemv_path_name(Exl3GemvPath p);
 bool exl3_gemv_path_supported(Exl3GemvPath p);

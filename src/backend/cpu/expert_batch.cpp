@@ -30,7 +30,7 @@ const Exl3Linear* as_exl3(const Linear* l) { return dynamic_cast<const Exl3Linea
 bool batchable(const ExpertRows& j, Exl3GemvPath path) {
   const MlpWeights& e = *j.expert;
   const Exl3Linear *g = as_exl3(e.gate.get()), *u = as_exl3(e.up.get()), *d = as_exl3(e.down.get());
-  if (!g || !u || !d || path == Exl3GemvPath::Scalar || j.n < 1 || j.n > kExl3GemvMaxRows) return false;
+  if (!g || !u || !d || j.n < 1 || j.n > exl3_gemv_fast_rows(path)) return false;
   return g->in_features() == u->in_features() && g->weights().in_pad == u->weights().in_pad &&
          g->out_features() == u->out_features() && u->out_features() == d->in_features() &&
          g->weights().out_pad == u->weights().out_pad && u->weights().out_pad == d->weights().in_pad;

@@ -17,7 +17,7 @@ struct ExpertRows {
 };
 
 // y = mlp_forward(expert, x) for every job, bit-identical to calling mlp_forward one job at a time. Jobs whose
-// linears are not all EXL3, or with more rows than the GEMV takes, run through mlp_forward.
+// linears are not all EXL3, or with more rows than exl3_gemv_fast_rows, run through mlp_forward.
 void experts_forward(const std::vector<ExpertRows>& jobs);
 
 }  // namespace moesrv::cpu
