@@ -1,6 +1,6 @@
 // Routed experts computed on the CPU, asynchronously, so GPU work overlaps: submit a batch of jobs, get a
-// future. One worker thread drains the queue in order; each expert's GEMMs are spread over the cores by
-// ThreadPool::global() inside Linear::forward (never nested inside another parallel_for).
+// future. One worker thread drains the queue in order; a batch's experts run together (cpu::experts_forward), their
+// GEMVs spread over the cores by ThreadPool::global() (never nested inside another parallel_for).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -28,7 +28,7 @@ class CpuExpertPool {
   CpuExpertPool& operator=(const CpuExpertPool&) = delete;
 
   // out[t] += w * expert(x[t]) for every job row. x [rows, hidden] and out must stay valid until the future is
-  // ready; `out` must not be touched by anyone else meanwhile. Jobs of one batch run in order.
+  // ready; `out` must not be touched by anyone else meanwhile. Outputs are added in job order.
   std::future<void> submit(std::vector<CpuExpertJob> jobs, const float* x, int64_t hidden, float* out);
   // The same, on the calling thread.
   static void run(const std::vector<CpuExpertJob>& jobs, const float* x, int64_t hidden, float* out);

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "backend/cpu/exl3_gemv.h"
 #include "format/exl3_hadamard.h"
 #include "format/exl3_tile.h"
-#include "format/exl3_tile_simd.h"
 #include "util/error.h"
 #include "util/thread_pool.h"
 
@@ -53,52 +53,6 @@ inline void strip_fma(const float* x, int64_t ldx, int64_t rows, const float* w,
 #endif
 }
 
-#if defined(MOESRV_HAS_AVX512_PATH)
-MOESRV_AVX512_BEGIN
-// Small batches (decode): each tile is decoded straight into registers, 16 states at a time, and multiplied there,
-// with no store of the decoded tile. States t0 = 32j + {0, 16} of a tile hold output columns j and j + 8 over all 16
-// input rows (exl3_tile_pos: lanes 0-3 / 8-11 column j, lanes 4-7 / 12-15 column j + 8, rows [0,1,8,9 | 2,3,10,11]
-// for the first vector, [4,5,12,13 | 6,7,14,15] for the second), so the activations are laid out the same way once
-// (xs) and each (row, column pair) keeps a lane-wise accumulator, summed per column at the end of the strip.
-constexpr int64_t kGemvRows = 8;
-
-// xs[r][kt] = the two 16-lane vectors of activation row r, k-tile kt, in the tile's state order.
-MOESRV_AVX512_FN void activations_in_state_order(const float* xr, int64_t n, int64_t kp, float* xs) {
-  const int64_t tk = kp / 16;
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t kt = 0; kt < tk; ++kt)
-      for (int t = 0; t < 32; ++t)  // states 0..31: column pair 0, the input row of each (the same for every pair)
-        xs[(r * tk + kt) * 32 + t] = xr[r * kp + kt * 16 + exl3_tile_pos(t) / 16];
-}
-
-MOESRV_AVX512_FN void gemv_strip(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr) {
-  const int64_t tk = w.tiles_k(), np = w.out_pad;
-  __m512 acc[kGemvRows][8];
-  for (int64_t r = 0; r < n; ++r)
-    for (int j = 0; j < 8; ++j) acc[r][j] = _mm512_setzero_ps();
-  alignas(64) uint32_t ext[exl3_simd::kExtWords] = {};
-  for (int64_t kt = 0; kt < tk; ++kt) {
-    exl3_tile_words(w.tile(kt, nt), w.K, ext);
-    const float* x = xs + kt * 32;
-    for (int j = 0; j < 8; ++j) {
-      const __m512 v0 = exl3_simd::decode16(ext, w.K, w.codebook, 32 * j);
-      const __m512 v1 = exl3_simd::decode16(ext, w.K, w.codebook, 32 * j + 16);
-      for (int64_t r = 0; r < n; ++r) {
-        const float* xrow = x + r * tk * 32;
-        acc[r][j] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xrow), acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xrow + 16), acc[r][j]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < n; ++r)
-    for (int j = 0; j < 8; ++j) {
-      yr[r * np + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[r][j]);
-      yr[r * np + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[r][j]);
-    }
-}
-MOESRV_AVX512_END
-#endif
-
 }  // namespace
 
 Exl3Linear::Exl3Linear(Exl3Weights w, std::vector<float> bias, int64_t in_features, int64_t out_features)
@@ -122,16 +76,15 @@ size_t Exl3Linear::stored_bytes() const { return w_.trellis_bytes() + size_t(w_.
 
 void Exl3Linear::gemm_rotated(const float* xr, int64_t n, float* yr) const {
   const int64_t kp = w_.in_pad, np = w_.out_pad, strips = w_.tiles_n();
-#if defined(MOESRV_HAS_AVX512_PATH)
-  if (n <= kGemvRows && exl3_simd::cpu_has_avx512()) {
+  const Exl3GemvPath path = exl3_gemv_default_path();
+  if (n <= exl3_gemv_fast_rows(path)) {
     std::vector<float> xs(size_t(n * kp * 2));
-    activations_in_state_order(xr, n, kp, xs.data());
+    exl3_activations_in_state_order(xr, n, kp, 0, w_.tiles_k(), xs.data());
     ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
-      for (int64_t nt = s0; nt < s1; ++nt) gemv_strip(w_, xs.data(), n, nt, yr);
+      for (int64_t nt = s0; nt < s1; ++nt) exl3_gemv_strip(path, w_, xs.data(), n, nt, yr, np);
     });
     return;
   }
-#endif
   ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
     std::vector<float> wbuf(size_t(kTilesPerChunk) * 256), acc(size_t(kRowGroup) * 16);
     for (int64_t nt = s0; nt < s1; ++nt) {

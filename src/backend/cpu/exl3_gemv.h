@@ -1,0 +1,40 @@
+// EXL3 GEMV for a few activation rows (decode): each 16x16 trellis tile of a 16-column strip is decoded straight
+// into registers and multiplied there. Several instruction-set paths, picked at run time; all decode the same fp16
+// values as exl3_decode_tile (only the fp32 summation order differs between paths).
+#pragma once
+#include <cstdint>
+
+#include "format/exl3_weights.h"
+
+namespace moesrv {
+
+enum class Exl3GemvPath {
+  Scalar,      // table decode, scalar sums: any CPU
+  Avx2,        // 8 states per step (AVX2 + FMA + F16C; AVX-VNNI byte sums when present)
+  Avx512,      // 16 states per step, word permutes and variable shifts (AVX-512 F/BW/DQ/VL)
+  Avx512Vbmi,  // 16 states per step, byte permute + multishift window extraction, VNNI byte sums
+};
+
+constexpr int64_t kExl3GemvMaxRows = 8;
+// Rows up to which the path beats the decoded-tile GEMM (AVX2 decodes the tiles again for each row).
+int64_t exl3_gemv_fast_rows(Exl3GemvPath p);
+
+const char* exl3_gemv_path_name(Exl3GemvPath p);
+bool exl3_gemv_path_supported(Exl3GemvPath p);
+Exl3GemvPath exl3_gemv_best_path();  // the fastest path this CPU runs (checked once)
+// The path Exl3Linear and the expert batch use: exl3_gemv_best_path(), unless the environment variable
+// MOESRV_EXL3_GEMV names a supported one (scalar, avx2, avx512, avx512-vbmi) or a bench set one. Scalar means the
+// decoded-tile GEMM, the same as for more than kExl3GemvMaxRows rows.
+Exl3GemvPath exl3_gemv_default_path();
+void exl3_gemv_set_default_path(Exl3GemvPath p);  // p must be supported
+
+// Activations of rows [0, n) of xr (row stride kp, kp a multiple of 16) in tile state order, the layout the strip
+// kernels read: xs[(r * kp / 16 + kt) * 32 + t] = xr[r * kp + 16 * kt + row of state t]. k-tiles [kt0, kt1) only.
+void exl3_activations_in_state_order(const float* xr, int64_t n, int64_t kp, int64_t kt0, int64_t kt1, float* xs);
+
+// yr[r * ldy + 16 * nt + c] = sum_k xr[r][k] * W_hat[k][16 * nt + c] for c < 16, r < n <= kExl3GemvMaxRows, with
+// xs from exl3_activations_in_state_order over all k-tiles. `path` must be supported.
+void exl3_gemv_strip(Exl3GemvPath path, const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr,
+                     int64_t ldy);
+
+}  // namespace moesrv

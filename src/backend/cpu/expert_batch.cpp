@@ -1,0 +1,180 @@
+#include "backend/cpu/expert_batch.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "backend/cpu/cpu_layers.h"
+#include "backend/cpu/exl3_gemv.h"
+#include "backend/cpu/exl3_linear.h"
+#include "backend/cpu/ops.h"
+#include "format/exl3_hadamard.h"
+#include "util/thread_pool.h"
+
+namespace moesrv::cpu {
+
+namespace {
+
+constexpr int64_t kBlock = 128;  // Hadamard block: rotations work block by block
+
+// An expert on the batched path, with its slices of the scratch buffer (rotated basis, padded shapes).
+struct Exl3Mlp {
+  const ExpertRows* job;
+  const Exl3Linear *gate, *up, *down;
+  float *xs_gate, *xs_up, *xs_down;  // activations in tile state order, [n][in_pad * 2]
+  float *yr_gate, *yr_up, *yr_down;  // rotated-basis outputs, [n][out_pad]
+};
+
+const Exl3Linear* as_exl3(const Linear* l) { return dynamic_cast<const Exl3Linear*>(l); }
+
+// Gate and up read the same input and feed down block for block (same padded intermediate size).
+bool batchable(const ExpertRows& j, Exl3GemvPath path) {
+  const MlpWeights& e = *j.expert;
+  const Exl3Linear *g = as_exl3(e.gate.get()), *u = as_exl3(e.up.get()), *d = as_exl3(e.down.get());
+  if (!g || !u || !d || j.n < 1 || j.n > exl3_gemv_fast_rows(path)) return false;
+  return g->in_features() == u->in_features() && g->weights().in_pad == u->weights().in_pad &&
+         g->out_features() == u->out_features() && u->out_features() == d->in_features() &&
+         g->weights().out_pad == u->weights().out_pad && u->weights().out_pad == d->weights().in_pad;
+}
+
+// One parallel_for over every expert's items: fn(expert, item) for item < count(expert).
+template <typename Count, typename Fn>
+void parallel_items(const std::vector<Exl3Mlp>& ms, Count count, Fn fn) {
+  std::vector<int64_t> start(ms.size() + 1, 0);
+  for (size_t e = 0; e < ms.size(); ++e) start[e + 1] = start[e] + count(ms[e]);
+  ThreadPool::global().parallel_for(start.back(), [&](int64_t b, int64_t end) {
+    size_t e = size_t(std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1);
+    for (int64_t i = b; i < end; ++i) {
+      while (i >= start[e + 1]) ++e;
+      fn(ms[e], i - start[e]);
+    }
+  });
+}
+
+// Block b of row r of a linear's input: x ⊙ suh (zero past in_features), Hadamard, in state order (as forward()).
+void rotate_in_block(const Exl3Linear& l, const float* x, int64_t r, int64_t b, float* xs) {
+  const Exl3Weights& w = l.weights();
+  float v[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int64_t k = b * kBlock + i;
+    v[i] = k < l.in_features() ? x[r * l.in_features() + k] * w.suh[size_t(k)] : 0.0f;
+  }
+  exl3_hadamard128(v, kBlock);
+  exl3_activations_in_state_order(v, 1, kBlock, 0, kBlock / 16, xs + (r * w.tiles_k() + b * kBlock / 16) * 32);
+}
+
+// Block b of row r of a linear's output: Hadamard, ⊙ svh, + bias, for the outputs of the block below out_features.
+// Returns how many.
+int64_t rotate_out_block(const Exl3Linear& l, const float* yr, int64_t r, int64_t b, float* out) {
+  const Exl3Weights& w = l.weights();
+  float v[kBlock];
+  std::copy_n(yr + r * w.out_pad + b * kBlock, kBlock, v);
+  exl3_hadamard128(v, kBlock);
+  const int64_t cnt = std::clamp<int64_t>(l.out_features() - b * kBlock, 0, kBlock);
+  const std::vector<float>& bias = l.bias();
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int64_t o = b * kBlock + i;
+    out[i] = v[i] * w.svh[size_t(o)] + (bias.empty() ? 0.0f : bias[size_t(o)]);
+  }
+  return cnt;
+}
+
+// Gate and up outputs of block b, the clamped SwiGLU (as mlp_forward), and down's rotated input of that block.
+void swiglu_block(const Exl3Mlp& m, int64_t r, int64_t b) {
+  float g[kBlock], u[kBlock], a[kBlock];
+  const int64_t cnt = rotate_out_block(*m.gate, m.yr_gate, r, b, g);
+  rotate_out_block(*m.up, m.yr_up, r, b, u);
+  const float limit = m.job->expert->limit;
+  if (limit > 0)
+    for (int64_t i = 0; i < cnt; ++i) {
+      g[i] = std::min(g[i], limit);
+      u[i] = std::clamp(u[i], -limit, limit);
+    }
+  silu_mul(g, u, cnt, a);
+  const int64_t in = m.down->in_features();
+  const Exl3Weights& w = m.down->weights();
+  float v[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int64_t k = b * kBlock + i;
+    v[i] = k < in ? a[i] * w.suh[size_t(k)] : 0.0f;
+  }
+  exl3_hadamard128(v, kBlock);
+  exl3_activations_in_state_order(v, 1, kBlock, 0, kBlock / 16, m.xs_down + (r * w.tiles_k() + b * kBlock / 16) * 32);
+}
+
+}  // namespace
+
+void experts_forward(const std::vector<ExpertRows>& jobs) {
+  const Exl3GemvPath path = exl3_gemv_default_path();
+  std::vector<Exl3Mlp> ms;
+  size_t floats = 0;
+  for (const ExpertRows& j : jobs) {
+    if (j.n <= 0) continue;
+    if (!batchable(j, path)) {
+      mlp_forward(*j.expert, j.x, j.n, j.y);
+      continue;
+    }
+    const MlpWeights& e = *j.expert;
+    Exl3Mlp m{&j, as_exl3(e.gate.get()), as_exl3(e.up.get()), as_exl3(e.down.get()), {}, {}, {}, {}, {}, {}};
+    const Exl3Weights &gw = m.gate->weights(), &dw = m.down->weights();
+    floats += size_t(j.n * (4 * gw.in_pad + 2 * gw.out_pad + 2 * dw.in_pad + dw.out_pad));
+    ms.push_back(m);
+  }
+  if (ms.empty()) return;
+  std::vector<float> scratch(floats);
+  float* p = scratch.data();
+  auto take = [&](int64_t count) { return std::exchange(p, p + count); };
+  for (Exl3Mlp& m : ms) {
+    const int64_t n = m.job->n;
+    const Exl3Weights &gw = m.gate->weights(), &dw = m.down->weights();
+    m.xs_gate = take(n * gw.in_pad * 2);
+    m.xs_up = take(n * gw.in_pad * 2);
+    m.yr_gate = take(n * gw.out_pad);
+    m.yr_up = take(n * gw.out_pad);
+    m.xs_down = take(n * dw.in_pad * 2);
+    m.yr_down = take(n * dw.out_pad);
+  }
+  // Inputs of gate and up, rotated: one item per (linear, row, block).
+  parallel_items(
+      ms, [](const Exl3Mlp& m) { return 2 * m.job->n * m.gate->weights().in_pad / kBlock; },
+      [](const Exl3Mlp& m, int64_t i) {
+        const int64_t per = m.job->n * m.gate->weights().in_pad / kBlock, blocks = m.gate->weights().in_pad / kBlock;
+        const bool up = i >= per;
+        const int64_t r = (i % per) / blocks, b = (i % per) % blocks;
+        rotate_in_block(up ? *m.up : *m.gate, m.job->x, r, b, up ? m.xs_up : m.xs_gate);
+      });
+  // Every gate and up strip of every expert.
+  parallel_items(
+      ms, [](const Exl3Mlp& m) { return 2 * m.gate->weights().tiles_n(); },
+      [path](const Exl3Mlp& m, int64_t i) {
+        const int64_t strips = m.gate->weights().tiles_n();
+        const bool up = i >= strips;
+        const Exl3Weights& w = up ? m.up->weights() : m.gate->weights();
+        exl3_gemv_strip(path, w, up ? m.xs_up : m.xs_gate, m.job->n, i % strips, up ? m.yr_up : m.yr_gate, w.out_pad);
+      });
+  // Activation and down's rotated input: one item per (row, block).
+  parallel_items(
+      ms, [](const Exl3Mlp& m) { return m.job->n * m.down->weights().in_pad / kBlock; },
+      [](const Exl3Mlp& m, int64_t i) {
+        const int64_t blocks = m.down->weights().in_pad / kBlock;
+        swiglu_block(m, i / blocks, i % blocks);
+      });
+  // Every down strip.
+  parallel_items(
+      ms, [](const Exl3Mlp& m) { return m.down->weights().tiles_n(); },
+      [path](const Exl3Mlp& m, int64_t i) {
+        const Exl3Weights& w = m.down->weights();
+        exl3_gemv_strip(path, w, m.xs_down, m.job->n, i, m.yr_down, w.out_pad);
+      });
+  // Outputs: one item per (row, block).
+  parallel_items(
+      ms, [](const Exl3Mlp& m) { return m.job->n * m.down->weights().out_pad / kBlock; },
+      [](const Exl3Mlp& m, int64_t i) {
+        const int64_t blocks = m.down->weights().out_pad / kBlock, r = i / blocks, b = i % blocks;
+        const int64_t out = m.down->out_features();
+        float v[kBlock];
+        const int64_t cnt = rotate_out_block(*m.down, m.yr_down, r, b, v);
+        std::copy_n(v, cnt, m.job->y + r * out + b * kBlock);
+      });
+}
+
+}  // namespace moesrv::cpu
