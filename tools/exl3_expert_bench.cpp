@@ -1,4 +1,4 @@
-// exl3_expert_bench [--pool-mb N] [--threads a,b,...] : one token through 1, 4 and 8 EXL3 experts at once
+// exl3_expert_bench [--pool-mb N] [--threads a,b,...] [--thp] : one token through 1, 4 and 8 EXL3 experts at once
 // (GLM-5.3-Flash shapes: gate/up 4096 -> 2048, down 2048 -> 4096, Mul1, K = 3 and 4), per thread count:
 //   floor    a multi-threaded sum over a buffer of N MB (default 2048): the memory-read rate
 //   old      mlp_forward per expert with the previous AVX-512 GEMV (path avx512) when the CPU has it
@@ -6,6 +6,10 @@
 //   batched  cpu::experts_forward: all experts' strips in shared parallel_fors, best path
 // GB/s counts the stored trellis bytes of the experts. Each step reads the next experts of a pool of N MB, so
 // weights come from memory, not cache. Each thread count runs in a child process (MOESRV_THREADS sizes the pool).
+// --thp: each trellis in 2 MiB-aligned memory advised for transparent huge pages (a strip's tiles lie a page apart:
+// with 4 KiB pages every tile is a TLB miss).
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -39,16 +43,30 @@ uint64_t next(uint64_t& s) {  // xorshift64
   return s;
 }
 
+bool g_thp = false;  // --thp
+
 std::unique_ptr<Linear> random_linear(int K, int64_t in, int64_t out, uint64_t& seed) {
   Exl3Weights w;
   w.K = K;
   w.codebook = Exl3Codebook::Mul1;
   w.in_pad = in;
   w.out_pad = out;
-  auto tr = std::make_shared<std::vector<uint64_t>>(size_t(in / 16 * out / 16 * 16 * K / 4));
-  for (auto& v : *tr) v = next(seed);
-  w.trellis = reinterpret_cast<const uint16_t*>(tr->data());
-  w.owner = tr;
+  const size_t words = size_t(in / 16 * out / 16 * 16 * K / 4);
+  if (g_thp) {
+    constexpr size_t kHuge = size_t(2) << 20;
+    const size_t bytes = (words * 8 + kHuge - 1) / kHuge * kHuge;
+    auto* p = static_cast<uint64_t*>(std::aligned_alloc(kHuge, bytes));
+    if (!p) std::abort();
+    madvise(p, bytes, MADV_HUGEPAGE);
+    for (size_t i = 0; i < words; ++i) p[i] = next(seed);
+    w.trellis = reinterpret_cast<const uint16_t*>(p);
+    w.owner = std::shared_ptr<const void>(p, [](const void* q) { std::free(const_cast<void*>(q)); });
+  } else {
+    auto tr = std::make_shared<std::vector<uint64_t>>(words);
+    for (auto& v : *tr) v = next(seed);
+    w.trellis = reinterpret_cast<const uint16_t*>(tr->data());
+    w.owner = tr;
+  }
   w.suh.assign(size_t(in), 1.0f);
   w.svh.assign(size_t(out), 1.0f);
   return std::make_unique<Exl3Linear>(std::move(w), std::vector<float>{}, in, out);
@@ -151,6 +169,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--pool-mb" && i + 1 < argc) pool_mb = size_t(std::stoll(argv[++i]));
+    else if (a == "--thp") g_thp = true;
     else if (a == "--child") is_child = true;
     else if (a == "--threads" && i + 1 < argc)
       for (std::string s = argv[++i]; !s.empty();) {
@@ -159,7 +178,7 @@ int main(int argc, char** argv) {
         s = c == std::string::npos ? "" : s.substr(c + 1);
       }
     else {
-      std::fprintf(stderr, "usage: %s [--pool-mb N] [--threads a,b,...]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--pool-mb N] [--threads a,b,...] [--thp]\n", argv[0]);
       return 2;
     }
   }
@@ -175,7 +194,8 @@ int main(int argc, char** argv) {
   }
   for (int t : threads) {
     const std::string cmd =
-        "MOESRV_THREADS=" + std::to_string(t) + " '" + argv[0] + "' --child --pool-mb " + std::to_string(pool_mb);
+        "MOESRV_THREADS=" + std::to_string(t) + " '" + argv[0] + "' --child --pool-mb " + std::to_string(pool_mb) +
+        (g_thp ? " --thp" : "");
     if (std::system(cmd.c_str()) != 0) return 1;
   }
   return 0;
