@@ -335,12 +335,22 @@ void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 
   exl3_pair(W.f_b[i], W.fg_b[i], Exl3Src{B.low, KD}, B.g, KHD);
 }
 
+// As the engine: the Sinkhorn weights on a side stream, joined before the leave reads them.
+HyperSide g_side;
+bool g_side_pending = false;
+void hc_join() {
+  if (g_side_pending) CK(cudaStreamWaitEvent(g_st, g_side.join, 0));
+  g_side_pending = false;
+}
 void hc_enter(int i) {
   g_bytes += double((2 + NS) * NS) * NS * D * 4;
-  hyper_enter(B.x, 1, NS, D, W.hc_fn[i], W.hc_scale, W.hc_base, W.norm_w, RMS_EPS, HC_EPS, HC_ITERS, B.h, B.post,
-              B.comb, B.hc_part, g_st);
+  g_side_pending = hyper_enter(B.x, 1, NS, D, W.hc_fn[i], W.hc_scale, W.hc_base, W.norm_w, RMS_EPS, HC_EPS, HC_ITERS,
+                               B.h, B.post, B.comb, B.hc_part, g_st, nullptr, &g_side);
 }
-void hc_leave() { hyper_leave(B.x, B.y, B.post, B.comb, 1, NS, D, g_st); }
+void hc_leave() {
+  hc_join();
+  hyper_leave(B.x, B.y, B.post, B.comb, 1, NS, D, g_st);
+}
 
 void delta(int i) {
   DeltaRuleArgs a;
@@ -562,7 +572,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
     g_bytes += double(kRotate);
     read_launch(g_flush + (size_t(i) % (g_flush_n / n)) * n, n);
   });
-  bench("mHC hyper_enter n=4 D=4096 sinkhorn 20", [](int i) { hc_enter(i); });
+  bench("mHC hyper_enter n=4 D=4096 sinkhorn 20 (joined)", [](int i) { hc_enter(i), hc_join(); });
   bench("mHC hyper_leave", [](int) { hc_leave(); });
 
   bench("KDA EXL3 q|k|v grouped 3x 8192x4096", [](int i) { qkv_group(i); });
@@ -699,6 +709,9 @@ int main(int argc, char** argv) {
         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, double(prop.totalGlobalMem) / (1 << 30), g_bits,
         exl3_gemv_blocks_per_sm(), kCalls);
     CK(cudaStreamCreateWithFlags(&g_st, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&g_side.stream, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&g_side.join, cudaEventDisableTiming));
     CB(cublasCreate(&g_blas));
     CB(cublasSetStream(g_blas, g_st));
     const size_t ws = size_t(32) << 20;  // set after the stream (setting a stream resets the workspace)

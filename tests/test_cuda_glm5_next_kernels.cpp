@@ -441,19 +441,25 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
 
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
-  // S = 1, 6: the sums spread over blocks, h and the weights from different blocks (decode path; or one block per
-  // token without scratch); S = 40: one block per token, or (with a cuBLAS handle, as the engine runs prefill) the
-  // logits from one GEMM.
+  // S = 1, 6: the sums spread over blocks, h and the weights from different blocks (decode path, the weights also on
+  // a side stream as the engine runs them; or one block per token without scratch); S = 40: one block per token, or
+  // (with a cuBLAS handle, as the engine runs prefill) the logits from one GEMM.
   cublasHandle_t blas = nullptr;
   ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+  cuda::HyperSide side;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&side.join, cudaEventDisableTiming), cudaSuccess);
   struct Shape {
     int D, S;
     bool gemm, single;  // single: no scratch, so few tokens also take one block per token
+    bool on_side = false;
   };
-  for (auto [D, S, gemm, single] :
+  for (auto [D, S, gemm, single, on_side] :
        {Shape{128, 6, false, false}, Shape{4096, 6, false, false}, Shape{4096, 1, false, false},
-        Shape{4096, 6, false, true}, Shape{128, 40, false, false}, Shape{4096, 40, false, false},
-        Shape{128, 40, true, false}, Shape{4096, 40, true, false}}) {
+        Shape{4096, 1, false, false, true}, Shape{4096, 6, false, false, true}, Shape{4096, 6, false, true},
+        Shape{128, 40, false, false}, Shape{4096, 40, false, false}, Shape{128, 40, true, false},
+        Shape{4096, 40, true, false}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
     ModelSpec c;
     c.hidden_size = D;
@@ -478,10 +484,23 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     Dev<float> dx(x), dfn(hw.fn), dbase(hw.base), dscale(hw.scale), dnorm(norm.weight), dy(y);
     Dev<float> dh(size_t(S) * D), dpost(size_t(S) * n), dcomb(size_t(S) * n * n);
     Dev<float> dpart(std::max<size_t>(1, cuda::hyper_enter_scratch(S, n)));
-    cuda::hyper_enter(dx.get(), S, n, D, dfn.get(), dscale.get(), dbase.get(), dnorm.get(), float(c.rms_eps),
-                      float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(), dpost.get(), dcomb.get(),
-                      single ? nullptr : dpart.get(), nullptr, gemm ? blas : nullptr);
-    cuda::hyper_leave(dx.get(), dy.get(), dpost.get(), dcomb.get(), S, n, D, nullptr);
+    cudaStream_t st = nullptr;
+    if (on_side) {
+      ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    }
+    const bool joined =
+        cuda::hyper_enter(dx.get(), S, n, D, dfn.get(), dscale.get(), dbase.get(), dnorm.get(), float(c.rms_eps),
+                          float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(), dpost.get(), dcomb.get(),
+                          single ? nullptr : dpart.get(), st, gemm ? blas : nullptr, on_side ? &side : nullptr);
+    ASSERT_EQ(joined, on_side);
+    if (joined) {
+      ASSERT_EQ(cudaStreamWaitEvent(st, side.join, 0), cudaSuccess);
+    }
+    cuda::hyper_leave(dx.get(), dy.get(), dpost.get(), dcomb.get(), S, n, D, st);
+    if (st) {
+      ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+      cudaStreamDestroy(st);
+    }
 
     std::vector<float> pre(static_cast<size_t>(n)), post(size_t(S) * n), comb(size_t(S) * n * n);
     for (int s = 0; s < S; ++s)
@@ -495,7 +514,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
     EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
     EXPECT_LT(rel_err(dh.host(), h), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
-    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D << " S " << S << " gemm " << gemm;
+    EXPECT_LT(rel_err(dx.host(), x), 1e-5) << "D " << D << " S " << S << " gemm " << gemm << " side " << on_side;
     // The Sinkhorn result is close to doubly stochastic: columns sum to ~1.
     const std::vector<float> cg = dcomb.host();
     for (int j = 0; j < n; ++j) {
@@ -520,6 +539,9 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
     }
     EXPECT_LT(rel_err(dmean.host(), mean), 1e-5) << "D " << D << " S " << S;
   }
+  cudaEventDestroy(side.fork);
+  cudaEventDestroy(side.join);
+  cudaStreamDestroy(side.stream);
   cublasDestroy(blas);
 }
 

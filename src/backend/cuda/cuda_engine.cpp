@@ -371,14 +371,17 @@ class CudaBlocks final : public BlockExecutor {
     if (!hyper_) return add_pending_and_norm(norm);
     const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
     const ResidualSpec& r = m_.c.residual;
-    hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(), norm.w.as<float>(),
-                eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(), m_.s.comb.as<float>(),
-                m_.s.hc_part.as<float>(), m_.stream, m_.cublas);
+    side_pending_ =
+        hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(),
+                    norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(),
+                    m_.s.comb.as<float>(), m_.s.hc_part.as<float>(), m_.stream, m_.cublas, &m_.mhc_side);
   }
   void leave(int64_t, Site) override {
     m_.phase(CudaPhase::Residual);
-    if (!hyper_) pending_ = true;
-    else hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
+    if (!hyper_) return void(pending_ = true);
+    if (side_pending_) MOESRV_CUDA_OK(cudaStreamWaitEvent(m_.stream, m_.mhc_side.join, 0));  // post, comb made
+    side_pending_ = false;
+    hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
   }
   void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
   void gqa(int64_t l) override {
@@ -427,6 +430,7 @@ class CudaBlocks final : public BlockExecutor {
   const int D_, n_;
   const bool hyper_;
   bool pending_ = false;
+  bool side_pending_ = false;  // hyper_enter made post and comb on m_.mhc_side: join it before they are read
 };
 
 }  // namespace

@@ -62,6 +62,9 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   up.budget = budget;
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&mhc_side.stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.fork, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.join, cudaEventDisableTiming));
   MOESRV_CUBLAS_OK(cublasCreate(&cublas));
   MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
@@ -113,6 +116,9 @@ CudaEngine::Impl::~Impl() {
       }
   if (cublas) cublasDestroy(cublas);
   if (copy_stream) cudaStreamDestroy(copy_stream);
+  if (mhc_side.fork) cudaEventDestroy(mhc_side.fork);
+  if (mhc_side.join) cudaEventDestroy(mhc_side.join);
+  if (mhc_side.stream) cudaStreamDestroy(mhc_side.stream);
   if (stream) cudaStreamDestroy(stream);
 }
 

@@ -304,6 +304,7 @@ struct CudaEngine::Impl {
   int64_t layer_begin = 0, layer_end = 0;  // the layers held (CudaEngineOptions); the whole model by default
   std::shared_ptr<cuda::DeviceBudget> budget;
   cudaStream_t stream = nullptr, copy_stream = nullptr;
+  cuda::HyperSide mhc_side;  // decode mHC: the Sinkhorn weights on their own stream (hyper_enter)
   cublasHandle_t cublas = nullptr;
   cuda::DeviceBuffer cublas_workspace;
 

@@ -102,9 +102,17 @@ void gdn_output_norm(float* o, const float* z, const float* w, int rows, int d, 
 // part (optional, hyper_enter_scratch(S, n) floats): up to 16 tokens take the split decode path (the sums over many
 // blocks, h and the Sinkhorn weights in parallel blocks). cublas (a cublasHandle_t, optional): the others get their
 // mixing logits from one fp32 GEMM. Without either, one block per token does everything.
-void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
+// side (optional, split path only): post and comb are made on side->stream (forked from st after the sums, joined by
+// recording side->join), so the sub-layer starts without waiting for the Sinkhorn chain; the caller makes st wait for
+// side->join before anything reads post, comb or part (hyper_leave, the next hyper_enter).
+struct HyperSide {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+// Returns whether side->join was recorded (the split path ran with a side stream).
+bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, float* part, cudaStream_t st, void* cublas = nullptr);
+                 float* comb, float* part, cudaStream_t st, void* cublas = nullptr, const HyperSide* side = nullptr);
 // Floats of hyper_enter's part scratch for S tokens (0: S takes another path).
 size_t hyper_enter_scratch(int S, int n);
 // Sub-layer exit (cpu::Residual::leave): x_j = post_j * y + sum_i comb[i][j] * x_i (old values), in place.

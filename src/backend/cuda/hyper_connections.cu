@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "backend/cuda/glm5_next_kernels.h"
@@ -223,19 +224,20 @@ __global__ void __launch_bounds__(kEnterThreads)
   for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) hs[d] = (hs[d] * inv) * norm_w[d];
 }
 
-// Decode (few tokens): grid (blocks + 1, S) over the partial sums hyper_dot_kernel left in part (the mix logits, then
-// the n(n+1)/2 stream products X_i . X_j). The last block of each token makes post and comb (the Sinkhorn chain)
-// while the others make h over their share of D: its norm is sum_ij pre_i pre_j X_i . X_j, so no block waits for
-// another.
+// Decode (few tokens): grid (x, S) over the partial sums hyper_dot_kernel left in part (the mix logits, then the
+// n(n+1)/2 stream products X_i . X_j). Blocks below h_blocks make h over their share of D (its norm is
+// sum_ij pre_i pre_j X_i . X_j, so no block waits for another); a block at h_blocks makes post and comb (the Sinkhorn
+// chain). One grid of h_blocks + 1 does both; or h alone (h_blocks = x) and the weights alone (h_blocks = 0, one
+// block) on another stream, off the path to the sub-layer: the weights are needed only at its exit.
 __global__ void __launch_bounds__(kThreads)
     hyper_enter_split_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
                              float rms_eps, float hc_eps, int sinkhorn_iters, int chunks, const float* part, float* h,
-                             float* post_out, float* comb_out) {
+                             float* post_out, float* comb_out, int h_blocks) {
   pdl_enter();
   __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams + kMaxStreams * (kMaxStreams + 1) / 2 + 1];
   __shared__ float pre_s[kMaxStreams];
   const int s = blockIdx.y, tid = threadIdx.x, mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
-  const bool weights_block = blockIdx.x == gridDim.x - 1;
+  const bool weights_block = int(blockIdx.x) == h_blocks;
   const float* P = part + int64_t(s) * rows * chunks;
   for (int kk = tid; kk < rows; kk += blockDim.x) {
     if (!weights_block && kk >= n && kk < mix) continue;  // h needs pre's logits and the products only
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(kThreads)
   const float inv = 1.0f / sqrtf(fmaxf(hss, 0.0f) / float(D) + rms_eps);
   const float* X = x + int64_t(s) * n * D;
   float* hs = h + int64_t(s) * D;
-  for (int d = blockIdx.x * blockDim.x + tid; d < D; d += (gridDim.x - 1) * blockDim.x) {
+  for (int d = blockIdx.x * blockDim.x + tid; d < D; d += h_blocks * blockDim.x) {
     float v = 0.0f;
     for (int i = 0; i < n; ++i) v += pre[i] * X[int64_t(i) * D + d];
     hs[d] = (v * inv) * norm_w[d];
@@ -322,15 +324,19 @@ void check_streams(int n, const char* what) {
 
 }  // namespace
 
+void side_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("hyper_enter: ") + what + ": " + cudaGetErrorString(e));
+}
+
 size_t hyper_enter_scratch(int S, int n) {
   return S <= kSplitTokens ? size_t(S) * size_t((2 + n) * n + n * (n + 1) / 2) * kDotChunks : 0;
 }
 
-void hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
+bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,
                  const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
-                 float* comb, float* part, cudaStream_t st, void* cublas) {
+                 float* comb, float* part, cudaStream_t st, void* cublas, const HyperSide* side) {
   check_streams(n, "hyper_enter");
-  if (S <= 0) return;
+  if (S <= 0) return false;
   const int mix = (2 + n) * n;
   const int64_t W = int64_t(n) * D;
   if (part && S <= kSplitTokens) {
@@ -342,10 +348,18 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
            true, part, int64_t(rows) * chunks);
     MOESRV_CUDA_LAUNCH_CHECK();
     const int blocks = std::min(ceil_div(D, kThreads), 64);
-    launch(hyper_enter_split_kernel, dim3(unsigned(blocks + 1), unsigned(S)), kThreads, 0, st, x, n, D, scale, base,
-           norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb);
+    if (side) {  // the Sinkhorn weights on the side stream, h on st
+      side_ok(cudaEventRecord(side->fork, st), "cudaEventRecord");
+      side_ok(cudaStreamWaitEvent(side->stream, side->fork, 0), "cudaStreamWaitEvent");
+      launch(hyper_enter_split_kernel, dim3(1, unsigned(S)), kThreads, 0, side->stream, x, n, D, scale, base, norm_w,
+             rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb, 0);
+      MOESRV_CUDA_LAUNCH_CHECK();
+      side_ok(cudaEventRecord(side->join, side->stream), "cudaEventRecord");
+    }
+    launch(hyper_enter_split_kernel, dim3(unsigned(side ? blocks : blocks + 1), unsigned(S)), kThreads, 0, st, x, n, D,
+           scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, chunks, part, h, post, comb, blocks);
     MOESRV_CUDA_LAUNCH_CHECK();
-    return;
+    return side != nullptr;
   }
   int chunks = 0;
   if (cublas && D > mix) {
@@ -367,6 +381,7 @@ void hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
   launch(hyper_enter_kernel, S, kEnterThreads, 0, st, x, n, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters,
          chunks, h, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
+  return false;
 }
 
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st) {
