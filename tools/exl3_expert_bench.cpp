@@ -193,9 +193,8 @@ int main(int argc, char** argv) {
     threads.push_back(hw);
   }
   for (int t : threads) {
-    const std::string cmd =
-        "MOESRV_THREADS=" + std::to_string(t) + " '" + argv[0] + "' --child --pool-mb " + std::to_string(pool_mb) +
-        (g_thp ? " --thp" : "");
+    const std::string cmd = "MOESRV_THREADS=" + std::to_string(t) + " '" + argv[0] + "' --child --pool-mb " +
+                            std::to_string(pool_mb) + (g_thp ? " --thp" : "");
     if (std::system(cmd.c_str()) != 0) return 1;
   }
   return 0;

@@ -280,7 +280,7 @@ constexpr int kGemv1Warps = 4;
 constexpr int kGemv1Blocks = 8;           // resident blocks per SM the register budget allows (64 a thread)
 constexpr int kGemv1MaxBlockTiles = 256;  // k-tiles of xh a block stages (16 KB)
 static_assert(kGemv1Warps == 4, "gemv1_kernel splits its 4 warps by shifts");
-constexpr int kGemv1ZeroWords = 8;        // after them: zeros, the tensor-core B words of the off-diagonal lanes
+constexpr int kGemv1ZeroWords = 8;  // after them: zeros, the tensor-core B words of the off-diagonal lanes
 
 __host__ __device__ constexpr int gemv1_positions(int K) { return K <= 3 ? 8 : 4; }
 __host__ __device__ constexpr int gemv1_depth(int K) {  // k-tiles in flight per warp (~2 KB, as registers allow)
