@@ -145,6 +145,34 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
 // weight and the sum over heads in fp32. d = 16 * kSteps (kpool_mma_dim).
 constexpr int kMmaPools = 128, kMmaQueries = 8, kMmaWarps = kMmaPools / 16;
 constexpr bool kpool_mma_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
+// The keys of pools P0 + g and P0 + g + 8 (zero from `pools` on) as the A fragments of kSteps m16n8k16 products over
+// dims 16 j .., split into fp16 value (a_hi) and remainder (a_lo). d = 16 kSteps.
+template <int kSteps>
+__device__ __forceinline__ void load_pool_keys(const float* pool_k, int P0, int pools, int g, int t,
+                                               uint32_t (&a_hi)[kSteps][4], uint32_t (&a_lo)[kSteps][4]) {
+  constexpr int d = 16 * kSteps;
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int P = P0 + g + 8 * (r & 1), c = 16 * j + 2 * t + 8 * (r >> 1);
+      const float2 v = P < pools ? *reinterpret_cast<const float2*>(pool_k + int64_t(P) * d + c) : make_float2(0, 0);
+      split_half2(v.x, v.y, a_hi[j][r], a_lo[j][r]);
+    }
+  }
+}
+// c += A . B for one 16-dim step in ~fp32 precision: B's two pairs (v0 = rows 2t, 2t + 1; v1 = rows 2t + 8, 2t + 9)
+// split like A, then lo.hi + hi.lo + hi.hi on fp16 tensor cores (~2^-21 relative).
+__device__ __forceinline__ void mma_split3(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float2 v0,
+                                           float2 v1) {
+  uint32_t b0h, b0l, b1h, b1l;
+  split_half2(v0.x, v0.y, b0h, b0l);
+  split_half2(v1.x, v1.y, b1h, b1l);
+  mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
+  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
+  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+}
+
 template <int kSteps>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     kpool_score_mma_kernel(const float* q, const float* hw, const float* pool_k, int S, int nh, int kpool,
@@ -157,15 +185,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int pools = int(min((int64_t(*pos0) + last + 1) / kpool, int64_t(max_pools)));  // the most any query sees
   if (P0 >= pools) return;                                                              // uniform over the warp
   uint32_t a_hi[kSteps][4], a_lo[kSteps][4];  // keys of pools P0 + g (rows g) and P0 + g + 8, dims 16 j ..
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int P = P0 + g + 8 * (r & 1), c = 16 * j + 2 * t + 8 * (r >> 1);
-      const float2 v = P < pools ? *reinterpret_cast<const float2*>(pool_k + int64_t(P) * d + c) : make_float2(0, 0);
-      split_half2(v.x, v.y, a_hi[j][r], a_lo[j][r]);
-    }
-  }
+  load_pool_keys<kSteps>(pool_k, P0, pools, g, t, a_hi, a_lo);
   const int sq = min(s0 + g, S - 1);  // the query of this lane's B columns (clamped rows are computed, not stored)
   const float scale = 1.0f / sqrtf(float(d));
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -176,14 +196,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int j = 0; j < kSteps; ++j) {
       const float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j),
                    v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
-      uint32_t b0h, b0l, b1h, b1l;
-      split_half2(v0.x, v0.y, b0h, b0l);
-      split_half2(v1.x, v1.y, b1h, b1l);
-      const uint32_t(&ah)[4] = a_hi[j];
-      const uint32_t(&al)[4] = a_lo[j];
-      mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
-      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
-      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+      mma_split3(c, a_hi[j], a_lo[j], v0, v1);
     }
     // c: pools g / g + 8 (rows) x queries 2t / 2t + 1 (columns)
     const int qa = min(s0 + 2 * t, S - 1), qb = min(s0 + 2 * t + 1, S - 1);
@@ -216,15 +229,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int pools = int(min((int64_t(*pos0) + s + 1) / kpool, int64_t(max_pools)));
   if (P0 >= pools) return;  // uniform over the warp
   uint32_t a_hi[kSteps][4], a_lo[kSteps][4];
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int P = P0 + g + 8 * (r & 1), c = 16 * j + 2 * t + 8 * (r >> 1);
-      const float2 v = P < pools ? *reinterpret_cast<const float2*>(pool_k + int64_t(P) * d + c) : make_float2(0, 0);
-      split_half2(v.x, v.y, a_hi[j][r], a_lo[j][r]);
-    }
-  }
+  load_pool_keys<kSteps>(pool_k, P0, pools, g, t, a_hi, a_lo);
   const float scale = 1.0f / sqrtf(float(d));
   const float* qs = q + int64_t(s) * nh * d;
   const float* ws = hw + int64_t(s) * nh;
@@ -237,14 +242,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int j = 0; j < kSteps; ++j) {
       float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j), v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
       if (!col) v0 = v1 = make_float2(0.0f, 0.0f);
-      uint32_t b0h, b0l, b1h, b1l;
-      split_half2(v0.x, v0.y, b0h, b0l);
-      split_half2(v1.x, v1.y, b1h, b1l);
-      const uint32_t(&ah)[4] = a_hi[j];
-      const uint32_t(&al)[4] = a_lo[j];
-      mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
-      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
-      mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+      mma_split3(c, a_hi[j], a_lo[j], v0, v1);
     }
     // c: pools g / g + 8 (rows) x heads n0 + 2t / n0 + 2t + 1 (columns)
     const int ha = n0 + 2 * t;
