@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) kda_decode_kernel(KdaDecodeArgs a) {
 }
 
 template <int R>
-void launch(const KdaDecodeArgs& a, cudaStream_t st) {
+void launch_decode(const KdaDecodeArgs& a, cudaStream_t st) {
   const size_t smem = smem_floats(32 * R, a.dv) * sizeof(float);
   reserve_dynamic_smem(kda_decode_kernel<R>, smem, "kda_decode");
   launch(kda_decode_kernel<R>, a.heads, kThreads, smem, st, a);
@@ -150,9 +150,9 @@ void kda_decode(const KdaDecodeArgs& a, cudaStream_t st) {
     throw std::runtime_error("kda_decode: unsupported head dims " + std::to_string(a.dk) + " x " +
                              std::to_string(a.dv));
   switch (a.dk) {
-    case 32: launch<1>(a, st); break;
-    case 64: launch<2>(a, st); break;
-    default: launch<4>(a, st); break;
+    case 32: launch_decode<1>(a, st); break;
+    case 64: launch_decode<2>(a, st); break;
+    default: launch_decode<4>(a, st); break;
   }
   MOESRV_CUDA_LAUNCH_CHECK();
 }

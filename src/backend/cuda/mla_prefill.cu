@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
 }
 
 template <int VN>
-void launch(const AttentionArgs& a, cudaStream_t st) {
+void launch_prefill(const AttentionArgs& a, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
   reserve_dynamic_smem(mla_prefill_kernel<VN>, smem, "mla_prefill_attention");
   launch(mla_prefill_kernel<VN>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads))), kThreads, smem, st, a);
@@ -192,14 +192,14 @@ void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
   if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_attention: unsupported shape");
   if (a.S <= 0) return;
   switch ((a.v_dim / 8 + 7) / 8) {
-    case 1: launch<1>(a, st); break;
-    case 2: launch<2>(a, st); break;
-    case 3: launch<3>(a, st); break;
-    case 4: launch<4>(a, st); break;
-    case 5: launch<5>(a, st); break;
-    case 6: launch<6>(a, st); break;
-    case 7: launch<7>(a, st); break;
-    default: launch<8>(a, st); break;
+    case 1: launch_prefill<1>(a, st); break;
+    case 2: launch_prefill<2>(a, st); break;
+    case 3: launch_prefill<3>(a, st); break;
+    case 4: launch_prefill<4>(a, st); break;
+    case 5: launch_prefill<5>(a, st); break;
+    case 6: launch_prefill<6>(a, st); break;
+    case 7: launch_prefill<7>(a, st); break;
+    default: launch_prefill<8>(a, st); break;
   }
   MOESRV_CUDA_LAUNCH_CHECK();
 }
