@@ -1,0 +1,155 @@
+// The CUDA engine's softmax-attention blocks: MLA (absorbed latent attention, the plain DSA indexer or the k-pool
+// one for the selected keys) and GQA, over the kernels of kernels.h / glm5_next_kernels.h and the engine's linears.
+// Same steps as the CPU blocks (src/backend/cpu/attention_mla.cpp, attention_gqa.cpp).
+#if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/engine_internal.h"
+
+namespace moesrv {
+
+using namespace moesrv::cuda;
+
+void CudaEngine::Impl::dsa_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
+  const int nh = int(c.index_n_heads), d = int(c.index_head_dim);
+  const bool inter = c.index_rope_layout == RopeLayout::Interleaved;
+  float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ihw = s.ihw.as<float>();
+  linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
+  linear(ix.wk, s.h.as<float>(), S, ik);
+  linear(ix.weights_proj, s.h.as<float>(), S, ihw);
+  layer_norm(ik, ix.k_norm.w.as<float>(), ix.k_norm.b.as<float>(), int(S), d, 1e-6f, ik, stream);
+  rope(ik, int(S), 1, d, d, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  cache_write(ik, d, int(S), d, layer_cache(l), CacheField::IndexK, false, d_pos0.as<int32_t>(), stream);
+  rope(iq, int(S), nh, int64_t(nh) * d, d, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(),
+       stream);
+  for (int64_t s0 = 0; s0 < S; s0 += dsa_rows)
+    dsa_topk(iq, ihw, layer_cache(l), int(s0), int(std::min(dsa_rows, S - s0)), nh, d, int(c.index_topk),
+             d_pos0.as<int32_t>(), max_ctx, s.dsa_scores.as<float>(), s.sel.as<int32_t>(), stream);
+}
+
+void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) {
+  const DevAttention& a = layers[size_t(l)].attn;
+  const int H = int(c.num_heads), dn = int(c.qk_nope_dim), dr = int(c.qk_rope_dim), r = int(c.kv_lora_rank);
+  const int qk = dn + dr, dv = int(c.v_head_dim), lat = r + dr;
+  const bool inter = c.rope.layout == RopeLayout::Interleaved;
+  float *q = s.q.as<float>(), *kv = s.kv.as<float>(), *h = s.h.as<float>();
+  phase(CudaPhase::AttnProj);
+  if (a.q_a.out) {
+    linear(a.q_a, h, S, s.q_lat.as<float>());
+    rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
+             s.q_lat.as<float>(), c.q_lora_rank, stream);
+    linear(a.q_b, s.q_lat.as<float>(), S, q);
+  } else {
+    linear(a.q, h, S, q);
+  }
+  linear(a.kv_a, h, S, kv);
+  rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+  rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+  if (indexer == IndexerKind::Own) {  // the selection in s.sel is the current one from here on
+    if (!a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
+    phase(CudaPhase::Indexer);
+    if (c.index_kpool > 1) kpool_indexer(*a.indexer, l, S);
+    else dsa_indexer(*a.indexer, l, S);
+  }
+  phase(CudaPhase::AttnCore);
+  rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
+    const int n = int(std::min(attn_rows, S - s0));
+    const int32_t* pos = slice_pos0(s0);
+    // Absorption: per-head kernels for a few tokens (graph-captured decode), per-head fp32 GEMMs for more (prefill).
+    const bool gemm = n > kMlaSplitMaxTokens;
+    float* wf = s.w_absorb.as<float>();
+    const float one = 1.0f, zero = 0.0f;
+    phase(CudaPhase::AttnAbsorb);
+    if (gemm) {  // qcat[t][h][:r] = q[t][h][:dn] . W_uk[h] ([dn][r]); the rope part copied
+      from_bf16(a.w_uk.as<uint16_t>(), int64_t(H) * dn * r, wf, stream);
+      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_N, CUBLAS_OP_N, r, n, dn, &one, wf, r,
+                                                 int64_t(dn) * r, q + s0 * H * qk, H * qk, qk, &zero,
+                                                 s.qcat.as<float>(), H * lat, lat, H));
+      if (dr > 0)
+        MOESRV_CUDA_OK(cudaMemcpy2DAsync(s.qcat.as<float>() + r, size_t(lat) * 4, q + s0 * H * qk + dn, size_t(qk) * 4,
+                                         size_t(dr) * 4, size_t(n) * H, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
+    }
+    phase(CudaPhase::AttnCore);
+    AttentionArgs args;
+    args.q = s.qcat.as<float>();
+    args.S = n;
+    args.H = H;
+    args.q_dim = lat;
+    args.v_dim = r;
+    args.mla = true;
+    args.q8 = opt.kv_q8;
+    args.lc = layer_cache(l);
+    if (indexer != IndexerKind::None) {
+      args.selection = s.sel.as<int32_t>() + s0 * sel_width();
+      args.sel_k = int(sel_width());
+    }
+    args.pos0 = pos;
+    args.scale = float(c.softmax_scale);
+    args.out = s.olat.as<float>();
+    if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
+    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
+      mla_prefill_attention(args, stream);
+    else attention(args, stream);
+    phase(CudaPhase::AttnAbsorb);
+    if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]
+      from_bf16(a.w_uv.as<uint16_t>(), int64_t(H) * dv * r, wf, stream);
+      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dv, n, r, &one, wf, r,
+                                                 int64_t(dv) * r, s.olat.as<float>(), H * r, r, &zero,
+                                                 s.attn_out.as<float>() + s0 * H * dv, H * dv, dv, H));
+    } else {
+      mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
+    }
+  }
+  phase(CudaPhase::AttnProj);
+  linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
+}
+
+void CudaEngine::Impl::attention_gqa(int64_t l, int64_t S) {
+  const DevAttention& a = layers[size_t(l)].attn;
+  const int H = int(c.num_heads), KV = int(c.num_kv_heads), hd = int(c.head_dim);
+  float *q = s.q.as<float>(), *k = s.k.as<float>(), *v = s.v.as<float>(), *h = s.h.as<float>();
+  float* qg = s.qgate.as<float>();  // attn_output_gate: q_proj rows per head [query | gate]
+  linear(a.gq, h, S, c.attn_output_gate ? qg : q);
+  linear(a.gk, h, S, k);
+  linear(a.gv, h, S, v);
+  if (c.qk_norm) {  // the query half of qg's heads is normalised into q
+    const float* qin = c.attn_output_gate ? qg : q;
+    rms_norm(qin, c.attn_output_gate ? 2 * hd : hd, a.q_norm.w.as<float>(), int(S) * H, hd, float(c.rms_eps), q, hd,
+             stream);
+    rms_norm(k, hd, a.k_norm.w.as<float>(), int(S) * KV, hd, float(c.rms_eps), k, hd, stream);
+  } else if (c.attn_output_gate) {
+    MOESRV_CUDA_OK(cudaMemcpy2DAsync(q, size_t(hd) * 4, qg, size_t(2 * hd) * 4, size_t(hd) * 4, size_t(S * H),
+                                     cudaMemcpyDeviceToDevice, stream));
+  }
+  const bool inter = c.rope.layout == RopeLayout::Interleaved;
+  rope(q, int(S), H, int64_t(H) * hd, hd, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+  rope(k, int(S), KV, int64_t(KV) * hd, hd, 0, int(c.rope.dim), inter, cos_sin.as<float>(), d_pos0.as<int32_t>(),
+       stream);
+  cache_write(k, int64_t(KV) * hd, int(S), KV * hd, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(),
+              stream);
+  cache_write(v, int64_t(KV) * hd, int(S), KV * hd, layer_cache(l), CacheField::V, opt.kv_q8, d_pos0.as<int32_t>(),
+              stream);
+  AttentionArgs args;
+  args.q = q;
+  args.S = int(S);
+  args.H = H;
+  args.q_dim = hd;
+  args.v_dim = hd;
+  args.kv_heads = KV;
+  args.q8 = opt.kv_q8;
+  args.lc = layer_cache(l);
+  args.pos0 = d_pos0.as<int32_t>();
+  args.scale = float(c.softmax_scale);
+  args.out = s.attn_out.as<float>();
+  attention(args, stream);
+  if (c.attn_output_gate) sigmoid_gate_rows(s.attn_out.as<float>(), qg + hd, 2 * hd, int(S) * H, hd, stream);
+  linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
+}
+
+}  // namespace moesrv
+#endif  // MOESRV_HAS_CUDA
