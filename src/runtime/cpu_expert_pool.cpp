@@ -1,8 +1,5 @@
 #include "runtime/cpu_expert_pool.h"
 
-#include "backend/cpu/cpu_layers.h"
-#include "backend/cpu/expert_batch.h"
-#include "backend/cpu/ops.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -48,32 +45,7 @@ void CpuExpertPool::loop() {
 }
 
 void CpuExpertPool::run(const std::vector<CpuExpertJob>& jobs, const float* x, int64_t D, float* out) {
-  // Gather each job's rows, run all experts together (cpu::experts_forward), then add the weighted outputs.
-  size_t rows = 0;
-  for (const CpuExpertJob& j : jobs) {
-    if (!j.expert || j.tokens.size() != j.weights.size()) fail("cpu expert pool: malformed job");
-    if (j.expert->down->out_features() != D) fail("cpu expert pool: expert output {} != hidden {}", j.expert->down->out_features(), D);
-    rows += j.tokens.size();
-  }
-  std::vector<float> xs(rows * size_t(D)), ys(rows * size_t(D));
-  std::vector<cpu::ExpertRows> batch;
-  size_t row = 0;
-  for (const CpuExpertJob& j : jobs) {
-    const int64_t n = int64_t(j.tokens.size());
-    if (n == 0) continue;
-    float* xj = xs.data() + row * size_t(D);
-    for (int64_t i = 0; i < n; ++i)
-      std::copy(x + j.tokens[size_t(i)] * D, x + (j.tokens[size_t(i)] + 1) * D, xj + i * D);
-    batch.push_back({j.expert, xj, n, ys.data() + row * size_t(D)});
-    row += size_t(n);
-  }
-  cpu::experts_forward(batch);
-  size_t b = 0;
-  for (const CpuExpertJob& j : jobs) {
-    if (j.tokens.empty()) continue;
-    const float* yj = batch[b++].y;
-    for (size_t i = 0; i < j.tokens.size(); ++i) cpu::axpy(j.weights[i], yj + int64_t(i) * D, D, out + j.tokens[i] * D);
-  }
+  cpu::add_routed_experts(jobs, x, D, out);
 }
 
 std::vector<CpuExpertJob> CpuExpertPool::group(const std::vector<std::vector<int32_t>>& ids,

@@ -1,6 +1,6 @@
 // Routed experts computed on the CPU, asynchronously, so GPU work overlaps: submit a batch of jobs, get a
-// future. One worker thread drains the queue in order; a batch's experts run together (cpu::experts_forward), their
-// GEMVs spread over the cores by ThreadPool::global() (never nested inside another parallel_for).
+// future. One worker thread drains the queue in order; a batch runs through cpu::add_routed_experts (few-row experts
+// together), its GEMVs spread over the cores by ThreadPool::global() (never nested inside another parallel_for).
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -10,15 +10,12 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cpu/expert_batch.h"
 #include "model/weights.h"
 
 namespace moesrv {
 
-struct CpuExpertJob {
-  const MlpWeights* expert = nullptr;
-  std::vector<int32_t> tokens;   // rows of x routed to this expert
-  std::vector<float> weights;    // routing weight of each of those rows
-};
+using CpuExpertJob = cpu::RoutedRows;  // an expert, its rows of x and their routing weights
 
 class CpuExpertPool {
  public:

@@ -8,6 +8,7 @@
 #include "backend/cpu/exl3_linear.h"
 #include "backend/cpu/ops.h"
 #include "format/exl3_hadamard.h"
+#include "util/error.h"
 #include "util/thread_pool.h"
 
 namespace moesrv::cpu {
@@ -175,6 +176,48 @@ void experts_forward(const std::vector<ExpertRows>& jobs) {
         const int64_t cnt = rotate_out_block(*m.down, m.yr_down, r, b, v);
         std::copy_n(v, cnt, m.job->y + r * out + b * kBlock);
       });
+}
+
+void add_routed_experts(const std::vector<RoutedRows>& jobs, const float* x, int64_t D, float* out) {
+  const int64_t few = exl3_gemv_fast_rows(exl3_gemv_default_path());
+  int64_t rows = 0;
+  for (const RoutedRows& j : jobs) {
+    if (!j.expert || j.tokens.size() != j.weights.size()) fail("routed experts: malformed job");
+    if (j.expert->down->out_features() != D)
+      fail("routed experts: expert output {} != hidden {}", j.expert->down->out_features(), D);
+    if (int64_t(j.tokens.size()) <= few) rows += int64_t(j.tokens.size());
+  }
+  auto gather = [&](const RoutedRows& j, float* dst) {
+    for (size_t i = 0; i < j.tokens.size(); ++i) std::copy_n(x + j.tokens[i] * D, D, dst + int64_t(i) * D);
+  };
+  std::vector<float> xs(size_t(rows * D)), ys(size_t(rows * D));
+  std::vector<ExpertRows> batch;
+  std::vector<const float*> out_of(jobs.size(), nullptr);  // job j's output rows, when computed in the batch
+  int64_t row = 0;
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    const int64_t n = int64_t(jobs[b].tokens.size());
+    if (n == 0 || n > few) continue;
+    gather(jobs[b], xs.data() + row * D);
+    batch.push_back({jobs[b].expert, xs.data() + row * D, n, ys.data() + row * D});
+    out_of[b] = ys.data() + row * D;
+    row += n;
+  }
+  experts_forward(batch);
+  std::vector<float> xl, yl;
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    const RoutedRows& j = jobs[b];
+    const int64_t n = int64_t(j.tokens.size());
+    if (n == 0) continue;
+    const float* y = out_of[b];
+    if (!y) {
+      xl.resize(size_t(n * D));
+      yl.resize(size_t(n * D));
+      gather(j, xl.data());
+      mlp_forward(*j.expert, xl.data(), n, yl.data());
+      y = yl.data();
+    }
+    for (int64_t i = 0; i < n; ++i) axpy(j.weights[size_t(i)], y + i * D, D, out + j.tokens[size_t(i)] * D);
+  }
 }
 
 }  // namespace moesrv::cpu

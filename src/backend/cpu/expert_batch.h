@@ -20,4 +20,17 @@ struct ExpertRows {
 // linears are not all EXL3, or with more rows than exl3_gemv_fast_rows, run through mlp_forward.
 void experts_forward(const std::vector<ExpertRows>& jobs);
 
+// A routed expert's share of a batch: rows tokens[i] of x, their outputs scaled by weights[i].
+struct RoutedRows {
+  const MlpWeights* expert = nullptr;
+  std::vector<int32_t> tokens;  // rows of x routed to this expert
+  std::vector<float> weights;   // routing weight of each of those rows
+};
+
+// out[t] += w * expert(x[t]) for every job row, x and out [*, D]; the outputs are added job after job, as one expert
+// at a time would add them. Jobs of few rows (decode) run together through experts_forward; the others one at a
+// time, so the scratch holds the few-row jobs' rows and one larger job's. Throws on a malformed job (no expert,
+// tokens and weights of different lengths, an output width other than D).
+void add_routed_experts(const std::vector<RoutedRows>& jobs, const float* x, int64_t D, float* out);
+
 }  // namespace moesrv::cpu

@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "backend/cpu/cpu_layers.h"
-#include "backend/cpu/exl3_gemv.h"
 #include "backend/cpu/expert_batch.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
@@ -47,44 +46,15 @@ void moe_forward(const MoeWeights& w, const ModelSpec& c, const float* x, int64_
   } else {
     std::fill(out, out + S * D, 0.0f);
   }
-  // Experts with few rows (decode) run together first (experts_forward: EXL3 experts share parallel loops); the others
-  // one at a time below. Either way the outputs are added in expert order, as one expert at a time would.
-  const int64_t few = exl3_gemv_fast_rows(exl3_gemv_default_path());
-  int64_t rows = 0;
-  for (const auto& toks : assigned)
-    if (int64_t(toks.size()) <= few) rows += int64_t(toks.size());
-  std::vector<float> xs(size_t(rows * D)), ys(size_t(rows * D));
-  std::vector<ExpertRows> jobs;
-  std::vector<const float*> out_of(size_t(E), nullptr);  // expert e's output rows, when computed in the batch
-  auto gather = [&](const std::vector<std::pair<int64_t, float>>& toks, float* dst) {
-    for (size_t i = 0; i < toks.size(); ++i) std::copy(x + toks[i].first * D, x + (toks[i].first + 1) * D, dst + i * D);
-  };
-  int64_t row = 0;
+  std::vector<RoutedRows> jobs;
   for (int64_t e = 0; e < E; ++e) {
     const auto& toks = assigned[size_t(e)];
-    const int64_t n = int64_t(toks.size());
-    if (n == 0 || n > few) continue;
-    gather(toks, xs.data() + row * D);
-    jobs.push_back({&w.experts[size_t(e)], xs.data() + row * D, n, ys.data() + row * D});
-    out_of[size_t(e)] = ys.data() + row * D;
-    row += n;
+    if (toks.empty()) continue;
+    RoutedRows& j = jobs.emplace_back();
+    j.expert = &w.experts[size_t(e)];
+    for (const auto& [t, wt] : toks) j.tokens.push_back(int32_t(t)), j.weights.push_back(wt);
   }
-  experts_forward(jobs);
-  std::vector<float> xl, yl;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& toks = assigned[size_t(e)];
-    const int64_t n = int64_t(toks.size());
-    if (n == 0) continue;
-    const float* ye = out_of[size_t(e)];
-    if (!ye) {
-      xl.resize(size_t(n * D));
-      yl.resize(size_t(n * D));
-      gather(toks, xl.data());
-      mlp_forward(w.experts[size_t(e)], xl.data(), n, yl.data());
-      ye = yl.data();
-    }
-    for (int64_t i = 0; i < n; ++i) axpy(toks[size_t(i)].second, ye + i * D, D, out + toks[size_t(i)].first * D);
-  }
+  add_routed_experts(jobs, x, D, out);
 }
 
 }  // namespace moesrv::cpu

@@ -266,40 +266,28 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   std::fill(out, out + n * D, 0.0f);
   const float* hh = h_h.as<float>();
   const float* wts = h_w.as<float>();
-  // All CPU experts run together (cpu::experts_forward: shared parallel_fors over every expert's strips), so only
-  // the whole batch can be timed: update_cpu_rate gets the batch time split evenly over its experts, each counted
-  // with the batch's mean token count (rounded), the cost model's cost of one typical expert.
+  // All CPU experts in one call (cpu::add_routed_experts: few-row experts share parallel_fors), so only the whole
+  // batch can be timed (its gather and weighted adds included): update_cpu_rate gets the batch time split evenly over
+  // its experts, each counted with the batch's mean token count (rounded), the cost model's cost of one typical expert.
+  std::vector<cpu::RoutedRows> jobs;
   int64_t total = 0;
-  for (int e : cpu_experts) total += int64_t(by_expert[size_t(e)].size());
-  std::vector<float> xs(size_t(total * D)), ys(size_t(total * D));
-  std::vector<cpu::ExpertRows> batch;
-  int64_t row = 0;
   for (int e : cpu_experts) {
     const auto& entries = by_expert[size_t(e)];
-    const int64_t cnt = int64_t(entries.size());
-    for (int64_t i = 0; i < cnt; ++i)
-      std::memcpy(xs.data() + (row + i) * D, hh + (entries[size_t(i)] / k) * D, size_t(D) * 4);
-    batch.push_back({&hw.experts[size_t(e)], xs.data() + row * D, cnt, ys.data() + row * D});
-    row += cnt;
+    cpu::RoutedRows& j = jobs.emplace_back();
+    j.expert = &hw.experts[size_t(e)];
+    for (const int32_t entry : entries) j.tokens.push_back(int32_t(entry / k)), j.weights.push_back(wts[entry]);
+    total += int64_t(entries.size());
+    stats.routed_selections += int64_t(entries.size());
+    stats.cpu_expert_tokens += int64_t(entries.size());
+    const MlpWeights& ew = hw.experts[size_t(e)];
+    stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
   }
   const auto t0 = std::chrono::steady_clock::now();
-  cpu::experts_forward(batch);
+  cpu::add_routed_experts(jobs, hh, D, out);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t experts = int64_t(cpu_experts.size());
   for (int64_t i = 0; i < experts; ++i)
     update_cpu_rate(std::max<int64_t>(1, (total + experts / 2) / experts), seconds / double(experts));
-  row = 0;
-  for (int e : cpu_experts) {
-    const auto& entries = by_expert[size_t(e)];
-    const int64_t cnt = int64_t(entries.size());
-    stats.routed_selections += cnt;
-    const MlpWeights& ew = hw.experts[size_t(e)];
-    stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
-    for (int64_t i = 0; i < cnt; ++i)
-      cpu::axpy(wts[entries[size_t(i)]], ys.data() + (row + i) * D, D, out + (entries[size_t(i)] / k) * D);
-    stats.cpu_expert_tokens += cnt;
-    row += cnt;
-  }
   for (int64_t t0 = 0; t0 < n; t0 += moe_rows) {
     const int64_t cnt = std::min(moe_rows, n - t0);
     MOESRV_CUDA_OK(
