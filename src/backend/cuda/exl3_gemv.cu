@@ -620,11 +620,6 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
   return best;
 }
 
-// Whether the comparison switch `name` (an environment variable) is set to a nonzero number.
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::atoi(v) != 0;
-}
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
 // cores; MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {

@@ -322,11 +322,12 @@ void check_streams(int n, const char* what) {
                              std::to_string(kMaxStreams) + " supported)");
 }
 
-}  // namespace
-
+// Throws naming the failed stream call of hyper_enter's side branch.
 void side_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("hyper_enter: ") + what + ": " + cudaGetErrorString(e));
 }
+
+}  // namespace
 
 size_t hyper_enter_scratch(int S, int n) {
   return S <= kSplitTokens ? size_t(S) * size_t((2 + n) * n + n * (n + 1) / 2) * kDotChunks : 0;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include <stdexcept>
@@ -123,6 +124,12 @@ __device__ __forceinline__ float dot_float4(const float4* a, const float4* b, in
     c[3] += x.w * y.w;
   }
   return (c[0] + c[1]) + (c[2] + c[3]);
+}
+
+// Whether the comparison switch `name` (an environment variable) is set to a nonzero number.
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::atoi(v) != 0;
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }

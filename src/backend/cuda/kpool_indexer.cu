@@ -4,7 +4,6 @@
 // plus the open pool's visible tail). Positions come from device memory (pos0) so a decode graph can be replayed.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/glm5_next_kernels.h"
@@ -370,10 +369,7 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
 
 // MOESRV_KPOOL_LANES=1: decode scores by the fp32 lanes kernel instead of tensor cores (comparisons), read once.
 static bool kpool_lanes_forced() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESRV_KPOOL_LANES");
-    return v && std::atoi(v) != 0;
-  }();
+  static const bool on = env_flag("MOESRV_KPOOL_LANES");
   return on;
 }
 
