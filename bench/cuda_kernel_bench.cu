@@ -194,7 +194,7 @@ struct Weights {
 } W;
 
 struct Buffers {
-  float *x, *h, *y, *post, *comb, *hc_part, *xh, *yr;
+  float *x, *h, *y, *post, *comb, *hc_part, *step_part, *xh, *yr, *xh_side, *yr_side;
   uint16_t* xb;
   float *lraw, *lqkv, *low, *g, *beta, *o, *gate;
   float *q_lat, *q, *kv, *qcat, *olat, *attn_out, *part;
@@ -276,7 +276,10 @@ void setup(std::mt19937& rng) {
   B.x = randf(size_t(NS) * D, 1.0f), B.h = randf(D, 1.0f), B.y = randf(D, 1.0f);
   B.post = randf(NS, 0.5f, 1.0f), B.comb = randf(NS * NS, 0.1f, 0.25f);
   B.hc_part = randf(hyper_enter_scratch(1, NS), 1.0f);
+  B.step_part = dalloc<float>(hyper_step_scratch(1, NS));
+  CK(cudaMemset(B.step_part, 0, hyper_step_scratch(1, NS) * 4));  // hyper_step's counters
   B.xh = dalloc<float>(size_t(16) * 16384), B.yr = dalloc<float>(kYrFloats);
+  B.xh_side = dalloc<float>(size_t(16) * 16384), B.yr_side = dalloc<float>(kYrFloats);
   B.xb = dalloc<uint16_t>(size_t(MH) * DV);
   B.lraw = randf(KC, 1.0f), B.lqkv = randf(KC, 0.1f), B.low = randf(2 * KD, 1.0f), B.g = randf(2 * KHD, 1.0f);
   B.beta = randf(KH, 1.0f), B.o = randf(KHD, 1.0f), B.gate = randf(KHD, 1.0f);
@@ -335,6 +338,32 @@ void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 
   exl3_pair(W.f_b[i], W.fg_b[i], Exl3Src{B.low, KD}, B.g, KHD);
 }
 
+// As the engine (Impl::on_proj_side): decode projections that read only h on a side stream, each EXL3 call there
+// through its own scratch; join_side() before their outputs are read.
+HyperSide g_pside;
+bool g_pside_pending = false;
+template <class F>
+void on_side(F&& f) {
+  if (std::getenv("MOESRV_PROJ_SIDE") && std::atoi(std::getenv("MOESRV_PROJ_SIDE")) == 0) return f();
+  CK(cudaEventRecord(g_pside.fork, g_st));
+  CK(cudaStreamWaitEvent(g_pside.stream, g_pside.fork, 0));
+  auto flip = [] {
+    std::swap(g_st, g_pside.stream);
+    std::swap(B.xh, B.xh_side);
+    std::swap(B.yr, B.yr_side);
+  };
+  flip();
+  f();
+  flip();
+  g_pside_pending = true;
+}
+void join_side() {
+  if (!g_pside_pending) return;
+  CK(cudaEventRecord(g_pside.join, g_pside.stream));
+  CK(cudaStreamWaitEvent(g_st, g_pside.join, 0));
+  g_pside_pending = false;
+}
+
 // As the engine: the Sinkhorn weights on a side stream, joined before the leave reads them.
 HyperSide g_side;
 bool g_side_pending = false;
@@ -350,6 +379,13 @@ void hc_enter(int i) {
 void hc_leave() {
   hc_join();
   hyper_leave(B.x, B.y, B.post, B.comb, 1, NS, D, g_st);
+}
+void hc_step(int i) {  // the previous site's leave and this site's enter (CudaBlocks' decode path)
+  if (!hyper_step_supported(1, NS, D)) return hc_leave(), hc_enter(i);  // MOESRV_MHC_UNFUSED=1
+  hc_join();
+  g_bytes += double((2 + NS) * NS) * NS * D * 4;
+  g_side_pending = hyper_step(B.x, B.y, 1, NS, D, W.hc_fn[i], W.hc_scale, W.hc_base, W.norm_w, RMS_EPS, HC_EPS,
+                              HC_ITERS, B.h, B.post, B.comb, B.step_part, g_st, &g_side);
 }
 
 void delta(int i) {
@@ -376,9 +412,12 @@ void kda_fused(int i) {  // conv .. output norm in one launch (kda_decode.cu)
 }
 void kda(int i) {  // Impl::kda for S = 1 (its decode path: EXL3 pairs, one fused kernel between the linears)
   if (!kda_decode_supported(KD, KD, KCONV)) throw std::runtime_error("kda_decode does not support d=128, conv 4");
+  on_side([i] {
+    bf16_linear(W.b[i], KH, D, B.h, B.beta);
+    fg_pairs(i);
+  });
   qkv_group(i);
-  bf16_linear(W.b[i], KH, D, B.h, B.beta);
-  fg_pairs(i);
+  join_side();
   kda_fused(i);
   exl3_linear(W.o_kda[i], B.o, B.y, D);
 }
@@ -388,12 +427,15 @@ void kpool_sel(int i, const Ctx& c) {
   kpool_select(B.iq, B.ihw, c.pool_k[i], 1, IH, ID, KPOOL, BUDGET, true, c.pos0, c.max_pools, c.scores,
                kpool_select_scratch(1, c.max_pools, BUDGET), B.sel, SELW, g_st);
 }
-void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer
-  bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
+void kpool_keys(int i) {  // Impl::kpool_indexer_keys
   bf16_linear(W.wk[i], ID, D, B.h, B.ik);
   bf16_linear(W.pool_gate[i], ID, D, B.h, B.ig);
   bf16_linear(W.weights_proj[i], IH, D, B.h, B.ihw);
   layer_norm(B.ik, W.k_norm_w, W.k_norm_b, 1, ID, 1e-6f, B.ik, g_st);
+}
+void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer (after kpool_keys)
+  bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
+  join_side();
   const float head_scale = 1.0f / std::sqrt(float(IH));
   CB(cublasSscal(g_blas, IH, &head_scale, B.ihw, 1));
   kpool_append(B.ik, B.ig, W.ape, 1, ID, KPOOL, c.pos0, c.pool_k[i], W.open, W.open + KPOOL * ID, g_st);
@@ -417,12 +459,15 @@ void mla_attend(int i, const Ctx& c, bool split, const int32_t* sel) {
   mla_split_attention(a, B.part, g_st);
 }
 void mla(int i, const Ctx& c) {  // Impl::attention_mla (rope is a no-op at qk_rope 0; mla_split_decode on)
+  on_side([i, &c] {
+    exl3_linear(W.kv_a[i], B.h, B.kv, R);
+    rms_norm(B.kv, R, W.kv_a_norm, 1, R, 1e-6f, B.kv, R, g_st);
+    cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
+    kpool_keys(i);
+  });
   exl3_linear(W.q_a[i], B.h, B.q_lat, QL);
   rms_norm(B.q_lat, QL, W.q_a_norm, 1, QL, 1e-6f, B.q_lat, QL, g_st);
   exl3_linear(W.q_b[i], B.q_lat, B.q, MH * DN);
-  exl3_linear(W.kv_a[i], B.h, B.kv, R);
-  rms_norm(B.kv, R, W.kv_a_norm, 1, R, 1e-6f, B.kv, R, g_st);
-  cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
   kpool_indexer(i, c);
   mla_query_call(i);
   mla_attend(i, c, true, B.sel);
@@ -514,10 +559,12 @@ void bench(const std::string& name, Fn&& fn) {
   if (!selected(name)) return;
   if (g_profile) {  // for ncu --profile-from-start off --graph-profiling node: one call's nodes
     fn(0);
+    hc_join();
     CK(cudaStreamSynchronize(g_st));
     cudaGraph_t graph = nullptr;
     CK(cudaStreamBeginCapture(g_st, cudaStreamCaptureModeThreadLocal));
     fn(1);
+    hc_join();  // (the last mHC site's side branch)
     CK(cudaStreamEndCapture(g_st, &graph));
     cudaGraphExec_t exec = nullptr;
     CK(cudaGraphInstantiate(&exec, graph, 0));
@@ -532,12 +579,14 @@ void bench(const std::string& name, Fn&& fn) {
   }
   g_bytes = 0;
   fn(0);
+  hc_join();
   const double bytes = g_bytes;
   CK(cudaStreamSynchronize(g_st));
   CK(cudaGetLastError());
   cudaGraph_t graph = nullptr;
   CK(cudaStreamBeginCapture(g_st, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < kCalls; ++i) fn(i);
+  hc_join();  // (the last mHC site's side branch)
   CK(cudaStreamEndCapture(g_st, &graph));
   size_t nodes = 0;
   CK(cudaGraphGetNodes(graph, nullptr, &nodes));
@@ -574,6 +623,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
   });
   bench("mHC hyper_enter n=4 D=4096 sinkhorn 20 (joined)", [](int i) { hc_enter(i), hc_join(); });
   bench("mHC hyper_leave", [](int) { hc_leave(); });
+  bench("mHC hyper_step (leave + enter, joined)", [](int i) { hc_step(i), hc_join(); });
 
   bench("KDA EXL3 q|k|v grouped 3x 8192x4096", [](int i) { qkv_group(i); });
   bench("KDA EXL3 q|k|v 3x 8192x4096 (separate)", [](int i) {
@@ -643,15 +693,16 @@ void run_all(const std::vector<Ctx>& ctxs) {
   });
   bench("head EXL3 lm_head 154880x4096", [](int i) { exl3_linear(W.lm_head[i], B.h, B.logits, VOCAB); });
 
-  // One decoder layer as CudaBlocks runs it: mHC enter, attention block, leave, enter, MoE, leave.
+  // One decoder layer as CudaBlocks runs it: the previous layer's last leave with the attention enter, the attention
+  // block, its leave with the MoE enter, the MoE (its leave goes with the next layer's first enter).
   bench("decode layer (KDA+MoE)", [](int i) {
-    hc_enter(2 * i), kda(i), hc_leave();
-    hc_enter(2 * i + 1), moe(i), hc_leave();
+    hc_step(2 * i), kda(i);
+    hc_step(2 * i + 1), moe(i);
   });
   for (const Ctx& c : ctxs)
     bench("decode layer (MLA+MoE), ctx " + c.label, [&](int i) {
-      hc_enter(2 * i), mla(i, c), hc_leave();
-      hc_enter(2 * i + 1), moe(i), hc_leave();
+      hc_step(2 * i), mla(i, c);
+      hc_step(2 * i + 1), moe(i);
     });
 }
 
@@ -710,6 +761,9 @@ int main(int argc, char** argv) {
         exl3_gemv_blocks_per_sm(), kCalls);
     CK(cudaStreamCreateWithFlags(&g_st, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&g_side.stream, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&g_pside.stream, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&g_pside.fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&g_pside.join, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&g_side.join, cudaEventDisableTiming));
     CB(cublasCreate(&g_blas));

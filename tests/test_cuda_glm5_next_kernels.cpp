@@ -545,6 +545,92 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   cublasDestroy(blas);
 }
 
+// hyper_step (decode): enter A, then leave A fused with enter B, then a plain leave B, against cpu::Residual; twice
+// in a row (the blocks' counters return to zero), with the Sinkhorn weights on a side stream or by the last block.
+TEST(CudaGlm5NextKernels, HyperStepMatchesResidual) {
+  SKIP_WITHOUT_DEVICE();
+  cuda::HyperSide side;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&side.join, cudaEventDisableTiming), cudaSuccess);
+  struct Shape {
+    int D, S, n;
+    bool on_side;
+  };
+  for (auto [D, S, n, on_side] : {Shape{4096, 1, 4, true}, Shape{4096, 1, 4, false}, Shape{4096, 3, 4, true},
+                                  Shape{200, 16, 4, false}, Shape{128, 2, 2, true}, Shape{1000, 1, 3, false}}) {
+    ASSERT_TRUE(cuda::hyper_step_supported(S, n, D));
+    const int W = n * D, mix = (2 + n) * n;
+    ModelSpec c;
+    c.hidden_size = D;
+    c.rms_eps = 1e-6;
+    c.residual.hyper = true;
+    c.residual.streams = n;
+    c.residual.sinkhorn_iters = 20;
+    c.residual.eps = 1e-6;
+    HyperWeights hw[2];
+    for (int k = 0; k < 2; ++k) {
+      hw[k].fn = uniform(size_t(mix) * W, -1.0f, 1.0f, 81 + 3 * k);
+      for (float& e : hw[k].fn) e /= std::sqrt(float(W));
+      hw[k].base = uniform(size_t(mix), -1.0f, 1.0f, 82 + 3 * k);
+      hw[k].scale = uniform(3, 0.5f, 2.0f, 83 + 3 * k);
+    }
+    NormWeights norm;
+    norm.weight = uniform(size_t(D), 0.5f, 1.5f, 88);
+    std::vector<float> x = uniform(size_t(S) * W, -2.0f, 2.0f, 89);
+    const std::vector<float> ya = uniform(size_t(S) * D, -1.0f, 1.0f, 90), yb = uniform(size_t(S) * D, -1.0f, 1.0f, 91);
+
+    Dev<float> dx(x), dya(ya), dyb(yb), dnorm(norm.weight), dh(size_t(S) * D), dpost(size_t(S) * n);
+    Dev<float> dcomb(size_t(S) * n * n), dscratch(std::vector<float>(cuda::hyper_step_scratch(S, n), 0.0f));
+    Dev<float> dfn[2] = {Dev<float>(hw[0].fn), Dev<float>(hw[1].fn)};
+    Dev<float> dbase[2] = {Dev<float>(hw[0].base), Dev<float>(hw[1].base)};
+    Dev<float> dscale[2] = {Dev<float>(hw[0].scale), Dev<float>(hw[1].scale)};
+    cudaStream_t st = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    cpu::Residual res(c);
+    for (int round = 0; round < 2; ++round)
+      for (int k = 0; k < 2; ++k) {
+        std::vector<float> h(size_t(S) * D);
+        if (k == 1) res.leave(x.data(), S, ya.data());
+        res.enter(x.data(), S, norm, hw[k], h.data());
+        std::vector<float> pre(static_cast<size_t>(n)), post(size_t(S) * n), comb(size_t(S) * n * n);
+        for (int s = 0; s < S; ++s)
+          cpu::hyper_mix(x.data() + s * W, hw[k], n, D, c.rms_eps, c.residual.eps, c.residual.sinkhorn_iters,
+                         pre.data(), post.data() + s * n, comb.data() + s * n * n);
+        const bool joined = cuda::hyper_step(dx.get(), k == 1 ? dya.get() : nullptr, S, n, D, dfn[k].get(),
+                                             dscale[k].get(), dbase[k].get(), dnorm.get(), float(c.rms_eps),
+                                             float(c.residual.eps), int(c.residual.sinkhorn_iters), dh.get(),
+                                             dpost.get(), dcomb.get(), dscratch.get(), st, on_side ? &side : nullptr);
+        ASSERT_EQ(joined, on_side);
+        if (joined) {
+          ASSERT_EQ(cudaStreamWaitEvent(st, side.join, 0), cudaSuccess);
+        }
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        const std::string at = "D " + std::to_string(D) + " S " + std::to_string(S) + " n " + std::to_string(n) +
+                               " side " + std::to_string(on_side) + " round " + std::to_string(round) + " site " +
+                               std::to_string(k);
+        EXPECT_LT(rel_err(dh.host(), h), 1e-5) << at;
+        EXPECT_LT(rel_err(dpost.host(), post), 1e-5) << at;
+        EXPECT_LT(rel_err(dcomb.host(), comb), 1e-5) << at;
+        EXPECT_LT(rel_err(dx.host(), x), 1e-5) << at;
+        if (k == 1) {  // the site's own leave, apart (the engine's last one before the head)
+          res.leave(x.data(), S, yb.data());
+          cuda::hyper_leave(dx.get(), dyb.get(), dpost.get(), dcomb.get(), S, n, D, st);
+          ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+          EXPECT_LT(rel_err(dx.host(), x), 1e-5) << at;
+        }
+      }
+    // every counter back at zero
+    const std::vector<float> sc = dscratch.host();
+    const size_t floats = cuda::hyper_step_scratch(S, n);
+    for (int s = 0; s < S; ++s) EXPECT_EQ(sc[floats - size_t(S) + size_t(s)], 0.0f) << s;
+    cudaStreamDestroy(st);
+  }
+  cudaEventDestroy(side.fork);
+  cudaEventDestroy(side.join);
+  cudaStreamDestroy(side.stream);
+}
+
 // ---------------------------------------------------------------- k-pool indexer
 
 struct KpoolCase {

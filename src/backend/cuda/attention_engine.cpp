@@ -35,6 +35,15 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   const bool inter = c.rope.layout == RopeLayout::Interleaved;
   float *q = s.q.as<float>(), *kv = s.kv.as<float>(), *h = s.h.as<float>();
   phase(CudaPhase::AttnProj);
+  if (indexer == IndexerKind::Own && !a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
+  const bool kpool = indexer == IndexerKind::Own && c.index_kpool > 1;
+  on_proj_side(S, [&] {  // decode: the latent key row (into the cache) and the k-pool's key projections beside q
+    linear(a.kv_a, h, S, kv);
+    rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+    rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+    cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+    if (kpool) kpool_indexer_keys(*a.indexer, S);
+  });
   if (a.q_a.out) {
     linear(a.q_a, h, S, s.q_lat.as<float>());
     rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
@@ -43,16 +52,12 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   } else {
     linear(a.q, h, S, q);
   }
-  linear(a.kv_a, h, S, kv);
-  rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
-  rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
-  cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
   if (indexer == IndexerKind::Own) {  // the selection in s.sel is the current one from here on
-    if (!a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
     phase(CudaPhase::Indexer);
-    if (c.index_kpool > 1) kpool_indexer(*a.indexer, l, S);
-    else dsa_indexer(*a.indexer, l, S);
+    if (kpool) kpool_indexer(*a.indexer, l, S);  // joins the side before it reads the keys
+    else join_proj_side(), dsa_indexer(*a.indexer, l, S);
   }
+  join_proj_side();
   phase(CudaPhase::AttnCore);
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {

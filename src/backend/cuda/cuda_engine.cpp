@@ -235,6 +235,15 @@ class CudaBlocks final : public BlockExecutor {
     if (!hyper_) return add_pending_and_norm(norm);
     const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
     const ResidualSpec& r = m_.c.residual;
+    join_side();
+    if (step_) {  // the pending leave and this enter in one launch
+      side_pending_ =
+          hyper_step(x(), pending_ ? y() : nullptr, int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(),
+                     hc.base.as<float>(), norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(),
+                     m_.s.post.as<float>(), m_.s.comb.as<float>(), m_.s.hc_part.as<float>(), m_.stream, &m_.mhc_side);
+      pending_ = false;
+      return;
+    }
     side_pending_ =
         hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(),
                     norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(),
@@ -242,10 +251,8 @@ class CudaBlocks final : public BlockExecutor {
   }
   void leave(int64_t, Site) override {
     m_.phase(CudaPhase::Residual);
-    if (!hyper_) return void(pending_ = true);
-    if (side_pending_) MOESRV_CUDA_OK(cudaStreamWaitEvent(m_.stream, m_.mhc_side.join, 0));  // post, comb made
-    side_pending_ = false;
-    hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
+    if (!hyper_ || step_) return void(pending_ = true);  // (mHC decode: folded into the next enter)
+    leave_now();
   }
   void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
   void gqa(int64_t l) override {
@@ -268,18 +275,29 @@ class CudaBlocks final : public BlockExecutor {
     embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, !hyper_ ? x() : h(), m_.stream);
     if (hyper_) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
   }
-  // A pipeline stage's end: the pending plain-residual output folded into x (any norm: s.h is scratch here).
+  // A pipeline stage's end: the pending sub-layer output folded into x (any norm: s.h is scratch here).
   void flush(const DevNorm& any_norm) {
-    if (pending_) add_pending_and_norm(any_norm);
+    if (pending_ && hyper_) leave_now();
+    else if (pending_) add_pending_and_norm(any_norm);
   }
   // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
   void final_norm(const DevNorm& norm) {
     if (!hyper_) return add_pending_and_norm(norm);
+    if (pending_) leave_now();
     hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
     rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
   }
 
  private:
+  void join_side() {  // post and comb made on the side stream: before they are read or rewritten
+    if (side_pending_) MOESRV_CUDA_OK(cudaStreamWaitEvent(m_.stream, m_.mhc_side.join, 0));
+    side_pending_ = false;
+  }
+  void leave_now() {  // mHC: the sub-layer output y into the streams
+    join_side();
+    hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
+    pending_ = false;
+  }
   // Plain residual: x += the pending sub-layer output (if any), then h = rms_norm(x) with `norm`.
   void add_pending_and_norm(const DevNorm& norm) {
     add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
@@ -293,8 +311,11 @@ class CudaBlocks final : public BlockExecutor {
   const int64_t S_;
   const int D_, n_;
   const bool hyper_;
-  bool pending_ = false;
-  bool side_pending_ = false;  // hyper_enter made post and comb on m_.mhc_side: join it before they are read
+  // mHC decode: each leave folded into the next enter (hyper_step)
+  const bool step_ =
+      hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_part.bytes() >= hyper_step_scratch(int(S_), n_) * 4;
+  bool pending_ = false;       // a sub-layer's output in y not yet in x (plain: the next norm adds it; mHC: leave)
+  bool side_pending_ = false;  // post and comb being made on m_.mhc_side: join it before they are read
 };
 
 }  // namespace

@@ -65,6 +65,9 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&mhc_side.stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.fork, cudaEventDisableTiming));
   MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.join, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&proj_side.stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&proj_side.fork, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&proj_side.join, cudaEventDisableTiming));
   MOESRV_CUBLAS_OK(cublasCreate(&cublas));
   MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
@@ -119,6 +122,9 @@ CudaEngine::Impl::~Impl() {
   if (mhc_side.fork) cudaEventDestroy(mhc_side.fork);
   if (mhc_side.join) cudaEventDestroy(mhc_side.join);
   if (mhc_side.stream) cudaStreamDestroy(mhc_side.stream);
+  for (cudaEvent_t e : {proj_side.fork, proj_side.join})
+    if (e) cudaEventDestroy(e);
+  if (proj_side.stream) cudaStreamDestroy(proj_side.stream);
   if (stream) cudaStreamDestroy(stream);
 }
 
@@ -428,8 +434,14 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.residual.hyper) {
     s.post = f32(R * c.residual.streams, "mHC post");
     s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
-    const size_t part = hyper_enter_scratch(int(std::min<int64_t>(R, 16)), int(c.residual.streams));
-    if (part) s.hc_part = f32(int64_t(part), "mHC partial sums");
+    const int tokens = int(std::min<int64_t>(R, 16)), n = int(c.residual.streams);
+    const size_t part =
+        std::max(hyper_enter_scratch(tokens, n),
+                 hyper_step_supported(tokens, n, int(c.hidden_size)) ? hyper_step_scratch(tokens, n) : size_t(0));
+    if (part) {
+      s.hc_part = f32(int64_t(part), "mHC partial sums");
+      MOESRV_CUDA_OK(cudaMemsetAsync(s.hc_part.as<void>(), 0, s.hc_part.bytes(), stream));  // hyper_step's counters
+    }
   }
   if (c.has_recurrent_layers()) {
     // KDA: q/k/v projection, conv output, decay, beta, out, low rank, gate. Gated DeltaNet: qkvz then the conv

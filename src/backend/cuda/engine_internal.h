@@ -5,11 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "backend/cold_split.h"
@@ -304,7 +306,8 @@ struct CudaEngine::Impl {
   int64_t layer_begin = 0, layer_end = 0;  // the layers held (CudaEngineOptions); the whole model by default
   std::shared_ptr<cuda::DeviceBudget> budget;
   cudaStream_t stream = nullptr, copy_stream = nullptr;
-  cuda::HyperSide mhc_side;  // decode mHC: the Sinkhorn weights on their own stream (hyper_enter)
+  cuda::HyperSide mhc_side;   // decode mHC: the Sinkhorn weights on their own stream (hyper_enter)
+  cuda::HyperSide proj_side;  // decode: projections that read only s.h, beside the main chain (on_proj_side)
   cublasHandle_t cublas = nullptr;
   cuda::DeviceBuffer cublas_workspace;
 
@@ -347,6 +350,7 @@ struct CudaEngine::Impl {
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
     // fp16 W_hat slabs of the GEMM path.
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
+    cuda::DeviceBuffer x3_xh_side, x3_yr_side;  // the same for one-token calls on proj_side
   } s;
   cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits;
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
@@ -367,6 +371,13 @@ struct CudaEngine::Impl {
   CudaEngineStats stats;
   PhaseClock clock;
   void phase(CudaPhase p) { clock.mark(p, stream); }
+  // Decode (one token): f's launches go to proj_side.stream, forked from `stream` here (f may only read what the
+  // stream made so far), its EXL3 calls through their own scratch; join_proj_side() makes `stream` wait for them.
+  // Without EXL3 side scratch, for S > 1 or with MOESRV_PROJ_SIDE=0, f runs on `stream`.
+  template <class F>
+  void on_proj_side(int64_t S, F&& f);
+  void join_proj_side();
+  bool proj_side_pending = false;
 
   Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o);
   ~Impl();
@@ -403,7 +414,10 @@ struct CudaEngine::Impl {
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
-  void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);  // (linear_attention_engine.cpp)
+  // The k-pool indexer (linear_attention_engine.cpp): kpool_indexer_keys (wk, pool_gate, weights_proj from s.h, the
+  // key norm) first, then kpool_indexer (wq_b from s.q_lat, the scale, the pools, the selection into s.sel).
+  void kpool_indexer_keys(const cuda::DevIndexer& ix, int64_t S);
+  void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
   void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
   void gated_delta(int64_t l, int64_t S);                                // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
@@ -432,5 +446,35 @@ struct CudaEngine::Impl {
     return d_layer_cache.as<cuda::DeviceLayerCache>() + l;
   }
 };
+
+template <class F>
+void CudaEngine::Impl::on_proj_side(int64_t S, F&& f) {
+  static const bool off = [] {  // MOESRV_PROJ_SIDE=0: everything on `stream` (comparisons)
+    const char* v = std::getenv("MOESRV_PROJ_SIDE");
+    return v && std::atoi(v) == 0;
+  }();
+  if (off || S != 1 || !proj_side.stream || (s.x3_yr.bytes() && !s.x3_yr_side.bytes())) return f();
+  MOESRV_CUDA_OK(cudaEventRecord(proj_side.fork, stream));
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(proj_side.stream, proj_side.fork, 0));
+  struct Swap {  // the side's stream and scratch in place of the main ones for f's launches, also on a throw
+    Impl& m;
+    explicit Swap(Impl& e) : m(e) { flip(); }
+    ~Swap() { flip(); }
+    void flip() {
+      std::swap(m.stream, m.proj_side.stream);
+      std::swap(m.s.x3_xh, m.s.x3_xh_side);
+      std::swap(m.s.x3_yr, m.s.x3_yr_side);
+    }
+  } swap(*this);
+  f();
+  proj_side_pending = true;
+}
+
+inline void CudaEngine::Impl::join_proj_side() {
+  if (!proj_side_pending) return;
+  MOESRV_CUDA_OK(cudaEventRecord(proj_side.join, proj_side.stream));
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, proj_side.join, 0));
+  proj_side_pending = false;
+}
 
 }  // namespace moesrv

@@ -62,6 +62,10 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   s.x3_xh = DeviceBuffer(budget, xh, "EXL3 rotated input");
   s.x3_yr = DeviceBuffer(budget, yr, "EXL3 rotated output");
   s.x3_w16 = DeviceBuffer(budget, w16, "EXL3 dequant slab");
+  // one-token calls on proj_side (up to two grouped rows), with as many K parts as on the main stream
+  if (all.in == 0) return;
+  s.x3_xh_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvRows * all.in) * 4, "EXL3 side rotated input");
+  s.x3_yr_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvParts * all.out) * 4, "EXL3 side rotated output");
 }
 
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,

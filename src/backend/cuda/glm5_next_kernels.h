@@ -115,6 +115,17 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
                  float* comb, float* part, cudaStream_t st, void* cublas = nullptr, const HyperSide* side = nullptr);
 // Floats of hyper_enter's part scratch for S tokens (0: S takes another path).
 size_t hyper_enter_scratch(int S, int n);
+// Decode: the previous site's exit (y set: hyper_leave with the post and comb in place) and this site's
+// hyper_enter in one launch (the sums over blocks that own ranges of D, the last block to finish makes h);
+// post and comb are overwritten with this site's, on side->stream as hyper_enter's (same contract), or by that
+// last block. scratch: hyper_step_scratch(S, n) floats, zeroed once before the first call (it holds the blocks'
+// counters, which every call leaves at zero). Returns whether side->join was recorded. Supported: S <= 16, n <= 4,
+// D <= 16384, unless MOESRV_MHC_UNFUSED=1 (comparisons: hyper_enter and hyper_leave apart).
+bool hyper_step_supported(int S, int n, int D);
+size_t hyper_step_scratch(int S, int n);
+bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, const float* scale, const float* base,
+                const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
+                float* comb, float* scratch, cudaStream_t st, const HyperSide* side = nullptr);
 // Sub-layer exit (cpu::Residual::leave): x_j = post_j * y + sum_i comb[i][j] * x_i (old values), in place.
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st);
 // x [S, n*D] = the embedding rows e [S, D] copied to every stream.

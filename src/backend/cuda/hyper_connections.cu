@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -19,6 +20,9 @@ namespace {
 constexpr int kMaxStreams = 8, kThreads = 256, kEnterThreads = 1024;
 constexpr int kSplitTokens = 16;  // hyper_enter: up to this many tokens (with scratch), the split decode path
 constexpr int kDotChunks = 16;    // ... each of them split over up to this many blocks
+constexpr int kStepCols = 128;    // hyper_step: d values per block (times n streams: its threads)
+constexpr int kStepMaxBlocks = 128;
+constexpr int kStepMaxStreams = 4;
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
@@ -279,6 +283,152 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// hyper_step's scratch for S tokens: the blocks' partial sums [S][rows][blocks], the scaled mixing logits [S][mix],
+// then the per-token block counters (uint32, zero between launches).
+struct StepScratch {
+  float *part, *logits;
+  unsigned* count;
+  __host__ __device__ StepScratch(float* base, int S, int n) {
+    const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
+    part = base, logits = base + size_t(S) * rows * kStepMaxBlocks;
+    count = reinterpret_cast<unsigned*>(logits + size_t(S) * mix);
+  }
+  static size_t floats(int S, int n) {
+    const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
+    return size_t(S) * (size_t(rows) * kStepMaxBlocks + mix + 1);
+  }
+};
+
+// The stream products' slot of (i, j), i <= j, row by row (hyper_enter_split_kernel's gram order).
+__host__ __device__ constexpr int pair_slot(int n, int i, int j) { return i * n - i * (i - 1) / 2 + (j - i); }
+
+// Grid (blocks, S), N * kStepCols threads: thread (i, c) owns stream i of column d = blockIdx.x * kStepCols + c.
+// It applies the previous site's leave to that column (y set; hyper_leave_kernel's arithmetic, its stream written
+// back) and adds its share of the mixing logits fn[kk] . X and of the stream products X_i . X_j; the block sums
+// go to the scratch, and the last block of the token to finish adds them up in block order and makes h
+// (hyper_enter_split_kernel's math), the scaled logits for the side stream, or (no side) post and comb itself.
+template <int N>
+__global__ void __launch_bounds__(N* kStepCols)
+    hyper_step_kernel(float* x, const float* y, int D, const float* fn, const float* scale, const float* base,
+                      const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
+                      float* comb, float* scratch, bool side) {
+  constexpr int kMix = (2 + N) * N, kRows = kMix + N * (N + 1) / 2, kWarps = N * kStepCols / 32;
+  const int s = blockIdx.y, S = gridDim.y, blocks = gridDim.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int i = tid / kStepCols, d = blockIdx.x * kStepCols + tid % kStepCols;
+  const bool live = d < D;
+  const int64_t W = int64_t(N) * D;
+  float f[kMix];  // fn is constant: its loads go out before the previous kernel ends
+#pragma unroll
+  for (int kk = 0; kk < kMix; ++kk) f[kk] = live ? __ldg(fn + kk * W + int64_t(i) * D + d) : 0.0f;
+  pdl_enter();
+  const StepScratch sc(scratch, S, N);
+  float* X = x + s * W;
+  float xn[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) xn[j] = live ? X[int64_t(j) * D + d] : 0.0f;
+  __syncthreads();  // the column's old streams read by all its threads before any is overwritten
+  if (y && live) {  // x_j = post_j * y + sum_i comb[i][j] * x_i
+    const float yv = y[int64_t(s) * D + d], *ps = post + s * N, *cs = comb + s * N * N;
+    float old[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) old[j] = xn[j];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float v = ps[j] * yv;
+#pragma unroll
+      for (int a = 0; a < N; ++a) v += cs[a * N + j] * old[a];
+      xn[j] = v;
+    }
+    X[int64_t(i) * D + d] = xn[i];
+  }
+  float acc[kRows];
+  float mine = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (j == i) mine = xn[j];
+#pragma unroll
+  for (int kk = 0; kk < kMix; ++kk) acc[kk] = f[kk] * mine;
+#pragma unroll
+  for (int a = 0; a < N; ++a)
+#pragma unroll
+    for (int b = a; b < N; ++b) acc[kMix + pair_slot(N, a, b)] = a == i ? xn[a] * xn[b] : 0.0f;
+
+  // block sums through shared memory: row r's values [r][thread], then a warp per row
+  extern __shared__ float red[];  // [kRows][N * kStepCols]
+  __shared__ float m_s[kRows];
+  __shared__ float pre_s[kMaxStreams];
+  __shared__ bool last;
+  constexpr int kThreads = N * kStepCols;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) red[r * kThreads + tid] = acc[r];
+  __syncthreads();
+  for (int r = warp; r < kRows; r += kWarps) {
+    float v = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kThreads / 32; ++j) v += red[r * kThreads + j * 32 + lane];
+    v = warp_sum(v);
+    if (lane == 0) sc.part[(int64_t(s) * kRows + r) * kStepMaxBlocks + blockIdx.x] = v;
+  }
+  __threadfence();  // this block's partial sums and stream values, before its count
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(sc.count + s, 1u) == unsigned(blocks - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+
+  // The last block: the sums in block order (a warp per row, a fixed shuffle tree), then h over all of D.
+  for (int r = warp; r < kRows; r += kWarps) {
+    const float* p = sc.part + (int64_t(s) * kRows + r) * kStepMaxBlocks;
+    float v = 0.0f;
+    for (int b = lane; b < blocks; b += 32) v += __ldcg(p + b);
+    v = warp_sum(v);
+    if (lane == 0) m_s[r] = v;
+  }
+  __syncthreads();
+  const float* gram = m_s + kMix;
+  float xx = 0.0f;
+#pragma unroll
+  for (int a = 0; a < N; ++a) xx += gram[pair_slot(N, a, a)];
+  const float rr = 1.0f / sqrtf(xx / float(W) + rms_eps);
+  __syncthreads();
+  if (tid < kMix) m_s[tid] *= rr;
+  __syncthreads();
+  float pre[N];
+#pragma unroll
+  for (int a = 0; a < N; ++a) pre[a] = sigmoidf(m_s[a] * scale[0] + base[a]) + hc_eps;
+  float hss = 0.0f;  // sum_d (sum_i pre_i X_i[d])^2
+#pragma unroll
+  for (int a = 0; a < N; ++a)
+#pragma unroll
+    for (int b = 0; b < N; ++b) hss += pre[a] * pre[b] * gram[a <= b ? pair_slot(N, a, b) : pair_slot(N, b, a)];
+  const float inv = 1.0f / sqrtf(fmaxf(hss, 0.0f) / float(D) + rms_eps);
+  float* hs = h + int64_t(s) * D;
+#pragma unroll 8
+  for (int e = tid; e < D; e += blockDim.x) {
+    float v = 0.0f;
+#pragma unroll
+    for (int a = 0; a < N; ++a) v += pre[a] * __ldcg(X + int64_t(a) * D + e);
+    hs[e] = (v * inv) * norm_w[e];
+  }
+  if (side) {
+    if (tid < kMix) sc.logits[s * kMix + tid] = m_s[tid];
+  } else if (tid < 32) {
+    mix_weights(m_s, N, scale, base, hc_eps, sinkhorn_iters, pre_s, post + s * N, comb + s * N * N);
+  }
+  if (tid == 0) sc.count[s] = 0;  // for the next launch
+}
+
+// post and comb of hyper_step's tokens from the scaled logits it left (one warp per token, on the side stream).
+__global__ void hyper_weights_kernel(const float* logits, int n, const float* scale, const float* base, float hc_eps,
+                                     int sinkhorn_iters, float* post, float* comb) {
+  pdl_enter();
+  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
+  const int s = blockIdx.x, mix = (2 + n) * n;
+  for (int kk = threadIdx.x; kk < mix; kk += 32) m_s[kk] = logits[s * mix + kk];
+  __syncwarp();
+  mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post + s * n, comb + s * n * n);
+}
+
 __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, const float* comb, int n, int D) {
   pdl_enter();
   const int s = blockIdx.y;
@@ -331,6 +481,50 @@ void side_ok(cudaError_t e, const char* what) {
 
 size_t hyper_enter_scratch(int S, int n) {
   return S <= kSplitTokens ? size_t(S) * size_t((2 + n) * n + n * (n + 1) / 2) * kDotChunks : 0;
+}
+
+bool hyper_step_supported(int S, int n, int D) {
+  static const bool off = env_flag("MOESRV_MHC_UNFUSED");  // comparisons: hyper_enter and hyper_leave apart
+  return !off && S >= 1 && S <= kSplitTokens && n >= 1 && n <= kStepMaxStreams && D >= 1 &&
+         D <= kStepCols * kStepMaxBlocks;
+}
+
+size_t hyper_step_scratch(int S, int n) { return StepScratch::floats(S, n); }
+
+bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, const float* scale, const float* base,
+                const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
+                float* comb, float* scratch, cudaStream_t st, const HyperSide* side) {
+  if (!hyper_step_supported(S, n, D))
+    throw std::runtime_error("hyper_step: " + std::to_string(S) + " tokens, " + std::to_string(n) + " streams, D " +
+                             std::to_string(D) + " not supported");
+  const dim3 grid(unsigned(ceil_div(D, kStepCols)), unsigned(S));
+  auto go = [&](auto kernel, auto streams) {
+    constexpr int N = decltype(streams)::value, threads = N * kStepCols;
+    const size_t smem = size_t((2 + N) * N + N * (N + 1) / 2) * threads * sizeof(float);
+    static const bool sized = [&] {  // over the default 48 KB (per kernel, once)
+      side_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "cudaFuncSetAttribute");
+      return true;
+    }();
+    (void)sized;
+    launch(kernel, grid, threads, smem, st, x, y, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
+           comb, scratch, side != nullptr);
+  };
+  switch (n) {
+    case 1: go(hyper_step_kernel<1>, std::integral_constant<int, 1>{}); break;
+    case 2: go(hyper_step_kernel<2>, std::integral_constant<int, 2>{}); break;
+    case 3: go(hyper_step_kernel<3>, std::integral_constant<int, 3>{}); break;
+    default: go(hyper_step_kernel<4>, std::integral_constant<int, 4>{});
+  }
+  MOESRV_CUDA_LAUNCH_CHECK();
+  if (!side) return false;
+  side_ok(cudaEventRecord(side->fork, st), "cudaEventRecord");
+  side_ok(cudaStreamWaitEvent(side->stream, side->fork, 0), "cudaStreamWaitEvent");
+  launch(hyper_weights_kernel, unsigned(S), 32, 0, side->stream, StepScratch(scratch, S, n).logits, n, scale, base,
+         hc_eps, sinkhorn_iters, post, comb);
+  MOESRV_CUDA_LAUNCH_CHECK();
+  side_ok(cudaEventRecord(side->join, side->stream), "cudaEventRecord");
+  return true;
 }
 
 bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const float* scale, const float* base,

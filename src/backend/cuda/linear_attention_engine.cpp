@@ -21,18 +21,22 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   phase(CudaPhase::LinearProj);
 
   if (S == 1 && kda_decode_supported(d, d, K)) {  // decode: everything between the linears in one launch
+    const bool fg = w.fg_a && w.fg_b && rows >= 2;
+    if (fg) gate = g + Hd;
+    on_proj_side(S, [&] {  // the small projections beside q|k|v
+      linear(w.b, h, S, beta);
+      if (fg) {  // f_a | g_a, then f_b | g_b: low rows 0, 1 -> g = lg row 0, gate = row 1
+        exl3_group(w.fg_a, w.f_a.x3[0].w, Exl3Src{h, c.hidden_size, nullptr, 2}, low, d);
+        exl3_group(w.fg_b, w.f_b.x3[0].w, Exl3Src{low, d}, g, Hd);
+      } else {
+        linear(w.f_a, h, S, low);
+        linear(w.f_b, low, S, g);
+        linear(w.g_a, h, S, low);
+        linear(w.g_b, low, S, gate);
+      }
+    });
     linear(w.qkv, h, S, s.lraw.as<float>());
-    linear(w.b, h, S, beta);
-    if (w.fg_a && w.fg_b && rows >= 2) {  // f_a | g_a, then f_b | g_b: low rows 0, 1 -> g = lg row 0, gate = row 1
-      exl3_group(w.fg_a, w.f_a.x3[0].w, Exl3Src{h, c.hidden_size, nullptr, 2}, low, d);
-      exl3_group(w.fg_b, w.f_b.x3[0].w, Exl3Src{low, d}, g, Hd);
-      gate = g + Hd;
-    } else {
-      linear(w.f_a, h, S, low);
-      linear(w.f_b, low, S, g);
-      linear(w.g_a, h, S, low);
-      linear(w.g_b, low, S, gate);
-    }
+    join_proj_side();
     KdaDecodeArgs a;
     a.heads = H, a.dk = d, a.dv = d, a.conv_k = K;
     a.qkv = s.lraw.as<float>(), a.conv_w = w.conv.as<float>(), a.conv_state = st.conv;
@@ -99,15 +103,21 @@ void CudaEngine::Impl::gated_delta(int64_t l, int64_t S) {
   linear(w.out, o, S, s.y.as<float>());
 }
 
+void CudaEngine::Impl::kpool_indexer_keys(const DevIndexer& ix, int64_t S) {
+  const int d = int(c.index_head_dim);
+  float *ik = s.ik.as<float>(), *ig = s.ig.as<float>(), *ihw = s.ihw.as<float>();
+  linear(ix.wk, s.h.as<float>(), S, ik);
+  linear(ix.pool_gate, s.h.as<float>(), S, ig);
+  linear(ix.weights_proj, s.h.as<float>(), S, ihw);
+  layer_norm(ik, ix.k_norm.w.as<float>(), ix.k_norm.b.as<float>(), int(S), d, 1e-6f, ik, stream);
+}
+
 void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
   const LayerState& st = cur_state[size_t(l)];
   const int nh = int(c.index_n_heads), d = int(c.index_head_dim), kp = int(c.index_kpool);
   float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ig = s.ig.as<float>(), *ihw = s.ihw.as<float>();
   linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
-  linear(ix.wk, s.h.as<float>(), S, ik);
-  linear(ix.pool_gate, s.h.as<float>(), S, ig);
-  linear(ix.weights_proj, s.h.as<float>(), S, ihw);
-  layer_norm(ik, ix.k_norm.w.as<float>(), ix.k_norm.b.as<float>(), int(S), d, 1e-6f, ik, stream);
+  join_proj_side();  // kpool_indexer_keys' outputs (run before, here or on the side)
   const float head_scale = 1.0f / std::sqrt(float(nh));
   MOESRV_CUBLAS_OK(cublasSscal(cublas, int(S) * nh, &head_scale, ihw, 1));
   kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
