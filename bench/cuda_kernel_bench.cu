@@ -200,10 +200,10 @@ struct Buffers {
   float *q_lat, *q, *kv, *qcat, *olat, *attn_out, *part;
   float *iq, *ik, *ig, *ihw;
   int32_t* sel;
-  float *logits_r, *w, *gu, *act, *mgu, *ysorted, *logits;
+  float *logits_r, *route_part, *w, *gu, *act, *mgu, *ysorted, *logits;
   int32_t *ids, *pair_ids, *tri_ids,
       *rand_ids;  // rand_ids [kCalls][KK]: the shared expert E, then 8 distinct random experts
-  uint32_t *counts, *tokens;
+  uint32_t *counts, *tokens, *route_ticket;
 } B;
 
 // One context length: latent caches (rotating copies), pooled keys, random selections, position ctx - 1.
@@ -300,6 +300,7 @@ void setup(std::mt19937& rng) {
   B.pair_ids = upload(std::vector<int32_t>{0, 1}), B.tri_ids = upload(std::vector<int32_t>{0, 1, 2});
   B.rand_ids = upload(ids), B.ids = upload(std::vector<int32_t>(ids.begin(), ids.begin() + KK));
   B.counts = upload(std::vector<uint32_t>(E + 1, 0)), B.tokens = upload(std::vector<uint32_t>(1, 0));
+  B.route_part = dalloc<float>(route_fused_floats(1, E, D)), B.route_ticket = upload(std::vector<uint32_t>(1, 0));
 }
 
 // ---- the engine's launch sequences (same order and arguments as its decode path)
@@ -480,11 +481,16 @@ void router(int i) {
   const float one = 1.0f, zero = 0.0f;
   CB(cublasSgemm(g_blas, CUBLAS_OP_T, CUBLAS_OP_N, E, 1, D, &one, W.router[i], D, B.h, D, &zero, B.logits_r, E));
 }
-void route_call() {
+RouterArgs router_args() {
   RouterArgs ra;
   ra.E = E, ra.groups = 1, ra.topk_groups = 1, ra.k = TOPK, ra.norm_topk = true, ra.softmax = false;
   ra.scaling = ROUTED_SCALING, ra.shared_id = E, ra.counts = B.counts, ra.tokens = B.tokens;
-  route(B.logits_r, W.router_bias, 1, ra, B.ids, B.w, g_st);
+  return ra;
+}
+void route_call() { route(B.logits_r, W.router_bias, 1, router_args(), B.ids, B.w, g_st); }
+void route_fused_call(int i) {  // Impl::moe for decode: the logits and the routing in one launch
+  g_bytes += double(E) * D * 4;
+  route_fused(W.router[i], B.h, W.router_bias, 1, D, router_args(), B.route_part, B.route_ticket, B.ids, B.w, g_st);
 }
 // One grouped projection over M entries (expert ids[r]; the tab holds E + 1 per projection). Down reads the SwiGLU
 // of the gate|up rows while rotating its input (Impl::moe_exl3_grouped).
@@ -507,8 +513,7 @@ void experts(const int32_t* ids, int M) {
   experts_part(2, ids, M);
 }
 void moe(int i) {  // Impl::moe, all experts in VRAM, shared expert grouped with the routed ones
-  router(i);
-  route_call();
+  route_fused_call(i);
   experts(B.ids, KK);
   moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true);
 }
@@ -678,6 +683,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
 
   bench("MoE cuBLAS Sgemm router 288x4096 fp32", [](int i) { router(i); });
   bench("MoE route sigmoid top-8 + shared + counts", [](int) { route_call(); });
+  bench("MoE router + route fused (one launch)", [](int i) { route_fused_call(i); });
   bench("MoE EXL3 experts gate, 9x 2048x4096", [](int i) { experts_part(0, B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts gate|up, 2x 9x 2048x4096", [](int i) { experts_gate_up(B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts down, 9x 4096x2048 (SwiGLU in)",

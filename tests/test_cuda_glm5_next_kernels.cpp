@@ -870,6 +870,133 @@ TEST(CudaGlm5NextKernels, SigmoidRouterMatchesRouteToken) {
   }
 }
 
+// cuda::route_fused (router logits + routing in one launch) bitwise vs cuda::route on the same logits, and vs
+// route_token. Weights and hidden rows are small dyadic numbers, so every fp32 summation order gives the exact logits
+// (and many ties). Launches follow each other on one ticket; the first has no correction bias, so that the GPU's and
+// the CPU's sigmoids (an ulp apart) cannot swap near-tied choices against route_token. Then a graph is replayed.
+std::vector<float> dyadic(size_t n, int lo, int hi, float denom, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = float(u(rng)) / denom;
+  return v;
+}
+
+TEST(CudaGlm5NextKernels, FusedRouterMatchesRouteToken) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    RouterKind kind;
+    int E, k, groups, topk_groups, D;
+    bool shared;
+  };
+  const Case cases[] = {{RouterKind::SigmoidGroup, 288, 8, 1, 1, 4096, true},
+                        {RouterKind::SigmoidGroup, 288, 8, 1, 1, 4096, false},
+                        {RouterKind::SigmoidGroup, 256, 8, 8, 4, 3000, true},  // a partial last column slice
+                        {RouterKind::SigmoidGroup, 1024, 16, 16, 3, 1024, false},
+                        {RouterKind::Softmax, 512, 10, 1, 1, 2048, false},
+                        {RouterKind::Softmax, 64, 4, 8, 3, 64, true}};
+  uint32_t seed = 600;
+  for (const Case& cs : cases)
+    for (int S : {1, 3, 8}) {
+      const ModelSpec c = router_config(cs.kind, cs.E, cs.k, cs.groups, cs.topk_groups, true, 2.5);
+      const std::vector<float> router = dyadic(size_t(cs.E) * cs.D, -4, 4, 64.0f, seed++);
+      const std::vector<float> bias = uniform(size_t(cs.E), -0.05f, 0.05f, seed++), no_bias(size_t(cs.E), 0.0f);
+      const int row = cs.k + (cs.shared ? 1 : 0);
+      Dev<float> drouter(router), dbias(size_t(cs.E)), dh(size_t(S) * cs.D), dlogits(size_t(S) * cs.E);
+      Dev<float> dpart(cuda::route_fused_floats(S, cs.E, cs.D)), dw(size_t(S) * row), dw_ref(size_t(S) * row);
+      Dev<int32_t> dids(size_t(S) * row), dids_ref(size_t(S) * row);
+      Dev<uint32_t> dcounts(size_t(cs.E)), dcounts_ref(size_t(cs.E)), dtokens(1), dtokens_ref(1);
+      Dev<unsigned> ticket(1);
+      ASSERT_TRUE(cuda::route_fused_supported(S, cs.E, cs.D, drouter.get(), dh.get()));
+      cuda::RouterArgs ra;
+      ra.E = cs.E, ra.groups = cs.groups, ra.topk_groups = cs.topk_groups, ra.k = cs.k, ra.scaling = 2.5f;
+      ra.softmax = cs.kind == RouterKind::Softmax, ra.shared_id = cs.shared ? cs.E : -1;
+      cuda::RouterArgs ra_ref = ra;
+      ra.counts = dcounts.get(), ra.tokens = dtokens.get();
+      ra_ref.counts = dcounts_ref.get(), ra_ref.tokens = dtokens_ref.get();
+      const std::string what = "E " + std::to_string(cs.E) + " D " + std::to_string(cs.D) + " S " + std::to_string(S);
+      for (int launch = 0; launch < 3; ++launch) {  // one ticket, launches in a row
+        const std::vector<float> h = dyadic(size_t(S) * cs.D, -8, 8, 32.0f, seed++);
+        std::vector<float> logits(size_t(S) * cs.E);
+        for (int t = 0; t < S; ++t)
+          for (int e = 0; e < cs.E; ++e) {
+            double acc = 0;
+            for (int d = 0; d < cs.D; ++d) acc += double(router[size_t(e) * cs.D + d]) * h[size_t(t) * cs.D + d];
+            logits[size_t(t) * cs.E + e] = float(acc);  // exact
+          }
+        dh.put(h), dlogits.put(logits), dbias.put(launch == 0 ? no_bias : bias);
+        cuda::route_fused(drouter.get(), dh.get(), dbias.get(), S, cs.D, ra, dpart.get(), ticket.get(), dids.get(),
+                          dw.get(), nullptr);
+        cuda::route(dlogits.get(), dbias.get(), S, ra_ref, dids_ref.get(), dw_ref.get(), nullptr);
+        const std::vector<int32_t> ids = dids.host();
+        const std::vector<float> w = dw.host();
+        EXPECT_EQ(ids, dids_ref.host()) << what;
+        EXPECT_EQ(w, dw_ref.host()) << what;
+        for (int t = 0; t < S && launch == 0; ++t) {
+          const RoutedExperts r = route_token(logits.data() + int64_t(t) * cs.E, no_bias.data(), c);
+          const size_t first = size_t(t) * row + (cs.shared ? 1 : 0);
+          if (cs.shared) {
+            EXPECT_EQ(ids[first - 1], cs.E) << what << " token " << t;
+            EXPECT_EQ(w[first - 1], 1.0f) << what << " token " << t;
+          }
+          for (int j = 0; j < cs.k; ++j) {
+            EXPECT_EQ(ids[first + j], r.ids[size_t(j)]) << what << " token " << t << " pick " << j;
+            EXPECT_NEAR(w[first + j], r.weights[size_t(j)], 1e-6f * std::max(1.0f, r.weights[size_t(j)]))
+                << what << " token " << t << " pick " << j;
+          }
+        }
+        EXPECT_EQ(ticket.host(), std::vector<unsigned>{0u}) << what;
+      }
+      EXPECT_EQ(dcounts.host(), dcounts_ref.host()) << what;
+      EXPECT_EQ(dtokens.host(), std::vector<uint32_t>{uint32_t(3 * S)}) << what;
+    }
+}
+
+// route_fused captured once in a CUDA graph and replayed with new hidden rows: every replay routes its own rows
+// (no correction bias, as above).
+TEST(CudaGlm5NextKernels, FusedRouterGraphReplays) {
+  SKIP_WITHOUT_DEVICE();
+  const int E = 288, k = 8, D = 4096, S = 1;
+  const ModelSpec c = router_config(RouterKind::SigmoidGroup, E, k, 1, 1, true, 2.5);
+  const std::vector<float> router = dyadic(size_t(E) * D, -4, 4, 64.0f, 700);
+  const std::vector<float> bias(size_t(E), 0.0f);
+  Dev<float> drouter(router), dbias(bias), dh(size_t(S) * D), dpart(cuda::route_fused_floats(S, E, D)),
+      dw(static_cast<size_t>(k));
+  Dev<int32_t> dids(static_cast<size_t>(k));
+  Dev<unsigned> ticket(1);
+  cuda::RouterArgs ra;
+  ra.E = E, ra.k = k, ra.scaling = 2.5f;
+  cudaStream_t st = nullptr;
+  ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < 2; ++i)  // two launches per replay (the second routes the same rows)
+    cuda::route_fused(drouter.get(), dh.get(), dbias.get(), S, D, ra, dpart.get(), ticket.get(), dids.get(), dw.get(),
+                      st);
+  ok(cudaStreamEndCapture(st, &graph));
+  ok(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 5; ++replay) {
+    const std::vector<float> h = dyadic(size_t(D), -8, 8, 32.0f, 702 + uint32_t(replay));
+    std::vector<float> logits(static_cast<size_t>(E));
+    for (int e = 0; e < E; ++e) {
+      double acc = 0;
+      for (int d = 0; d < D; ++d) acc += double(router[size_t(e) * D + d]) * h[size_t(d)];
+      logits[size_t(e)] = float(acc);
+    }
+    dh.put(h);
+    ok(cudaGraphLaunch(exec, st));
+    ok(cudaStreamSynchronize(st));
+    const RoutedExperts r = route_token(logits.data(), bias.data(), c);
+    EXPECT_EQ(dids.host(), r.ids) << "replay " << replay;
+    EXPECT_LT(rel_err(dw.host(), r.weights), 1e-6) << "replay " << replay;
+    EXPECT_EQ(ticket.host(), std::vector<unsigned>{0u}) << "replay " << replay;
+  }
+  ok(cudaGraphExecDestroy(exec));
+  ok(cudaGraphDestroy(graph));
+  ok(cudaStreamDestroy(st));
+}
+
 // ---------------------------------------------------------------- clamped SwiGLU
 
 TEST(CudaGlm5NextKernels, SiluMulClamped) {

@@ -470,7 +470,11 @@ void CudaEngine::Impl::allocate_scratch() {
     // Rows of expert work: moe_rows tokens x k, or (grouped decode with the shared expert) 8 tokens x (1 + k).
     const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1)), P = std::max(R * k, M);
     moe_wave_rows = opt.moe_wave_rows > 0 ? std::min(opt.moe_wave_rows, M) : M;
-    s.logits_r = f32(R * E, "router logits");
+    // router logits; decode (route_fused): the per-slice partial logits
+    s.logits_r =
+        f32(std::max(R * E, int64_t(route_fused_floats(kRouteFusedMaxTokens, int(E), int(D)))), "router logits");
+    s.route_ticket = DeviceBuffer(budget, 4, "router ticket");
+    MOESRV_CUDA_OK(cudaMemsetAsync(s.route_ticket.as<void>(), 0, 4, stream));
     s.ids = DeviceBuffer(budget, size_t(P) * 4, "expert ids");
     s.w = f32(P, "expert weights");
     s.mgu = f32(M * 2 * I, "expert gate/up");

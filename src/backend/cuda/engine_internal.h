@@ -346,6 +346,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer row_expert;  // expert of each sorted row of a planned pass (grouped EXL3 waves)
+    cuda::DeviceBuffer route_ticket;  // route_fused's block counter (zeroed once; each launch leaves it at zero)
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
     // fp16 W_hat slabs of the GEMM path.

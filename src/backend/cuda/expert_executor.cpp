@@ -25,11 +25,7 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   DevMoe& m = *layers[size_t(l)].moe;
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.experts_per_token, I = c.moe_intermediate_size;
   float *h = s.h.as<float>(), *y = s.y.as<float>();
-  const float one = 1.0f, zero = 0.0f;
   phase(CudaPhase::Router);
-  // Router logits in fp32 (expert choice is sensitive to rounding).
-  MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, m.router.as<float>(),
-                               int(D), h, int(D), &zero, s.logits_r.as<float>(), int(E)));
   RouterArgs ra;
   ra.E = int(E);
   ra.groups = int(c.n_group);
@@ -41,16 +37,25 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.counts = d_usage.as<uint32_t>() + l * E;
   ra.tokens = d_usage_tokens.as<uint32_t>() + l;
   const bool grouped = m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped);
-  if (grouped && m.shared_grouped) {
-    // Shared and routed experts in the same grouped launches; the combine writes y (shared first, weight 1).
-    ra.shared_id = int(E);
+  // Shared and routed experts in the same grouped launches: routing rows [shared | k picks].
+  if (grouped && m.shared_grouped) ra.shared_id = int(E);
+  // Router logits in fp32 (expert choice is sensitive to rounding); for decode, logits and routing in one launch.
+  const float* router = m.router.as<float>();
+  if (route_fused_supported(int(S), int(E), int(D), router, h)) {
+    route_fused(router, h, m.router_bias.as<float>(), int(S), int(D), ra, s.logits_r.as<float>(),
+                s.route_ticket.as<unsigned>(), s.ids.as<int32_t>(), s.w.as<float>(), stream);
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
+                                 int(D), &zero, s.logits_r.as<float>(), int(E)));
     route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
+  }
+  if (grouped && m.shared_grouped) {  // the combine writes y (shared first, weight 1)
     phase(CudaPhase::Experts);
     moe_exl3_grouped(m, S);
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k + 1), int(D), stream, true);
     return;
   }
-  route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
   phase(CudaPhase::Experts);
   if (m.shared) {
     mlp(*m.shared, h, S, y);

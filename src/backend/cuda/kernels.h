@@ -109,6 +109,17 @@ struct RouterArgs {
 };
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st);
+// The router logits and route() in one launch, for decode: logits[s][e] = router[e] . h[s] (fp32; router [E][D],
+// h [S][D], rows 16-byte aligned, D % 4 == 0, S <= kRouteFusedMaxTokens) summed by many blocks per 1024-column slice
+// into `part` (route_fused_floats), then the last block to finish routes every token as route() (same picks and
+// weights for the same logits; the logits' summation order differs from cuBLAS). ticket: a device counter, zero
+// before the first launch; the last block resets it, so launches (and graph replays) follow each other freely on
+// one stream, never two at once on one ticket.
+constexpr int kRouteFusedMaxTokens = 8;
+bool route_fused_supported(int S, int E, int D, const float* router, const float* h);
+size_t route_fused_floats(int S, int E, int D);
+void route_fused(const float* router, const float* h, const float* bias, int S, int D, const RouterArgs& a, float* part,
+                 unsigned* ticket, int32_t* ids, float* weights, cudaStream_t st);
 
 // Gated shared expert (Qwen3-Next): y[s] *= sigmoid(x[s] . w) per token; x, y [S][D], w [D] (fp32).
 void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st);

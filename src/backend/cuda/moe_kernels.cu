@@ -1,6 +1,8 @@
-// Router (sigmoid with correction bias, or softmax; group-limited top-k), the shared expert's sigmoid gate, grouped
-// expert GEMVs for decode, and the weighted combine of expert outputs.
+// Router (sigmoid with correction bias, or softmax; group-limited top-k; for decode also fused with its fp32 logits),
+// the shared expert's sigmoid gate, grouped expert GEMVs for decode, and the weighted combine of expert outputs.
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
@@ -23,18 +25,16 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// One warp per token (kRouteWarps tokens per block). Lane l owns experts l, l+32, ...; every choice is a warp argmax
-// over the lanes' best candidates, so the result is the CPU router's (route_token): ties to the lower index.
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    route_kernel(const float* logits, const float* bias, int S, RouterArgs a, int32_t* ids, float* weights) {
-  pdl_enter();
-  extern __shared__ float sm[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, s = blockIdx.x * kRouteWarps + warp;
-  if (s >= S) return;                         // warp-uniform; no block barrier below
-  float* score = sm + warp * (2 * a.E + 64);  // sigmoid(logit), or the softmax probability
-  float* choice = score + a.E;                // score (+ bias when sigmoid), -inf outside the kept groups
-  float* gscore = choice + a.E;               // group scores (<= 64 groups)
-  const float* lg = logits + int64_t(s) * a.E;
+// Routes token s with one warp (lanes own experts l, l+32, ...; every choice is a warp argmax over the lanes' best
+// candidates, so the result is the CPU router's, route_token: ties to the lower index). lg: the token's E logits;
+// sm: 2E + 64 floats of the warp's shared memory. lg may be sm itself (each lane reads lg[e] only before it writes
+// sm[e], the same e).
+__device__ void route_warp(const float* lg, const float* bias, int s, int S, const RouterArgs& a, float* sm,
+                           int32_t* ids, float* weights) {
+  const int lane = threadIdx.x & 31;
+  float* score = sm;             // sigmoid(logit), or the softmax probability
+  float* choice = score + a.E;   // score (+ bias when sigmoid), -inf outside the kept groups
+  float* gscore = choice + a.E;  // group scores (<= 64 groups)
   if (a.softmax) {  // as route_token: max, exp(l - max), the sum in double in expert order, then the quotients
     float m = -INFINITY;
     for (int e = lane; e < a.E; e += 32) m = fmaxf(m, lg[e]);
@@ -70,8 +70,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     for (int pick = 0; pick < a.topk_groups; ++pick) {
       float v = -INFINITY;
       int i = -1;
-      for (int g = lane; g < a.groups; g += 32)
-        if (!(kept >> g & 1ull) && (i < 0 || gscore[g] > v)) v = gscore[g], i = g;
+      for (int g = lane; g < a.groups; g += 32) {
+        const float c = gscore[g];
+        if (!(kept >> g & 1ull) && (i < 0 || c > v)) v = c, i = g;
+      }
       warp_argmax(v, i);
       kept |= 1ull << i;
     }
@@ -80,19 +82,21 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     __syncwarp();
   }
   uint32_t taken = 0;  // bit j: expert lane + 32 j is chosen
-  float my_w = 0.0f, sum = 0.0f;
   int my_id = -1;
   for (int j = 0; j < a.k; ++j) {
     float v = -INFINITY;
     int i = -1;
-    for (int e = lane, b = 0; e < a.E; e += 32, ++b)
-      if (!(taken >> b & 1u) && (i < 0 || choice[e] > v)) v = choice[e], i = e;
+    for (int e = lane, b = 0; e < a.E; e += 32, ++b) {
+      const float c = choice[e];  // loaded unconditionally: the loads pipeline
+      if (!(taken >> b & 1u) && (i < 0 || c > v)) v = c, i = e;
+    }
     warp_argmax(v, i);
     if ((i & 31) == lane) taken |= 1u << (i >> 5);
-    const float w = score[i];
-    sum += w;  // in pick order, as the CPU
-    if (lane == j) my_w = w, my_id = i;
+    if (lane == j) my_id = i;
   }
+  const float my_w = lane < a.k ? score[my_id] : 0.0f;
+  float sum = 0.0f;
+  for (int j = 0; j < a.k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);  // in pick order, as the CPU
   const int row = a.k + (a.shared_id >= 0 ? 1 : 0), first = row - a.k;
   if (lane < a.k) {
     float w = my_w;
@@ -106,6 +110,119 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
     weights[int64_t(s) * row] = 1.0f;
   }
   if (lane == 0 && s == 0 && a.tokens) atomicAdd(a.tokens, uint32_t(S));
+}
+
+// One warp per token (kRouteWarps tokens per block).
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    route_kernel(const float* logits, const float* bias, int S, RouterArgs a, int32_t* ids, float* weights) {
+  pdl_enter();
+  extern __shared__ float sm[];
+  const int warp = threadIdx.x >> 5, s = blockIdx.x * kRouteWarps + warp;
+  if (s >= S) return;  // warp-uniform; no block barrier below
+  route_warp(logits + int64_t(s) * a.E, bias, s, S, a, sm + warp * (2 * a.E + 64), ids, weights);
+}
+
+// route_fused: block (bx, by) = 8 router rows (a warp each) x one slice of kFusedCols columns. Lane l holds the
+// float4s l + 32 j (j < 8) of its row's slice, loaded before pdl_enter (the router is a weight). The slice of the S
+// hidden rows is staged in shared memory; part[by][s][e] = the slice's dot. The last block to draw a ticket resets
+// it, adds the slices in order into shared memory and routes token s with warp s (route_warp).
+constexpr int kFusedWarps = 8, kFusedVec = 8, kFusedCols = 32 * 4 * kFusedVec;
+static_assert(kFusedCols == 4 * kFusedWarps * 32 && kFusedVec == 8 && kRouteFusedMaxTokens <= 32,
+              "route_fused_kernel: a float4 of each hidden row per thread, 8 float4s of a router row per lane");
+
+__global__ void __launch_bounds__(kFusedWarps * 32)
+    route_fused_kernel(const float* router, const float* h, const float* bias, int S, int D, RouterArgs a, float* part,
+                       unsigned* ticket, int32_t* ids, float* weights) {
+  extern __shared__ __align__(16) float sm[];
+  __shared__ bool last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = blockIdx.x * kFusedWarps + warp;
+  const int c0 = blockIdx.y * kFusedCols;
+  float4 w[kFusedVec];
+#pragma unroll
+  for (int j = 0; j < kFusedVec; ++j) {
+    const int c = c0 + 4 * (lane + 32 * j);
+    w[j] = e < a.E && c < D ? __ldg(reinterpret_cast<const float4*>(router + int64_t(e) * D + c))
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  // the bias (a weight) into L2 for whichever block routes
+  if (blockIdx.y == 0 && lane == 0 && e < a.E && e % 32 == 0 && !a.softmax)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(bias + e));
+  pdl_enter();
+  float4* hs = reinterpret_cast<float4*>(sm);  // [S][kFusedCols / 4]: thread t stages float4 t of each row
+  float4 hv[kRouteFusedMaxTokens];
+  const int ct = c0 + 4 * threadIdx.x;
+#pragma unroll
+  for (int s = 0; s < kRouteFusedMaxTokens; ++s)
+    hv[s] = s < S && ct < D ? *reinterpret_cast<const float4*>(h + int64_t(s) * D + ct)
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int s = 0; s < kRouteFusedMaxTokens; ++s)
+    if (s < S) hs[s * (kFusedCols / 4) + threadIdx.x] = hv[s];
+  __syncthreads();
+  if (e < a.E) {  // warp-uniform
+    float acc[kRouteFusedMaxTokens];
+#pragma unroll
+    for (int s = 0; s < kRouteFusedMaxTokens; ++s) {
+      acc[s] = 0.0f;
+      if (s < S) {
+        float d[kFusedVec];
+#pragma unroll
+        for (int j = 0; j < kFusedVec; ++j) {
+          const float4 x = hs[s * (kFusedCols / 4) + lane + 32 * j];
+          d[j] = w[j].x * x.x + w[j].y * x.y + w[j].z * x.z + w[j].w * x.w;
+        }
+        acc[s] = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
+      }
+    }
+    if (S == 1) {
+      acc[0] = warp_sum(acc[0]);
+    } else {  // the tokens' shuffle rounds interleaved
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int s = 0; s < kRouteFusedMaxTokens; ++s) acc[s] += __shfl_xor_sync(0xffffffffu, acc[s], o);
+    }
+#pragma unroll
+    for (int s = 0; s < kRouteFusedMaxTokens; ++s)
+      if (lane == s && s < S) part[(int64_t(blockIdx.y) * S + s) * a.E + e] = acc[s];
+  }
+  __threadfence();  // the partial sums before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) *ticket = 0;  // every block has drawn: ready for the next launch (graph replays)
+  // Logits (the slices added in order) into each token's score array, the bias after the S arrays. A thread takes 4
+  // entries at a time, indices clamped so that the loads are unconditional and in flight together.
+  const int n = S * a.E, span = 2 * a.E + 64, threads = kFusedWarps * 32;
+  float* bias_s = sm + S * span;
+  for (int i0 = threadIdx.x; i0 < n; i0 += 4 * threads) {
+    int i[4];
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f}, b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) i[u] = min(i0 + u * threads, n - 1);
+    if (!a.softmax)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) b[u] = bias[min(i[u], a.E - 1)];
+    for (int y = 0; y < int(gridDim.y); ++y) {
+      const float* p = part + int64_t(y) * n;
+      float t[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) t[u] = __ldcg(p + i[u]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] += t[u];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (i0 + u * threads < n) sm[(i[u] / a.E) * span + i[u] % a.E] = v[u];
+      if (i0 + u * threads < a.E) bias_s[i[u]] = b[u];
+    }
+  }
+  __syncthreads();
+  if (warp >= S) return;  // warp-uniform; no block barrier below
+  float* lg = sm + warp * span;
+  route_warp(lg, bias_s, warp, S, a, lg, ids, weights);
 }
 
 // Block per token: y[s] *= sigmoid(x[s] . w).
@@ -153,17 +270,45 @@ __global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap
   }
 }
 
+void check_router(const RouterArgs& a, const char* who) {
+  if (a.groups < 1 || a.groups > 64 || a.E % a.groups != 0 || a.E > 32 * kRouteMaxPerLane || a.topk_groups < 1 ||
+      a.topk_groups > a.groups || a.k < 1 || a.k > 32 || a.k > a.E)
+    throw std::runtime_error(std::string(who) + ": " + std::to_string(a.E) + " experts in " + std::to_string(a.groups) +
+                             " groups, top-" + std::to_string(a.k) + " is not supported");
+}
+
+size_t route_fused_smem(int S, int E) {
+  return std::max(size_t(S) * kFusedCols, size_t(S) * (2 * E + 64) + size_t(E)) * sizeof(float);
+}
+
 }  // namespace
 
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st) {
-  if (a.groups < 1 || a.groups > 64 || a.E % a.groups != 0 || a.E > 32 * kRouteMaxPerLane || a.topk_groups < 1 ||
-      a.topk_groups > a.groups || a.k < 1 || a.k > 32 || a.k > a.E)
-    throw std::runtime_error("route: " + std::to_string(a.E) + " experts in " + std::to_string(a.groups) +
-                             " groups, top-" + std::to_string(a.k) + " is not supported");
+  check_router(a, "route");
   if (S <= 0) return;
   const size_t smem = size_t(kRouteWarps) * (2 * a.E + 64) * sizeof(float);
   launch(route_kernel, ceil_div(S, kRouteWarps), kRouteWarps * 32, smem, st, logits, bias, S, a, ids, weights);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+bool route_fused_supported(int S, int E, int D, const float* router, const float* h) {
+  return S >= 1 && S <= kRouteFusedMaxTokens && E >= 1 && D >= 4 && D % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(router) % 16 == 0 && reinterpret_cast<uintptr_t>(h) % 16 == 0;
+}
+
+size_t route_fused_floats(int S, int E, int D) { return size_t(ceil_div(D, kFusedCols)) * size_t(S) * size_t(E); }
+
+void route_fused(const float* router, const float* h, const float* bias, int S, int D, const RouterArgs& a, float* part,
+                 unsigned* ticket, int32_t* ids, float* weights, cudaStream_t st) {
+  check_router(a, "route_fused");
+  if (!route_fused_supported(S, a.E, D, router, h))
+    throw std::runtime_error("route_fused: " + std::to_string(S) + " tokens of width " + std::to_string(D) +
+                             " (or unaligned rows) are not supported");
+  const size_t smem = route_fused_smem(S, a.E);
+  if (smem > 48 * 1024) reserve_dynamic_smem(route_fused_kernel, smem, "route_fused");
+  launch(route_fused_kernel, dim3(ceil_div(a.E, kFusedWarps), ceil_div(D, kFusedCols)), kFusedWarps * 32, smem, st,
+         router, h, bias, S, D, a, part, ticket, ids, weights);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
