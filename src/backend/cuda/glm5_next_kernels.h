@@ -116,11 +116,12 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
 // Floats of hyper_enter's part scratch for S tokens (0: S takes another path).
 size_t hyper_enter_scratch(int S, int n);
 // Decode: the previous site's exit (y set: hyper_leave with the post and comb in place) and this site's
-// hyper_enter in one launch (the sums over blocks that own ranges of D, the last block to finish makes h);
-// post and comb are overwritten with this site's, on side->stream as hyper_enter's (same contract), or by that
-// last block. scratch: hyper_step_scratch(S, n) floats, zeroed once before the first call (it holds the blocks'
+// hyper_enter in one launch (blocks own ranges of D and share their sums through a barrier, then each makes h of
+// its range); post and comb are overwritten with this site's, on side->stream as hyper_enter's (same contract), or
+// by block 0. scratch: hyper_step_scratch(S, n) floats, zeroed once before the first call (it holds the barriers'
 // counters, which every call leaves at zero). Returns whether side->join was recorded. Supported: S <= 16, n <= 4,
-// D <= 16384, unless MOESRV_MHC_UNFUSED=1 (comparisons: hyper_enter and hyper_leave apart).
+// D <= 16384 and S * ceil(D / 128) blocks within the SM count (one resident block per SM), unless
+// MOESRV_MHC_UNFUSED=1 (comparisons: hyper_enter and hyper_leave apart).
 bool hyper_step_supported(int S, int n, int D);
 size_t hyper_step_scratch(int S, int n);
 bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, const float* scale, const float* base,

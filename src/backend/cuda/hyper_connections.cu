@@ -284,29 +284,48 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // hyper_step's scratch for S tokens: the blocks' partial sums [S][rows][blocks], the scaled mixing logits [S][mix],
-// then the per-token block counters (uint32, zero between launches).
+// then per token a barrier's arrival count (zero between launches) and generation (uint32 each).
 struct StepScratch {
   float *part, *logits;
-  unsigned* count;
+  unsigned *count, *gen;
   __host__ __device__ StepScratch(float* base, int S, int n) {
     const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
     part = base, logits = base + size_t(S) * rows * kStepMaxBlocks;
-    count = reinterpret_cast<unsigned*>(logits + size_t(S) * mix);
+    count = reinterpret_cast<unsigned*>(logits + size_t(S) * mix), gen = count + S;
   }
   static size_t floats(int S, int n) {
     const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
-    return size_t(S) * (size_t(rows) * kStepMaxBlocks + mix + 1);
+    return size_t(S) * (size_t(rows) * kStepMaxBlocks + mix + 2);
   }
 };
+
+// Called by one thread of each of `blocks` blocks (all resident at once): returns once every block has arrived.
+// The last to arrive resets the count and moves the generation on; the others wait for that (acquire).
+__device__ void grid_barrier(unsigned* count, unsigned* gen, unsigned blocks) {
+  unsigned g;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
+  if (atomicAdd(count, 1u) == blocks - 1) {
+    *count = 0;
+    __threadfence();
+    atomicAdd(gen, 1u);
+    return;
+  }
+  for (unsigned now = g; now == g;) {
+    __nanosleep(32);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(gen) : "memory");
+  }
+}
 
 // The stream products' slot of (i, j), i <= j, row by row (hyper_enter_split_kernel's gram order).
 __host__ __device__ constexpr int pair_slot(int n, int i, int j) { return i * n - i * (i - 1) / 2 + (j - i); }
 
 // Grid (blocks, S), N * kStepCols threads: thread (i, c) owns stream i of column d = blockIdx.x * kStepCols + c.
 // It applies the previous site's leave to that column (y set; hyper_leave_kernel's arithmetic, its stream written
-// back) and adds its share of the mixing logits fn[kk] . X and of the stream products X_i . X_j; the block sums
-// go to the scratch, and the last block of the token to finish adds them up in block order and makes h
-// (hyper_enter_split_kernel's math), the scaled logits for the side stream, or (no side) post and comb itself.
+// back) and adds its share of the mixing logits fn[kk] . X and of the stream products X_i . X_j; the block sums go
+// to the scratch; after a barrier over the token's blocks (hyper_step_supported keeps the grid within one block
+// per SM, so all are resident) each block adds them up in block order and makes h of its columns
+// (hyper_enter_split_kernel's math); block 0 leaves the scaled logits for the side stream, or (no side) makes post
+// and comb itself.
 template <int N>
 __global__ void __launch_bounds__(N* kStepCols)
     hyper_step_kernel(float* x, const float* y, int D, const float* fn, const float* scale, const float* base,
@@ -320,6 +339,7 @@ __global__ void __launch_bounds__(N* kStepCols)
   float f[kMix];  // fn is constant: its loads go out before the previous kernel ends
 #pragma unroll
   for (int kk = 0; kk < kMix; ++kk) f[kk] = live ? __ldg(fn + kk * W + int64_t(i) * D + d) : 0.0f;
+  const float nw = live && i == 0 ? __ldg(norm_w + d) : 0.0f;
   pdl_enter();
   const StepScratch sc(scratch, S, N);
   float* X = x + s * W;
@@ -357,7 +377,6 @@ __global__ void __launch_bounds__(N* kStepCols)
   extern __shared__ float red[];  // [kRows][N * kStepCols]
   __shared__ float m_s[kRows];
   __shared__ float pre_s[kMaxStreams];
-  __shared__ bool last;
   constexpr int kThreads = N * kStepCols;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) red[r * kThreads + tid] = acc[r];
@@ -369,14 +388,13 @@ __global__ void __launch_bounds__(N* kStepCols)
     v = warp_sum(v);
     if (lane == 0) sc.part[(int64_t(s) * kRows + r) * kStepMaxBlocks + blockIdx.x] = v;
   }
-  __threadfence();  // this block's partial sums and stream values, before its count
+  __threadfence();  // this block's partial sums, before it arrives
   __syncthreads();
-  if (tid == 0) last = atomicAdd(sc.count + s, 1u) == unsigned(blocks - 1);
+  if (tid == 0) grid_barrier(sc.count + s, sc.gen + s, unsigned(blocks));
   __syncthreads();
-  if (!last) return;
-  __threadfence();
 
-  // The last block: the sums in block order (a warp per row, a fixed shuffle tree), then h over all of D.
+  // Every block: the sums in block order (a warp per row, a fixed shuffle tree: the same bits in every block), the
+  // norms and pre, then h of its own columns from the streams in registers.
   for (int r = warp; r < kRows; r += kWarps) {
     const float* p = sc.part + (int64_t(s) * kRows + r) * kStepMaxBlocks;
     float v = 0.0f;
@@ -402,20 +420,18 @@ __global__ void __launch_bounds__(N* kStepCols)
 #pragma unroll
     for (int b = 0; b < N; ++b) hss += pre[a] * pre[b] * gram[a <= b ? pair_slot(N, a, b) : pair_slot(N, b, a)];
   const float inv = 1.0f / sqrtf(fmaxf(hss, 0.0f) / float(D) + rms_eps);
-  float* hs = h + int64_t(s) * D;
-#pragma unroll 8
-  for (int e = tid; e < D; e += blockDim.x) {
+  if (i == 0 && live) {
     float v = 0.0f;
 #pragma unroll
-    for (int a = 0; a < N; ++a) v += pre[a] * __ldcg(X + int64_t(a) * D + e);
-    hs[e] = (v * inv) * norm_w[e];
+    for (int a = 0; a < N; ++a) v += pre[a] * xn[a];
+    h[int64_t(s) * D + d] = (v * inv) * nw;
   }
+  if (blockIdx.x != 0) return;
   if (side) {
     if (tid < kMix) sc.logits[s * kMix + tid] = m_s[tid];
   } else if (tid < 32) {
     mix_weights(m_s, N, scale, base, hc_eps, sinkhorn_iters, pre_s, post + s * N, comb + s * N * N);
   }
-  if (tid == 0) sc.count[s] = 0;  // for the next launch
 }
 
 // post and comb of hyper_step's tokens from the scaled logits it left (one warp per token, on the side stream).
@@ -485,8 +501,12 @@ size_t hyper_enter_scratch(int S, int n) {
 
 bool hyper_step_supported(int S, int n, int D) {
   static const bool off = env_flag("MOESRV_MHC_UNFUSED");  // comparisons: hyper_enter and hyper_leave apart
+  static int sms[64] = {};                                 // per device, read once
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (!sms[dev] && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return false;
   return !off && S >= 1 && S <= kSplitTokens && n >= 1 && n <= kStepMaxStreams && D >= 1 &&
-         D <= kStepCols * kStepMaxBlocks;
+         D <= kStepCols * kStepMaxBlocks && int64_t(S) * ceil_div(D, kStepCols) <= sms[dev];
 }
 
 size_t hyper_step_scratch(int S, int n) { return StepScratch::floats(S, n); }

@@ -15,6 +15,14 @@ namespace {
 constexpr int kRouteWarps = 4;        // tokens per block of the router (one warp each)
 constexpr int kRouteMaxPerLane = 32;  // experts per lane (E <= 1024): the lane's taken-bit mask
 
+// A float's order as an unsigned key (larger float, larger key; -0 as +0, so equal floats have equal keys); every
+// key is above 0, which stands for no candidate.
+__device__ __forceinline__ uint32_t order_key(float v) {
+  uint32_t u = __float_as_uint(v);
+  if (u == 0x80000000u) u = 0;
+  return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
 // Warp argmax step: (v, i) against the lane `o` away; the larger score wins, equal scores go to the lower index, an
 // empty candidate (i < 0) always loses. This is the serial scan's rule (the first maximum in index order).
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
@@ -81,17 +89,28 @@ __device__ void route_warp(const float* lg, const float* bias, int s, int S, con
       if (!(kept >> (e / per) & 1ull)) choice[e] = -INFINITY;
     __syncwarp();
   }
+  // Each lane keeps its best untaken candidate (the first maximum in index order); a pick is the warp's largest key,
+  // then the lowest index holding it (two warp reductions); only the winning lane rescans its candidates.
   uint32_t taken = 0;  // bit j: expert lane + 32 j is chosen
-  int my_id = -1;
-  for (int j = 0; j < a.k; ++j) {
-    float v = -INFINITY;
-    int i = -1;
+  float bv = -INFINITY;
+  int bi = -1;
+  auto rescan = [&] {
+    bv = -INFINITY, bi = -1;
     for (int e = lane, b = 0; e < a.E; e += 32, ++b) {
       const float c = choice[e];  // loaded unconditionally: the loads pipeline
-      if (!(taken >> b & 1u) && (i < 0 || c > v)) v = c, i = e;
+      if (!(taken >> b & 1u) && (bi < 0 || c > bv)) bv = c, bi = e;
     }
-    warp_argmax(v, i);
-    if ((i & 31) == lane) taken |= 1u << (i >> 5);
+  };
+  rescan();
+  int my_id = -1;
+  for (int j = 0; j < a.k; ++j) {
+    const uint32_t key = bi < 0 ? 0u : order_key(bv);
+    const uint32_t top = __reduce_max_sync(0xffffffffu, key);
+    const int i = int(__reduce_min_sync(0xffffffffu, bi >= 0 && key == top ? uint32_t(bi) : 0xffffffffu));
+    if ((i & 31) == lane) {
+      taken |= 1u << (i >> 5);
+      rescan();
+    }
     if (lane == j) my_id = i;
   }
   const float my_w = lane < a.k ? score[my_id] : 0.0f;
