@@ -102,6 +102,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   allocate_scratch();
   allocate_exl3_scratch();
   plan_experts(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
+  allocate_expert_lanes(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
   stats.vram_budget = budget->limit();
 }
 
@@ -125,6 +126,13 @@ CudaEngine::Impl::~Impl() {
   for (cudaEvent_t e : {proj_side.fork, proj_side.join})
     if (e) cudaEventDestroy(e);
   if (proj_side.stream) cudaStreamDestroy(proj_side.stream);
+  for (ExpertLane& lane : expert_lanes) {
+    if (lane.stream) cudaStreamSynchronize(lane.stream);
+    if (lane.blas) cublasDestroy(lane.blas);
+    if (lane.join) cudaEventDestroy(lane.join);
+    if (lane.stream) cudaStreamDestroy(lane.stream);
+  }
+  if (lanes_fork) cudaEventDestroy(lanes_fork);
   if (stream) cudaStreamDestroy(stream);
 }
 

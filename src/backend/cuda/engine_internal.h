@@ -308,6 +308,18 @@ struct CudaEngine::Impl {
   cudaStream_t stream = nullptr, copy_stream = nullptr;
   cuda::HyperSide mhc_side;   // decode mHC: the Sinkhorn weights on their own stream (hyper_enter)
   cuda::HyperSide proj_side;  // decode: projections that read only s.h, beside the main chain (on_proj_side)
+  // Prefill: a wave's per-expert EXL3 GEMMs (dequant slab + cuBLAS) spread round-robin over `stream` and these
+  // lanes, each with its own stream, cuBLAS handle and slab (MOESRV_EXPERT_LANES, default 4 in all; 1 = none).
+  // Made after the expert plan, only when every MoE layer runs all-VRAM grouped waves and the budget has room
+  // beyond `reserve_bytes` (the sequences' share).
+  struct ExpertLane {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    cudaEvent_t join = nullptr;
+    cuda::DeviceBuffer w16;
+  };
+  std::vector<ExpertLane> expert_lanes;
+  cudaEvent_t lanes_fork = nullptr;
   cublasHandle_t cublas = nullptr;
   cuda::DeviceBuffer cublas_workspace;
 
@@ -399,6 +411,7 @@ struct CudaEngine::Impl {
   // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
+  void allocate_expert_lanes(size_t reserve_bytes);
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
   // One expert over `cnt` sorted rows from row0: inputs h rows through sorted_tok[row0..], out s.ysorted rows from
   // buf0 (the row's place in the current wave).

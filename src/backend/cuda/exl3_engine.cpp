@@ -68,6 +68,31 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   s.x3_yr_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvParts * all.out) * 4, "EXL3 side rotated output");
 }
 
+void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
+  size_t whole = 0;  // the largest expert matrix (fp16 elements)
+  for (const DevLayer& L : layers) {
+    if (!L.moe) continue;
+    if (!L.moe->exl3 || !L.moe->x3_grouped || !L.moe->all_vram) return;  // the waves run only all-VRAM grouped
+    for (const auto& x : L.moe->x3_off)
+      for (const Exl3Dev& w : x) whole = std::max(whole, size_t(w.in_pad) * size_t(w.out_pad));
+  }
+  const char* v = std::getenv("MOESRV_EXPERT_LANES");
+  const int lanes = std::clamp(v ? std::atoi(v) : 4, 1, 8);
+  if (whole == 0 || rows <= kExl3MaxGemvRows || lanes < 2) return;
+  const size_t room = budget->left() > reserve_bytes ? budget->left() - reserve_bytes : 0;
+  const size_t n = std::min(size_t(lanes - 1), room / (whole * 2));
+  if (n == 0) return;
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lanes_fork, cudaEventDisableTiming));
+  expert_lanes.resize(n);
+  for (ExpertLane& lane : expert_lanes) {
+    MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lane.join, cudaEventDisableTiming));
+    MOESRV_CUBLAS_OK(cublasCreate(&lane.blas));
+    MOESRV_CUBLAS_OK(cublasSetStream(lane.blas, lane.stream));
+    lane.w16 = DeviceBuffer(budget, whole * 2, "EXL3 expert lane slab");
+  }
+}
+
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,
                                     const float* bias) {
   float* yr = s.x3_yr.as<float>();
@@ -151,11 +176,22 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
     const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, s.sorted_tok.as<int32_t>() + a}
                               : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};  // SwiGLU of gate | up
     exl3_rotate_in(shape, g, src, int(rows), xh, true, stream);
-    for (const ExpertPiece& pc : pieces) {
+    // piece j on lane j % n (lane 0: the engine's stream), forked after the rotation, joined before rotate_out
+    const size_t n = std::min(pieces.size(), expert_lanes.size() + 1);
+    if (n > 1) MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
+    for (size_t l = 1; l < n; ++l) MOESRV_CUDA_OK(cudaStreamWaitEvent(expert_lanes[l - 1].stream, lanes_fork, 0));
+    for (size_t j = 0; j < pieces.size(); ++j) {
+      const ExpertPiece& pc = pieces[j];
       const int64_t b0 = pc.row0 - a;
       const Exl3Dev w = rebase(m.x3_off[size_t(pc.e)][size_t(p)], m.vram[size_t(pc.e)].as<void>());
-      exl3_gemm_rotated(w, xh + b0 * shape.in_pad, int(pc.cnt), yr + b0 * shape.out_pad, s.x3_w16.as<uint16_t>(), w16,
-                        false, cublas, stream);
+      ExpertLane* lane = j % n ? &expert_lanes[j % n - 1] : nullptr;
+      exl3_gemm_rotated(w, xh + b0 * shape.in_pad, int(pc.cnt), yr + b0 * shape.out_pad,
+                        lane ? lane->w16.as<uint16_t>() : s.x3_w16.as<uint16_t>(), lane ? lane->w16.bytes() / 2 : w16,
+                        false, lane ? lane->blas : cublas, lane ? lane->stream : stream);
+    }
+    for (size_t l = 1; l < n; ++l) {
+      MOESRV_CUDA_OK(cudaEventRecord(expert_lanes[l - 1].join, expert_lanes[l - 1].stream));
+      MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, expert_lanes[l - 1].join, 0));
     }
     if (p < 2) exl3_rotate_out(shape, g, yr, int(rows), gu + p * I, 2 * I, nullptr, stream);
     else exl3_rotate_out(shape, g, yr, int(rows), s.ysorted.as<float>(), D, nullptr, stream);
