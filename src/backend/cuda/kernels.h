@@ -74,17 +74,23 @@ struct AttentionArgs {
 void attention(const AttentionArgs& a, cudaStream_t st);
 
 // MLA attention of a few tokens (decode; mla_split.cu): attention()'s result for a.mla, with the keys split into
-// ranges over more blocks and each key tile shared by 8 heads; `part` is scratch of mla_split_floats() floats.
-constexpr int kMlaSplitMaxTokens = 8, kMlaSplitMaxKeyWidth = 640;
+// kMlaSplits ranges over more blocks, each range's partial softmax state in `part` (mla_split_floats() floats), then
+// merged. The ranges run on CUDA cores (each key tile shared by 8 heads, fp32 throughout) or, where
+// mla_prefill_supported (bf16 cache), on tensor cores (mla_prefill.cu's kernel per range: its fp16 probabilities);
+// Auto takes tensor cores unless MOESRV_MLA_SPLIT_TC=0.
+constexpr int kMlaSplitMaxTokens = 8, kMlaSplitMaxKeyWidth = 640, kMlaSplits = 32;
+enum class MlaSplitPath { Auto, CudaCores, TensorCores };
 bool mla_split_supported(const AttentionArgs& a);
 size_t mla_split_floats(int S, int H, int v_dim);
-void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st);
+void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st, MlaSplitPath path = MlaSplitPath::Auto);
 
 // MLA attention of a prefill pass on tensor cores (mla_prefill.cu): attention()'s result for a.mla with a bf16 cache,
 // each block one token and 16 heads sharing every staged key tile; fp16 MMAs with fp32 accumulation (q split into
 // two fp16 parts, the probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640.
 bool mla_prefill_supported(const AttentionArgs& a);
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st);
+// The same kernel over key range blockIdx.z of kMlaSplits, leaving mla_split_attention's partial state in `part`.
+void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st);
 
 // DSA lightning indexer top-k for queries [s_begin, s_begin + n): scores over cached keys with ReLU heads,
 // exact top-min(K, pos+1), ties to the lower position, written in ascending position order, -1 padded.

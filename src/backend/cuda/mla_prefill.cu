@@ -6,6 +6,8 @@
 // softmax scale) enters as two fp16 parts (value and remainder), so the scores are fp32-accurate products of the
 // bf16 keys; the probabilities enter the value MMA rounded to fp16 (2^-11 relative).
 // Widths: q_dim and v_dim multiples of 8 (q_dim zero padded to 16), v_dim <= 512 and <= q_dim, q_dim <= 640.
+// With `part` (decode, mla_split_attention's tensor-core path) block z takes key range z of kMlaSplits and leaves
+// its unnormalised values, max and sum per head there (mla_split.cu merges the ranges).
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -34,7 +36,7 @@ size_t prefill_smem_bytes(int q_dim) {
 
 // VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8).
 template <int VN>
-__global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) {
+__global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, float* part) {
   pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = a.q_dim, D16 = padded_dim(D), RH = row_halves(D), RW = RH / 2;  // RW: 32-bit words per row
@@ -44,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   half* p_h = kv_h + kKeys * RH;                                      // [kHeads][kProbHalves]
   float* s_f = reinterpret_cast<float*>(p_h + kHeads * kProbHalves);  // [kHeads][kKeys + 1]
   __shared__ int key_s[kKeys];
-  __shared__ float corr_s[kHeads], l_s[kHeads];
+  __shared__ float corr_s[kHeads], l_s[kHeads], m_s[kHeads];
 
   const int s = blockIdx.x, h0 = blockIdx.y * kHeads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -52,6 +54,8 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   const uint16_t* kv = static_cast<const uint16_t*>(a.lc->kv);
   const int n_keys = a.selection ? a.sel_k : pos + 1;
   const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
+  const int per = part ? (n_keys + kMlaSplits - 1) / kMlaSplits : n_keys;  // this block's keys [k0, k1)
+  const int k0 = part ? int(blockIdx.z) * per : 0, k1 = min(n_keys, k0 + per);
 
   for (int i = tid; i < kHeads * D16; i += kThreads) {
     const int h = i / D16, d = i % D16;
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   }
   for (int i = tid; i < kKeys * (D16 - D); i += kThreads)  // the keys' padding columns, never gathered
     kv_h[(i / (D16 - D)) * RH + D + i % (D16 - D)] = __float2half_rn(0.0f);
-  if (tid < kHeads) l_s[tid] = 0.0f;                           // read at the end even when every tile is padding
+  if (tid < kHeads) l_s[tid] = 0.0f, m_s[tid] = -INFINITY;     // read at the end even when every tile is padding
   float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.0f, 0.0f};  // softmax state of heads 2 * warp + j (lane-uniform)
   float o[VN][4];
 #pragma unroll
@@ -72,12 +76,12 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
   const uint32_t* pw = reinterpret_cast<const uint32_t*>(p_h);
   const int chunks = D / 8;  // 16-byte pieces of a cache row
 
-  for (int base = 0; base < n_keys; base += kKeys) {
+  for (int base = k0; base < k1; base += kKeys) {
     __syncthreads();  // the previous tile's kv_h / p_h are consumed (and q_h is written, first time)
     int t = -1;
     if (tid < kKeys) {
       const int idx = base + tid;
-      if (idx < n_keys) t = sel ? sel[idx] : idx;
+      if (idx < k1) t = sel ? sel[idx] : idx;
       if (t > pos) t = -1;
       key_s[tid] = t;
     }
@@ -135,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
       l2[j] = l2[j] * corr + warp_sum(p0 + p1);
       p_h[hh * kProbHalves + lane] = __float2half_rn(p0);
       p_h[hh * kProbHalves + lane + 32] = __float2half_rn(p1);
-      if (lane == 0) corr_s[hh] = corr, l_s[hh] = l2[j];
+      if (lane == 0) corr_s[hh] = corr, l_s[hh] = l2[j], m_s[hh] = m2[j];
     }
     __syncthreads();
 
@@ -161,8 +165,21 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
     }
   }
   __syncthreads();
-  const float inv_lo = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f, inv_hi = l_s[g + 8] > 0.0f ? 1.0f / l_s[g + 8] : 0.0f;
   const bool lo_ok = h0 + g < a.H, hi_ok = h0 + g + 8 < a.H;
+  if (part) {  // [S][H][kMlaSplits][v_dim + 2]: unnormalised values | max | sum
+    const int R = a.v_dim;
+    auto at = [&](int h) { return part + ((int64_t(s) * a.H + h0 + h) * kMlaSplits + blockIdx.z) * (R + 2); };
+#pragma unroll
+    for (int n = 0; n < VN; ++n) {
+      if (warp + 8 * n >= NT) break;
+      const int col = (warp + 8 * n) * 8 + 2 * t4;
+      if (lo_ok) *reinterpret_cast<float2*>(at(g) + col) = make_float2(o[n][0], o[n][1]);
+      if (hi_ok) *reinterpret_cast<float2*>(at(g + 8) + col) = make_float2(o[n][2], o[n][3]);
+    }
+    if (tid < kHeads && h0 + tid < a.H) at(tid)[R] = m_s[tid], at(tid)[R + 1] = l_s[tid];
+    return;
+  }
+  const float inv_lo = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f, inv_hi = l_s[g + 8] > 0.0f ? 1.0f / l_s[g + 8] : 0.0f;
   float* out_lo = a.out + (int64_t(s) * a.H + h0 + g) * a.v_dim;
   float* out_hi = out_lo + int64_t(8) * a.v_dim;
 #pragma unroll
@@ -175,10 +192,25 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a) 
 }
 
 template <int VN>
-void launch_prefill(const AttentionArgs& a, cudaStream_t st) {
+void launch_prefill(const AttentionArgs& a, float* part, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
   reserve_dynamic_smem(mla_prefill_kernel<VN>, smem, "mla_prefill_attention");
-  launch(mla_prefill_kernel<VN>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads))), kThreads, smem, st, a);
+  launch(mla_prefill_kernel<VN>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads)), part ? kMlaSplits : 1), kThreads,
+         smem, st, a, part);
+}
+
+void launch_any(const AttentionArgs& a, float* part, cudaStream_t st) {
+  switch ((a.v_dim / 8 + 7) / 8) {
+    case 1: launch_prefill<1>(a, part, st); break;
+    case 2: launch_prefill<2>(a, part, st); break;
+    case 3: launch_prefill<3>(a, part, st); break;
+    case 4: launch_prefill<4>(a, part, st); break;
+    case 5: launch_prefill<5>(a, part, st); break;
+    case 6: launch_prefill<6>(a, part, st); break;
+    case 7: launch_prefill<7>(a, part, st); break;
+    default: launch_prefill<8>(a, part, st); break;
+  }
+  MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -191,17 +223,12 @@ bool mla_prefill_supported(const AttentionArgs& a) {
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
   if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_attention: unsupported shape");
   if (a.S <= 0) return;
-  switch ((a.v_dim / 8 + 7) / 8) {
-    case 1: launch_prefill<1>(a, st); break;
-    case 2: launch_prefill<2>(a, st); break;
-    case 3: launch_prefill<3>(a, st); break;
-    case 4: launch_prefill<4>(a, st); break;
-    case 5: launch_prefill<5>(a, st); break;
-    case 6: launch_prefill<6>(a, st); break;
-    case 7: launch_prefill<7>(a, st); break;
-    default: launch_prefill<8>(a, st); break;
-  }
-  MOESRV_CUDA_LAUNCH_CHECK();
+  launch_any(a, nullptr, st);
+}
+
+void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st) {
+  if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_split_ranges: unsupported shape");
+  if (a.S > 0) launch_any(a, part, st);
 }
 
 }  // namespace moesrv::cuda

@@ -4,6 +4,7 @@
 // value columns of the 8 heads. The blocks leave their partial softmax state (max, sum, unnormalised values) in
 // `part`, and a second kernel merges the ranges. Same inputs and result as attention() for a.mla.
 #include <cmath>
+#include <cstdlib>
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
@@ -13,7 +14,7 @@ namespace moesrv::cuda {
 
 namespace {
 
-constexpr int kSplits = 32, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
+constexpr int kSplits = kMlaSplits, kHeads = 8, kKeyTile = 32, kThreads = 256, kCols = 2;  // kThreads = kHeads warps
 static_assert(kThreads == kHeads * 32 && kKeyTile == 32, "one warp per head, one lane per key of a tile");
 
 // Key rows are D + 4 floats apart: 16-byte aligned for float4 reads, and 8 lanes of a float4 read hit 32 banks.
@@ -181,9 +182,15 @@ bool mla_split_supported(const AttentionArgs& a) {
 
 size_t mla_split_floats(int S, int H, int v_dim) { return size_t(S) * size_t(H) * kSplits * size_t(v_dim + 2); }
 
-void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st) {
+void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st, MlaSplitPath path) {
   if (!mla_split_supported(a)) throw std::runtime_error("mla_split_attention: unsupported shape");
-  if (a.q8) launch_split<int8_t>(a, part, st);
+  static const bool tc_off = [] {
+    const char* v = std::getenv("MOESRV_MLA_SPLIT_TC");
+    return v && std::atoi(v) == 0;
+  }();
+  if (path == MlaSplitPath::Auto) path = tc_off ? MlaSplitPath::CudaCores : MlaSplitPath::TensorCores;
+  if (path == MlaSplitPath::TensorCores && mla_prefill_supported(a)) mla_prefill_split_ranges(a, part, st);
+  else if (a.q8) launch_split<int8_t>(a, part, st);
   else launch_split<uint16_t>(a, part, st);
   MOESRV_CUDA_LAUNCH_CHECK();
   launch(mla_split_combine, a.S * a.H, kThreads, 0, st, part, a.H, a.v_dim, a.out);
