@@ -6,8 +6,9 @@
 # Inside backend/, cpu/ never includes cuda/.
 #
 # Every `#include "area/..."` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include whose rank
-# is higher than the including file's is a violation. Areas of equal rank (format, tokenizer) may include each
-# other. Includes that do not start with a known area (same-folder "ops.h", system headers) are not checked.
+# is higher than the including file's is a violation. Areas of equal rank (format and tokenizer, runtime and
+# serving) may include each other. Includes that do not start with a known area (same-folder "ops.h", system
+# headers) are not checked.
 #
 # Known violations live in scripts/layer_allowlist.txt, one `src/<file> -> <included path>` per line (# comments).
 # The list may only shrink: the check fails on a violation that is not listed AND on a listed entry that no
@@ -55,8 +56,9 @@ if [[ -s $tmp/unknown ]]; then
   done
 fi
 # Backends are siblings: the CPU backend never includes the CUDA one (CPU-only builds have no CUDA headers; shared
-# pieces live in backend/ itself).
-if cross=$(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"backend/cuda/' src/backend/cpu); then
+# pieces live in backend/ itself). Also caught: <backend/cuda/...> and relative paths ("../cuda/...").
+cuda_inc='^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]((\.\./)*backend/cuda/|(\.\./)+cuda/)'
+if cross=$(grep -rnE "$cuda_inc" src/backend/cpu); then
   status=1
   echo "check_layers: backend/cpu includes backend/cuda:" >&2
   sed 's/^/  /' <<<"$cross" >&2
