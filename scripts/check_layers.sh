@@ -5,10 +5,10 @@
 #
 # Inside backend/, cpu/ never includes cuda/.
 #
-# Every `#include "area/..."` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include whose rank
-# is higher than the including file's is a violation. Areas of equal rank (format and tokenizer, runtime and
-# serving) may include each other. Includes that do not start with a known area (same-folder "ops.h", system
-# headers) are not checked.
+# Every `#include "area/..."` or `<area/...>` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include
+# whose rank is higher than the including file's is a violation. Areas of equal rank (format and tokenizer, runtime
+# and serving) may include each other. Includes that do not start with a known area (same-folder "ops.h", system and
+# third-party headers) are not checked; relative paths ("../x.h") are not resolved (none in src/ today).
 #
 # Known violations live in scripts/layer_allowlist.txt, one `src/<file> -> <included path>` per line (# comments).
 # The list may only shrink: the check fails on a violation that is not listed AND on a listed entry that no
@@ -26,13 +26,13 @@ trap 'rm -rf "$tmp"' EXIT
 
 # found: "file -> include" per violation; where: the same with line numbers; unknown: areas without a rank.
 grep -rnE --include='*.h' --include='*.cpp' --include='*.cu' --include='*.cuh' --include='*.inc' \
-     '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' src \
+     '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' src \
   | awk -v ranks="$ranks" -v tmp="$tmp" '
       BEGIN { n = split(ranks, kv, " "); for (i = 1; i <= n; i++) { split(kv[i], p, "="); rank[p[1]] = p[2] } }
       {
         file = $0; sub(/:.*/, "", file)
         rest = substr($0, length(file) + 2); line = rest; sub(/:.*/, "", line)
-        match(rest, /"[^"]+"/); inc = substr(rest, RSTART + 1, RLENGTH - 2)
+        match(rest, /["<][^">]+[">]/); inc = substr(rest, RSTART + 1, RLENGTH - 2)
         rel = substr(file, 5)  # strip "src/"
         if (index(rel, "/")) {
           area = substr(rel, 1, index(rel, "/") - 1)
