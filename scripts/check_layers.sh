@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Layer rule for src/: an area may include its own headers and those of lower areas, never a higher one.
+# Layer rule for src/ (the table in CONTRIBUTING.md, "Layers"): an area may include its own headers and those of
+# lower areas, never a higher one.
 #
 #   util(0) < format, tokenizer(1) < model(2) < backend(3) < runtime, serving(4) < server(5) < tools(6) < cli(7) < src/main.cpp(8)
 #
@@ -52,7 +53,7 @@ status=0
 if [[ -s $tmp/unknown ]]; then
   status=1
   for a in $(sort -u "$tmp/unknown"); do
-    echo "check_layers: src/$a/ has no rank; add it to the rank table in scripts/check_layers.sh" >&2
+    echo "check_layers: src/$a/ has no rank; give it one in ranks= (scripts/check_layers.sh) and in CONTRIBUTING.md" >&2
   done
 fi
 # Backends are siblings: the CPU backend never includes the CUDA one (CPU-only builds have no CUDA headers; shared
