@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Layer rule for src/: an area may include its own headers and those of lower areas, never a higher one.
+# Layer rule for src/ (the table in CONTRIBUTING.md, "Layers"): an area may include its own headers and those of
+# lower areas, never a higher one.
 #
 #   util(0) < format, tokenizer(1) < model(2) < backend(3) < runtime, serving(4) < server(5) < tools(6) < cli(7) < src/main.cpp(8)
 #
 # Inside backend/, cpu/ never includes cuda/.
 #
-# Every `#include "area/..."` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include whose rank
-# is higher than the including file's is a violation. Areas of equal rank (format, tokenizer) may include each
-# other. Includes that do not start with a known area (same-folder "ops.h", system headers) are not checked.
+# Every `#include "area/..."` or `<area/...>` in src/ (.h .cpp .cu .cuh .inc) is mapped to the area's rank; an include
+# whose rank is higher than the including file's is a violation. Areas of equal rank (format and tokenizer, runtime
+# and serving) may include each other. Includes that do not start with a known area (same-folder "ops.h", system and
+# third-party headers) are not checked; relative paths ("../x.h") are not resolved (none in src/ today).
 #
 # Known violations live in scripts/layer_allowlist.txt, one `src/<file> -> <included path>` per line (# comments).
 # The list may only shrink: the check fails on a violation that is not listed AND on a listed entry that no
@@ -25,13 +27,13 @@ trap 'rm -rf "$tmp"' EXIT
 
 # found: "file -> include" per violation; where: the same with line numbers; unknown: areas without a rank.
 grep -rnE --include='*.h' --include='*.cpp' --include='*.cu' --include='*.cuh' --include='*.inc' \
-     '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' src \
+     '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' src \
   | awk -v ranks="$ranks" -v tmp="$tmp" '
       BEGIN { n = split(ranks, kv, " "); for (i = 1; i <= n; i++) { split(kv[i], p, "="); rank[p[1]] = p[2] } }
       {
         file = $0; sub(/:.*/, "", file)
         rest = substr($0, length(file) + 2); line = rest; sub(/:.*/, "", line)
-        match(rest, /"[^"]+"/); inc = substr(rest, RSTART + 1, RLENGTH - 2)
+        match(rest, /["<][^">]+[">]/); inc = substr(rest, RSTART + 1, RLENGTH - 2)
         rel = substr(file, 5)  # strip "src/"
         if (index(rel, "/")) {
           area = substr(rel, 1, index(rel, "/") - 1)
@@ -51,12 +53,13 @@ status=0
 if [[ -s $tmp/unknown ]]; then
   status=1
   for a in $(sort -u "$tmp/unknown"); do
-    echo "check_layers: src/$a/ has no rank; add it to the rank table in scripts/check_layers.sh" >&2
+    echo "check_layers: src/$a/ has no rank; give it one in ranks= (scripts/check_layers.sh) and in CONTRIBUTING.md" >&2
   done
 fi
 # Backends are siblings: the CPU backend never includes the CUDA one (CPU-only builds have no CUDA headers; shared
-# pieces live in backend/ itself).
-if cross=$(grep -rnE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"backend/cuda/' src/backend/cpu); then
+# pieces live in backend/ itself). Also caught: <backend/cuda/...> and relative paths ("../cuda/...").
+cuda_inc='^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]((\.\./)*backend/cuda/|(\.\./)+cuda/)'
+if cross=$(grep -rnE "$cuda_inc" src/backend/cpu); then
   status=1
   echo "check_layers: backend/cpu includes backend/cuda:" >&2
   sed 's/^/  /' <<<"$cross" >&2
