@@ -364,7 +364,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)
           auto warm = e.new_sequence();
-          e.forward(*warm, test::bench_prompt(size_t(opt.prefill_chunk)));
+          e.forward(*warm, test::bench_prompt(size_t(std::min<int64_t>(opt.prefill_chunk, max_ctx))));
         }
         for (int64_t ctx : contexts) {
           t[layers].push_back(run_slice(e, ctx, kDecode));
