@@ -439,6 +439,18 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
 
 // ---------------------------------------------------------------- mHC
 
+// A spec with n mHC residual streams of width D (20 Sinkhorn iterations, eps 1e-6), as the mHC tests use.
+ModelSpec hyper_spec(int D, int n) {
+  ModelSpec c;
+  c.hidden_size = D;
+  c.rms_eps = 1e-6;
+  c.residual.hyper = true;
+  c.residual.streams = n;
+  c.residual.sinkhorn_iters = 20;
+  c.residual.eps = 1e-6;
+  return c;
+}
+
 TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
   // S = 1, 6: the sums spread over blocks, h and the weights from different blocks (decode path, the weights also on
@@ -461,13 +473,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
         Shape{128, 40, false, false}, Shape{4096, 40, false, false}, Shape{128, 40, true, false},
         Shape{4096, 40, true, false}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
-    ModelSpec c;
-    c.hidden_size = D;
-    c.rms_eps = 1e-6;
-    c.residual.hyper = true;
-    c.residual.streams = n;
-    c.residual.sinkhorn_iters = 20;
-    c.residual.eps = 1e-6;
+    const ModelSpec c = hyper_spec(D, n);
     HyperWeights hw;
     hw.fn = uniform(size_t(mix) * W, -1.0f, 1.0f, 71);
     for (float& e : hw.fn) e /= std::sqrt(float(W));  // logits of order 1
@@ -561,13 +567,7 @@ TEST(CudaGlm5NextKernels, HyperStepMatchesResidual) {
                                   Shape{200, 16, 4, false}, Shape{128, 2, 2, true}, Shape{1000, 1, 3, false}}) {
     ASSERT_TRUE(cuda::hyper_step_supported(S, n, D));
     const int W = n * D, mix = (2 + n) * n;
-    ModelSpec c;
-    c.hidden_size = D;
-    c.rms_eps = 1e-6;
-    c.residual.hyper = true;
-    c.residual.streams = n;
-    c.residual.sinkhorn_iters = 20;
-    c.residual.eps = 1e-6;
+    const ModelSpec c = hyper_spec(D, n);
     HyperWeights hw[2];
     for (int k = 0; k < 2; ++k) {
       hw[k].fn = uniform(size_t(mix) * W, -1.0f, 1.0f, 81 + 3 * k);
