@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "backend/cpu/cpu_engine.h"
+#include "format/package.h"
 #include "reference_util.h"
 #include "runtime/engine_factory.h"
 #include "runtime/multi_gpu.h"
@@ -66,6 +67,29 @@ TEST(MultiGpuFactory, UnevenBudgetsMoveLayers) {
   ASSERT_TRUE(uneven.fits) << uneven.error;
   EXPECT_LT(uneven.gpus[0].layer_end, even.gpus[0].layer_end) << uneven.summary();
   EXPECT_LE(uneven.gpus[0].total(), req.budgets[0]);
+}
+
+// The factory plans from the package manifest (no weights loaded): for bf16 packages the same split as the weights'
+// footprint gives.
+TEST(MultiGpuFactory, ManifestPlanMatchesTheWeights) {
+  for (const char* model : {"glm_moe_dsa", "deepseek_v3", "glm5_next"}) {
+    auto cpu = CpuEngine::open(hf_tiny(model));
+    auto pkg = ModelPackage::open(hf_tiny(model));
+    const ModelSpec c = ModelSpec::from_json(pkg->config());
+    for (uint64_t mib : {64, 128, 1024}) {
+      ModelSplitRequest req{.budgets = {mib << 20, mib << 20, mib << 20}, .context = 4096, .workspace_bytes = 0};
+      auto from_weights = plan_model_split(cpu->config(), footprint_from_weights(cpu->weights()), req);
+      auto from_package = plan_model_split(c, footprint_from_package(c, *pkg), req);
+      ASSERT_EQ(from_weights.fits, from_package.fits) << model << " " << mib;
+      ASSERT_EQ(from_weights.gpus.size(), from_package.gpus.size()) << model << " " << mib;
+      for (size_t g = 0; g < from_weights.gpus.size(); ++g)
+        EXPECT_EQ(from_weights.gpus[g].layer_begin, from_package.gpus[g].layer_begin)
+            << model << " " << mib << " MiB: " << from_weights.summary() << " vs " << from_package.summary();
+      if (from_package.fits) {  // a real split
+        EXPECT_GT(from_package.gpus.back().layer_begin, 0) << from_package.summary();
+      }
+    }
+  }
 }
 
 TEST(MultiGpuFactory, ClearErrorWhenTheModelCannotFit) {

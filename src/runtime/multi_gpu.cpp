@@ -4,9 +4,11 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "format/package.h"
 #include "runtime/cuda_placement.h"
 #include "runtime/pipeline_cpu_stage.h"
 #include "runtime/pipeline_cuda_stage.h"
+#include "runtime/placement.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -35,22 +37,23 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   std::vector<double> gib = o.vram_budgets_gib;
   if (gib.empty()) gib.push_back(o.vram_budget_gib);
   if (gib.size() == 1 && gib[0] <= 0) fail("--gpus {}: give --vram-budget (GiB, one for all or one per GPU)", o.gpus);
-  std::shared_ptr<CpuEngine> engine = CpuEngine::open(model_dir, o.served_name);
-  const ModelSpec& c = engine->config();
+  // The package is opened once; the split is planned from its manifest (the sizes the CUDA engines upload: EXL3 as
+  // stored, the rest bf16), before any weight is loaded.
+  std::shared_ptr<ModelPackage> pkg = ModelPackage::open(model_dir);
+  const ModelSpec c = ModelSpec::from_json(pkg->config());
   ModelSplitRequest req;
   req.budgets = vram_budgets_for(gib, o.gpus);
   req.context = o.max_ctx > 0 ? o.max_ctx : std::min<int64_t>(c.max_position, 32768);
   req.kv_elem_bytes = o.kv_q8 ? 1 : 2;
-  MultiGpuPlan plan = plan_model_split(c, footprint_from_weights(engine->weights()), req);
+  MultiGpuPlan plan = plan_model_split(c, footprint_from_package(c, *pkg), req);
   if (!plan.fits) fail("--gpus {}: {}", o.gpus, plan.error);
   std::vector<int64_t> splits;
   for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
-  if (cpu) return make_cpu_pipeline(engine, splits);
+  if (cpu) return make_cpu_pipeline(std::make_shared<CpuEngine>(pkg, o.served_name), splits);
   // One CUDA stage per planned GPU: device g, that GPU's budget and layers; each engine places its experts in the
-  // VRAM its budget leaves (the rest on the CPU). The CPU engine above only served the plan.
+  // VRAM its budget leaves (the rest on the CPU).
   if (cuda_device_count() < int(plan.gpus.size()))
     fail("--gpus {}: {} CUDA devices are visible; planned split:\n{}", o.gpus, cuda_device_count(), plan.summary());
-  engine.reset();
   std::vector<CudaEngineOptions> stages(plan.gpus.size());
   for (size_t g = 0; g < stages.size(); ++g) {
     CudaEngineOptions& s = stages[g];
@@ -62,7 +65,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
     s.kv_q8 = o.kv_q8;
     apply_cold_experts(o.cold_experts, s);
   }
-  return make_cuda_pipeline(ModelPackage::open(model_dir), stages, splits);
+  return make_cuda_pipeline(pkg, stages, splits);
 }
 
 }  // namespace moesrv
