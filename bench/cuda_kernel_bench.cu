@@ -276,8 +276,8 @@ void setup(std::mt19937& rng) {
   B.x = randf(size_t(NS) * D, 1.0f), B.h = randf(D, 1.0f), B.y = randf(D, 1.0f);
   B.post = randf(NS, 0.5f, 1.0f), B.comb = randf(NS * NS, 0.1f, 0.25f);
   B.hc_part = randf(hyper_enter_scratch(1, NS), 1.0f);
-  B.step_part = dalloc<float>(hyper_step_scratch(1, NS));
-  CK(cudaMemset(B.step_part, 0, hyper_step_scratch(1, NS) * 4));  // hyper_step's counters
+  B.step_part = dalloc<float>(hyper_step_scratch(NS));
+  CK(cudaMemset(B.step_part, 0, hyper_step_scratch(NS) * 4));  // hyper_step's counters
   B.xh = dalloc<float>(size_t(16) * 16384), B.yr = dalloc<float>(kYrFloats);
   B.xh_side = dalloc<float>(size_t(16) * 16384), B.yr_side = dalloc<float>(kYrFloats);
   B.xb = dalloc<uint16_t>(size_t(MH) * DV);

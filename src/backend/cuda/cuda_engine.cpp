@@ -240,7 +240,7 @@ class CudaBlocks final : public BlockExecutor {
       side_pending_ =
           hyper_step(x(), pending_ ? y() : nullptr, int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(),
                      hc.base.as<float>(), norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(),
-                     m_.s.post.as<float>(), m_.s.comb.as<float>(), m_.s.hc_part.as<float>(), m_.stream, &m_.mhc_side);
+                     m_.s.post.as<float>(), m_.s.comb.as<float>(), m_.s.hc_step.as<float>(), m_.stream, &m_.mhc_side);
       pending_ = false;
       return;
     }
@@ -313,7 +313,7 @@ class CudaBlocks final : public BlockExecutor {
   const bool hyper_;
   // mHC decode: each leave folded into the next enter (hyper_step)
   const bool step_ =
-      hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_part.bytes() >= hyper_step_scratch(int(S_), n_) * 4;
+      hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_step.bytes() >= hyper_step_scratch(n_) * 4;
   bool pending_ = false;       // a sub-layer's output in y not yet in x (plain: the next norm adds it; mHC: leave)
   bool side_pending_ = false;  // post and comb being made on m_.mhc_side: join it before they are read
 };

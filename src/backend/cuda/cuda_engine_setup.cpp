@@ -442,13 +442,12 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.residual.hyper) {
     s.post = f32(R * c.residual.streams, "mHC post");
     s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
-    const int tokens = int(std::min<int64_t>(R, 16)), n = int(c.residual.streams);
-    const size_t part =
-        std::max(hyper_enter_scratch(tokens, n),
-                 hyper_step_supported(tokens, n, int(c.hidden_size)) ? hyper_step_scratch(tokens, n) : size_t(0));
-    if (part) {
-      s.hc_part = f32(int64_t(part), "mHC partial sums");
-      MOESRV_CUDA_OK(cudaMemsetAsync(s.hc_part.as<void>(), 0, s.hc_part.bytes(), stream));  // hyper_step's counters
+    const int n = int(c.residual.streams);
+    const size_t part = hyper_enter_scratch(int(std::min<int64_t>(R, 16)), n);
+    if (part) s.hc_part = f32(int64_t(part), "mHC partial sums");
+    if (hyper_step_supported(1, n, int(c.hidden_size))) {
+      s.hc_step = f32(int64_t(hyper_step_scratch(n)), "mHC step scratch");
+      MOESRV_CUDA_OK(cudaMemsetAsync(s.hc_step.as<void>(), 0, s.hc_step.bytes(), stream));  // the barrier counters
     }
   }
   if (c.has_recurrent_layers()) {

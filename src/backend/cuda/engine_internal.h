@@ -354,6 +354,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer iq, ik, ihw, sel, dsa_scores;            // DSA
     cuda::DeviceBuffer ig;                                      // k-pool gate logits
     cuda::DeviceBuffer post, comb, hc_part;                     // mHC mixing of the current site, decode sums
+    cuda::DeviceBuffer hc_step;  // hyper_step's scratch (its barrier counters: zeroed once, never shared)
     cuda::DeviceBuffer lraw, lqkv, lg, lbeta, lo, lfa, lgate;   // KDA, Gated DeltaNet
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE

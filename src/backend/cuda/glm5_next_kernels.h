@@ -118,12 +118,12 @@ size_t hyper_enter_scratch(int S, int n);
 // Decode: the previous site's exit (y set: hyper_leave with the post and comb in place) and this site's
 // hyper_enter in one launch (blocks own ranges of D and share their sums through a barrier, then each makes h of
 // its range); post and comb are overwritten with this site's, on side->stream as hyper_enter's (same contract), or
-// by block 0. scratch: hyper_step_scratch(S, n) floats, zeroed once before the first call (it holds the barriers'
-// counters, which every call leaves at zero). Returns whether side->join was recorded. Supported: S <= 16, n <= 4,
-// D <= 16384 and S * ceil(D / 128) blocks within the SM count (one resident block per SM), unless
-// MOESRV_MHC_UNFUSED=1 (comparisons: hyper_enter and hyper_leave apart).
+// by block 0. scratch: hyper_step_scratch(n) floats for any S, its own buffer (not hyper_enter's), zeroed once
+// before the first call (it holds the barriers' counters, which every call leaves at zero). Returns whether side->join
+// was recorded. Supported: S <= 16, n <= 4, D <= 16384 and S * ceil(D / 128) blocks within the SM count (one resident
+// block per SM), unless MOESRV_MHC_UNFUSED=1 (comparisons: hyper_enter and hyper_leave apart).
 bool hyper_step_supported(int S, int n, int D);
-size_t hyper_step_scratch(int S, int n);
+size_t hyper_step_scratch(int n);
 bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, const float* scale, const float* base,
                 const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
                 float* comb, float* scratch, cudaStream_t st, const HyperSide* side = nullptr);

@@ -283,19 +283,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// hyper_step's scratch for S tokens: the blocks' partial sums [S][rows][blocks], the scaled mixing logits [S][mix],
-// then per token a barrier's arrival count (zero between launches) and generation (uint32 each).
+// hyper_step's scratch, one layout for every token count (calls of different S share it; the counters must never
+// move): per token slot a barrier's arrival count (zero between launches) and generation (uint32 each), then the
+// blocks' partial sums [slot][rows][blocks] and the scaled mixing logits [slot][mix], kSplitTokens slots.
 struct StepScratch {
-  float *part, *logits;
   unsigned *count, *gen;
-  __host__ __device__ StepScratch(float* base, int S, int n) {
-    const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
-    part = base, logits = base + size_t(S) * rows * kStepMaxBlocks;
-    count = reinterpret_cast<unsigned*>(logits + size_t(S) * mix), gen = count + S;
+  float *part, *logits;
+  __host__ __device__ StepScratch(float* base, int n) {
+    const int rows = (2 + n) * n + n * (n + 1) / 2;
+    count = reinterpret_cast<unsigned*>(base), gen = count + kSplitTokens;
+    part = base + 2 * kSplitTokens, logits = part + size_t(kSplitTokens) * rows * kStepMaxBlocks;
   }
-  static size_t floats(int S, int n) {
+  static size_t floats(int n) {
     const int mix = (2 + n) * n, rows = mix + n * (n + 1) / 2;
-    return size_t(S) * (size_t(rows) * kStepMaxBlocks + mix + 2);
+    return 2 * kSplitTokens + size_t(kSplitTokens) * (size_t(rows) * kStepMaxBlocks + mix);
   }
 };
 
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(N* kStepCols)
                       const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
                       float* comb, float* scratch, bool side) {
   constexpr int kMix = (2 + N) * N, kRows = kMix + N * (N + 1) / 2, kWarps = N * kStepCols / 32;
-  const int s = blockIdx.y, S = gridDim.y, blocks = gridDim.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.y, blocks = gridDim.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int i = tid / kStepCols, d = blockIdx.x * kStepCols + tid % kStepCols;
   const bool live = d < D;
   const int64_t W = int64_t(N) * D;
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(N* kStepCols)
   for (int kk = 0; kk < kMix; ++kk) f[kk] = live ? __ldg(fn + kk * W + int64_t(i) * D + d) : 0.0f;
   const float nw = live && i == 0 ? __ldg(norm_w + d) : 0.0f;
   pdl_enter();
-  const StepScratch sc(scratch, S, N);
+  const StepScratch sc(scratch, N);
   float* X = x + s * W;
   float xn[N];
 #pragma unroll
@@ -509,7 +510,7 @@ bool hyper_step_supported(int S, int n, int D) {
          D <= kStepCols * kStepMaxBlocks && int64_t(S) * ceil_div(D, kStepCols) <= sms[dev];
 }
 
-size_t hyper_step_scratch(int S, int n) { return StepScratch::floats(S, n); }
+size_t hyper_step_scratch(int n) { return StepScratch::floats(n); }
 
 bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, const float* scale, const float* base,
                 const float* norm_w, float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post,
@@ -540,8 +541,8 @@ bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, 
   if (!side) return false;
   side_ok(cudaEventRecord(side->fork, st), "cudaEventRecord");
   side_ok(cudaStreamWaitEvent(side->stream, side->fork, 0), "cudaStreamWaitEvent");
-  launch(hyper_weights_kernel, unsigned(S), 32, 0, side->stream, StepScratch(scratch, S, n).logits, n, scale, base,
-         hc_eps, sinkhorn_iters, post, comb);
+  launch(hyper_weights_kernel, unsigned(S), 32, 0, side->stream, StepScratch(scratch, n).logits, n, scale, base, hc_eps,
+         sinkhorn_iters, post, comb);
   MOESRV_CUDA_LAUNCH_CHECK();
   side_ok(cudaEventRecord(side->join, side->stream), "cudaEventRecord");
   return true;
