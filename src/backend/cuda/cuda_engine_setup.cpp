@@ -45,6 +45,18 @@ void layout_experts(const MoeWeights& hw, DevMoe& m) {
     }
 }
 
+// A side stream with its fork and join events (HyperSide), made and released.
+void open_side(HyperSide& side) {
+  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&side.join, cudaEventDisableTiming));
+}
+void close_side(const HyperSide& side) {
+  if (side.fork) cudaEventDestroy(side.fork);
+  if (side.join) cudaEventDestroy(side.join);
+  if (side.stream) cudaStreamDestroy(side.stream);
+}
+
 }  // namespace
 
 CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o)
@@ -62,12 +74,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   up.budget = budget;
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
-  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&mhc_side.stream, cudaStreamNonBlocking));
-  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.fork, cudaEventDisableTiming));
-  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&mhc_side.join, cudaEventDisableTiming));
-  MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&proj_side.stream, cudaStreamNonBlocking));
-  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&proj_side.fork, cudaEventDisableTiming));
-  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&proj_side.join, cudaEventDisableTiming));
+  for (HyperSide* side : {&mhc_side, &proj_side}) open_side(*side);
   MOESRV_CUBLAS_OK(cublasCreate(&cublas));
   MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
@@ -120,12 +127,7 @@ CudaEngine::Impl::~Impl() {
       }
   if (cublas) cublasDestroy(cublas);
   if (copy_stream) cudaStreamDestroy(copy_stream);
-  if (mhc_side.fork) cudaEventDestroy(mhc_side.fork);
-  if (mhc_side.join) cudaEventDestroy(mhc_side.join);
-  if (mhc_side.stream) cudaStreamDestroy(mhc_side.stream);
-  for (cudaEvent_t e : {proj_side.fork, proj_side.join})
-    if (e) cudaEventDestroy(e);
-  if (proj_side.stream) cudaStreamDestroy(proj_side.stream);
+  for (HyperSide* side : {&mhc_side, &proj_side}) close_side(*side);
   for (ExpertLane& lane : expert_lanes) {
     if (lane.stream) cudaStreamSynchronize(lane.stream);
     if (lane.blas) cublasDestroy(lane.blas);

@@ -522,12 +522,7 @@ bool hyper_step(float* x, const float* y, int S, int n, int D, const float* fn, 
   auto go = [&](auto kernel, auto streams) {
     constexpr int N = decltype(streams)::value, threads = N * kStepCols;
     const size_t smem = size_t((2 + N) * N + N * (N + 1) / 2) * threads * sizeof(float);
-    static const bool sized = [&] {  // over the default 48 KB (per kernel, once)
-      side_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-              "cudaFuncSetAttribute");
-      return true;
-    }();
-    (void)sized;
+    reserve_dynamic_smem(kernel, smem, "hyper_step");  // over the default 48 KB (per device: every launch)
     launch(kernel, grid, threads, smem, st, x, y, D, fn, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
            comb, scratch, side != nullptr);
   };
