@@ -397,6 +397,18 @@ void delta(int i) {
   g_bytes += 2.0 * KH * KD * KD * 4;  // state read + write
   delta_rule(a, g_st);
 }
+// A prefill's recurrence over kDeltaT tokens (the engine's linear_core phase per KDA layer).
+constexpr int kDeltaT = 1024;
+void delta_prefill(int i) {
+  static float *qkv = randf(size_t(kDeltaT) * KC, 0.05f), *g = randf(size_t(kDeltaT) * KHD, 0.02f, -0.05f),
+               *beta = randf(size_t(kDeltaT) * KH, 0.1f, 0.5f), *out = dalloc<float>(size_t(kDeltaT) * KHD);
+  DeltaRuleArgs a;
+  a.T = kDeltaT, a.heads = KH, a.dk = KD, a.dv = KD, a.per_channel_decay = true;
+  a.q = qkv, a.k = qkv + KHD, a.qk_stride = KC, a.v = qkv + 2 * KHD, a.v_stride = KC;
+  a.g = g, a.beta = beta, a.state = W.rec_state[i], a.out = out;
+  g_bytes += 2.0 * KH * KD * KD * 4 + double(kDeltaT) * (KC + KHD + KH + KHD) * 4;
+  delta_rule(a, g_st);
+}
 void l2norms() {
   l2norm_rows(B.lqkv, 1, KH, KC, KD, 1e-6f, 1.0f / std::sqrt(float(KD)), g_st);
   l2norm_rows(B.lqkv + KHD, 1, KH, KC, KD, 1e-6f, 1.0f, g_st);
@@ -642,6 +654,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("KDA EXL3 f_a|g_a, f_b|g_b (2 pairs)", [](int i) { fg_pairs(i); });
   bench("KDA kda_gates", [](int) { kda_gates(B.g, W.dt_bias, W.a_log, 1, KH, KD, true, -5.0f, B.beta, g_st); });
   bench("KDA delta_rule H=64 d=128", [](int i) { delta(i); });
+  bench("KDA delta_rule prefill 1024 tokens", [](int i) { delta_prefill(i); });
   bench("KDA kda_output_norm", [](int) { kda_output_norm(B.o, B.gate, W.o_norm, KH, KD, RMS_EPS, g_st); });
   if (kda_decode_supported(KD, KD, KCONV)) bench("KDA kda_decode (fused conv..norm)", [](int i) { kda_fused(i); });
   bench("KDA EXL3 o 4096x8192", [](int i) { exl3_linear(W.o_kda[i], B.o, B.y, D); });

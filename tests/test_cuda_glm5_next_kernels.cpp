@@ -221,9 +221,10 @@ TEST(CudaGlm5NextKernels, DeltaRuleMatchesRecurrence) {
     Dev<float> dstate(state);
     const std::string what = "H " + std::to_string(H) + " dk " + std::to_string(dk) + " dv " + std::to_string(dv) +
                              (cs.per_channel ? " KDA" : " GDN");
-    // T = 70 in one call (covers several staged token groups and a partial one), then ten single tokens.
+    // T = 70 and 33 in one call each (the prefill kernel for dk 64 / 128: several staged token groups and a partial
+    // one), then ten single tokens (the decode kernel), all on one carried state.
     uint32_t seed = 60;
-    for (int T : {70, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+    for (int T : {70, 33, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
       const DeltaInputs in = delta_inputs(T, H, dk, dv, cs.per_channel, seed += 10);
       std::vector<float> out(size_t(T) * H * dv);
       cpu::delta_rule_recurrent(shape, T, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
@@ -772,25 +773,29 @@ TEST(CudaGlm5NextKernels, KpoolIndexerRealWidth) {
   run_kpool_case({32, 128, 4, 2048, {2999, 1, 1, 1, 1, 1, 7}});
 }
 
-// The top-k of kpool_select (radix select over the pool scores) with many exactly tied scores: pool keys repeat 40
-// distinct random rows, so equal rows score bit-identically; the chosen pools must be the best `budget` with ties at
-// the k-th score going to the lower pool index (the indexer's rule), in ascending order, then the open pool's tail.
+// The top-k of kpool_select (binned, with the radix select as its fallback) with many exactly tied scores: pool keys
+// repeat a few distinct random rows, so equal rows score bit-identically; the chosen pools must be the best `budget`
+// with ties at the k-th score going to the lower pool index (the indexer's rule), in ascending order, then the open
+// pool's tail. 600 and 5000 pools over 40 rows: the k-th score's bin is ranked alone; 20000 over 4 rows: that bin
+// holds more scores than the ranking takes (the radix fallback); 60000: more than the top-k stages in shared memory
+// (global passes, radix).
 TEST(CudaGlm5NextKernels, KpoolSelectTiesGoToLowerPools) {
   SKIP_WITHOUT_DEVICE();
   const int nh = 4, d = 32, kp = 4, budget = 100;
-  for (int pools : {600, 5000, 60000}) {  // 60000: more than the top-k stages in shared memory (global passes)
+  for (auto [pools, distinct] : {std::pair{600, 40}, {5000, 40}, {20000, 4}, {60000, 40}}) {
     const int p = pools * kp + 1, max_pools = pools + 1, sel_k = budget * kp + kp - 1;
-    const std::vector<float> rows = uniform(size_t(40) * d, -1.0f, 1.0f, 77), q = uniform(size_t(nh) * d, -1, 1, 78);
+    const std::vector<float> rows = uniform(size_t(distinct) * d, -1.0f, 1.0f, 77),
+                             q = uniform(size_t(nh) * d, -1, 1, 78);
     const std::vector<float> hw = uniform(size_t(nh), 0.1f, 1.0f, 79);
     std::vector<float> pool_k(size_t(max_pools) * d, 0.0f);
     std::mt19937 rng(80);
     std::vector<int> row_of(static_cast<size_t>(pools));
     for (int P = 0; P < pools; ++P) {
-      row_of[size_t(P)] = int(rng() % 40);
+      row_of[size_t(P)] = int(rng() % unsigned(distinct));
       std::copy_n(rows.begin() + row_of[size_t(P)] * d, d, pool_k.begin() + int64_t(P) * d);
     }
-    std::vector<double> row_score(40);
-    for (int r = 0; r < 40; ++r)
+    std::vector<double> row_score(static_cast<size_t>(distinct));
+    for (int r = 0; r < distinct; ++r)
       for (int h = 0; h < nh; ++h) {
         double dot = 0;
         for (int j = 0; j < d; ++j) dot += double(q[size_t(h * d + j)]) * rows[size_t(r * d + j)];

@@ -40,6 +40,36 @@ TEST(ExpertCache, EvictsLeastRecentlyUsed) {
   EXPECT_DOUBLE_EQ(s.hit_rate(), 0.5);
 }
 
+// Prefill passes scan every expert of a layer in expert order. With a plain LRU each miss evicts the expert the next
+// scan needs first: no hits at all. A streaming window recycles the scan's own admissions instead, so the next scan
+// hits slots - window experts; end_stream makes them ordinary LRU entries again.
+TEST(ExpertCache, StreamingScansKeepTheCachedExperts) {
+  constexpr int32_t kExperts = 10, kSlots = 6, kWindow = 2;
+  auto scan = [&](ExpertCache& c, int32_t window) {
+    int hits = 0;
+    for (int32_t e = 0; e < kExperts; ++e) {
+      if (c.lookup(0, e)) ++hits;
+      else EXPECT_TRUE(c.admit(0, e, window));
+    }
+    c.end_stream(0);
+    return hits;
+  };
+  ExpertCache lru({kSlots}, kExperts), streamed({kSlots}, kExperts);
+  for (int pass = 0; pass < 3; ++pass) {
+    EXPECT_EQ(scan(lru, 0), 0) << pass;
+    EXPECT_EQ(scan(streamed, kWindow), pass == 0 ? 0 : kSlots - kWindow) << pass;
+  }
+  EXPECT_EQ(streamed.lru_order(0), (std::vector<int32_t>{4, 5, 6, 7, 8, 9}));
+  // Retained experts of the window are skipped; then the LRU victim as usual.
+  ExpertCache c({3}, 8);
+  for (int32_t e : {0, 1, 2}) ASSERT_TRUE(c.admit(0, e, 1));
+  c.retain(0, 0);
+  auto a = c.admit(0, 3, 1);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 1);  // the window's oldest unretained admission
+  c.release(0, 0);
+}
+
 TEST(ExpertCache, PinnedNeverEvicted) {
   ExpertCache c({4, 2}, 32);
   const int32_t p0 = c.pin(0, 7), p1 = c.pin(0, 9);

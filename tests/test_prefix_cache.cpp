@@ -67,6 +67,46 @@ TEST(PrefixCache, LruEvictionUnderTheByteBound) {
 }
 
 namespace {
+// Records the token count of every forward call; the next token is always 1.
+class CallSizeEngine : public Engine {
+ public:
+  explicit CallSizeEngine(int64_t chunk) : chunk_(chunk) {}
+  std::string name() const override { return "call-sizes"; }
+  int64_t vocab_size() const override { return 4; }
+  int64_t max_context() const override { return 1 << 20; }
+  int64_t prefill_chunk() const override { return chunk_; }
+  std::unique_ptr<SequenceState> new_sequence() const override { return std::make_unique<ScriptedSequence>(); }
+  std::vector<float> forward(SequenceState& s, const std::vector<int32_t>& tokens, bool) override {
+    auto& seq = static_cast<ScriptedSequence&>(s);
+    seq.tokens.insert(seq.tokens.end(), tokens.begin(), tokens.end());
+    calls.push_back(int64_t(tokens.size()));
+    return {0.0f, 1.0f, 0.0f, 0.0f};
+  }
+  std::vector<int64_t> calls;
+
+ private:
+  int64_t chunk_;
+};
+struct NoHooks : DecodeHooks {
+  bool on_token(int32_t) override { return true; }
+};
+}  // namespace
+
+// The generator cuts a prompt at the engine's pass length unless told otherwise: a GPU engine's prefill pass (its
+// expert plan, a hybrid engine's expert transfers) then runs once per 8K tokens, not once per 512.
+TEST(Generator, PrefillCallsFollowTheEnginePassLength) {
+  const std::vector<int32_t> prompt(23, 2);
+  Sampler greedy({.temperature = 0});
+  NoHooks hooks;
+  CallSizeEngine by_engine(10);
+  generate(by_engine, nullptr, prompt, 2, greedy, hooks);
+  EXPECT_EQ(by_engine.calls, (std::vector<int64_t>{10, 10, 3, 1}));  // prompt in pass-sized calls, then a token
+  CallSizeEngine fixed(10);
+  generate(fixed, nullptr, prompt, 2, greedy, hooks, {.prefill_chunk = 4});
+  EXPECT_EQ(fixed.calls, (std::vector<int64_t>{4, 4, 4, 4, 4, 3, 1}));
+}
+
+namespace {
 // Greedy decoding that records each generated token and the logits it was picked from.
 struct Recorder : DecodeHooks {
   std::vector<int32_t> ids;

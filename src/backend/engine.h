@@ -31,6 +31,10 @@ class Engine {
   virtual std::string name() const = 0;  // model id served on /v1/models
   virtual int64_t vocab_size() const = 0;
   virtual int64_t max_context() const = 0;
+  // Prompt tokens per forward call that keep a prefill at the engine's full speed (its pass length). A caller that
+  // cuts a prompt into calls (cancellation, progress) cuts at this size: shorter calls re-run per-pass work (a GPU
+  // engine's expert plan, a hybrid engine's expert transfers) more often.
+  virtual int64_t prefill_chunk() const { return 512; }
   virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
   virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens,

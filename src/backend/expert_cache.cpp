@@ -75,7 +75,7 @@ std::optional<int32_t> ExpertCache::peek(int32_t layer, int32_t expert) const {
   return s < 0 ? std::nullopt : std::optional<int32_t>(s);
 }
 
-std::optional<Admission> ExpertCache::admit(int32_t layer, int32_t expert) {
+std::optional<Admission> ExpertCache::admit(int32_t layer, int32_t expert, int32_t stream_window) {
   check_expert(expert);
   Layer& L = layer_(layer);
   std::lock_guard lk(L.mu);
@@ -89,20 +89,37 @@ std::optional<Admission> ExpertCache::admit(int32_t layer, int32_t expert) {
     a.slot = L.free_slots.back();
     L.free_slots.pop_back();
   } else {
-    auto victim = L.lru.begin();
-    while (victim != L.lru.end() && L.retained[size_t(*victim)] > 0) ++victim;
+    auto victim = L.lru.end();
+    if (stream_window > 0 && int32_t(L.streamed.size()) >= stream_window)
+      for (int32_t s : L.streamed)
+        if (L.retained[size_t(s)] == 0) {
+          victim = L.pos[size_t(s)];
+          break;
+        }
+    if (victim == L.lru.end()) {
+      victim = L.lru.begin();
+      while (victim != L.lru.end() && L.retained[size_t(*victim)] > 0) ++victim;
+    }
     if (victim == L.lru.end()) return std::nullopt;
     a.evicted = *victim;
     a.slot = L.slot_of[size_t(a.evicted)];
     L.slot_of[size_t(a.evicted)] = -1;
     L.lru.erase(victim);
+    std::erase(L.streamed, a.evicted);
     ++L.stats.evictions;
   }
   L.slot_of[e] = a.slot;
   L.expert_in[size_t(a.slot)] = expert;
   L.pos[e] = L.lru.insert(L.lru.end(), expert);
+  if (stream_window > 0) L.streamed.push_back(expert);
   ++L.stats.admissions;
   return a;
+}
+
+void ExpertCache::end_stream(int32_t layer) {
+  Layer& L = layer_(layer);
+  std::lock_guard lk(L.mu);
+  L.streamed.clear();
 }
 
 void ExpertCache::retain(int32_t layer, int32_t expert) {

@@ -3,6 +3,7 @@
 // Thread-safe for a decode thread (lookup/retain/release) racing a copy thread (admit); one mutex per layer.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -37,7 +38,13 @@ class ExpertCache {
   std::optional<int32_t> peek(int32_t layer, int32_t expert) const;
   // Gives `expert` a slot: a free one, else the least recently used unpinned, unretained one (evicted).
   // nullopt when every slot is pinned or retained; an expert already present keeps its slot (evicted = -1).
-  std::optional<Admission> admit(int32_t layer, int32_t expert);
+  // stream_window > 0: a pass that scans more experts than the layer holds (prefill walks all of them in expert
+  // order, pass after pass). Once `stream_window` experts have been admitted since end_stream(), the victim is the
+  // oldest of those instead of the LRU one, so the experts cached before the scan stay for the next one (an LRU over
+  // a cyclic scan evicts every expert just before its reuse). The window keeps that many copies in flight.
+  std::optional<Admission> admit(int32_t layer, int32_t expert, int32_t stream_window = 0);
+  // Ends a streaming pass of `layer`: its admissions become ordinary LRU entries.
+  void end_stream(int32_t layer);
   // While retained (e.g. a kernel reads it), an expert's slot is never chosen as a victim.
   void retain(int32_t layer, int32_t expert);
   // lookup + retain under one lock: the slot stays valid until release(), even while a copy thread admits.
@@ -63,6 +70,7 @@ class ExpertCache {
     std::list<int32_t> lru;                         // unpinned resident experts, front = least recent
     std::vector<std::list<int32_t>::iterator> pos;  // [experts] position in lru
     std::vector<int32_t> free_slots;
+    std::deque<int32_t> streamed;  // admitted by the current streaming pass, oldest first
     ExpertCacheStats stats;
     mutable std::mutex mu;
   };

@@ -85,7 +85,9 @@ void add_serve_command(CLI::App& app) {
                   "Seconds a request's line and headers may take to arrive (and its body may pause)")
       ->capture_default_str();
   cmd->add_option("--chat-format", a->chat_format, "auto | jinja | glm45 | glm47")->capture_default_str();
-  cmd->add_option("--prefill-chunk", a->server.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
+  cmd->add_option("--prefill-chunk", a->server.prefill_chunk,
+                  "Prompt tokens per forward call (0: the engine's pass length)")
+      ->capture_default_str();
   add_engine_options(cmd, a->engine);
   cmd->add_flag("!--no-usage-stats", a->save_usage,
                 "Do not save routed-expert usage to <model>/.moesrv/expert_usage.json at exit (used to pin hot experts)");

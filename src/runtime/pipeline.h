@@ -49,6 +49,7 @@ class PipelineSequence : public SequenceState {
 struct PipelineModelInfo {
   std::string name;
   int64_t vocab_size = 0, max_context = 0, num_layers = 0;
+  int64_t prefill_chunk = 512;  // Engine::prefill_chunk(): the stages' smallest
 };
 
 class PipelineEngine : public Engine {
@@ -59,6 +60,7 @@ class PipelineEngine : public Engine {
   std::string name() const override { return info_.name; }
   int64_t vocab_size() const override { return info_.vocab_size; }
   int64_t max_context() const override { return info_.max_context; }
+  int64_t prefill_chunk() const override { return info_.prefill_chunk; }
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
 

@@ -31,8 +31,9 @@ std::unique_ptr<PipelineEngine> make_cpu_pipeline(std::shared_ptr<CpuEngine> eng
     specs.push_back({std::make_shared<CpuPipelineStage>(engine), begin, end});
     begin = end;
   }
-  return std::make_unique<PipelineEngine>(std::move(specs),
-                                          PipelineModelInfo{engine->name(), c.vocab_size, c.max_position, c.num_layers});
+  return std::make_unique<PipelineEngine>(
+      std::move(specs),
+      PipelineModelInfo{engine->name(), c.vocab_size, c.max_position, c.num_layers, engine->prefill_chunk()});
 }
 
 }  // namespace moesrv

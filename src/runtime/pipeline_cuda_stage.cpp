@@ -34,8 +34,11 @@ std::unique_ptr<PipelineEngine> make_cuda_pipeline(std::shared_ptr<ModelPackage>
     o.layer_begin = begin;
     o.layer_end = i < splits.size() ? splits[i] : -1;  // the last stage: to the model's last layer
     auto engine = std::make_shared<CudaEngine>(pkg, o);
-    if (i == 0) info = {engine->name(), engine->vocab_size(), engine->max_context(), engine->num_layers()};
+    if (i == 0)
+      info = {engine->name(), engine->vocab_size(), engine->max_context(), engine->num_layers(),
+              engine->prefill_chunk()};
     info.max_context = std::min(info.max_context, engine->max_context());
+    info.prefill_chunk = std::min(info.prefill_chunk, engine->prefill_chunk());
     specs.push_back({std::make_shared<CudaPipelineStage>(engine), engine->layer_begin(), engine->layer_end()});
     begin = engine->layer_end();
   }

@@ -55,8 +55,9 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   const int64_t total = r.prompt_tokens - r.cached_tokens;
   const bool fixed = seq->has_fixed_state();
   const int64_t split = fixed && total > 1 ? total - 1 : total;
+  const int64_t chunk = config.prefill_chunk > 0 ? config.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk());
   for (int64_t done = 0; done < total;) {
-    int64_t n = std::min(config.prefill_chunk, (done < split ? split : total) - done);
+    int64_t n = std::min(chunk, (done < split ? split : total) - done);
     auto begin = prompt.begin() + r.cached_tokens + done;
     logits = forward(std::vector<int32_t>(begin, begin + n));
     done += n;

@@ -38,7 +38,8 @@ struct GenerationResult {
 };
 
 struct GeneratorConfig {
-  int64_t prefill_chunk = 512;  // tokens per forward call during prefill (cancellation granularity)
+  // Tokens per forward call during prefill (cancellation and progress granularity); 0: engine.prefill_chunk().
+  int64_t prefill_chunk = 0;
 };
 
 // Runs one generation. `max_new_tokens` bounds the generated tokens (forced ones included).

@@ -52,6 +52,7 @@ class CpuEngine : public Engine {
   // is checkpointed there and at the end of every multi-token forward (resume points for the prefix cache).
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
   static constexpr int64_t kCheckpointInterval = 2048;
+  int64_t prefill_chunk() const override { return kCheckpointInterval; }
 
   // The steps of forward(), public so a pipeline stage can run a layer range (forward() uses them too).
   // Token embeddings into x [S, stream_width] (copied into every residual stream).

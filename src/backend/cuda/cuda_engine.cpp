@@ -413,6 +413,7 @@ CudaEngine::~CudaEngine() = default;
 std::string CudaEngine::name() const { return impl_->name; }
 int64_t CudaEngine::vocab_size() const { return impl_->c.vocab_size; }
 int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
+int64_t CudaEngine::prefill_chunk() const { return impl_->rows; }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
 void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
 const UsageStats* CudaEngine::expert_usage() const { return impl_->drain_usage(); }

@@ -115,6 +115,7 @@ class CudaEngine : public Engine {
   std::string name() const override;
   int64_t vocab_size() const override;
   int64_t max_context() const override;
+  int64_t prefill_chunk() const override;  // CudaEngineOptions::prefill_chunk (at most the context)
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
 

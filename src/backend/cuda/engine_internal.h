@@ -336,6 +336,11 @@ struct CudaEngine::Impl {
   // Host-planned MoE: tokens per planned pass (the whole pass; MOESRV_MOE_PASS_ROWS sets fewer, for comparisons),
   // sorted rows per wave through the expert buffers (their height).
   int64_t moe_pass_rows = 0, moe_wave_rows = 0;
+  // Cache misses of a host-planned pass of at least kStreamPassTokens tokens (prefill: it walks all the layer's
+  // experts) recycle the pass's own last kStreamWindow admissions, not the LRU (ExpertCache::admit); 0 otherwise.
+  static constexpr int64_t kStreamPassTokens = 64;
+  static constexpr int32_t kStreamWindow = 4;
+  int32_t stream_window = 0;
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)

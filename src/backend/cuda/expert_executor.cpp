@@ -86,7 +86,7 @@ const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
     *slot = *hit;
   } else {
     // No slot is ever retained: the events below order a slot's reuse after the GPU's last read of it.
-    std::optional<Admission> a = expert_cache->admit(int32_t(l), e);
+    std::optional<Admission> a = expert_cache->admit(int32_t(l), e, stream_window);
     if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
     *slot = a->slot;
     stats.fetched_bytes += double(m.block_bytes[size_t(e)]);
@@ -226,6 +226,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   }
   const int64_t wave = grouped ? exl3_wave_rows(m) : moe_wave_rows;
   if (wave < 1) fail("layer {}: MoE wave of no rows", l);
+  stream_window = n >= kStreamPassTokens ? kStreamWindow : 0;
   std::vector<ExpertPiece> pieces;
   size_t r = 0;  // first run that may reach into the wave
   for (int64_t a = 0; a < rows_total; a += wave) {
@@ -264,6 +265,8 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
     moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
                 int(a), int(b));
   }
+  if (stream_window) expert_cache->end_stream(int32_t(l));
+  stream_window = 0;
   // CPU experts while the GPU works through the queue above; their sum joins s.y in slices of moe_rows tokens.
   if (cpu_experts.empty()) return;
   if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(rows * D) * 4);

@@ -276,9 +276,16 @@ __device__ __forceinline__ void stage_scores(float* staged, const float* __restr
   __syncthreads();
 }
 
+// The top-k of the selection kernels: binned (radix_topk.cuh), or the radix select alone (MOESRV_KPOOL_RADIX=1).
+template <typename Emit>
+__device__ __forceinline__ void select_topk(const float* sc, int n, int k, bool radix, Emit emit) {
+  if (radix) block_radix_topk<kSelectThreads>(sc, n, k, emit);
+  else block_binned_topk<kSelectThreads>(sc, n, k, emit);
+}
+
 __global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_split_kernel(const float* __restrict__ scores, int kpool, int budget, const int32_t* pos0, int max_pools,
-                            float* cand_score, int32_t* cand_pool) {
+                            bool radix, float* cand_score, int32_t* cand_pool) {
   pdl_enter();
   extern __shared__ float staged[];
   const int c = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
@@ -293,8 +300,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     return;
   }
   stage_scores(staged, sc, len);
-  block_radix_topk<kSelectThreads>(staged, len, budget,
-                                   [&](int t, int slot) { cs[slot] = staged[t], cp[slot] = lo + t; });
+  select_topk(staged, len, budget, radix, [&](int t, int slot) { cs[slot] = staged[t], cp[slot] = lo + t; });
 }
 
 // One block per query: top `budget` of the visible pools' scores (radix_topk.cuh; ties at the k-th score go to the
@@ -303,8 +309,8 @@ __global__ void __launch_bounds__(kSelectThreads)
 // a time. With candidates (cand_pool set), the row is kpool_topk_split_kernel's candidates instead.
 __global__ void __launch_bounds__(kSelectThreads)
     kpool_topk_kernel(const float* __restrict__ scores, int kpool, int budget, bool select_tail, const int32_t* pos0,
-                      int max_pools, int smem_floats, const float* cand_score, const int32_t* cand_pool, int32_t* sel,
-                      int sel_k) {
+                      int max_pools, int smem_floats, bool radix, const float* cand_score, const int32_t* cand_pool,
+                      int32_t* sel, int sel_k) {
   pdl_enter();
   extern __shared__ float staged[];
   const int s = blockIdx.x, tid = threadIdx.x, p = *pos0 + s;
@@ -337,7 +343,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int i = tid; i < pools * kpool; i += kSelectThreads) out[i] = i;
     written = pools;
   } else {
-    block_radix_topk<kSelectThreads>(sc, n, budget, [&](int t, int slot) {
+    select_topk(sc, n, budget, radix, [&](int t, int slot) {
       const int P = pool_of ? pool_of[t] : t;
       for (int j = 0; j < kpool; ++j) out[slot * kpool + j] = P * kpool + j;
     });
@@ -370,6 +376,11 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
 // MOESRV_KPOOL_LANES=1: decode scores by the fp32 lanes kernel instead of tensor cores (comparisons), read once.
 static bool kpool_lanes_forced() {
   static const bool on = env_flag("MOESRV_KPOOL_LANES");
+  return on;
+}
+// MOESRV_KPOOL_RADIX=1: the top-k by the radix select alone (comparisons), read once.
+static bool kpool_radix_forced() {
+  static const bool on = env_flag("MOESRV_KPOOL_RADIX");
   return on;
 }
 
@@ -426,23 +437,32 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     throw std::runtime_error("kpool_select: cannot read the device's shared memory size");
-  const size_t smem_floats = std::min<size_t>(kSelectSmemPools, size_t(optin) / 4);
+  // (the top-k kernels' static shared memory, the selection's bins and lists, comes out of the same bound)
+  cudaFuncAttributes fa_split{}, fa_topk{};
+  if (cudaFuncGetAttributes(&fa_split, kpool_topk_split_kernel) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa_topk, kpool_topk_kernel) != cudaSuccess)
+    throw std::runtime_error("kpool_select: cannot read the top-k kernels' attributes");
+  const size_t fixed = std::max(fa_split.sharedSizeBytes, fa_topk.sharedSizeBytes);
+  // Both top-k kernels may take all the dynamic shared memory their static part leaves (an upper bound only: each
+  // launch asks for what it stages; above 48 KB in all, a kernel must be allowed more explicitly).
+  const size_t dynamic_max = size_t(optin) - std::min<size_t>(optin, fixed);
+  reserve_dynamic_smem(kpool_topk_split_kernel, dynamic_max, "kpool_select");
+  reserve_dynamic_smem(kpool_topk_kernel, dynamic_max, "kpool_select");
+  const size_t smem_floats = std::min<size_t>(kSelectSmemPools, dynamic_max / 4);
+  const bool radix = kpool_radix_forced();
   const size_t cand = size_t(kTopkSplit) * budget, chunk = (size_t(max_pools) + kTopkSplit - 1) / kTopkSplit;
   const bool split = budget > 0 && S <= kSplitQueries && size_t(max_pools) > 4 * cand && chunk <= smem_floats &&
                      2 * cand <= smem_floats && kpool_select_scratch(S, max_pools, budget) <= scratch_floats;
   float* cand_score = split ? scratch + int64_t(S) * max_pools : nullptr;
   int32_t* cand_pool = split ? reinterpret_cast<int32_t*>(cand_score + int64_t(S) * cand) : nullptr;
   if (split) {
-    if (chunk * sizeof(float) > 48 * 1024)
-      reserve_dynamic_smem(kpool_topk_split_kernel, chunk * sizeof(float), "kpool_select");
     launch(kpool_topk_split_kernel, dim3(kTopkSplit, unsigned(S)), kSelectThreads, chunk * sizeof(float), st, scratch,
-           kpool, budget, pos0, max_pools, cand_score, cand_pool);
+           kpool, budget, pos0, max_pools, radix, cand_score, cand_pool);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
   const size_t staged = split ? cand * 8 : budget > 0 ? std::min<size_t>(max_pools, smem_floats) * 4 : 0;
-  if (staged > 48 * 1024) reserve_dynamic_smem(kpool_topk_kernel, staged, "kpool_select");
   launch(kpool_topk_kernel, S, kSelectThreads, staged, st, scratch, kpool, budget, select_tail, pos0, max_pools,
-         int(staged / 4), cand_score, cand_pool, sel, sel_k);
+         int(staged / 4), radix, cand_score, cand_pool, sel, sel_k);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -149,6 +149,145 @@ void launch_delta_rule(const DeltaRuleArgs& a, cudaStream_t st) {
   launch(delta_rule_kernel<R>, grid, kDrWarps * 32, 0, st, a);
 }
 
+// ---- the same recurrence for long token runs (prefill), dk = 64 or 128. The kernel above spends a warp on each
+// column: two 5-step shuffle sums per token, and 16 blocks per head each staging the head's q, k, exp(g) rows. Here a
+// lane quad holds a column (lane q of the quad: rows 16 i + 4 q .. + 3, read from the staged rows as float4
+// broadcasts), so a warp runs 8 columns with two 2-step sums per token, and a block of kDqWarps warps covers 64
+// columns of one head (2 blocks per head at dv = 128: each SM runs one block, issue-bound on the FMAs). The next
+// kDqTokens token rows are loaded into registers before the current ones are processed and stored after them.
+constexpr int kDqWarps = 8, kDqTokens = 8, kDqCols = kDqWarps * 8, kDqThreads = kDqWarps * 32;
+constexpr int kDqMinTokens = 32;  // shorter runs (decode) keep the column-per-warp kernel
+
+template <int dk>
+struct DqStage {  // one thread's share of a group of kDqTokens token rows
+  static constexpr int kRows = kDqTokens * dk / kDqThreads;
+  static_assert(kRows * kDqThreads == kDqTokens * dk, "whole token rows per stage");
+  float q[kRows], k[kRows], e[kRows], v[kDqTokens * kDqCols / kDqThreads], b;
+};
+
+template <int dk>
+__device__ __forceinline__ void dq_load(const DeltaRuleArgs& a, int h, int hk, int j0, int t0, DqStage<dk>& r) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int m = 0; m < DqStage<dk>::kRows; ++m) {
+    const int idx = tid + m * kDqThreads, t = t0 + idx / dk, c = idx % dk;
+    r.q[m] = r.k[m] = r.e[m] = 0.0f;
+    if (t < a.T) {
+      const int64_t qk = int64_t(t) * a.qk_stride + int64_t(hk) * dk + c, ti = int64_t(t) * a.heads + h;
+      r.q[m] = __ldg(a.q + qk);
+      r.k[m] = __ldg(a.k + qk);
+      r.e[m] = __ldg(a.per_channel_decay ? a.g + ti * dk + c : a.g + ti);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kDqTokens * kDqCols / kDqThreads; ++m) {
+    const int idx = tid + m * kDqThreads, t = t0 + idx / kDqCols, col = j0 + idx % kDqCols;
+    r.v[m] = t < a.T && col < a.dv ? __ldg(a.v + int64_t(t) * a.v_stride + int64_t(h) * a.dv + col) : 0.0f;
+  }
+  r.b = tid < kDqTokens && t0 + tid < a.T ? __ldg(a.beta + int64_t(t0 + tid) * a.heads + h) : 0.0f;
+}
+
+template <int dk>
+struct DqSmem {
+  float q[kDqTokens][dk], k[kDqTokens][dk], e[kDqTokens][dk], v[kDqTokens][kDqCols], b[kDqTokens];
+};
+
+template <int dk>
+__device__ __forceinline__ void dq_store(const DqStage<dk>& r, DqSmem<dk>& sm) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int m = 0; m < DqStage<dk>::kRows; ++m) {
+    const int idx = tid + m * kDqThreads, t = idx / dk, c = idx % dk;
+    sm.q[t][c] = r.q[m];
+    sm.k[t][c] = r.k[m];
+    sm.e[t][c] = expf(r.e[m]);
+  }
+#pragma unroll
+  for (int m = 0; m < kDqTokens * kDqCols / kDqThreads; ++m) {
+    const int idx = tid + m * kDqThreads;
+    sm.v[idx / kDqCols][idx % kDqCols] = r.v[m];
+  }
+  if (tid < kDqTokens) sm.b[tid] = r.b;
+}
+
+template <int dk>
+__global__ void __launch_bounds__(kDqThreads) delta_rule_quad_kernel(DeltaRuleArgs a) {
+  pdl_enter();
+  constexpr int N = dk / 16;  // float4 row groups per lane
+  __shared__ __align__(16) DqSmem<dk> sm[2];
+  const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane & 3;
+  const int hk = h / a.qk_group, j0 = blockIdx.x * kDqCols, jc = warp * 8 + (lane >> 2), j = j0 + jc;
+  const bool active = j < a.dv;  // uniform over the quad
+  float* S = a.state + int64_t(h) * dk * a.dv;
+  float4 s[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int r = 16 * i + 4 * quad;
+    s[i] = active ? make_float4(S[int64_t(r) * a.dv + j], S[int64_t(r + 1) * a.dv + j], S[int64_t(r + 2) * a.dv + j],
+                                S[int64_t(r + 3) * a.dv + j])
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  DqStage<dk> next;
+  dq_load<dk>(a, h, hk, j0, 0, next);
+  dq_store<dk>(next, sm[0]);
+  __syncthreads();
+  for (int t0 = 0, buf = 0; t0 < a.T; t0 += kDqTokens, buf ^= 1) {
+    const bool more = t0 + kDqTokens < a.T;  // block-uniform
+    if (more) dq_load<dk>(a, h, hk, j0, t0 + kDqTokens, next);
+    const DqSmem<dk>& cur = sm[buf];
+    const int n = min(kDqTokens, a.T - t0);
+    for (int r = 0; r < n; ++r) {
+      float4 k4[N];
+      float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const float4 e4 = *reinterpret_cast<const float4*>(&cur.e[r][16 * i + 4 * quad]);
+        k4[i] = *reinterpret_cast<const float4*>(&cur.k[r][16 * i + 4 * quad]);
+        s[i].x *= e4.x, s[i].y *= e4.y, s[i].z *= e4.z, s[i].w *= e4.w;
+        u[0] += s[i].x * k4[i].x;
+        u[1] += s[i].y * k4[i].y;
+        u[2] += s[i].z * k4[i].z;
+        u[3] += s[i].w * k4[i].w;
+      }
+      float uu = (u[0] + u[1]) + (u[2] + u[3]);
+      uu += __shfl_xor_sync(0xffffffffu, uu, 1);
+      uu += __shfl_xor_sync(0xffffffffu, uu, 2);
+      const float delta = cur.b[r] * (cur.v[r][jc] - uu);
+      float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const float4 q4 = *reinterpret_cast<const float4*>(&cur.q[r][16 * i + 4 * quad]);
+        s[i].x += k4[i].x * delta, s[i].y += k4[i].y * delta, s[i].z += k4[i].z * delta, s[i].w += k4[i].w * delta;
+        o[0] += s[i].x * q4.x;
+        o[1] += s[i].y * q4.y;
+        o[2] += s[i].z * q4.z;
+        o[3] += s[i].w * q4.w;
+      }
+      float oo = (o[0] + o[1]) + (o[2] + o[3]);
+      oo += __shfl_xor_sync(0xffffffffu, oo, 1);
+      oo += __shfl_xor_sync(0xffffffffu, oo, 2);
+      if (quad == 0 && active) a.out[(int64_t(t0 + r) * a.heads + h) * a.dv + j] = oo;
+    }
+    if (more) dq_store<dk>(next, sm[buf ^ 1]);  // the other buffer: last read before the previous barrier
+    __syncthreads();
+  }
+  if (active)
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int r = 16 * i + 4 * quad;
+      S[int64_t(r) * a.dv + j] = s[i].x;
+      S[int64_t(r + 1) * a.dv + j] = s[i].y;
+      S[int64_t(r + 2) * a.dv + j] = s[i].z;
+      S[int64_t(r + 3) * a.dv + j] = s[i].w;
+    }
+}
+
+template <int dk>
+void launch_delta_rule_quad(const DeltaRuleArgs& a, cudaStream_t st) {
+  const dim3 grid(unsigned(ceil_div(a.dv, kDqCols)), unsigned(a.heads));
+  launch(delta_rule_quad_kernel<dk>, grid, kDqThreads, 0, st, a);
+}
+
 // ---- gated output RMSNorm: one warp per (token, head) row: rms_norm(o) * w * sigmoid(gate) (KDA) or
 // * silu(gate) (Gated DeltaNet).
 template <bool kSilu>
@@ -238,6 +377,13 @@ void delta_rule(const DeltaRuleArgs& args, cudaStream_t st) {
                              std::to_string(a.qk_group));
   if (a.qk_stride == 0) a.qk_stride = int64_t(a.heads / a.qk_group) * a.dk;
   if (a.v_stride == 0) a.v_stride = int64_t(a.heads) * a.dv;
+  static const bool columns = env_flag("MOESRV_DELTA_RULE_COLUMNS");  // 1: the column-per-warp kernel always
+  if (a.T >= kDqMinTokens && (a.dk == 64 || a.dk == 128) && !columns) {
+    if (a.dk == 64) launch_delta_rule_quad<64>(a, st);
+    else launch_delta_rule_quad<128>(a, st);
+    MOESRV_CUDA_LAUNCH_CHECK();
+    return;
+  }
   switch (a.dk) {  // the sizes cuda_delta_rule_supports() (cuda_engine.h) lists
     case 32: launch_delta_rule<1>(a, st); break;
     case 64: launch_delta_rule<2>(a, st); break;

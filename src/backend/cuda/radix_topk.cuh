@@ -105,4 +105,81 @@ __device__ void block_radix_topk(const float* sc, int n, int k, Emit emit) {
   }
 }
 
+// The same selection (top k of sc[0, n), 0 < k < n, emit(index, slot) in ascending index order, ties to the lower
+// index), usually in fewer block-wide passes: the scores' range is cut into kTopkBins equal-width bins (a
+// non-decreasing map, so a higher bin holds strictly higher scores), one histogram finds the bin B holding the k-th
+// score, and only B's scores are ranked against each other (by score, then index). Falls back to block_radix_topk
+// when B holds more than kTopkBinList scores (e.g. many equal ones) or n > kTopkMaskBits. kThreads: a multiple of
+// 32 that divides kTopkBins / 2 ... kTopkBins (two bins per thread at 1024).
+constexpr int kTopkBins = 2048, kTopkBinList = 1024, kTopkMaskBits = 48 * 1024;
+
+template <int kThreads, typename Emit>
+__device__ void block_binned_topk(const float* sc, int n, int k, Emit emit) {
+  static_assert(kThreads * 2 == kTopkBins, "two bins per thread");
+  constexpr int kWarps = kThreads / 32;
+  __shared__ int hist[kTopkBins];
+  __shared__ uint32_t chosen[kTopkMaskBits / 32];  // bin B's selected scores, a bit per index
+  __shared__ int list[kTopkBinList];
+  __shared__ float range_lo[kWarps], range_hi[kWarps];
+  __shared__ int bin_s, want_s, listed_s;
+  if (n > kTopkMaskBits) return block_radix_topk<kThreads>(sc, n, k, emit);  // block-uniform
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float lo = INFINITY, hi = -INFINITY;
+  for (int t = tid; t < n; t += kThreads) {
+    const float v = sc[t];
+    lo = fminf(lo, v), hi = fmaxf(hi, v);
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o)), hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  if (lane == 0) range_lo[warp] = lo, range_hi[warp] = hi;
+  for (int i = tid; i < kTopkBins; i += kThreads) hist[i] = 0;
+  for (int i = tid; i < (n + 31) / 32; i += kThreads) chosen[i] = 0;
+  if (tid == 0) listed_s = 0;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) lo = fminf(lo, range_lo[w]), hi = fmaxf(hi, range_hi[w]);
+  const float scale = hi > lo ? float(kTopkBins) / (hi - lo) : 0.0f;  // (inf range: scale 0, one bin, the fallback)
+  const auto bin = [&](float v) {
+    const float f = (v - lo) * scale;
+    return f >= 0.0f ? min(kTopkBins - 1, int(f)) : 0;  // (NaN: bin 0)
+  };
+  for (int t = tid; t < n; t += kThreads) atomicAdd(&hist[bin(sc[t])], 1);
+  __syncthreads();
+  // Thread tid holds bins b1 = kTopkBins - 1 - 2 tid and b1 - 1; the exclusive sum counts the scores above b1.
+  const int b1 = kTopkBins - 1 - 2 * tid, h1 = hist[b1], h0 = hist[b1 - 1];
+  int t0 = 0, t1 = 0;
+  const int above = block_exclusive_sum2<kThreads>(h1 + h0, 0, &t0, &t1).x;
+  if (above < k && above + h1 >= k) bin_s = b1, want_s = k - above;
+  if (above + h1 < k && above + h1 + h0 >= k) bin_s = b1 - 1, want_s = k - above - h1;
+  __syncthreads();
+  const int B = bin_s, want = want_s;
+  if (hist[B] > kTopkBinList) return block_radix_topk<kThreads>(sc, n, k, emit);  // block-uniform
+  for (int t = tid; t < n; t += kThreads)
+    if (bin(sc[t]) == B) list[atomicAdd(&listed_s, 1)] = t;
+  __syncthreads();
+  const int m = listed_s;
+  for (int i = tid; i < m; i += kThreads) {
+    const int t = list[i];
+    const float v = sc[t];
+    int rank = 0;
+    for (int j = 0; j < m; ++j) {
+      const int u = list[j];
+      const float w = sc[u];
+      rank += w > v || (w == v && u < t);
+    }
+    if (rank < want) atomicOr(&chosen[t >> 5], 1u << (t & 31));
+  }
+  __syncthreads();
+  const auto picked = [&](int t) {
+    const int b = bin(sc[t]);
+    return b > B || (b == B && (chosen[t >> 5] >> (t & 31) & 1u));
+  };
+  const int per = (n + kThreads - 1) / kThreads, i0 = min(n, tid * per), i1 = min(n, i0 + per);
+  int count = 0;
+  for (int t = i0; t < i1; ++t) count += picked(t);
+  int c0 = 0, c1 = 0;
+  int slot = block_exclusive_sum2<kThreads>(count, 0, &c0, &c1).x;
+  for (int t = i0; t < i1; ++t)
+    if (picked(t)) emit(t, slot++);
+}
+
 }  // namespace moesrv::cuda
