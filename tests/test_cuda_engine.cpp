@@ -380,6 +380,23 @@ TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
     auto in = ids(GetParam(), "input_ids");
     EXPECT_EQ(e->forward(*seq, in).size(), size_t(e->vocab_size()));
     EXPECT_LE(e->stats().vram_used, e->stats().vram_budget);
+    // A given placement that does not fit the budget (every expert in VRAM, as a plan that underestimated the
+    // engine's scratch would ask): VRAM experts move to host memory until it fits, and the model still runs.
+    CudaEngineOptions given = part;
+    given.placement = full->placement();
+    for (auto& l : given.placement) std::fill(l.begin(), l.end(), ExpertPlacement::Vram);
+    auto g = gpu_engine(GetParam(), given);
+    EXPECT_GT(g->stats().placement_moved, 0);
+    int moved = 0;
+    for (auto& l : g->placement())
+      for (auto p : l) moved += p != ExpertPlacement::Vram;
+    EXPECT_EQ(moved, g->stats().placement_moved);
+    // (as HybridPlacementsMatchAllVram: a 40-token prefill and 8 steps against the all-VRAM engine)
+    const auto gen = ids(GetParam(), "gen_ids");
+    const std::vector<int32_t> prompt(gen.begin(), gen.begin() + 40), steps(gen.begin() + 40, gen.begin() + 48);
+    expect_close(GetParam(), test::prefill_then_steps(*g, prompt, steps),
+                 test::prefill_then_steps(*full, prompt, steps), g->vocab_size(), kBf16Tolerance, "moved placement");
+    EXPECT_LE(g->stats().vram_used, g->stats().vram_budget);
   } catch (const Error& err) {
     ADD_FAILURE() << err.what();
   }

@@ -332,7 +332,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     for (const std::string& budget : budgets) {
       CudaEngineOptions base;
       base.max_ctx = max_ctx + 64;
-      base.prefill_chunk = 8192;
+      base.prefill_chunk = 8192;  // MOESRV_BENCH_PREFILL_CHUNK=N: tokens per prefill pass (under a budget the plan
+                                  // still assumes 8192: its VRAM is then over the budget by the larger scratch)
+      if (const char* v = std::getenv("MOESRV_BENCH_PREFILL_CHUNK")) base.prefill_chunk = std::max(1L, std::atol(v));
       base.time_phases = true;
       if (const char* v = std::getenv("MOESRV_BENCH_MLA_SPLIT")) base.mla_split_decode = std::string(v) != "0";
       PlacementPlan plan;

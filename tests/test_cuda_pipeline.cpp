@@ -219,6 +219,32 @@ TEST(CudaPipelineFactory, GpusTwoBuildsCudaStages) {
   EXPECT_LE(row_error(e->forward(*b, {3}), single.forward(*a, {3}), single.vocab_size()), kTolerance);
 }
 
+// --vram-budget on one GPU through the factory: the runtime planner runs inside the engine once its activations and
+// scratch are allocated, so the plan counts them as they are (it used to assume 1 GiB: this budget did not fit),
+// and the engine stays inside the budget with the output of an engine without one.
+TEST(CudaPipelineFactory, BudgetPlanCountsTheEngineWorkspace) {
+  SKIP_WITHOUT_CUDA();
+  EngineOptions o;
+  o.backend = "cuda";
+  o.vram_budget_gib = 0.25;
+  o.max_ctx = 512;
+  auto e = open_engine(hf_tiny("glm_moe_dsa"), o);
+  auto* cuda = dynamic_cast<CudaEngine*>(e.get());
+  ASSERT_NE(cuda, nullptr);
+  EXPECT_LE(cuda->stats().vram_used, cuda->stats().vram_budget);
+  EXPECT_EQ(cuda->stats().placement_moved, 0);  // the plan fit: nothing had to move
+  CudaEngineOptions opt;
+  opt.max_ctx = 512;
+  CudaEngine single(ModelPackage::open(hf_tiny("glm_moe_dsa")), opt);
+  Reference ref = load_reference("glm_moe_dsa");
+  auto a = single.new_sequence();
+  auto b = e->new_sequence();
+  // (planned experts run on the host-planned path, bf16 GEMMs instead of the grouped GEMVs: the hybrid tests' bound)
+  EXPECT_LE(
+      row_error(e->forward(*b, ref.input_ids, true), single.forward(*a, ref.input_ids, true), single.vocab_size()),
+      1e-2);
+}
+
 // MOESRV_CUDA_BENCH=1: decode ms/token of two stages on one device against one engine; the difference is the
 // hand-off (two host copies and a synchronisation per boundary, the head outside the graph).
 TEST(CudaPipelineBench, HandOffOverheadPerToken) {

@@ -20,6 +20,7 @@ class RecallEngine : public Engine {
   std::string name() const override { return "recall"; }
   int64_t vocab_size() const override { return codec_.vocab_size(); }
   int64_t max_context() const override { return 1 << 20; }
+  int64_t prefill_chunk() const override { return 1 << 20; }  // the whole prompt in the first call (read below)
   std::unique_ptr<SequenceState> new_sequence() const override { return std::make_unique<ScriptedSequence>(); }
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool) override {
     auto& s = static_cast<ScriptedSequence&>(seq);

@@ -70,7 +70,9 @@ void add_needle_command(CLI::App& app) {
   cmd->add_option("--contexts", a->contexts, "Comma-separated prompt sizes in tokens")->capture_default_str();
   cmd->add_option("--depths", a->depths, "Comma-separated needle depths in [0, 1]")->capture_default_str();
   cmd->add_option("--max-new-tokens", a->options.max_new_tokens, "Answer length limit")->capture_default_str();
-  cmd->add_option("--prefill-chunk", a->options.prefill_chunk, "Prompt tokens per forward call")->capture_default_str();
+  cmd->add_option("--prefill-chunk", a->options.prefill_chunk,
+                  "Prompt tokens per forward call (0: the engine's pass length)")
+      ->capture_default_str();
   cmd->add_flag("--json", a->json, "Print JSON");
   add_engine_options(cmd, a->engine);
   cmd->callback([a] { run(*a); });

@@ -46,13 +46,22 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   auto pkg = ModelPackage::open(model_dir);
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
-    // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16).
+    // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16). It runs
+    // inside the engine once the engine's own memory is allocated: its workspace is what the engine holds beyond
+    // the dense weights and caches the plan counts (the activations of a prefill pass are GiBs at real width).
     ModelSpec cfg = ModelSpec::from_json(pkg->config());
     int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(cfg.max_position, 32768);
-    const ModelFootprint fp = footprint_from_package(cfg, *pkg);
-    PlacementPlan plan = plan_with_usage(cfg, c.vram_budget_gib, ctx, load_model_usage(model_dir, cfg), 1.0, &fp);
-    if (!plan.fits) fail("--vram-budget {} GiB: {}", c.vram_budget_gib, plan.note);
-    apply_placement_plan(plan, c);
+    auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(cfg, *pkg));
+    auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(model_dir, cfg));
+    const double budget = c.vram_budget_gib;
+    c.plan_placement = [cfg, ctx, fp, usage, budget](size_t engine_bytes, CudaEngineOptions& opt) {
+      const PlacementPlan first = plan_with_usage(cfg, budget, ctx, *usage, 0.0, fp.get());
+      const double counted = double(first.vram_dense + first.vram_kv);
+      const double workspace_gib = std::max(0.0, double(engine_bytes) - counted) / double(1ull << 30);
+      PlacementPlan plan = plan_with_usage(cfg, budget, ctx, *usage, workspace_gib, fp.get());
+      if (!plan.fits) fail("--vram-budget {} GiB: {}", budget, plan.note);
+      apply_placement_plan(plan, opt);
+    };
   }
   return make_cuda_engine(pkg, c);
 #else
@@ -72,6 +81,12 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
       ->check(CLI::IsMember({"auto", "cpu", "gpu"}))
       ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
+  cmd->add_option("--prefill-pass", o.prefill_chunk,
+                  "GPU: prompt tokens per prefill pass. Under --vram-budget each pass moves the cold experts over "
+                  "PCIe once, so larger passes prefill faster but hold more activations in VRAM (GLM-5.3-Flash: "
+                  "~0.7 MB per token; docs/perf.md)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
+      ->capture_default_str();
 }
 
 }  // namespace moesrv

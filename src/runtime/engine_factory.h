@@ -17,7 +17,7 @@ struct EngineOptions {
   std::vector<double> vram_budgets_gib;  // --vram-budget 22,22: per GPU (one value: all); overrides the above
   int gpus = 0;                  // --gpus N: split layers over N GPUs (0: one GPU, no pipeline)
   int64_t max_ctx = 0;           // CUDA: KV cache tokens per sequence (0: engine default)
-  int64_t prefill_chunk = 8192;
+  int64_t prefill_chunk = 8192;  // CUDA: tokens per prefill pass (--prefill-pass)
   bool kv_q8 = false;
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu (see apply_cold_experts)
 };
@@ -25,7 +25,8 @@ struct EngineOptions {
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
 // The CUDA engine on one GPU (throws in CPU builds); under a budget, expert homes come from the planner.
 std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, const EngineOptions& options);
-// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts to a command (and --ctx when `with_ctx`).
+// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefill-pass to a command (and --max-ctx when
+// `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 
 }  // namespace moesrv

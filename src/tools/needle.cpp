@@ -78,9 +78,10 @@ NeedleResult run_needle(Engine& engine, const ChatCodec& codec, const NeedleCase
   auto seq = engine.new_sequence();
   auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
-  for (size_t b = 0; b < p.tokens.size(); b += size_t(o.prefill_chunk)) {
+  const size_t step = size_t(o.prefill_chunk > 0 ? o.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk()));
+  for (size_t b = 0; b < p.tokens.size(); b += step) {
     std::vector<int32_t> chunk(p.tokens.begin() + long(b),
-                               p.tokens.begin() + long(std::min(p.tokens.size(), b + size_t(o.prefill_chunk))));
+                               p.tokens.begin() + long(std::min(p.tokens.size(), b + step)));
     logits = engine.forward(*seq, chunk);
   }
   auto t1 = std::chrono::steady_clock::now();

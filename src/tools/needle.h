@@ -20,7 +20,7 @@ struct NeedleOptions {
   std::string question = "What is the secret passphrase for the vault? Answer with the passphrase only.";
   std::string answer_key = "amber-falcon-7319";
   int max_new_tokens = 32;
-  int64_t prefill_chunk = 8192;
+  int64_t prefill_chunk = 0;  // prompt tokens per forward call; 0: engine.prefill_chunk()
 };
 
 struct NeedlePrompt {

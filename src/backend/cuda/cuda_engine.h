@@ -5,6 +5,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +42,10 @@ struct CudaEngineOptions {
   double vram_budget_gib = 0;    // 0: the device's free memory; every allocation is accounted against it
   // [layer][expert] placement; empty: plan automatically (VRAM while the budget allows, then CPU).
   std::vector<std::vector<ExpertPlacement>> placement;
+  // Called once the engine's own memory is allocated (dense weights, activations and scratch for prefill_chunk
+  // tokens, the reserved sequences: `engine_bytes`), before the experts are placed: it may set placement,
+  // cache_slots, cache_slots_per_layer (the runtime planner, which then plans with the engine's true workspace).
+  std::function<void(size_t engine_bytes, CudaEngineOptions& options)> plan_placement;
   int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
   std::vector<int> cache_slots_per_layer;  // overrides cache_slots where given (> 0)
   int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for
@@ -95,6 +100,7 @@ struct CudaEngineStats {
   int64_t graph_replays = 0, graph_captures = 0;
   int64_t graph_nodes = 0;  // nodes of the last captured decode graph
   int64_t cache_hits = 0, cache_misses = 0;
+  int64_t placement_moved = 0;  // VRAM experts of the given placement moved to host memory to fit the budget
   int64_t cpu_expert_tokens = 0;
   // Host-planned MoE passes (hybrid placements; the all-in-VRAM path is not counted): token-expert selections,
   // those served from VRAM (resident or already-cached experts), expert bytes copied over PCIe on misses and

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "backend/cpu/linear.h"
 #include "backend/cuda/engine_internal.h"
 #include "model/rope.h"
@@ -280,10 +282,11 @@ int64_t CudaEngine::Impl::slot_count(int64_t l, int64_t cached, int64_t streamab
 // that. Then uploads them.
 void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   const int64_t E = c.n_routed_experts;
-  if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
-    fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
   placement.assign(size_t(c.num_layers), {});
   size_t planned = budget->used() + reserve_bytes;
+  if (opt.plan_placement) opt.plan_placement(planned, opt);
+  if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
+    fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
   size_t auto_bytes = 0, stream_slot_bytes = 0;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const bool auto_layer = layers[size_t(l)].moe && (opt.placement.empty() || opt.placement[size_t(l)].empty());
@@ -310,6 +313,7 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
         planned += bytes[size_t(e)];
       }
   }
+  if (!opt.placement.empty()) fit_placement(planned);
   std::vector<int32_t> slots(size_t(c.num_layers), 0);
   for (int64_t l = 0; l < c.num_layers; ++l)
     if (layers[size_t(l)].moe) {
@@ -319,6 +323,58 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   host_registration->commit();  // page-lock the host expert weights the slots are filled from
   measure_cold_rates();
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
+}
+
+// A caller's placement (the runtime planner's) estimates the engine's own memory (activations, scratch) before the
+// engine exists; when its VRAM experts and cache slots do not fit what the budget leaves (`planned` bytes are taken),
+// VRAM experts move to host memory, one per layer in turn from the last layer's highest id, until they do: they join
+// the layer's LRU cache where it has one, else they are streamed or computed on the CPU (Cpu). The count is
+// reported in the stats and on stderr.
+void CudaEngine::Impl::fit_placement(size_t planned) {
+  const int64_t E = c.n_routed_experts;
+  auto layer_bytes = [&](int64_t l) {
+    const DevMoe& m = *layers[size_t(l)].moe;
+    const auto& p = placement[size_t(l)];
+    size_t vram = 0, slot = 0;
+    int64_t cached = 0, streamable = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (p[size_t(e)] == ExpertPlacement::Vram) {
+        vram += m.block_bytes[size_t(e)];
+        continue;
+      }
+      const bool streams = p[size_t(e)] == ExpertPlacement::Cpu && m.exl3 && opt.stream_cold;
+      if (p[size_t(e)] == ExpertPlacement::Cpu && !streams) continue;
+      slot = std::max(slot, m.block_bytes[size_t(e)]);
+      (streams ? streamable : cached)++;
+    }
+    return vram + size_t(slot_count(l, cached, streamable)) * slot + (size_t(1) << 20);  // + tables, slack
+  };
+  size_t need = planned;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (layers[size_t(l)].moe) need += layer_bytes(l);
+  int64_t moved = 0;
+  for (bool any = true; need > budget->limit() && any;) {
+    any = false;
+    for (int64_t l = c.num_layers - 1; l >= 0 && need > budget->limit(); --l) {
+      if (!layers[size_t(l)].moe) continue;
+      auto& p = placement[size_t(l)];
+      int64_t e = E - 1;
+      while (e >= 0 && p[size_t(e)] != ExpertPlacement::Vram) --e;
+      if (e < 0) continue;
+      const size_t before = layer_bytes(l);
+      const bool has_cache = std::count(p.begin(), p.end(), ExpertPlacement::Cache) > 0;
+      p[size_t(e)] = has_cache ? ExpertPlacement::Cache : ExpertPlacement::Cpu;
+      need = need - before + layer_bytes(l);
+      ++moved;
+      any = true;
+    }
+  }
+  stats.placement_moved = moved;
+  if (moved > 0)
+    fmt::print(stderr,
+               "placement: {} VRAM experts moved to host memory to fit the {:.2f} GiB budget (the plan left too "
+               "little room for the engine's activations and scratch)\n",
+               moved, double(budget->limit()) / double(1ull << 30));
 }
 
 void CudaEngine::Impl::upload_moe(int64_t l) {

@@ -404,6 +404,7 @@ struct CudaEngine::Impl {
   // Setup (cuda_engine_setup.cpp).
   void upload_weights();
   void plan_experts(size_t reserve_bytes);
+  void fit_placement(size_t planned);
   void upload_moe(int64_t layer);
   void allocate_scratch();
 
