@@ -332,34 +332,42 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     for (const std::string& budget : budgets) {
       CudaEngineOptions base;
       base.max_ctx = max_ctx + 64;
-      base.prefill_chunk = 8192;  // MOESRV_BENCH_PREFILL_CHUNK=N: tokens per prefill pass (under a budget the plan
-                                  // still assumes 8192: its VRAM is then over the budget by the larger scratch)
+      base.prefill_chunk = 8192;  // MOESRV_BENCH_PREFILL_CHUNK=N: tokens per prefill pass
       if (const char* v = std::getenv("MOESRV_BENCH_PREFILL_CHUNK")) base.prefill_chunk = std::max(1L, std::atol(v));
       base.time_phases = true;
       if (const char* v = std::getenv("MOESRV_BENCH_MLA_SPLIT")) base.mla_split_decode = std::string(v) != "0";
-      PlacementPlan plan;
-      if (budget != "all") {
-        PlacementRequest req;
-        req.vram_budget = uint64_t(std::stod(budget) * double(kGiB));
-        req.context = max_ctx;
-        req.cost.hbm_gbps = bw.device_copy;
-        req.cost.pcie_gbps = bw.pcie_h2d;
-        // The CPU path as measured: a 1-token expert costs s1 (trellis decoding), tokens add FLOPs.
-        req.cost.host_mem_gbps = std::min(bw.host, cpu.bytes / cpu.s1 / 1e9);
-        req.cost.cpu_gflops = 2 * cpu.params * 64 / cpu.s64 / 1e9;
-        plan = plan_placement(c45, fp45, req, &usage45);
-        ASSERT_TRUE(plan.fits) << plan.note;
-        std::printf("[ perf ] plan at %s GiB, ctx %ld: %s\n", budget.c_str(), long(max_ctx), plan.summary().c_str());
-      }
+      PlacementRequest req;
+      req.vram_budget = budget == "all" ? 0 : uint64_t(std::stod(budget) * double(kGiB));
+      req.context = max_ctx;
+      req.cost.hbm_gbps = bw.device_copy;
+      req.cost.pcie_gbps = bw.pcie_h2d;
+      // The CPU path as measured: a 1-token expert costs s1 (trellis decoding), tokens add FLOPs.
+      req.cost.host_mem_gbps = std::min(bw.host, cpu.bytes / cpu.s1 / 1e9);
+      req.cost.cpu_gflops = 2 * cpu.params * 64 / cpu.s64 / 1e9;
       std::map<int, std::vector<SliceRun>> t;  // layers -> per context
       for (int layers : {4, 8}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
-          PlacementPlan slice = plan;
-          slice.layers.resize(size_t(layers));
-          apply_placement_plan(slice, opt);
-          opt.vram_budget_gib = 0;  // the slice's homes are explicit; the device holds them
-          opt.max_ctx = max_ctx + 64;
+          // The 45-layer plan (its first layers' homes on the slice), planned as the engine factory does: inside the
+          // engine once its activations and scratch are allocated, with them as the plan's workspace (the engine's
+          // bytes beyond the slice's own dense weights and caches). The device holds the slice's explicit homes.
+          const ModelSpec cs = ModelSpec::from_json(pkg[layers]->config());
+          const ModelFootprint fps = footprint_from_package(cs, *pkg[layers]);
+          opt.plan_placement = [&, cs, fps, layers](size_t engine_bytes, CudaEngineOptions& o) {
+            PlacementRequest own = req;
+            own.workspace_bytes = 0;
+            const PlacementPlan counted = plan_placement(cs, fps, own, nullptr);
+            PlacementRequest r = req;
+            r.workspace_bytes = engine_bytes - std::min<uint64_t>(engine_bytes, counted.vram_dense + counted.vram_kv);
+            PlacementPlan plan = plan_placement(c45, fp45, r, &usage45);
+            if (!plan.fits) fail("plan at {} GiB: {}", budget, plan.note);
+            if (layers == 4)
+              std::printf("[ perf ] plan at %s GiB, ctx %ld, workspace %.2f GiB: %s\n", budget.c_str(), long(max_ctx),
+                          double(r.workspace_bytes) / double(kGiB), plan.summary().c_str());
+            plan.layers.resize(size_t(layers));
+            apply_placement_plan(plan, o);
+            o.vram_budget_gib = 0;
+          };
         }
         CudaEngine e(pkg[layers], opt);
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a

@@ -459,43 +459,55 @@ void CudaEngine::Impl::allocate_scratch() {
   s.h = f32(R * D, "hidden");
   s.y = f32(R * D, "hidden");
   s.xb = DeviceBuffer(budget, size_t(R * max_in) * 2, "bf16 input");
+  // A layer runs its attention (MLA / GQA, with the indexer's scratch) or its linear attention (KDA / Gated
+  // DeltaNet), never both, so the two groups of pass buffers are views into one arena of the larger group's size
+  // (GLM-5.3-Flash at 8K-token passes: ~2.2 GB of attention and ~2.4 GB of linear-attention buffers). The DSA
+  // selection, read by later layers, and everything below keep buffers of their own.
+  struct Group {
+    std::vector<std::pair<DeviceBuffer*, size_t>> parts;
+    size_t bytes = 0;
+    void add(DeviceBuffer& b, int64_t floats) {
+      const size_t n = size_t(std::max<int64_t>(floats, 1)) * 4;
+      parts.push_back({&b, n});
+      bytes += (n + 255) / 256 * 256;  // views 256-byte aligned, as cudaMalloc's
+    }
+  } attn, lin;
   constexpr int64_t kSliceFloats = int64_t(64) << 20;
   if (c.attention == AttentionKind::MLA) {
     const int64_t lat = c.kv_lora_rank + c.qk_rope_dim;
     attn_rows = std::clamp<int64_t>(kSliceFloats / (H * lat), 1, R);
     if (opt.mla_split_decode)
-      s.mla_part =
-          f32(int64_t(mla_split_floats(int(std::min<int64_t>(R, kMlaSplitMaxTokens)), int(H), int(c.kv_lora_rank))),
-              "split MLA decode partials");
-    s.q_lat = f32(R * c.q_lora_rank, "q latent");
-    s.q = f32(R * H * c.qk_head_dim(), "q");
-    s.kv = f32(R * lat, "kv");
-    s.qcat = f32(attn_rows * H * lat, "absorbed q");
-    s.olat = f32(attn_rows * H * c.kv_lora_rank, "latent out");
+      attn.add(s.mla_part,
+               int64_t(mla_split_floats(int(std::min<int64_t>(R, kMlaSplitMaxTokens)), int(H), int(c.kv_lora_rank))));
+    attn.add(s.q_lat, R * c.q_lora_rank);
+    attn.add(s.q, R * H * c.qk_head_dim());
+    attn.add(s.kv, R * lat);
+    attn.add(s.qcat, attn_rows * H * lat);
+    attn.add(s.olat, attn_rows * H * c.kv_lora_rank);
     // fp32 copy of one layer's W_uk or W_uv for the prefill absorption GEMMs
-    s.w_absorb = f32(H * std::max(c.qk_nope_dim, c.v_head_dim) * c.kv_lora_rank, "MLA absorption weights");
-    s.attn_out = f32(R * H * c.v_head_dim, "attention out");
+    attn.add(s.w_absorb, H * std::max(c.qk_nope_dim, c.v_head_dim) * c.kv_lora_rank);
+    attn.add(s.attn_out, R * H * c.v_head_dim);
     if (c.dsa) {
       const int64_t keys = c.index_kpool > 1 ? max_pools() : max_ctx;  // scored per query
       dsa_rows = std::clamp<int64_t>(kSliceFloats / keys, 1, R);
-      s.iq = f32(R * c.index_n_heads * c.index_head_dim, "indexer q");
-      s.ik = f32(R * c.index_head_dim, "indexer k");
-      s.ihw = f32(R * c.index_n_heads, "indexer weights");
-      if (c.index_kpool > 1) s.ig = f32(R * c.index_head_dim, "indexer pool gate");
+      attn.add(s.iq, R * c.index_n_heads * c.index_head_dim);
+      attn.add(s.ik, R * c.index_head_dim);
+      attn.add(s.ihw, R * c.index_n_heads);
+      if (c.index_kpool > 1) attn.add(s.ig, R * c.index_head_dim);
       s.sel = DeviceBuffer(budget, size_t(R * sel_width()) * 4, "dsa selection");
       // + what a decode row's split top-k needs besides its scores (kpool_select)
       const int64_t split = c.index_kpool > 1 ? int64_t(kpool_select_scratch(1, 0, int(c.index_topk / c.index_kpool))) *
                                                     std::min<int64_t>(R, 8)
                                               : 0;
-      s.dsa_scores = f32(dsa_rows * keys + split, "dsa scores");
+      attn.add(s.dsa_scores, dsa_rows * keys + split);
     }
   } else if (c.attention == AttentionKind::GQA) {
     attn_rows = R;
-    s.q = f32(R * H * c.head_dim, "q");
-    s.k = f32(R * c.num_kv_heads * c.head_dim, "k");
-    s.v = f32(R * c.num_kv_heads * c.head_dim, "v");
-    s.attn_out = f32(R * H * c.head_dim, "attention out");
-    if (c.attn_output_gate) s.qgate = f32(R * H * 2 * c.head_dim, "q and output gate");
+    attn.add(s.q, R * H * c.head_dim);
+    attn.add(s.k, R * c.num_kv_heads * c.head_dim);
+    attn.add(s.v, R * c.num_kv_heads * c.head_dim);
+    attn.add(s.attn_out, R * H * c.head_dim);
+    if (c.attn_output_gate) attn.add(s.qgate, R * H * 2 * c.head_dim);
   }
   if (c.residual.hyper) {
     s.post = f32(R * c.residual.streams, "mHC post");
@@ -514,13 +526,21 @@ void CudaEngine::Impl::allocate_scratch() {
     const bool gdn =
         std::any_of(c.layers.begin(), c.layers.end(), [](const LayerSpec& L) { return L.mixer == Mixer::GatedDelta; });
     const int64_t Hd = la.v_heads * std::max(la.dk, la.dv);
-    s.lraw = f32(R * (la.conv_channels() + (gdn ? la.v_heads * la.dv : 0)), "linear attention projection");
-    s.lqkv = f32(R * la.conv_channels(), "linear attention q/k/v");
-    s.lg = f32(R * Hd, "linear attention decay");
-    s.lbeta = f32(R * la.v_heads, "linear attention beta");
-    s.lo = f32(R * Hd, "linear attention out");
-    s.lfa = f32(R * std::max(la.dk, 2 * la.v_heads), "linear attention low rank / ba");
-    s.lgate = f32(R * Hd, "linear attention gate");
+    lin.add(s.lraw, R * (la.conv_channels() + (gdn ? la.v_heads * la.dv : 0)));
+    lin.add(s.lqkv, R * la.conv_channels());
+    lin.add(s.lg, R * Hd);
+    lin.add(s.lbeta, R * la.v_heads);
+    lin.add(s.lo, R * Hd);
+    lin.add(s.lfa, R * std::max(la.dk, 2 * la.v_heads));
+    lin.add(s.lgate, R * Hd);
+  }
+  s.mixer_arena = DeviceBuffer(budget, std::max({attn.bytes, lin.bytes, size_t(256)}), "attention scratch");
+  for (const Group* g : {&attn, &lin}) {
+    size_t at = 0;
+    for (auto [buf, n] : g->parts) {
+      *buf = DeviceBuffer::view(s.mixer_arena.as<char>() + at, n);
+      at += (n + 255) / 256 * 256;
+    }
   }
   const int64_t inter =
       std::max({c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),

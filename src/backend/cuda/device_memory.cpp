@@ -62,7 +62,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 }
 
 void DeviceBuffer::reset() {
-  if (ptr_) budget_->release(ptr_, bytes_);
+  if (ptr_ && budget_) budget_->release(ptr_, bytes_);
   ptr_ = nullptr;
   bytes_ = 0;
 }

@@ -66,6 +66,12 @@ class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   DeviceBuffer(std::shared_ptr<DeviceBudget> b, size_t bytes, const char* what);
+  // A view of `bytes` at p inside another buffer (not owned, not counted; that buffer must outlive it).
+  static DeviceBuffer view(void* p, size_t bytes) {
+    DeviceBuffer v;
+    v.ptr_ = p, v.bytes_ = bytes;
+    return v;
+  }
   ~DeviceBuffer() { reset(); }
   DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
@@ -370,6 +376,9 @@ struct CudaEngine::Impl {
     // fp16 W_hat slabs of the GEMM path.
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
     cuda::DeviceBuffer x3_xh_side, x3_yr_side;  // the same for one-token calls on proj_side
+    // Holds the attention group (q_lat .. dsa_scores but sel) and the linear-attention group (lraw .. lgate) as
+    // views: a layer runs one of the two (allocate_scratch).
+    cuda::DeviceBuffer mixer_arena;
   } s;
   cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits;
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
