@@ -81,6 +81,14 @@ void SpeculativeDecoder::commit(SequenceState& seq, int64_t accepted) {
   step_len_ = -1;
 }
 
+int parse_speculative(const std::string& spec) {
+  if (spec.empty() || spec == "off") return 0;
+  const std::string prefix = "mtp:";
+  if (spec.rfind(prefix, 0) == 0 && spec.size() == prefix.size() + 1 && spec.back() >= '1' && spec.back() <= '3')
+    return spec.back() - '0';
+  fail("--speculative {}: expected mtp:K with K draft tokens per step, 1 to 3 (or off)", spec);
+}
+
 std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new,
                                           Sampler& sampler, int k, SpeculativeStats* stats,
                                           SpeculativeDecoder::DraftPicker picker) {

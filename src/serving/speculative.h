@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "backend/engine.h"
@@ -64,6 +65,9 @@ class SpeculativeDecoder {
   std::vector<float> step_hidden_;
   SpeculativeStats stats_;
 };
+
+// "mtp:K" (K draft tokens per step, 1..3) -> K; "" or "off" -> 0; anything else fails naming the value.
+int parse_speculative(const std::string& spec);
 
 // Generates up to `max_new` tokens after `prompt` with MTP drafts of up to k tokens per step. Lossless: tokens are
 // distributed as the sampler's plain decoding; at temperature 0 they are the same tokens.
