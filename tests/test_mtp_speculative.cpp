@@ -9,6 +9,7 @@
 #include "backend/cpu/cpu_engine.h"
 #include "mtp_test_model.h"
 #include "reference_util.h"
+#include "server/generator.h"
 #include "serving/speculative.h"
 
 namespace moesrv {
@@ -195,6 +196,44 @@ TEST(MtpSampled, SeededRunIsReproducible) {
     return out;
   };
   EXPECT_EQ(run(2), run(2));
+}
+
+// The server's decode loop with MTP drafts: the same greedy tokens as its plain loop, through the hooks (a mask that
+// forbids the plain run's 5th token and a stop after 20 tokens), with the drafting counted.
+struct CollectHooks : DecodeHooks {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;
+  int64_t stop_after = 20;
+  const std::vector<uint8_t>* allowed_tokens() override { return mask.empty() ? nullptr : &mask; }
+  bool on_token(int32_t id) override {
+    tokens.push_back(id);
+    return int64_t(tokens.size()) < stop_after;
+  }
+};
+
+TEST(MtpServerLoop, SameTokensAsThePlainLoopThroughTheHooks) {
+  MtpModel m = open_with_mtp("glm5_next_clamp");
+  const auto prompt = prompt_of("glm5_next_clamp", 15);
+  for (bool masked : {false, true}) {
+    CollectHooks plain_hooks;
+    if (masked) {
+      plain_hooks.mask.assign(1024, 1);
+      plain_hooks.mask[size_t(plain_greedy(*m.engine, prompt, 5)[4])] = 0;
+    }
+    Sampler s0 = greedy_sampler();
+    auto r0 = generate(*m.engine, nullptr, prompt, 32, s0, plain_hooks, {.prefill_chunk = 7});
+    for (int k = 1; k <= 3; ++k) {
+      CollectHooks hooks;
+      hooks.mask = plain_hooks.mask;
+      Sampler s = greedy_sampler();
+      auto r = generate(*m.engine, nullptr, prompt, 32, s, hooks, {.prefill_chunk = 7, .speculative = k});
+      EXPECT_EQ(hooks.tokens, plain_hooks.tokens) << "k " << k << " masked " << masked;
+      EXPECT_EQ(r.completion_tokens, 20);
+      EXPECT_EQ(r.finish, GenerationResult::Finish::kStopped);
+      EXPECT_GT(r.speculative.steps, 0);
+      EXPECT_EQ(r0.speculative.steps, 0);
+    }
+  }
 }
 
 }  // namespace
