@@ -104,7 +104,8 @@ TEST(Sampler, AcceptDraftKeepsTheTargetDistribution) {
       kept += tok == draft;
     }
     EXPECT_NEAR(double(kept) / n, p[size_t(draft)], 0.006) << "draft " << draft;
-    for (size_t i = 0; i < p.size(); ++i) EXPECT_NEAR(double(count[i]) / n, p[i], 0.006) << "draft " << draft << " token " << i;
+    for (size_t i = 0; i < p.size(); ++i)
+      EXPECT_NEAR(double(count[i]) / n, p[i], 0.006) << "draft " << draft << " token " << i;
   }
   Sampler k({.temperature = 1, .top_k = 2, .seed = 3});
   std::vector<int> count(logits.size());

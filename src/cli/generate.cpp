@@ -64,9 +64,11 @@ void run_generate(const GenerateOptions& o) {
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print("{}\n", fmt::join(out, ","));
     if (tok) fmt::print("{}\n", tok->decode(out));
-    fmt::print(stderr, "prompt {} tokens + generated {} tokens in {:.3f} s; speculative mtp:{}: {} verify steps, {} of {} "
-               "drafts accepted ({:.1f}%), {:.2f} tokens per step\n", prompt.size(), out.size(), s, k, stats.steps,
-               stats.accepted, stats.drafted, 100.0 * stats.acceptance_rate(), stats.tokens_per_step());
+    fmt::print(stderr,
+               "prompt {} tokens + generated {} tokens in {:.3f} s; speculative mtp:{}: {} verify steps, {} of {} "
+               "drafts accepted ({:.1f}%), {:.2f} tokens per step\n",
+               prompt.size(), out.size(), s, k, stats.steps, stats.accepted, stats.drafted,
+               100.0 * stats.acceptance_rate(), stats.tokens_per_step());
     return;
   }
   auto seq = engine->new_sequence();

@@ -269,7 +269,8 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
   else
     pkg->require("lm_head.weight");
   for (int64_t i = 0; i < c.num_layers; ++i)
-    w->layers.push_back(load_layer(make, *pkg, c, c.layers[size_t(i)], fmt::format("{}layers.{}", R, i), c.residual.hyper));
+    w->layers.push_back(
+        load_layer(make, *pkg, c, c.layers[size_t(i)], fmt::format("{}layers.{}", R, i), c.residual.hyper));
   const std::string mtp = fmt::format("{}layers.{}.", R, c.num_layers);
   for (const std::string& name : pkg->names())
     if (name.rfind(mtp, 0) == 0) w->mtp.push_back(pkg->find(name));

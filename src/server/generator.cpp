@@ -40,7 +40,8 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
   r.finish = GenerationResult::Finish::kLength;
   auto choose = [&](std::span<const float> row, int32_t draft) {
     if (auto forced = hooks.forced_token()) return *forced;
-    return draft >= 0 ? sampler.accept_draft(row, draft, hooks.allowed_tokens()) : sampler.sample(row, hooks.allowed_tokens());
+    return draft >= 0 ? sampler.accept_draft(row, draft, hooks.allowed_tokens())
+                      : sampler.sample(row, hooks.allowed_tokens());
   };
   auto emit = [&](std::span<const float> row, int32_t tok) {  // false: stop
     hooks.on_sampled(row, tok);

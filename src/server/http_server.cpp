@@ -189,7 +189,8 @@ struct HttpServer::Impl {
     ChatOutcome out;
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    out.gen = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
+    out.gen =
+        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
     dec.finish();
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
     if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
@@ -293,7 +294,8 @@ struct HttpServer::Impl {
     if (engine.vocab_size() > codec.vocab_size()) dec.restrict_to(&tokenizer_ids);
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    GenerationResult r = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
+    GenerationResult r =
+        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
     dec.finish();
     if (dec.cancelled()) r.finish = GenerationResult::Finish::kCancelled;
     if (r.finish == GenerationResult::Finish::kCancelled && !dec.cancelled()) dec.cancel();

@@ -9,8 +9,11 @@ namespace moesrv {
 namespace {
 MtpEngine& require_mtp(Engine& e) {
   MtpEngine* m = e.mtp();
-  if (!m) fail("speculative decoding: {} has no MTP block on this engine (num_nextn_predict_layers and the layer's "
-               "tensors in the package; the CPU engine runs it)", e.name());
+  if (!m)
+    fail(
+        "speculative decoding: {} has no MTP block on this engine (num_nextn_predict_layers and the layer's "
+        "tensors in the package; the CPU engine runs it)",
+        e.name());
   return *m;
 }
 }  // namespace
@@ -72,7 +75,8 @@ SpeculativeDecoder::Step SpeculativeDecoder::step(SequenceState& seq, int32_t la
 }
 
 void SpeculativeDecoder::commit(SequenceState& seq, int64_t accepted) {
-  if (step_len_ < 0 || accepted < 0 || accepted > int64_t(step_draft_.size())) fail("speculative commit without a step");
+  if (step_len_ < 0 || accepted < 0 || accepted > int64_t(step_draft_.size()))
+    fail("speculative commit without a step");
   seq.truncate(step_len_ + 1 + accepted);
   if (mtp_seq_->length() > mtp_len_) mtp_seq_->truncate(mtp_len_);
   pending_hidden_.assign(step_hidden_.begin(), step_hidden_.begin() + (accepted + 1) * D_);

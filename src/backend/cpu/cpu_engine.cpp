@@ -163,7 +163,7 @@ void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
 void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
                                cpu::TokenSelection& selection) {
   cpu::CpuBlocks blocks(weights_->config, weights_->layers.data(), rope_, seq.layers.data(), x, S, pos0, selection,
-                       &usage_);
+                        &usage_);
   run_decoder_layers(weights_->config, blocks, begin, end);
 }
 
@@ -198,8 +198,8 @@ std::vector<float> CpuEngine::forward_hidden(SequenceState& seq, const std::vect
   return run(own_sequence(seq), tokens, all_logits, rollback, &hidden);
 }
 
-std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& tokens, bool all_logits,
-                                  bool rollback, std::vector<float>* hidden) {
+std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& tokens, bool all_logits, bool rollback,
+                                  std::vector<float>* hidden) {
   const ModelSpec& c = weights_->config;
   const int64_t S = int64_t(tokens.size()), pos0 = seq.length(), W = c.stream_width();
   if (S == 0) fail("forward: no tokens");

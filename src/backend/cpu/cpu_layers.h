@@ -32,7 +32,8 @@ struct LayerState {
   std::vector<FixedState> steps;
   size_t bytes() const {
     size_t b = (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + open_k.size() + open_g.size() +
-                k.size() + v.size() + conv.size() + recurrent.size()) * sizeof(float);
+                k.size() + v.size() + conv.size() + recurrent.size()) *
+               sizeof(float);
     for (const FixedState& f : steps) b += f.bytes();
     return b;
   }

@@ -60,7 +60,8 @@ void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_
 
   const DeltaRuleShape shape{H, d, d, /*per_channel_decay=*/true};
   std::vector<float> o(size_t(S * Hd));
-  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, qkv.data(), C, st, o.data());
+  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, qkv.data(), C, st,
+                   o.data());
 
   // Output: RMSNorm per head over d with o_norm, times sigmoid(g_b(g_a x)).
   std::vector<float> ga(size_t(S * d)), gate(size_t(S * Hd));
