@@ -93,7 +93,9 @@ TEST_P(MtpGreedy, ForcedAcceptanceCommitsSeveralTokensPerStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, MtpGreedy, ::testing::Values("glm5_next", "glm5_next_clamp", "deepseek_v3"));
+// glm4_moe (GQA, GLM-4.5's MTP layout) and glm_moe_dsa_h16 (MLA + per-token DSA indexer keys) as well.
+INSTANTIATE_TEST_SUITE_P(TinyModels, MtpGreedy,
+                         ::testing::Values("glm5_next", "glm5_next_clamp", "deepseek_v3", "glm4_moe", "glm_moe_dsa_h16"));
 
 CpuSequence& cpu(SequenceState& s) { return dynamic_cast<CpuSequence&>(s); }
 
@@ -142,6 +144,32 @@ TEST(MtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
     auto next_a = m.engine->forward(*seq, {42});
     auto b = after[size_t(keep - 1)]->clone();
     EXPECT_EQ(next_a, m.engine->forward(*b, {42})) << "keep " << keep;
+  }
+}
+
+// The same for Gated DeltaNet (qwen3_next, no MTP block: the verify forward is the engine's own).
+TEST(MtpRollback, GatedDeltaNetStateToo) {
+  auto e = CpuEngine::open(hf_tiny("qwen3_next"));
+  const auto prompt = prompt_of("qwen3_next", 13);
+  const std::vector<int32_t> window{11, 12, 13};
+  auto plain = e->new_sequence();
+  e->forward(*plain, prompt);
+  std::vector<std::vector<float>> step_logits;
+  std::vector<std::unique_ptr<SequenceState>> after;
+  for (int32_t t : window) {
+    step_logits.push_back(e->forward(*plain, {t}));
+    after.push_back(plain->clone());
+  }
+  for (int64_t keep = 1; keep <= 3; ++keep) {
+    auto seq = e->new_sequence();
+    e->forward(*seq, prompt);
+    std::vector<float> hidden;
+    auto logits = e->forward_hidden(*seq, window, true, true, hidden);
+    const size_t V = size_t(e->vocab_size());
+    for (size_t j = 0; j < 3; ++j)
+      EXPECT_EQ(std::vector<float>(logits.begin() + long(j * V), logits.begin() + long((j + 1) * V)), step_logits[j]);
+    seq->truncate(int64_t(prompt.size()) + keep);
+    expect_same_state(cpu(*seq), cpu(*after[size_t(keep - 1)]));
   }
 }
 
