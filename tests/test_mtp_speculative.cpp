@@ -95,7 +95,8 @@ TEST_P(MtpGreedy, ForcedAcceptanceCommitsSeveralTokensPerStep) {
 
 // glm4_moe (GQA, GLM-4.5's MTP layout) and glm_moe_dsa_h16 (MLA + per-token DSA indexer keys) as well.
 INSTANTIATE_TEST_SUITE_P(TinyModels, MtpGreedy,
-                         ::testing::Values("glm5_next", "glm5_next_clamp", "deepseek_v3", "glm4_moe", "glm_moe_dsa_h16"));
+                         ::testing::Values("glm5_next", "glm5_next_clamp", "deepseek_v3", "glm4_moe",
+                                           "glm_moe_dsa_h16"));
 
 CpuSequence& cpu(SequenceState& s) { return dynamic_cast<CpuSequence&>(s); }
 
