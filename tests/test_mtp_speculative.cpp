@@ -148,6 +148,62 @@ TEST(MtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
   }
 }
 
+// The MTP block's own cache after steps with partly accepted drafts (its chained draft positions cut again) holds
+// what an MTP run over the committed positions, fed the model's hidden states, holds.
+TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
+  MtpModel m = open_with_mtp("glm5_next");
+  MtpEngine& mtp = *m.engine->mtp();
+  const auto prompt = prompt_of("glm5_next", 14);
+  const auto plain = plain_greedy(*m.engine, prompt, 16);
+  std::vector<int32_t> full = prompt;
+  full.insert(full.end(), plain.begin(), plain.end());
+  auto picker = [&](int64_t pos, std::span<const float>) {
+    const int32_t t = pos < int64_t(full.size()) ? full[size_t(pos)] : 0;
+    return pos % 3 == 0 ? (t + 1) % 1024 : t;
+  };
+  SpeculativeDecoder dec(*m.engine, 3, picker);
+  auto seq = m.engine->new_sequence();
+  std::vector<int32_t> out{argmax(dec.prefill(*seq, prompt))};
+  while (out.size() < plain.size()) {
+    auto st = dec.step(*seq, out.back(), int64_t(plain.size() - out.size()) - 1);
+    const size_t V = st.logits.size() / (st.draft.size() + 1);
+    int64_t accepted = 0;
+    for (size_t j = 0; j <= st.draft.size(); ++j) {
+      out.push_back(argmax(std::span<const float>(st.logits.data() + j * V, V)));
+      if (j == st.draft.size() || out.back() != st.draft[j]) break;
+      ++accepted;
+    }
+    dec.commit(*seq, accepted);
+  }
+  ASSERT_EQ(out, plain);
+  EXPECT_GT(dec.stats().accepted, 0);
+  EXPECT_LT(dec.stats().accepted, dec.stats().drafted);
+
+  // The model's hidden states: the prompt's prefill, then single steps (a verify equals those bit for bit).
+  auto ref = m.engine->new_sequence();
+  std::vector<float> hidden, h;
+  mtp.forward_hidden(*ref, prompt, false, false, hidden);
+  for (size_t i = 0; i + 1 < out.size(); ++i) {
+    mtp.forward_hidden(*ref, {out[i]}, false, false, h);
+    hidden.insert(hidden.end(), h.begin(), h.end());
+  }
+  const int64_t D = mtp.hidden_size(), n = dec.mtp_state().length();
+  ASSERT_GT(n, int64_t(prompt.size()));
+  auto mref = mtp.new_mtp_sequence();
+  std::vector<float> g;
+  for (int64_t p = 0; p < n; ++p)
+    mtp.mtp_forward(*mref, {full[size_t(p + 1)]}, std::vector<float>(hidden.begin() + p * D, hidden.begin() + (p + 1) * D), g);
+  const auto& a = dynamic_cast<const CpuSequence&>(dec.mtp_state()).layers[0];
+  const auto& b = cpu(*mref).layers[0];
+  ASSERT_EQ(a.latent.size(), b.latent.size());
+  for (size_t i = 0; i < a.latent.size(); ++i) ASSERT_NEAR(a.latent[i], b.latent[i], 1e-5f) << i;
+  ASSERT_EQ(a.pool_k.size(), b.pool_k.size());
+  for (size_t i = 0; i < a.pool_k.size(); ++i) ASSERT_NEAR(a.pool_k[i], b.pool_k[i], 1e-5f) << i;
+  ASSERT_EQ(a.open_k.size(), b.open_k.size());
+  for (size_t i = 0; i < a.open_k.size(); ++i) ASSERT_NEAR(a.open_k[i], b.open_k[i], 1e-5f) << i;
+  ASSERT_EQ(a.open_g.size(), b.open_g.size());
+}
+
 // The same for Gated DeltaNet (qwen3_next, no MTP block: the verify forward is the engine's own).
 TEST(MtpRollback, GatedDeltaNetStateToo) {
   auto e = CpuEngine::open(hf_tiny("qwen3_next"));

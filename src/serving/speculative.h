@@ -48,6 +48,7 @@ class SpeculativeDecoder {
   void commit(SequenceState& seq, int64_t accepted);
 
   const SpeculativeStats& stats() const { return stats_; }
+  const SequenceState& mtp_state() const { return *mtp_seq_; }  // the MTP block's cache
 
  private:
   Engine& engine_;
