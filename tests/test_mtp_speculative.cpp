@@ -192,7 +192,8 @@ TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
   auto mref = mtp.new_mtp_sequence();
   std::vector<float> g;
   for (int64_t p = 0; p < n; ++p)
-    mtp.mtp_forward(*mref, {full[size_t(p + 1)]}, std::vector<float>(hidden.begin() + p * D, hidden.begin() + (p + 1) * D), g);
+    mtp.mtp_forward(*mref, {full[size_t(p + 1)]},
+                    std::vector<float>(hidden.begin() + p * D, hidden.begin() + (p + 1) * D), g);
   const auto& a = dynamic_cast<const CpuSequence&>(dec.mtp_state()).layers[0];
   const auto& b = cpu(*mref).layers[0];
   ASSERT_EQ(a.latent.size(), b.latent.size());
