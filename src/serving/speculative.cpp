@@ -99,8 +99,15 @@ std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int3
   SpeculativeDecoder dec(engine, k, std::move(picker));
   auto seq = engine.new_sequence();
   std::vector<int32_t> out;
+  if (prompt.empty()) fail("speculative decoding: empty prompt");
   if (max_new <= 0) return out;
-  out.push_back(sampler.sample(dec.prefill(*seq, prompt)));
+  // The prompt in pieces of 2048 (the hidden states it keeps are [piece, hidden]); the CPU engine cuts a prefill
+  // at multiples of 2048 anyway, so this is the same computation.
+  std::vector<float> logits;
+  for (size_t done = 0; done < prompt.size(); done += 2048)
+    logits = dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + long(done),
+                                                    prompt.begin() + long(std::min(prompt.size(), done + 2048))));
+  out.push_back(sampler.sample(logits));
   while (int64_t(out.size()) < max_new && seq->length() + 1 < engine.max_context()) {
     auto st = dec.step(*seq, out.back(), max_new - int64_t(out.size()) - 1);
     const int64_t V = int64_t(st.logits.size()) / int64_t(st.draft.size() + 1);
