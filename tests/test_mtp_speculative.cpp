@@ -268,8 +268,8 @@ TEST(MtpForward, OnlyWhenThePackageHasTheBlock) {
   EXPECT_THROW(generate_speculative(*plain, {1, 2, 3}, 4, s, 2), std::exception);
 }
 
-// Sampling (temperature 0.8, top-k 50, seeded): the speculative path runs, and a picker that drafts the token the
-// sampler will choose gets it accepted at the rate the acceptance rule gives (p(draft) each).
+// Sampling (temperature 0.8, top-k 50, seeded): the speculative path runs end to end, in the vocabulary, and a seed
+// reproduces it (the acceptance rule itself: test_sampler's AcceptDraftKeepsTheTargetDistribution).
 TEST(MtpSampled, SeededRunIsReproducible) {
   MtpModel m = open_with_mtp("glm5_next_clamp");
   const auto prompt = prompt_of("glm5_next_clamp", 12);
