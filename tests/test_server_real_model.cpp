@@ -141,9 +141,12 @@ TEST_F(RealServer, SpeculativeServerAnswersAsThePlainOne) {
     "parameters":{"type":"object","properties":{"flag":{"type":"boolean"}},"required":["flag"]}}})");
   for (const json& body :
        {json{{"messages", {{{"role", "user"}, {"content", "Say hello."}}}}, {"max_tokens", 12}, {"temperature", 0}},
-        json{{"messages", {{{"role", "user"}, {"content", "Set the flag."}}}}, {"tools", {tool}},
-             {"tool_choice", {{"type", "function"}, {"function", {{"name", "set_flag"}}}}}, {"max_tokens", 64},
-             {"temperature", 0}, {"chat_template_kwargs", {{"enable_thinking", false}}}}}) {
+        json{{"messages", {{{"role", "user"}, {"content", "Set the flag."}}}},
+             {"tools", {tool}},
+             {"tool_choice", {{"type", "function"}, {"function", {{"name", "set_flag"}}}}},
+             {"max_tokens", 64},
+             {"temperature", 0},
+             {"chat_template_kwargs", {{"enable_thinking", false}}}}}) {
     httplib::Client c("127.0.0.1", spec_port);
     c.set_read_timeout(120, 0);
     auto res = c.Post("/v1/chat/completions", body.dump(), "application/json");
