@@ -82,3 +82,40 @@ TEST(Sampler, TokenLogprobsAreTheLogSoftmax) {
   EXPECT_NEAR(total, 1.0, 1e-5);
   EXPECT_TRUE(token_logprobs(logits, 2, 0).top.empty());
 }
+
+// Speculative acceptance of a one-hot draft d on a toy distribution p: d is kept with probability p(d), and the
+// emitted tokens (kept drafts and resamples from p without d) follow p; with top-k, a draft outside the kept set is
+// never kept and the rest stays renormalised over that set; greedy keeps exactly the argmax.
+TEST(Sampler, AcceptDraftKeepsTheTargetDistribution) {
+  const std::vector<float> logits = {1.5f, 0.2f, 1.0f, -0.5f};
+  const float t = 0.8f;
+  std::vector<double> p(logits.size());
+  double z = 0;
+  for (size_t i = 0; i < p.size(); ++i) z += (p[i] = std::exp(logits[i] / t));
+  for (double& v : p) v /= z;
+  const int n = 200000;
+  for (int32_t draft : {0, 2, 3}) {
+    Sampler s({.temperature = t, .seed = uint64_t(17 + draft)});
+    std::vector<int> count(p.size());
+    int kept = 0;
+    for (int i = 0; i < n; ++i) {
+      const int32_t tok = s.accept_draft(logits, draft);
+      ++count[size_t(tok)];
+      kept += tok == draft;
+    }
+    EXPECT_NEAR(double(kept) / n, p[size_t(draft)], 0.006) << "draft " << draft;
+    for (size_t i = 0; i < p.size(); ++i)
+      EXPECT_NEAR(double(count[i]) / n, p[i], 0.006) << "draft " << draft << " token " << i;
+  }
+  Sampler k({.temperature = 1, .top_k = 2, .seed = 3});
+  std::vector<int> count(logits.size());
+  for (int i = 0; i < 20000; ++i) ++count[size_t(k.accept_draft(logits, 1))];
+  EXPECT_EQ(count[1] + count[3], 0);  // outside the top 2: never kept, never drawn
+  const double p0 = 1 / (1 + std::exp(1.0 - 1.5));
+  EXPECT_NEAR(count[0] / 20000.0, p0, 0.015);
+  Sampler g({.temperature = 0});
+  EXPECT_EQ(g.accept_draft(logits, 0), 0);
+  EXPECT_EQ(g.accept_draft(logits, 2), 0);
+  std::vector<uint8_t> mask = {0, 1, 1, 1};
+  EXPECT_EQ(g.accept_draft(logits, 2, &mask), 2);
+}

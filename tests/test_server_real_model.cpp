@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "backend/cpu/cpu_engine.h"
+#include "mtp_test_model.h"
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "server_test_client.h"
@@ -119,6 +120,52 @@ TEST_F(RealServer, StrictNamedToolCallWithRealVocabulary) {
   // completes the call well within the budget, with a JSON boolean.
   json args = json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>());
   EXPECT_TRUE(args["flag"].is_boolean()) << r.dump();
+}
+
+// The same server with MTP drafts (glm4_moe with a random MTP block: the main weights are the fixture's) answers
+// greedy requests, a strict tool call (grammar masks per drafted position) included, as the plain server does, and
+// counts its drafting on /metrics.
+TEST_F(RealServer, SpeculativeServerAnswersAsThePlainOne) {
+  const std::string dir = copy_with_mtp(kModel, "server_glm4_moe", 99, false);
+  auto mtp_engine = CpuEngine::open(dir);
+  fs::remove_all(dir);
+  ASSERT_NE(mtp_engine->mtp(), nullptr);
+  ServerOptions opt;
+  opt.port = 0;
+  opt.served_name = "tiny-glm";
+  opt.strict_tools = true;
+  opt.speculative = 3;
+  HttpServer spec(*mtp_engine, *codec, opt);
+  const int spec_port = spec.start();
+  json tool = json::parse(R"({"type":"function","function":{"name":"set_flag",
+    "parameters":{"type":"object","properties":{"flag":{"type":"boolean"}},"required":["flag"]}}})");
+  for (const json& body :
+       {json{{"messages", {{{"role", "user"}, {"content", "Say hello."}}}}, {"max_tokens", 12}, {"temperature", 0}},
+        json{{"messages", {{{"role", "user"}, {"content", "Set the flag."}}}},
+             {"tools", {tool}},
+             {"tool_choice", {{"type", "function"}, {"function", {{"name", "set_flag"}}}}},
+             {"max_tokens", 64},
+             {"temperature", 0},
+             {"chat_template_kwargs", {{"enable_thinking", false}}}}}) {
+    httplib::Client c("127.0.0.1", spec_port);
+    c.set_read_timeout(120, 0);
+    auto res = c.Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "no response");
+    json a = json::parse(res->body), b = post(body);
+    for (json* r : {&a, &b}) {  // tool call ids are random
+      json& msg = (*r)["choices"][0]["message"];
+      if (msg.contains("tool_calls"))
+        for (json& call : msg["tool_calls"]) call.erase("id");
+    }
+    EXPECT_EQ(a["choices"][0]["message"], b["choices"][0]["message"]) << a.dump() << "\n" << b.dump();
+    EXPECT_EQ(a["usage"]["completion_tokens"], b["usage"]["completion_tokens"]);
+  }
+  httplib::Client c("127.0.0.1", spec_port);
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m && m->status == 200);
+  EXPECT_EQ(m->body.find("moesrv_speculative_steps_total 0\n"), std::string::npos) << m->body;
+  EXPECT_NE(m->body.find("moesrv_speculative_draft_tokens_total"), std::string::npos);
+  spec.stop();
 }
 
 namespace {

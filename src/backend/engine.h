@@ -25,6 +25,27 @@ class SequenceState {
   virtual bool has_fixed_state() const { return false; }
 };
 
+// Speculative decoding with the checkpoint's multi-token-prediction (MTP) block: an optional capability of an
+// engine (Engine::mtp(), nullptr when the engine or the checkpoint has none). "Hidden" is the vector the head reads
+// (after the final norm; with mHC streams, their mean then the norm), [hidden_size] per token.
+class MtpEngine {
+ public:
+  virtual ~MtpEngine() = default;
+  virtual int64_t hidden_size() const = 0;
+  // Engine::forward that also returns every token's hidden state in `hidden` [n, hidden_size]. With `rollback`, the
+  // tokens run as n single-token forwards would (bit for bit) and the sequence keeps a rollback point after each
+  // one: truncate() may cut it back to any length in (length before, length after] until its next forward.
+  virtual std::vector<float> forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
+                                            bool rollback, std::vector<float>& hidden) = 0;
+  // The MTP block's own state (its layer's cache) for one sequence.
+  virtual std::unique_ptr<SequenceState> new_mtp_sequence() const = 0;
+  // Appends n positions p = length .. length + n - 1 to the MTP state: row i pairs hidden[i] (the hidden state at p,
+  // from the model or from the previous MTP step) with next[i] (the token at p + 1). Returns the logits of the last
+  // row [vocab] (its guess at the token at p + 2) and that row's MTP hidden state in hidden_out [hidden_size].
+  virtual std::vector<float> mtp_forward(SequenceState& mtp_seq, const std::vector<int32_t>& next,
+                                         const std::vector<float>& hidden, std::vector<float>& hidden_out) = 0;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -41,6 +62,8 @@ class Engine {
                                      bool all_logits = false) = 0;
   // Routed-expert selections recorded so far, when the engine records them (persisted for pinning).
   virtual const UsageStats* expert_usage() const { return nullptr; }
+  // Speculative decoding with the MTP block (see MtpEngine); nullptr: not available.
+  virtual MtpEngine* mtp() { return nullptr; }
 };
 
 }  // namespace moesrv

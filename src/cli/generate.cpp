@@ -7,6 +7,7 @@
 #include "cli/commands.h"
 #include "runtime/engine_factory.h"
 #include "serving/sampler.h"
+#include "serving/speculative.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
 
@@ -15,7 +16,7 @@ namespace moesrv::cli {
 namespace {
 
 struct GenerateOptions {
-  std::string model, prompt_ids, prompt, tokenizer;
+  std::string model, prompt_ids, prompt, tokenizer, speculative;
   int max_tokens = 16;
   float temperature = 0.0f;
   uint64_t seed = 0;
@@ -56,6 +57,20 @@ void run_generate(const GenerateOptions& o) {
   sp.temperature = o.temperature;
   sp.seed = o.seed;
   Sampler sampler(sp);
+  if (const int k = parse_speculative(o.speculative)) {
+    SpeculativeStats stats;
+    auto t0 = std::chrono::steady_clock::now();
+    auto out = generate_speculative(*engine, prompt, o.max_tokens, sampler, k, &stats);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("{}\n", fmt::join(out, ","));
+    if (tok) fmt::print("{}\n", tok->decode(out));
+    fmt::print(stderr,
+               "prompt {} tokens + generated {} tokens in {:.3f} s; speculative mtp:{}: {} verify steps, {} of {} "
+               "drafts accepted ({:.1f}%), {:.2f} tokens per step\n",
+               prompt.size(), out.size(), s, k, stats.steps, stats.accepted, stats.drafted,
+               100.0 * stats.acceptance_rate(), stats.tokens_per_step());
+    return;
+  }
   auto seq = engine->new_sequence();
   auto t0 = std::chrono::steady_clock::now();
   auto logits = engine->forward(*seq, prompt);
@@ -88,6 +103,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--max-tokens", opts->max_tokens, "Tokens to generate")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", opts->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", opts->seed, "Sampling seed");
+  cmd->add_option("--speculative", opts->speculative,
+                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step (CPU engine)");
   add_engine_options(cmd, opts->engine);
   cmd->callback([opts] { run_generate(*opts); });
 }

@@ -11,6 +11,7 @@
 #include "server/http_server.h"
 #include "server/tokenizer_codec.h"
 #include "server/turn_grammar.h"
+#include "serving/speculative.h"
 #include "util/error.h"
 
 namespace moesrv::cli {
@@ -18,7 +19,7 @@ namespace moesrv::cli {
 namespace {
 
 struct ServeArgs {
-  std::string model, tokenizer, chat_format = "auto";
+  std::string model, tokenizer, chat_format = "auto", speculative;
   ServerOptions server;
   EngineOptions engine;
   bool save_usage = true;
@@ -35,7 +36,11 @@ void run_serve(ServeArgs a) {
 
   fmt::print(stderr, "loading model from {}\n", a.model);
   a.engine.served_name = a.server.served_name;
+  a.server.speculative = parse_speculative(a.speculative);
   auto engine = open_engine(a.model, a.engine);
+  if (a.server.speculative > 0 && !engine->mtp())
+    fail("--speculative {}: {} has no MTP block on this engine (the CPU engine runs it: --backend cpu)", a.speculative,
+         a.model);
   TokenizerCodec codec(a.tokenizer.empty() ? a.model : a.tokenizer, a.model, parse_chat_format(a.chat_format));
   MOESRV_CHECK(codec.vocab_size() <= engine->vocab_size(), "tokenizer vocab ({}) is larger than the model's ({})",
                codec.vocab_size(), engine->vocab_size());
@@ -88,6 +93,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--prefill-chunk", a->server.prefill_chunk,
                   "Prompt tokens per forward call (0: the engine's pass length)")
       ->capture_default_str();
+  cmd->add_option("--speculative", a->speculative,
+                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step; bypasses the "
+                  "prefix cache");
   add_engine_options(cmd, a->engine);
   cmd->add_flag("!--no-usage-stats", a->save_usage,
                 "Do not save routed-expert usage to <model>/.moesrv/expert_usage.json at exit (used to pin hot experts)");

@@ -193,6 +193,8 @@ void finish(ModelSpec& s, Mixer mixer) {
   }
   if (s.dsa)
     for (int64_t i = 0; i < s.num_layers; ++i) s.layer_has_indexer[size_t(i)] = s.layers[size_t(i)].indexer == IndexerKind::Own;
+  s.mtp_layer = {s.attention == AttentionKind::MLA ? Mixer::Mla : Mixer::Gqa,
+                 s.dsa ? IndexerKind::Own : IndexerKind::None, -1, s.layers.back().ffn};
 }
 
 }  // namespace moesrv::hf

@@ -160,4 +160,26 @@ std::vector<TensorEntry> manifest(const ModelSpec& s, const std::string& root) {
   return out;
 }
 
+std::vector<TensorEntry> mtp_manifest(const ModelSpec& s, const std::string& root) {
+  std::vector<TensorEntry> out;
+  const int64_t D = s.hidden_size, L = s.num_layers;
+  const std::string p = fmt::format("{}layers.{}.", root, L), from = root + "layers.0.";
+  {
+    List t(out, L);
+    t.norm(p + "enorm", D);
+    t.norm(p + "hnorm", D);
+    t.matrix(p + "eh_proj", D, 2 * D);
+    t.norm(p + "shared_head.norm", D);
+    t.matrix(p + "shared_head.head", s.vocab_size, D);
+    out.back().optional = true;  // absent: the model's lm_head
+  }
+  for (TensorEntry& e : manifest(s.mtp_block(), root)) {
+    if (e.layer != 0) continue;
+    e.name = p + e.name.substr(from.size());
+    e.layer = L;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 }  // namespace moesrv

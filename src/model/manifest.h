@@ -28,5 +28,8 @@ struct TensorEntry {
 
 // `root`: "model." (text-only layout) or "model.language_model." (multimodal layout).
 std::vector<TensorEntry> manifest(const ModelSpec& s, const std::string& root = "model.");
+// The MTP block at layer num_layers (DeepSeek-V3 layout): enorm, hnorm, eh_proj, shared_head (its head optional),
+// then the tensors of one decoder layer of kind s.mtp_layer without mHC weights.
+std::vector<TensorEntry> mtp_manifest(const ModelSpec& s, const std::string& root = "model.");
 
 }  // namespace moesrv

@@ -28,6 +28,17 @@ bool ModelSpec::has_recurrent_layers() const {
   return std::any_of(layers.begin(), layers.end(), [](const LayerSpec& l) { return l.recurrent(); });
 }
 
+ModelSpec ModelSpec::mtp_block() const {
+  ModelSpec m = *this;
+  m.num_layers = 1;
+  m.layers = {mtp_layer};
+  m.layer_is_moe = {mtp_layer.ffn == FfnKind::Moe};
+  if (dsa) m.layer_has_indexer = {mtp_layer.indexer == IndexerKind::Own};
+  m.residual = ResidualSpec{};
+  m.mtp_layers = 0;
+  return m;
+}
+
 ModelSpec ModelSpec::from_json(const nlohmann::json& config) {
   if (!config.is_object()) fail("config.json: not a JSON object");
   const std::string type = hf::require<std::string>(config, "model_type");

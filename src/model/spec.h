@@ -94,11 +94,16 @@ struct ModelSpec {
   LinearAttnDims linear;
   ResidualSpec residual;
   std::vector<LayerSpec> layers;
-  int64_t mtp_layers = 0;
+  int64_t mtp_layers = 0;  // num_nextn_predict_layers: MTP blocks from layer index num_layers on
+  // The MTP block's decoder layer (checkpoint layer num_layers): the model's softmax attention with its own DSA
+  // indexer, the last layer's feed-forward kind, a plain residual (vLLM's deepseek_mtp / glm5next mtp).
+  LayerSpec mtp_layer;
 
   int64_t qk_head_dim() const { return qk_nope_dim + qk_rope_dim; }
   int64_t stream_width() const { return hidden_size * residual.streams; }  // floats per token between layers
   bool has_recurrent_layers() const;
+  // The MTP block's decoder layer as a one-layer model of its own (plain residual).
+  ModelSpec mtp_block() const;
 
   // Parses config.json (flat or nested text_config) with the architecture's describe().
   static ModelSpec from_json(const nlohmann::json& j);

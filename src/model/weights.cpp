@@ -44,7 +44,7 @@ MlpWeights load_mlp(const LinearLoader& make, const ModelPackage& pkg, const std
 }
 
 MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const std::string& p,
-                    int64_t layer) {
+                    const LayerSpec& spec) {
   MlaWeights a;
   int64_t H = c.num_heads, qk = c.qk_head_dim(), r = c.kv_lora_rank, dn = c.qk_nope_dim, dv = c.v_head_dim;
   if (c.q_lora_rank > 0) {
@@ -67,7 +67,7 @@ MlaWeights load_mla(const LinearLoader& make, const ModelPackage& pkg, const Mod
     std::copy(base, base + dn * r, a.w_uk.begin() + h * dn * r);
     std::copy(base + dn * r, base + (dn + dv) * r, a.w_uv.begin() + h * dv * r);
   }
-  if (c.layers[size_t(layer)].indexer == IndexerKind::Own) {
+  if (spec.indexer == IndexerKind::Own) {
     IndexerWeights ix;
     std::string ip = p + ".indexer";
     ix.wq_b = linear(make, pkg, ip + ".wq_b", c.q_lora_rank, c.index_n_heads * c.index_head_dim);
@@ -174,6 +174,41 @@ HyperWeights load_hyper(const ModelPackage& pkg, const ModelSpec& c, const std::
   return {load_f32(pkg, p + "_fn", mix * hc * c.hidden_size), load_f32(pkg, p + "_base", mix), load_f32(pkg, p + "_scale", 3)};
 }
 
+LayerWeights load_layer(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c, const LayerSpec& spec,
+                        const std::string& p, bool hyper) {
+  LayerWeights L;
+  L.input_norm = load_norm(pkg, p + ".input_layernorm", c.hidden_size, false, c.norm_weight_offset);
+  L.post_attention_norm = load_norm(pkg, p + ".post_attention_layernorm", c.hidden_size, false, c.norm_weight_offset);
+  switch (spec.mixer) {
+    case Mixer::Mla: L.mla = load_mla(make, pkg, c, p + ".self_attn", spec); break;
+    case Mixer::Gqa: L.gqa = load_gqa(make, pkg, c, p + ".self_attn"); break;
+    case Mixer::Kda: L.kda = load_kda(make, pkg, c, p + ".self_attn"); break;
+    case Mixer::GatedDelta: L.gated_delta = load_gated_delta(make, pkg, c, p + ".linear_attn"); break;
+  }
+  if (spec.ffn == FfnKind::Moe) L.moe = load_moe(make, pkg, c, p + ".mlp");
+  else L.mlp = load_mlp(make, pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
+  if (hyper) {
+    L.attn_hc = load_hyper(pkg, c, p + ".hc_attn");
+    L.ffn_hc = load_hyper(pkg, c, p + ".hc_ffn");
+  }
+  return L;
+}
+
+// `p` ends with "layers.<num_layers>.". The block's layer never has mHC weights (GLM-5.3-Flash ships none).
+std::unique_ptr<MtpWeights> load_mtp(const LinearLoader& make, const ModelPackage& pkg, const ModelSpec& c,
+                                     const std::string& p) {
+  const int64_t D = c.hidden_size;
+  auto m = std::make_unique<MtpWeights>();
+  m->enorm = load_norm(pkg, p + "enorm", D, false, c.norm_weight_offset);
+  m->hnorm = load_norm(pkg, p + "hnorm", D, false, c.norm_weight_offset);
+  m->head_norm = load_norm(pkg, p + "shared_head.norm", D, false, c.norm_weight_offset);
+  m->eh_proj = linear(make, pkg, p + "eh_proj", 2 * D, D);
+  if (pkg.has(p + "shared_head.head.weight") || pkg.has(p + "shared_head.head.trellis"))
+    m->head = linear(make, pkg, p + "shared_head.head", D, c.vocab_size);
+  m->layer = load_layer(make, pkg, c, c.mtp_layer, p.substr(0, p.size() - 1), false);
+  return m;
+}
+
 // One name per line, at most 24 (then a count of the rest).
 std::string name_list(const std::vector<std::string>& names) {
   std::string list;
@@ -233,29 +268,13 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     w->lm_head = linear(make, *pkg, R + "embed_tokens", c.hidden_size, c.vocab_size);  // the embedding, tied
   else
     pkg->require("lm_head.weight");
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = fmt::format("{}layers.{}", R, i);
-    const LayerSpec& spec = c.layers[size_t(i)];
-    LayerWeights L;
-    L.input_norm = load_norm(*pkg, p + ".input_layernorm", c.hidden_size, false, c.norm_weight_offset);
-    L.post_attention_norm = load_norm(*pkg, p + ".post_attention_layernorm", c.hidden_size, false, c.norm_weight_offset);
-    switch (spec.mixer) {
-      case Mixer::Mla: L.mla = load_mla(make, *pkg, c, p + ".self_attn", i); break;
-      case Mixer::Gqa: L.gqa = load_gqa(make, *pkg, c, p + ".self_attn"); break;
-      case Mixer::Kda: L.kda = load_kda(make, *pkg, c, p + ".self_attn"); break;
-      case Mixer::GatedDelta: L.gated_delta = load_gated_delta(make, *pkg, c, p + ".linear_attn"); break;
-    }
-    if (spec.ffn == FfnKind::Moe) L.moe = load_moe(make, *pkg, c, p + ".mlp");
-    else L.mlp = load_mlp(make, *pkg, p + ".mlp", c.hidden_size, c.intermediate_size, c.swiglu_limit);
-    if (c.residual.hyper) {
-      L.attn_hc = load_hyper(*pkg, c, p + ".hc_attn");
-      L.ffn_hc = load_hyper(*pkg, c, p + ".hc_ffn");
-    }
-    w->layers.push_back(std::move(L));
-  }
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    w->layers.push_back(
+        load_layer(make, *pkg, c, c.layers[size_t(i)], fmt::format("{}layers.{}", R, i), c.residual.hyper));
   const std::string mtp = fmt::format("{}layers.{}.", R, c.num_layers);
   for (const std::string& name : pkg->names())
     if (name.rfind(mtp, 0) == 0) w->mtp.push_back(pkg->find(name));
+  if (c.mtp_layers > 0 && pkg->has(mtp + "eh_proj.weight")) w->mtp_block = load_mtp(make, *pkg, c, mtp);
   return w;
 }
 

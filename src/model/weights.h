@@ -83,6 +83,15 @@ struct LayerWeights {
   std::optional<MoeWeights> moe;
 };
 
+// The multi-token-prediction block at layer num_hidden_layers (DeepSeek-V3 layout): x = eh_proj(concat(enorm(embed(t)),
+// hnorm(h))), one decoder layer (plain residual), then shared_head.norm and the head.
+struct MtpWeights {
+  NormWeights enorm, hnorm, head_norm;
+  std::unique_ptr<Linear> eh_proj;  // [hidden, 2 * hidden]
+  std::unique_ptr<Linear> head;     // shared_head.head; null: the model's lm_head
+  LayerWeights layer;
+};
+
 struct ModelWeights {
   std::shared_ptr<ModelPackage> package;
   ModelSpec config;
@@ -94,6 +103,9 @@ struct ModelWeights {
   // The MTP block at layer num_hidden_layers, when the package has one: kept (memory-mapped views) for
   // speculative decoding; the forward pass never reads it.
   std::vector<const TensorView*> mtp;
+  // The same block loaded for speculative decoding, when the config declares it (num_nextn_predict_layers) and the
+  // package has its eh_proj; null otherwise.
+  std::unique_ptr<MtpWeights> mtp_block;
 
   // Loads every tensor the config needs; a missing tensor is an error naming it.
   // Every matrix through `make_linear` (the CPU's load_linear keeps each as stored).

@@ -11,11 +11,80 @@ namespace {
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
+bool client_gone(DecodeHooks& hooks) { return hooks.client_alive && !hooks.client_alive(); }
+
+// The same loop with MTP drafts: each step runs the chosen token and up to k drafts in one forward, then chooses
+// token after token from its logits (forced tokens, masks and hooks as in the plain loop; a draft is kept while the
+// sampler's acceptance rule keeps it) and commits the accepted prefix.
+// Prompt tokens per forward call: the configured count, else the engine's pass length.
+int64_t prefill_call_tokens(const Engine& engine, const GeneratorConfig& config) {
+  return config.prefill_chunk > 0 ? config.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk());
+}
+
+GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
+                                   Sampler& sampler, DecodeHooks& hooks, const GeneratorConfig& config) {
+  GenerationResult r;
+  r.prompt_tokens = int64_t(prompt.size());
+  SpeculativeDecoder dec(engine, config.speculative);
+  auto seq = engine.new_sequence();
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> logits;
+  const int64_t chunk = prefill_call_tokens(engine, config);
+  for (int64_t done = 0; done < r.prompt_tokens;) {
+    const int64_t n = std::min(chunk, r.prompt_tokens - done);
+    logits = dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + done, prompt.begin() + done + n));
+    done += n;
+    if (client_gone(hooks) || (done < r.prompt_tokens && !hooks.on_prefill_progress(done, r.prompt_tokens))) {
+      r.finish = GenerationResult::Finish::kCancelled;
+      r.prefill_seconds = seconds_since(t0);
+      return r;
+    }
+  }
+  r.prefill_seconds = seconds_since(t0);
+
+  auto t1 = std::chrono::steady_clock::now();
+  r.finish = GenerationResult::Finish::kLength;
+  auto choose = [&](std::span<const float> row, int32_t draft) {
+    if (auto forced = hooks.forced_token()) return *forced;
+    return draft >= 0 ? sampler.accept_draft(row, draft, hooks.allowed_tokens())
+                      : sampler.sample(row, hooks.allowed_tokens());
+  };
+  auto emit = [&](std::span<const float> row, int32_t tok) {  // false: stop
+    hooks.on_sampled(row, tok);
+    ++r.completion_tokens;
+    if (hooks.on_token(tok)) return true;
+    r.finish = GenerationResult::Finish::kStopped;
+    return false;
+  };
+  int32_t tok = choose(logits, -1);
+  bool go = emit(logits, tok);
+  while (go && r.completion_tokens < max_new_tokens && seq->length() + 1 < engine.max_context()) {
+    auto st = dec.step(*seq, tok, max_new_tokens - r.completion_tokens - 1);
+    const size_t V = st.logits.size() / (st.draft.size() + 1);
+    int64_t accepted = 0;
+    for (size_t j = 0; j <= st.draft.size(); ++j) {
+      std::span<const float> row(st.logits.data() + j * V, V);
+      tok = choose(row, j < st.draft.size() ? st.draft[j] : -1);
+      if (!(go = emit(row, tok)) || j == st.draft.size() || tok != st.draft[j]) break;
+      ++accepted;
+    }
+    dec.commit(*seq, accepted);
+    if (go && client_gone(hooks)) {
+      r.finish = GenerationResult::Finish::kCancelled;
+      break;
+    }
+  }
+  r.decode_seconds = seconds_since(t1);
+  r.speculative = dec.stats();
+  return r;
+}
+
 }  // namespace
 
 GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<int32_t>& prompt,
                           int64_t max_new_tokens, Sampler& sampler, DecodeHooks& hooks, GeneratorConfig config) {
   MOESRV_CHECK(!prompt.empty(), "empty prompt");
+  if (config.speculative > 0) return generate_with_mtp(engine, prompt, max_new_tokens, sampler, hooks, config);
   GenerationResult r;
   r.prompt_tokens = int64_t(prompt.size());
   std::unique_ptr<SequenceState> seq;
@@ -55,7 +124,7 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   const int64_t total = r.prompt_tokens - r.cached_tokens;
   const bool fixed = seq->has_fixed_state();
   const int64_t split = fixed && total > 1 ? total - 1 : total;
-  const int64_t chunk = config.prefill_chunk > 0 ? config.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk());
+  const int64_t chunk = prefill_call_tokens(engine, config);
   for (int64_t done = 0; done < total;) {
     int64_t n = std::min(chunk, (done < split ? split : total) - done);
     auto begin = prompt.begin() + r.cached_tokens + done;

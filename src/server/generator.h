@@ -10,6 +10,7 @@
 #include "backend/engine.h"
 #include "serving/prefix_cache.h"
 #include "serving/sampler.h"
+#include "serving/speculative.h"
 
 namespace moesrv {
 
@@ -35,11 +36,15 @@ struct GenerationResult {
   enum class Finish { kStopped, kLength, kCancelled } finish = Finish::kStopped;
   int64_t prompt_tokens = 0, cached_tokens = 0, completion_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  SpeculativeStats speculative;  // MTP drafting (config.speculative > 0)
 };
 
 struct GeneratorConfig {
   // Tokens per forward call during prefill (cancellation and progress granularity); 0: engine.prefill_chunk().
   int64_t prefill_chunk = 0;
+  // > 0: speculative decoding, the engine's MTP block drafts this many tokens per step (lossless). The prefix cache
+  // is not used then: the MTP block's own cache would lack the cached prefix.
+  int speculative = 0;
 };
 
 // Runs one generation. `max_new_tokens` bounds the generated tokens (forced ones included).

@@ -158,6 +158,9 @@ struct HttpServer::Impl {
     metrics.completion_tokens += uint64_t(r.completion_tokens);
     metrics.cached_tokens += uint64_t(r.cached_tokens);
     metrics.reasoning_tokens += uint64_t(reasoning_tokens);
+    metrics.speculative_steps += uint64_t(r.speculative.steps);
+    metrics.speculative_drafted += uint64_t(r.speculative.drafted);
+    metrics.speculative_accepted += uint64_t(r.speculative.accepted);
     if (r.finish == GenerationResult::Finish::kCancelled) ++metrics.cancelled;
     metrics.record_timing(uint64_t(r.prompt_tokens - r.cached_tokens), r.prefill_seconds, uint64_t(r.completion_tokens),
                           r.decode_seconds);
@@ -186,7 +189,8 @@ struct HttpServer::Impl {
     ChatOutcome out;
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    out.gen = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
+    out.gen =
+        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
     dec.finish();
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
     if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
@@ -290,7 +294,8 @@ struct HttpServer::Impl {
     if (engine.vocab_size() > codec.vocab_size()) dec.restrict_to(&tokenizer_ids);
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    GenerationResult r = generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk});
+    GenerationResult r =
+        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
     dec.finish();
     if (dec.cancelled()) r.finish = GenerationResult::Finish::kCancelled;
     if (r.finish == GenerationResult::Finish::kCancelled && !dec.cancelled()) dec.cancel();

@@ -32,6 +32,11 @@ std::string ServerMetrics::render(const Gauges& g) const {
   metric("moesrv_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", double(cached_tokens));
   metric("moesrv_reasoning_budget_forced_total", "counter", "Turns whose reasoning was cut by the budget.", double(reasoning_budget_forced));
   metric("moesrv_reasoning_reattached_total", "counter", "Assistant turns whose dropped reasoning was restored.", double(reasoning_reattached));
+  metric("moesrv_speculative_steps_total", "counter", "Speculative verify steps (MTP drafts).",
+         double(speculative_steps));
+  metric("moesrv_speculative_draft_tokens_total", "counter", "MTP draft tokens verified.", double(speculative_drafted));
+  metric("moesrv_speculative_accepted_tokens_total", "counter", "MTP draft tokens accepted.",
+         double(speculative_accepted));
   {
     std::lock_guard lock(mu_);
     metric("moesrv_prefill_tokens_total", "counter", "Prompt tokens actually computed (cache misses).", double(prefill_tokens_));

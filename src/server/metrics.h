@@ -11,6 +11,7 @@ struct ServerMetrics {
   std::atomic<uint64_t> requests{0}, errors{0}, rejected_queue_full{0}, rejected_timeout{0}, cancelled{0};
   std::atomic<uint64_t> prompt_tokens{0}, completion_tokens{0}, cached_tokens{0}, reasoning_tokens{0};
   std::atomic<uint64_t> reasoning_budget_forced{0}, reasoning_reattached{0};
+  std::atomic<uint64_t> speculative_steps{0}, speculative_drafted{0}, speculative_accepted{0};  // MTP drafting
 
   void record_timing(uint64_t prefill_tokens, double prefill_s, uint64_t decode_tokens, double decode_s);
 

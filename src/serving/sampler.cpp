@@ -23,17 +23,14 @@ int32_t argmax(std::span<const float> logits, const std::vector<uint8_t>* allowe
 
 Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed ? *params.seed : std::random_device{}()) {}
 
-int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
-  int32_t best = argmax(logits, allowed);
-  if (best < 0) return argmax(logits);  // mask excluded everything: ignore it rather than emit garbage
-  if (params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1) return best;
-
+double Sampler::distribution(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
   candidates_.clear();
+  if (params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1) return 0;
   for (size_t i = 0; i < logits.size(); ++i) {
     if (!ok(allowed, i)) continue;
     if (std::isfinite(logits[i])) candidates_.emplace_back(logits[i], int32_t(i));
   }
-  if (candidates_.empty()) return best;
+  if (candidates_.empty()) return 0;
   auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first; };
   size_t keep = candidates_.size();
   if (params_.top_k > 0 && size_t(params_.top_k) < keep) {
@@ -54,11 +51,41 @@ int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t
     candidates_.resize(std::max<size_t>(n, 1));
     total = cum > 0 ? cum : candidates_[0].first;
   }
+  return total;
+}
+
+int32_t Sampler::sample(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
+  int32_t best = argmax(logits, allowed);
+  if (best < 0) return argmax(logits);  // mask excluded everything: ignore it rather than emit garbage
+  const double total = distribution(logits, allowed);
+  if (total <= 0) return best;
   double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
   for (auto& c : candidates_) {
     if ((r -= c.first) <= 0) return c.second;
   }
   return candidates_.back().second;
+}
+
+int32_t Sampler::accept_draft(std::span<const float> logits, int32_t draft, const std::vector<uint8_t>* allowed) {
+  int32_t best = argmax(logits, allowed);
+  if (best < 0) return argmax(logits);
+  const double total = distribution(logits, allowed);
+  if (total <= 0) return best;
+  double p_draft = 0;
+  for (const auto& c : candidates_)
+    if (c.second == draft) p_draft = c.first;
+  if (std::uniform_real_distribution<double>(0.0, total)(rng_) < p_draft) return draft;
+  // The residual max(0, p - q): p with the draft's mass removed.
+  const double rest = total - p_draft;
+  if (rest <= 0) return draft;
+  double r = std::uniform_real_distribution<double>(0.0, rest)(rng_);
+  int32_t last = draft;
+  for (auto& c : candidates_) {
+    if (c.second == draft) continue;
+    last = c.second;
+    if ((r -= c.first) <= 0) return c.second;
+  }
+  return last;
 }
 
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top) {

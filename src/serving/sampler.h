@@ -23,9 +23,18 @@ class Sampler {
   // Picks a token from `logits`; `allowed` (non-zero = allowed; ids past its end are not) filters first.
   // Falls back to the unmasked argmax if the mask allows nothing.
   int32_t sample(std::span<const float> logits, const std::vector<uint8_t>* allowed = nullptr);
+  // Speculative decoding's acceptance rule for a deterministic draft token (its distribution q is one-hot): with p
+  // the distribution sample() draws from, returns `draft` with probability min(1, p(draft) / q(draft)) = p(draft),
+  // else a token drawn from norm(max(0, p - q)), i.e. p without the draft. Either way the result is distributed as
+  // p. Greedy: the argmax (the draft exactly when it is the argmax).
+  int32_t accept_draft(std::span<const float> logits, int32_t draft, const std::vector<uint8_t>* allowed = nullptr);
   const SamplingParams& params() const { return params_; }
 
  private:
+  // Fills candidates_ with (unnormalised probability, id) of the tokens sample() may draw; returns their total
+  // mass, or 0 when the choice is the argmax (greedy, or no candidates).
+  double distribution(std::span<const float> logits, const std::vector<uint8_t>* allowed);
+
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> candidates_;  // reused scratch

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "backend/cpu/cpu_blocks.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/residual.h"
@@ -25,6 +26,7 @@ CpuSequence::CpuSequence(const ModelSpec& c, const void* engine) : layers(size_t
 
 bool CpuSequence::resumable(int64_t n) const {
   if (n == length_ || n == 0 || !fixed_state_) return true;
+  if (steps_from_ >= 0 && n > steps_from_ && n < length_) return true;
   if (!recurrent_ && n % c_->index_kpool == 0) return true;  // k-pool only: the open pool is empty there
   return std::any_of(checkpoints_.begin(), checkpoints_.end(), [n](const auto& cp) { return cp->length == n; });
 }
@@ -54,13 +56,29 @@ void CpuSequence::checkpoint() {
   if (checkpoints_.size() > kMaxCheckpoints) checkpoints_.erase(checkpoints_.begin());
 }
 
+void CpuSequence::record_steps() {
+  drop_steps();
+  for (auto& L : layers) L.record_steps = true;
+  steps_from_ = length_;
+}
+
+void CpuSequence::stop_recording() {
+  for (auto& L : layers) L.record_steps = false;
+}
+
+void CpuSequence::drop_steps() {
+  for (auto& L : layers) L.steps.clear();
+  steps_from_ = -1;
+}
+
 void CpuSequence::truncate(int64_t n) {
   if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
-  if (n == length_) return;
+  if (n == length_) return drop_steps();
   if (!resumable(n)) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
   const Checkpoint* cp = nullptr;
   for (const auto& c : checkpoints_)
     if (c->length == n) cp = c.get();
+  const int64_t step = steps_from_ >= 0 && n > steps_from_ ? n - steps_from_ - 1 : -1;  // a rollback point
   const ModelSpec& c = *c_;
   for (size_t l = 0; l < layers.size(); ++l) {
     cpu::LayerState& L = layers[l];
@@ -73,7 +91,15 @@ void CpuSequence::truncate(int64_t n) {
     cut(L.v, c.num_kv_heads * c.head_dim);
     cut(L.index_k, c.index_head_dim);
     if (!L.pool_k.empty() || !L.open_k.empty()) L.pool_k.resize(size_t(n / c.index_kpool * c.index_head_dim));
-    if (cp) {
+    if (step >= 0) {
+      if (!L.steps.empty()) {
+        const cpu::FixedState& f = L.steps[size_t(step)];
+        L.conv = f.conv;
+        L.recurrent = f.recurrent;
+        L.open_k = f.open_k;
+        L.open_g = f.open_g;
+      }
+    } else if (cp) {
       L.conv = cp->fixed[l].conv;
       L.recurrent = cp->fixed[l].recurrent;
       L.open_k = cp->fixed[l].open_k;
@@ -87,6 +113,7 @@ void CpuSequence::truncate(int64_t n) {
   }
   while (!checkpoints_.empty() && checkpoints_.back()->length > n) checkpoints_.pop_back();
   length_ = n;
+  drop_steps();
 }
 
 size_t CpuSequence::bytes() const {
@@ -104,6 +131,7 @@ CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
       usage_(weights_->config.num_layers, std::max<int64_t>(1, weights_->config.n_routed_experts),
              std::max<int64_t>(1, weights_->config.experts_per_token)) {
   if (name_.empty()) name_ = std::filesystem::path(pkg->dir()).filename().string();
+  if (weights_->mtp_block) mtp_spec_ = weights_->config.mtp_block();
 }
 
 std::unique_ptr<CpuEngine> CpuEngine::open(const std::string& model_dir, std::string served_name) {
@@ -132,99 +160,59 @@ void CpuEngine::embed(const std::vector<int32_t>& tokens, float* x) const {
   }
 }
 
-namespace {
-
-// The CPU's blocks: fp32 activations on the host, one layer's state per layer.
-class CpuBlocks final : public BlockExecutor {
- public:
-  CpuBlocks(const ModelWeights& w, const Rope& rope, CpuSequence& seq, float* x, int64_t S, int64_t pos0,
-            cpu::TokenSelection& selection, UsageStats& usage)
-      : w_(w),
-        c_(w.config),
-        rope_(rope),
-        seq_(seq),
-        x_(x),
-        S_(S),
-        pos0_(pos0),
-        selection_(selection),
-        usage_(usage),
-        h_(size_t(S * c_.hidden_size)),
-        y_(size_t(S * c_.hidden_size)),
-        residual_(c_) {}
-
-  void enter(int64_t l, Site site) override {
-    const LayerWeights& L = layer(l);
-    if (site == Site::Attention) residual_.enter(x_, S_, L.input_norm, L.attn_hc, h_.data());
-    else residual_.enter(x_, S_, L.post_attention_norm, L.ffn_hc, h_.data());
-  }
-  void leave(int64_t, Site) override { residual_.leave(x_, S_, y_.data()); }
-  void mla(int64_t l, IndexerKind indexer) override {
-    cpu::TokenSelection dense;
-    if (indexer == IndexerKind::Own) selection_.clear();  // recomputed by the layer's indexer
-    cpu::mla_forward(*layer(l).mla, c_, rope_, h_.data(), S_, pos0_, state(l),
-                     indexer == IndexerKind::None ? dense : selection_, y_.data());
-  }
-  void gqa(int64_t l) override {
-    cpu::gqa_forward(*layer(l).gqa, c_, rope_, h_.data(), S_, pos0_, state(l), y_.data());
-  }
-  void kda(int64_t l) override { cpu::kda_forward(*layer(l).kda, c_, h_.data(), S_, state(l), y_.data()); }
-  void gated_delta(int64_t l) override {
-    cpu::gated_delta_forward(*layer(l).gated_delta, c_, h_.data(), S_, state(l), y_.data());
-  }
-  void mlp(int64_t l) override { cpu::mlp_forward(*layer(l).mlp, h_.data(), S_, y_.data()); }
-  void moe(int64_t l) override { cpu::moe_forward(*layer(l).moe, c_, h_.data(), S_, y_.data(), &usage_, l); }
-
- private:
-  const LayerWeights& layer(int64_t l) const { return w_.layers[size_t(l)]; }
-  cpu::LayerState& state(int64_t l) { return seq_.layers[size_t(l)]; }
-
-  const ModelWeights& w_;
-  const ModelSpec& c_;
-  const Rope& rope_;
-  CpuSequence& seq_;
-  float* x_;
-  const int64_t S_, pos0_;
-  cpu::TokenSelection& selection_;
-  UsageStats& usage_;
-  std::vector<float> h_, y_;
-  cpu::Residual residual_;
-};
-
-}  // namespace
-
 void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t pos0, int64_t begin, int64_t end,
                                cpu::TokenSelection& selection) {
-  CpuBlocks blocks(*weights_, rope_, seq, x, S, pos0, selection, usage_);
+  cpu::CpuBlocks blocks(weights_->config, weights_->layers.data(), rope_, seq.layers.data(), x, S, pos0, selection,
+                        &usage_);
   run_decoder_layers(weights_->config, blocks, begin, end);
 }
 
-std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) const {
+std::vector<float> CpuEngine::head_input(const float* x, int64_t S) const {
   const ModelSpec& c = weights_->config;
   const int64_t D = c.hidden_size, n = c.residual.streams;
-  std::vector<float> h(size_t(rows * D), 0.0f), out(size_t(rows * c.vocab_size));
-  for (int64_t r = 0; r < rows; ++r) {  // mean over the residual streams
-    const float* X = x + (S - rows + r) * n * D;
+  std::vector<float> h(size_t(S * D), 0.0f);
+  for (int64_t r = 0; r < S; ++r) {  // mean over the residual streams
+    const float* X = x + r * n * D;
     for (int64_t i = 0; i < n; ++i) cpu::axpy(1.0f, X + i * D, D, h.data() + r * D);
     if (n > 1)
       for (int64_t d = 0; d < D; ++d) h[size_t(r * D + d)] /= float(n);
   }
-  cpu::rms_norm(h.data(), weights_->final_norm.weight.data(), rows, D, c.rms_eps, h.data());
+  cpu::rms_norm(h.data(), weights_->final_norm.weight.data(), S, D, c.rms_eps, h.data());
+  return h;
+}
+
+std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) const {
+  const ModelSpec& c = weights_->config;
+  std::vector<float> h = head_input(x + (S - rows) * c.stream_width(), rows), out(size_t(rows * c.vocab_size));
   weights_->lm_head->forward(h.data(), rows, out.data());
   return out;
 }
 
-std::vector<float> CpuEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
-  CpuSequence& seq = own_sequence(seq_base);
+std::vector<float> CpuEngine::forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) {
+  return run(own_sequence(seq), tokens, all_logits, false, nullptr);
+}
+
+std::vector<float> CpuEngine::forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
+                                             bool rollback, std::vector<float>& hidden) {
+  hidden.clear();
+  return run(own_sequence(seq), tokens, all_logits, rollback, &hidden);
+}
+
+std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& tokens, bool all_logits, bool rollback,
+                                  std::vector<float>* hidden) {
   const ModelSpec& c = weights_->config;
   const int64_t S = int64_t(tokens.size()), pos0 = seq.length(), W = c.stream_width();
   if (S == 0) fail("forward: no tokens");
   if (pos0 + S > c.max_position) fail("context length exceeded: {} + {} tokens > {}", pos0, S, c.max_position);
   std::vector<float> out;
   if (all_logits) out.reserve(size_t(S * c.vocab_size));
+  if (rollback) seq.record_steps();
+  else seq.drop_steps();
   for (int64_t done = 0; done < S;) {
-    // Pieces end at checkpoint boundaries of the recurrent state (the whole batch otherwise).
+    // Pieces end at checkpoint boundaries of the recurrent state (the whole batch otherwise, and for a verify).
     int64_t n = S - done;
-    if (c.has_recurrent_layers() && S > 1) n = std::min(n, kCheckpointInterval - (pos0 + done) % kCheckpointInterval);
+    if (c.has_recurrent_layers() && S > 1 && !rollback)
+      n = std::min(n, kCheckpointInterval - (pos0 + done) % kCheckpointInterval);
     std::vector<int32_t> piece(tokens.begin() + done, tokens.begin() + done + n);
     std::vector<float> x(size_t(n * W));
     embed(piece, x.data());
@@ -232,12 +220,17 @@ std::vector<float> CpuEngine::forward(SequenceState& seq_base, const std::vector
     forward_layers(seq, x.data(), n, pos0 + done, 0, c.num_layers, selection);
     seq.length_ = pos0 + done + n;
     done += n;
-    if (S > 1) seq.checkpoint();
+    if (S > 1 && !rollback) seq.checkpoint();
+    if (hidden) {
+      auto h = head_input(x.data(), n);
+      hidden->insert(hidden->end(), h.begin(), h.end());
+    }
     if (all_logits || done == S) {
       auto part = logits(x.data(), n, all_logits ? n : 1);
       out.insert(out.end(), part.begin(), part.end());
     }
   }
+  seq.stop_recording();
   return out;
 }
 

@@ -26,6 +26,11 @@ class CpuSequence : public SequenceState {
   int64_t resume_point(int64_t n) const override;
   void checkpoint() override;
   bool has_fixed_state() const override { return fixed_state_; }
+  // Rollback points: the next forward records the fixed state after each token (LayerState::steps), so truncate()
+  // may cut back into it; dropped by the next forward or truncate.
+  void record_steps();
+  void stop_recording();
+  void drop_steps();
 
   std::vector<cpu::LayerState> layers;
   int64_t length_ = 0;
@@ -36,10 +41,11 @@ class CpuSequence : public SequenceState {
   const ModelSpec* c_;
   bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
   bool recurrent_ = false;
+  int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)
   std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
 };
 
-class CpuEngine : public Engine {
+class CpuEngine : public Engine, public MtpEngine {
  public:
   explicit CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name = "");
   static std::unique_ptr<CpuEngine> open(const std::string& model_dir, std::string served_name = "");
@@ -54,6 +60,15 @@ class CpuEngine : public Engine {
   static constexpr int64_t kCheckpointInterval = 2048;
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
 
+  // MTP speculative decoding (mtp_forward.cpp): available when the package has the MTP block.
+  MtpEngine* mtp() override { return weights_->mtp_block ? this : nullptr; }
+  int64_t hidden_size() const override { return weights_->config.hidden_size; }
+  std::vector<float> forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
+                                    bool rollback, std::vector<float>& hidden) override;
+  std::unique_ptr<SequenceState> new_mtp_sequence() const override;
+  std::vector<float> mtp_forward(SequenceState& mtp_seq, const std::vector<int32_t>& next,
+                                 const std::vector<float>& hidden, std::vector<float>& hidden_out) override;
+
   // The steps of forward(), public so a pipeline stage can run a layer range (forward() uses them too).
   // Token embeddings into x [S, stream_width] (copied into every residual stream).
   void embed(const std::vector<int32_t>& tokens, float* x) const;
@@ -65,6 +80,8 @@ class CpuEngine : public Engine {
                       cpu::TokenSelection& selection);
   // Collapse the streams, final norm, lm_head over the last `rows` rows of x [S, stream_width]: [rows, vocab].
   std::vector<float> logits(const float* x, int64_t S, int64_t rows) const;
+  // The head's input for every row of x [S, stream_width]: mean of the streams, final norm: [S, hidden].
+  std::vector<float> head_input(const float* x, int64_t S) const;
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
 
   const ModelSpec& config() const { return weights_->config; }
@@ -73,7 +90,12 @@ class CpuEngine : public Engine {
   const ModelWeights& weights() const { return *weights_; }
 
  private:
+  // forward() and forward_hidden(): `hidden` (when given) receives every token's head input.
+  std::vector<float> run(CpuSequence& seq, const std::vector<int32_t>& tokens, bool all_logits, bool rollback,
+                         std::vector<float>* hidden);
+
   std::unique_ptr<ModelWeights> weights_;
+  ModelSpec mtp_spec_;  // the MTP block as a one-layer model (plain residual); set when the block is loaded
   Rope rope_;
   std::string name_;
   UsageStats usage_;

@@ -9,6 +9,12 @@
 
 namespace moesrv::cpu {
 
+// The parts of a layer's state that per-token truncation cannot rewind.
+struct FixedState {
+  std::vector<float> conv, recurrent, open_k, open_g;
+  size_t bytes() const { return (conv.size() + recurrent.size() + open_k.size() + open_g.size()) * sizeof(float); }
+};
+
 // Per-layer state, fp32 (the buffers model/state.h describes). MLA keeps only the normalised latent and the
 // roped shared key (absorbed attention); recurrent layers keep a fixed-size state instead of a cache.
 struct LayerState {
@@ -19,9 +25,17 @@ struct LayerState {
   std::vector<float> k, v;            // GQA: [T, kv_heads * head_dim]
   std::vector<float> conv;            // linear attention: the last kernel-1 conv inputs [kernel - 1, channels]
   std::vector<float> recurrent;       // linear attention: delta-rule state [heads, dk, dv]
+  // Rollback points (speculative verify): with record_steps set, a forward of S tokens runs its recurrence token by
+  // token (as S single-token steps would, bit for bit) and keeps the fixed state after each of its first S - 1
+  // tokens in `steps` (the state after the last one is the live state).
+  bool record_steps = false;
+  std::vector<FixedState> steps;
   size_t bytes() const {
-    return (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + open_k.size() + open_g.size() +
-            k.size() + v.size() + conv.size() + recurrent.size()) * sizeof(float);
+    size_t b = (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + open_k.size() + open_g.size() +
+                k.size() + v.size() + conv.size() + recurrent.size()) *
+               sizeof(float);
+    for (const FixedState& f : steps) b += f.bytes();
+    return b;
   }
 };
 using LayerCache = LayerState;

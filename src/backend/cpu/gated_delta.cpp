@@ -7,6 +7,7 @@
 #include "backend/cpu/delta_rule.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/recurrent_steps.h"
 
 namespace moesrv::cpu {
 
@@ -40,6 +41,7 @@ void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const f
       }
     }
   std::vector<float> conv(size_t(S * C));
+  const std::vector<float> conv_before = st.conv;
   causal_conv1d_silu(mixed.data(), S, C, w.conv.data(), K, st.conv.data(), conv.data());
 
   // q, k per value head (each key head serves r value heads), L2-normalised; q scaled by dk^-0.5.
@@ -59,8 +61,8 @@ void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const f
 
   const DeltaRuleShape shape{Hv, dk, dv, /*per_channel_decay=*/false};
   std::vector<float> o(size_t(S * V));
-  if (S == 1) delta_rule_recurrent(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
-  else delta_rule_chunked(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
+  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, mixed.data(), C, st,
+                   o.data());
 
   rms_norm(o.data(), w.norm.weight.data(), S * Hv, dv, c.rms_eps, o.data());
   for (size_t i = 0; i < o.size(); ++i) o[i] *= z[i] / (1.0f + std::exp(-z[i]));

@@ -7,6 +7,7 @@
 #include "backend/cpu/delta_rule.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
+#include "backend/cpu/recurrent_steps.h"
 
 namespace moesrv::cpu {
 
@@ -27,6 +28,7 @@ void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_
     for (int64_t s = 0; s < S; ++s) std::copy(proj.begin() + s * Hd, proj.begin() + (s + 1) * Hd, qkv.begin() + s * C + part * Hd);
   }
   std::vector<float> mixed(size_t(S * C));
+  const std::vector<float> conv_before = st.conv;
   causal_conv1d_silu(qkv.data(), S, C, w.conv.data(), K, st.conv.data(), mixed.data());
   std::vector<float> q(size_t(S * Hd)), k(size_t(S * Hd)), v(size_t(S * Hd));
   for (int64_t s = 0; s < S; ++s) {
@@ -58,8 +60,8 @@ void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_
 
   const DeltaRuleShape shape{H, d, d, /*per_channel_decay=*/true};
   std::vector<float> o(size_t(S * Hd));
-  if (S == 1) delta_rule_recurrent(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
-  else delta_rule_chunked(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), st.recurrent.data(), o.data());
+  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, qkv.data(), C, st,
+                   o.data());
 
   // Output: RMSNorm per head over d with o_norm, times sigmoid(g_b(g_a x)).
   std::vector<float> ga(size_t(S * d)), gate(size_t(S * Hd));

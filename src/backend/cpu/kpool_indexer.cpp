@@ -55,6 +55,7 @@ TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const f
       st.open_k.clear();
       st.open_g.clear();
     }
+    if (st.record_steps && s + 1 < S) st.steps.push_back({.open_k = st.open_k, .open_g = st.open_g});
   }
 
   const float scale = 1.0f / std::sqrt(float(d));

@@ -1,0 +1,128 @@
+#include "serving/speculative.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace moesrv {
+
+namespace {
+MtpEngine& require_mtp(Engine& e) {
+  MtpEngine* m = e.mtp();
+  if (!m)
+    fail(
+        "speculative decoding: {} has no MTP block on this engine (num_nextn_predict_layers and the layer's "
+        "tensors in the package; the CPU engine runs it)",
+        e.name());
+  return *m;
+}
+}  // namespace
+
+SpeculativeDecoder::SpeculativeDecoder(Engine& engine, int k, DraftPicker picker)
+    : engine_(engine), mtp_(require_mtp(engine)), k_(k), picker_(std::move(picker)), D_(mtp_.hidden_size()) {
+  if (k < 1) fail("speculative decoding: {} draft tokens (at least 1)", k);
+  if (!picker_) picker_ = [](int64_t, std::span<const float> l) { return argmax(l); };
+  mtp_seq_ = mtp_.new_mtp_sequence();
+}
+
+std::vector<float> SpeculativeDecoder::prefill(SequenceState& seq, const std::vector<int32_t>& tokens) {
+  if (seq.length() != mtp_seq_->length() + int64_t(pending_hidden_.size()) / D_)
+    fail("speculative prefill: the sequence holds {} tokens the MTP block has not seen", seq.length());
+  std::vector<float> hidden;
+  auto logits = mtp_.forward_hidden(seq, tokens, false, false, hidden);
+  pending_next_.insert(pending_next_.end(), tokens.begin() + (pending_hidden_.empty() ? 1 : 0), tokens.end());
+  pending_hidden_.insert(pending_hidden_.end(), hidden.begin(), hidden.end());
+  const int64_t rows = int64_t(pending_hidden_.size()) / D_;
+  if (rows > 1) {  // every row but the last knows its next token: run them through the MTP block now
+    std::vector<float> out;
+    mtp_.mtp_forward(*mtp_seq_, pending_next_, std::vector<float>(pending_hidden_.begin(), pending_hidden_.end() - D_),
+                     out);
+    pending_hidden_.erase(pending_hidden_.begin(), pending_hidden_.end() - D_);
+    pending_next_.clear();
+  }
+  return logits;
+}
+
+SpeculativeDecoder::Step SpeculativeDecoder::step(SequenceState& seq, int32_t last, int64_t max_draft) {
+  if (pending_hidden_.empty()) fail("speculative step before prefill");
+  const int64_t n = seq.length();
+  const int64_t k = std::max<int64_t>(0, std::min({int64_t(k_), max_draft, engine_.max_context() - n - 1}));
+  Step st;
+  // The MTP block catches up on the model (positions up to n - 1, the last one with `last` as its next token);
+  // its guess there is the first draft, and each draft feeds the next MTP step with that step's hidden state.
+  pending_next_.push_back(last);
+  std::vector<float> g, g_next;
+  auto l = mtp_.mtp_forward(*mtp_seq_, pending_next_, pending_hidden_, g);
+  pending_hidden_.clear();
+  pending_next_.clear();
+  mtp_len_ = mtp_seq_->length();
+  if (k > 1) mtp_seq_->checkpoint();  // the chained positions are drafts: cut back to here at commit
+  for (int64_t j = 0; j < k; ++j) {
+    st.draft.push_back(picker_(n + 1 + j, l));
+    if (j + 1 < k) {
+      l = mtp_.mtp_forward(*mtp_seq_, {st.draft.back()}, g, g_next);
+      g.swap(g_next);
+    }
+  }
+  std::vector<int32_t> tokens{last};
+  tokens.insert(tokens.end(), st.draft.begin(), st.draft.end());
+  st.logits = mtp_.forward_hidden(seq, tokens, true, true, step_hidden_);
+  step_len_ = n;
+  step_draft_ = st.draft;
+  ++stats_.steps;
+  stats_.drafted += k;
+  return st;
+}
+
+void SpeculativeDecoder::commit(SequenceState& seq, int64_t accepted) {
+  if (step_len_ < 0 || accepted < 0 || accepted > int64_t(step_draft_.size()))
+    fail("speculative commit without a step");
+  seq.truncate(step_len_ + 1 + accepted);
+  if (mtp_seq_->length() > mtp_len_) mtp_seq_->truncate(mtp_len_);
+  pending_hidden_.assign(step_hidden_.begin(), step_hidden_.begin() + (accepted + 1) * D_);
+  pending_next_.assign(step_draft_.begin(), step_draft_.begin() + accepted);
+  stats_.accepted += accepted;
+  step_len_ = -1;
+}
+
+int parse_speculative(const std::string& spec) {
+  if (spec.empty() || spec == "off") return 0;
+  const std::string prefix = "mtp:";
+  if (spec.rfind(prefix, 0) == 0 && spec.size() == prefix.size() + 1 && spec.back() >= '1' && spec.back() <= '3')
+    return spec.back() - '0';
+  fail("--speculative {}: expected mtp:K with K draft tokens per step, 1 to 3 (or off)", spec);
+}
+
+std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new,
+                                          Sampler& sampler, int k, SpeculativeStats* stats,
+                                          SpeculativeDecoder::DraftPicker picker) {
+  SpeculativeDecoder dec(engine, k, std::move(picker));
+  auto seq = engine.new_sequence();
+  std::vector<int32_t> out;
+  if (prompt.empty()) fail("speculative decoding: empty prompt");
+  if (max_new <= 0) return out;
+  // The prompt in pieces of 2048 (the hidden states it keeps are [piece, hidden]); the CPU engine cuts a prefill
+  // at multiples of 2048 anyway, so this is the same computation.
+  std::vector<float> logits;
+  for (size_t done = 0; done < prompt.size(); done += 2048)
+    logits = dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + long(done),
+                                                    prompt.begin() + long(std::min(prompt.size(), done + 2048))));
+  out.push_back(sampler.sample(logits));
+  while (int64_t(out.size()) < max_new && seq->length() + 1 < engine.max_context()) {
+    auto st = dec.step(*seq, out.back(), max_new - int64_t(out.size()) - 1);
+    const int64_t V = int64_t(st.logits.size()) / int64_t(st.draft.size() + 1);
+    int64_t accepted = 0;
+    for (size_t j = 0; j <= st.draft.size(); ++j) {
+      std::span<const float> row(st.logits.data() + int64_t(j) * V, size_t(V));
+      const int32_t t = j < st.draft.size() ? sampler.accept_draft(row, st.draft[j]) : sampler.sample(row);
+      out.push_back(t);
+      if (j == st.draft.size() || t != st.draft[j]) break;
+      ++accepted;
+    }
+    dec.commit(*seq, accepted);
+  }
+  if (stats) *stats = dec.stats();
+  return out;
+}
+
+}  // namespace moesrv

@@ -1,0 +1,79 @@
+// Speculative decoding with the checkpoint's MTP block (Engine::mtp()): the block drafts up to k tokens, each step
+// chained on the previous one's hidden state; the model runs the last chosen token and the drafts in one forward
+// (logits for all, a rollback point after each); the caller accepts a prefix (Sampler::accept_draft) and commits
+// it: the model's state is cut back to it (attention caches truncated, recurrent and conv state restored from the
+// rollback points), and so is the MTP block's own cache, which then catches up on the model's hidden states.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/engine.h"
+#include "serving/sampler.h"
+
+namespace moesrv {
+
+struct SpeculativeStats {
+  int64_t steps = 0;     // verify forwards
+  int64_t drafted = 0;   // draft tokens verified
+  int64_t accepted = 0;  // draft tokens accepted
+  double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
+  // Tokens the model commits per verify forward: the accepted drafts plus the one each step chooses itself.
+  double tokens_per_step() const { return steps ? double(steps + accepted) / double(steps) : 0.0; }
+};
+
+class SpeculativeDecoder {
+ public:
+  // Picks the draft token for sequence position `pos` from the MTP block's logits (default: the argmax).
+  using DraftPicker = std::function<int32_t(int64_t pos, std::span<const float> mtp_logits)>;
+  // Fails unless the engine has an MTP block. k: draft tokens per step, >= 1.
+  SpeculativeDecoder(Engine& engine, int k, DraftPicker picker = {});
+
+  // Runs `tokens` (a prompt, or its next chunk) through the model on `seq`, and through the MTP block every
+  // position whose next token is known. Returns the last token's logits.
+  std::vector<float> prefill(SequenceState& seq, const std::vector<int32_t>& tokens);
+
+  struct Step {
+    std::vector<int32_t> draft;  // up to k tokens
+    std::vector<float> logits;   // [draft + 1, vocab]: row j scores the token after draft j - 1 (row 0: after last)
+  };
+  // `last`: the token chosen from the previous logits, not yet run. Drafts min(k, max_draft) tokens (fewer near the
+  // context end) and runs `last` and the drafts through the model.
+  Step step(SequenceState& seq, int32_t last, int64_t max_draft);
+  // Keeps `last` and the first `accepted` drafts of the last step in `seq` (the token chosen after them is the next
+  // step's `last`).
+  void commit(SequenceState& seq, int64_t accepted);
+
+  const SpeculativeStats& stats() const { return stats_; }
+  const SequenceState& mtp_state() const { return *mtp_seq_; }  // the MTP block's cache
+
+ private:
+  Engine& engine_;
+  MtpEngine& mtp_;
+  int k_;
+  DraftPicker picker_;
+  std::unique_ptr<SequenceState> mtp_seq_;
+  int64_t D_;
+  // Model hidden states whose MTP positions have not run yet, and the next tokens of all of them but the last.
+  std::vector<float> pending_hidden_;
+  std::vector<int32_t> pending_next_;
+  // The last step: the model's and the MTP block's lengths before its drafts, its drafts and hidden states.
+  int64_t step_len_ = -1, mtp_len_ = 0;
+  std::vector<int32_t> step_draft_;
+  std::vector<float> step_hidden_;
+  SpeculativeStats stats_;
+};
+
+// "mtp:K" (K draft tokens per step, 1..3) -> K; "" or "off" -> 0; anything else fails naming the value.
+int parse_speculative(const std::string& spec);
+
+// Generates up to `max_new` tokens after `prompt` with MTP drafts of up to k tokens per step. Lossless: tokens are
+// distributed as the sampler's plain decoding; at temperature 0 they are the same tokens.
+std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new,
+                                          Sampler& sampler, int k, SpeculativeStats* stats = nullptr,
+                                          SpeculativeDecoder::DraftPicker picker = {});
+
+}  // namespace moesrv
