@@ -438,7 +438,7 @@ void kda(int i) {  // Impl::kda for S = 1 (its decode path: EXL3 pairs, one fuse
 void kpool_sel(int i, const Ctx& c) {
   g_bytes += double(c.ctx / KPOOL) * ID * 4;  // the completed pools' keys
   kpool_select(B.iq, B.ihw, c.pool_k[i], 1, IH, ID, KPOOL, BUDGET, true, c.pos0, c.max_pools, c.scores,
-               kpool_select_scratch(1, c.max_pools, BUDGET), B.sel, SELW, g_st);
+               kpool_select_scratch(1, c.max_pools, BUDGET), B.sel, SELW, g_st, 1.0f / std::sqrt(float(IH)));
 }
 void kpool_keys(int i) {  // Impl::kpool_indexer_keys
   bf16_linear(W.wk[i], ID, D, B.h, B.ik);
@@ -449,8 +449,6 @@ void kpool_keys(int i) {  // Impl::kpool_indexer_keys
 void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer (after kpool_keys)
   bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
   join_side();
-  const float head_scale = 1.0f / std::sqrt(float(IH));
-  CB(cublasSscal(g_blas, IH, &head_scale, B.ihw, 1));
   kpool_append(B.ik, B.ig, W.ape, 1, ID, KPOOL, c.pos0, c.pool_k[i], W.open, W.open + KPOOL * ID, g_st);
   kpool_sel(i, c);
 }

@@ -149,12 +149,13 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
 // pools (ties at the k-th score go to the lower pool index; the CPU follows torch.topk's order instead), expands
 // them to their kpool positions, then (select_tail) appends positions kpool*((p+1)/kpool) .. p. sel [S][sel_k]:
 // ascending positions, -1 padded; sel_k >= budget*kpool + (select_tail ? kpool-1 : 0). q [S, nh, d]; hw [S, nh]
-// already scaled by nh^-0.5. scratch: scratch_floats >= S * max_pools floats (max_pools = pool_k capacity,
+// times hw_scale (the indexer's nh^-0.5: each weight w * hw_scale, rounded as a separate scaling pass would) are
+// the head weights. scratch: scratch_floats >= S * max_pools floats (max_pools = pool_k capacity,
 // >= (*pos0+S)/kpool); with kpool_select_scratch(S, max_pools, budget) of them, a few queries split their top-k over
 // several blocks (decode).
 size_t kpool_select_scratch(int S, int max_pools, int budget);
 void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
                   bool select_tail, const int32_t* pos0, int max_pools, float* scratch, size_t scratch_floats,
-                  int32_t* sel, int sel_k, cudaStream_t st);
+                  int32_t* sel, int sel_k, cudaStream_t st, float hw_scale = 1.0f);
 
 }  // namespace moesrv::cuda

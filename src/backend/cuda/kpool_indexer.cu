@@ -23,14 +23,10 @@ constexpr int kSelectSmemPools = 48 * 1024;      // ... staged in shared memory 
                                                  // they fit the device's shared memory)
 constexpr int kSplitQueries = 8;                 // up to this many queries (decode) split each row's top-k
 
-// Closes every pool that the batch completes: block b handles pool pos0/kpool + b. A pool's tokens before pos0 are
-// in open_k/open_g (slot t), the rest in the batch rows. One thread per channel.
-__global__ void kpool_close_kernel(const float* k, const float* g, const float* ape, int S, int d, int kpool,
-                                   const int32_t* pos0, float* pool_k, const float* open_k, const float* open_g) {
-  pdl_enter();
-  const int64_t p0 = *pos0;
-  const int64_t P = p0 / kpool + blockIdx.x;
-  if ((P + 1) * kpool > p0 + S) return;  // not completed by this batch
+// Pool P's key from its kpool tokens: those before p0 in open_k/open_g (slot t), the rest in the batch rows k/g.
+// The block's threads split the channels.
+__device__ void close_pool(const float* k, const float* g, const float* ape, int d, int kpool, int64_t P, int64_t p0,
+                           float* pool_k, const float* open_k, const float* open_g) {
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     auto key = [&](int t) {
       const int64_t pos = P * kpool + t;
@@ -47,6 +43,26 @@ __global__ void kpool_close_kernel(const float* k, const float* g, const float* 
     for (int t = 0; t < kpool; ++t) acc += expf(logit(t) - mx) / sum * key(t);
     pool_k[P * d + c] = acc;
   }
+}
+
+// Closes every pool that the batch completes: block b handles pool pos0/kpool + b. One thread per channel.
+__global__ void kpool_close_kernel(const float* k, const float* g, const float* ape, int S, int d, int kpool,
+                                   const int32_t* pos0, float* pool_k, const float* open_k, const float* open_g) {
+  pdl_enter();
+  const int64_t p0 = *pos0;
+  const int64_t P = p0 / kpool + blockIdx.x;
+  if ((P + 1) * kpool > p0 + S) return;  // not completed by this batch
+  close_pool(k, g, ape, d, kpool, P, p0, pool_k, open_k, open_g);
+}
+
+// One token (decode): it either completes its pool (which closes; nothing stays open) or joins the open pool.
+__global__ void kpool_append_one_kernel(const float* k, const float* g, const float* ape, int d, int kpool,
+                                        const int32_t* pos0, float* pool_k, float* open_k, float* open_g) {
+  pdl_enter();
+  const int64_t p0 = *pos0;
+  if ((p0 + 1) % kpool == 0) return close_pool(k, g, ape, d, kpool, p0 / kpool, p0, pool_k, open_k, open_g);
+  const int64_t slot = p0 % kpool;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) open_k[slot * d + c] = k[c], open_g[slot * d + c] = g[c];
 }
 
 // Stores the batch tokens of the pool left open after the batch (positions >= kpool * ((pos0+S)/kpool)).
@@ -66,7 +82,7 @@ __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, 
 // scores[s][P] for the pools P < (p+1)/kpool of query s (p = pos0 + s). Block (x, s): pools
 // [x*kPoolsPerBlock, (x+1)*kPoolsPerBlock); one warp per pool at a time.
 __global__ void __launch_bounds__(kThreads)
-    kpool_score_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
+    kpool_score_kernel(const float* q, const float* hw, float hw_scale, const float* pool_k, int nh, int d, int kpool,
                        const int32_t* pos0, int max_pools, float* scores) {
   pdl_enter();
   extern __shared__ float smem[];  // q [nh*d] | hw [nh] | per-warp pool key [kWarps][d]
@@ -79,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
   float* w_s = q_s + nh * d;
   float* pk_s = w_s + nh + warp * d;
   for (int i = tid; i < nh * d; i += kThreads) q_s[i] = q[int64_t(s) * nh * d + i];
-  for (int i = tid; i < nh; i += kThreads) w_s[i] = hw[int64_t(s) * nh + i];
+  for (int i = tid; i < nh; i += kThreads) w_s[i] = hw[int64_t(s) * nh + i] * hw_scale;
   __syncthreads();
   const float scale = 1.0f / sqrtf(float(d));
   const int P_end = int(min(pools, int64_t(P_begin + kPoolsPerBlock)));
@@ -102,8 +118,8 @@ __global__ void __launch_bounds__(kThreads)
 // d + 4 floats apart); warp w runs heads w, w + kHeadGroups, ... over every lane's key with float4 reads (the query
 // broadcast), and the warps' sums meet in shared memory in warp order. No cross-lane reduction. d % 4 == 0.
 __global__ void __launch_bounds__(32 * kHeadGroups)
-    kpool_score_lanes_kernel(const float* q, const float* hw, const float* pool_k, int nh, int d, int kpool,
-                             const int32_t* pos0, int max_pools, float* scores) {
+    kpool_score_lanes_kernel(const float* q, const float* hw, float hw_scale, const float* pool_k, int nh, int d,
+                             int kpool, const int32_t* pos0, int max_pools, float* scores) {
   pdl_enter();
   extern __shared__ __align__(16) float lsm[];  // q [nh*d] | hw [nh, padded to 4] | keys [32][d + 4]
   __shared__ float part[kHeadGroups][kLanePools];
@@ -116,7 +132,7 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
   float* w_s = q_s + nh * d;
   float* k_s = w_s + (nh + 3) / 4 * 4;
   for (int i = tid; i < nh * d; i += blockDim.x) q_s[i] = q[int64_t(s) * nh * d + i];
-  for (int i = tid; i < nh; i += blockDim.x) w_s[i] = hw[int64_t(s) * nh + i];
+  for (int i = tid; i < nh; i += blockDim.x) w_s[i] = hw[int64_t(s) * nh + i] * hw_scale;
   for (int i = tid; i < kLanePools * d; i += blockDim.x) {  // coalesced: row by row
     const int r = i / d, c = i % d;
     k_s[r * ks + c] = P0 + r < pools ? pool_k[int64_t(P0 + r) * d + c] : 0.0f;
@@ -174,8 +190,8 @@ __device__ __forceinline__ void mma_split3(float (&c)[4], const uint32_t (&ah)[4
 
 template <int kSteps>
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    kpool_score_mma_kernel(const float* q, const float* hw, const float* pool_k, int S, int nh, int kpool,
-                           const int32_t* pos0, int max_pools, float* scores) {
+    kpool_score_mma_kernel(const float* q, const float* hw, float hw_scale, const float* pool_k, int S, int nh,
+                           int kpool, const int32_t* pos0, int max_pools, float* scores) {
   pdl_enter();
   constexpr int d = 16 * kSteps;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -199,7 +215,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     // c: pools g / g + 8 (rows) x queries 2t / 2t + 1 (columns)
     const int qa = min(s0 + 2 * t, S - 1), qb = min(s0 + 2 * t + 1, S - 1);
-    const float wa = hw[int64_t(qa) * nh + h], wb = hw[int64_t(qb) * nh + h];
+    const float wa = hw[int64_t(qa) * nh + h] * hw_scale, wb = hw[int64_t(qb) * nh + h] * hw_scale;
     acc[0] += wa * fmaxf(c[0] * scale, 0.0f);
     acc[1] += wb * fmaxf(c[1] * scale, 0.0f);
     acc[2] += wa * fmaxf(c[2] * scale, 0.0f);
@@ -219,8 +235,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // lanes of a pool summed by shuffles. The lanes kernel re-read each key from shared memory for every head.
 template <int kSteps>
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    kpool_score_heads_mma_kernel(const float* q, const float* hw, const float* pool_k, int nh, int kpool,
-                                 const int32_t* pos0, int max_pools, float* scores) {
+    kpool_score_heads_mma_kernel(const float* q, const float* hw, float hw_scale, const float* pool_k, int nh,
+                                 int kpool, const int32_t* pos0, int max_pools, float* scores) {
   pdl_enter();
   constexpr int d = 16 * kSteps;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, s = blockIdx.y;
@@ -245,7 +261,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     // c: pools g / g + 8 (rows) x heads n0 + 2t / n0 + 2t + 1 (columns)
     const int ha = n0 + 2 * t;
-    const float wa = ha < nh ? ws[ha] : 0.0f, wb = ha + 1 < nh ? ws[ha + 1] : 0.0f;
+    const float wa = ha < nh ? ws[ha] * hw_scale : 0.0f, wb = ha + 1 < nh ? ws[ha + 1] * hw_scale : 0.0f;
     acc[0] += wa * fmaxf(c[0] * scale, 0.0f) + wb * fmaxf(c[1] * scale, 0.0f);
     acc[1] += wa * fmaxf(c[2] * scale, 0.0f) + wb * fmaxf(c[3] * scale, 0.0f);
   }
@@ -365,6 +381,11 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
   if (S <= 0) return;
   if (kpool < 1) throw std::runtime_error("kpool_append: kpool " + std::to_string(kpool));
   const int threads = std::min(256, ceil_div(d, 32) * 32);
+  if (S == 1) {  // decode: one launch
+    launch(kpool_append_one_kernel, 1, threads, 0, st, k, g, ape, d, kpool, pos0, pool_k, open_k, open_g);
+    MOESRV_CUDA_LAUNCH_CHECK();
+    return;
+  }
   // The batch completes at most S/kpool + 1 pools (the first may have started before pos0). Pool keys first: they
   // read the open slots that the open-pool store then overwrites.
   launch(kpool_close_kernel, S / kpool + 1, threads, 0, st, k, g, ape, S, d, kpool, pos0, pool_k, open_k, open_g);
@@ -390,7 +411,7 @@ size_t kpool_select_scratch(int S, int max_pools, int budget) {
 
 void kpool_select(const float* q, const float* hw, const float* pool_k, int S, int nh, int d, int kpool, int budget,
                   bool select_tail, const int32_t* pos0, int max_pools, float* scratch, size_t scratch_floats,
-                  int32_t* sel, int sel_k, cudaStream_t st) {
+                  int32_t* sel, int sel_k, cudaStream_t st, float hw_scale) {
   if (S <= 0) return;
   if (kpool < 1 || budget < 0) throw std::runtime_error("kpool_select: kpool " + std::to_string(kpool));
   if (sel_k < budget * kpool + (select_tail ? kpool - 1 : 0))
@@ -409,7 +430,7 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
                         : d == 64  ? kpool_score_mma_kernel<4>
                         : d == 128 ? kpool_score_mma_kernel<8>
                                    : kpool_score_mma_kernel<16>;
-    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, pool_k, S, nh, kpool, pos0, max_pools, scratch);
+    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, hw_scale, pool_k, S, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && S <= kSplitQueries && kpool_mma_dim(d) && d <= 128 && !kpool_lanes_forced()) {
     const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(S));
@@ -417,17 +438,18 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
                         : d == 32 ? kpool_score_heads_mma_kernel<2>
                         : d == 64 ? kpool_score_heads_mma_kernel<4>
                                   : kpool_score_heads_mma_kernel<8>;
-    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, pool_k, nh, kpool, pos0, max_pools, scratch);
+    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, hw_scale, pool_k, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && lanes) {
     reserve_dynamic_smem(kpool_score_lanes_kernel, lane_smem, "kpool_select");
     const dim3 grid(unsigned(ceil_div(max_pools, kLanePools)), unsigned(S));
-    launch(kpool_score_lanes_kernel, grid, 32 * kHeadGroups, lane_smem, st, q, hw, pool_k, nh, d, kpool, pos0,
+    launch(kpool_score_lanes_kernel, grid, 32 * kHeadGroups, lane_smem, st, q, hw, hw_scale, pool_k, nh, d, kpool, pos0,
            max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0) {
     const dim3 grid(unsigned(ceil_div(max_pools, kPoolsPerBlock)), unsigned(S));
-    launch(kpool_score_kernel, grid, kThreads, smem, st, q, hw, pool_k, nh, d, kpool, pos0, max_pools, scratch);
+    launch(kpool_score_kernel, grid, kThreads, smem, st, q, hw, hw_scale, pool_k, nh, d, kpool, pos0, max_pools,
+           scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   }
   // Few queries over long rows: the top-k split over kTopkSplit blocks per query, when the candidates fit the

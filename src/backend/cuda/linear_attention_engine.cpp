@@ -118,8 +118,7 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
   float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ig = s.ig.as<float>(), *ihw = s.ihw.as<float>();
   linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
   join_proj_side();  // kpool_indexer_keys' outputs (run before, here or on the side)
-  const float head_scale = 1.0f / std::sqrt(float(nh));
-  MOESRV_CUBLAS_OK(cublasSscal(cublas, int(S) * nh, &head_scale, ihw, 1));
+  const float head_scale = 1.0f / std::sqrt(float(nh));  // applied to the head weights inside kpool_select
   kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
                st.open + int64_t(kp) * d, stream);
   const int W = int(sel_width());
@@ -128,7 +127,7 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
     const int32_t* pos = slice_pos0(s0);
     kpool_select(iq + s0 * nh * d, ihw + s0 * nh, st.pool_k, n, nh, d, kp, int(c.index_topk / kp), c.index_select_tail,
                  pos, int(max_pools()), s.dsa_scores.as<float>(), s.dsa_scores.bytes() / 4,
-                 s.sel.as<int32_t>() + s0 * W, W, stream);
+                 s.sel.as<int32_t>() + s0 * W, W, stream, head_scale);
   }
 }
 
