@@ -13,14 +13,29 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 bool client_gone(DecodeHooks& hooks) { return hooks.client_alive && !hooks.client_alive(); }
 
-// The same loop with MTP drafts: each step runs the chosen token and up to k drafts in one forward, then chooses
-// token after token from its logits (forced tokens, masks and hooks as in the plain loop; a draft is kept while the
-// sampler's acceptance rule keeps it) and commits the accepted prefix.
 // Prompt tokens per forward call: the configured count, else the engine's pass length.
 int64_t prefill_call_tokens(const Engine& engine, const GeneratorConfig& config) {
   return config.prefill_chunk > 0 ? config.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk());
 }
 
+// Prefills `total` prompt tokens in forward calls of at most `chunk` tokens, none crossing `split`: run(first, n)
+// makes a call and returns its logits (kept in `logits`); after each call the client and, unless it was the last,
+// the progress hook are asked. false: cancelled.
+template <class Run>
+bool prefill_in_calls(int64_t total, int64_t split, int64_t chunk, DecodeHooks& hooks, std::vector<float>& logits,
+                      Run run) {
+  for (int64_t done = 0; done < total;) {
+    const int64_t n = std::min(chunk, (done < split ? split : total) - done);
+    logits = run(done, n);
+    done += n;
+    if (client_gone(hooks) || (done < total && !hooks.on_prefill_progress(done, total))) return false;
+  }
+  return true;
+}
+
+// The same loop with MTP drafts: each step runs the chosen token and up to k drafts in one forward, then chooses
+// token after token from its logits (forced tokens, masks and hooks as in the plain loop; a draft is kept while the
+// sampler's acceptance rule keeps it) and commits the accepted prefix.
 GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
                                    Sampler& sampler, DecodeHooks& hooks, const GeneratorConfig& config) {
   GenerationResult r;
@@ -29,18 +44,16 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
   auto seq = engine.new_sequence();
   auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
-  const int64_t chunk = prefill_call_tokens(engine, config);
-  for (int64_t done = 0; done < r.prompt_tokens;) {
-    const int64_t n = std::min(chunk, r.prompt_tokens - done);
-    logits = dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + done, prompt.begin() + done + n));
-    done += n;
-    if (client_gone(hooks) || (done < r.prompt_tokens && !hooks.on_prefill_progress(done, r.prompt_tokens))) {
-      r.finish = GenerationResult::Finish::kCancelled;
-      r.prefill_seconds = seconds_since(t0);
-      return r;
-    }
-  }
+  const bool done = prefill_in_calls(
+      r.prompt_tokens, r.prompt_tokens, prefill_call_tokens(engine, config), hooks, logits,
+      [&](int64_t first, int64_t n) {
+        return dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + first, prompt.begin() + first + n));
+      });
   r.prefill_seconds = seconds_since(t0);
+  if (!done) {
+    r.finish = GenerationResult::Finish::kCancelled;
+    return r;
+  }
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
@@ -124,21 +137,18 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   const int64_t total = r.prompt_tokens - r.cached_tokens;
   const bool fixed = seq->has_fixed_state();
   const int64_t split = fixed && total > 1 ? total - 1 : total;
-  const int64_t chunk = prefill_call_tokens(engine, config);
-  for (int64_t done = 0; done < total;) {
-    int64_t n = std::min(chunk, (done < split ? split : total) - done);
-    auto begin = prompt.begin() + r.cached_tokens + done;
-    logits = forward(std::vector<int32_t>(begin, begin + n));
-    done += n;
-    if (fixed && (done == split || done == total)) seq->checkpoint();
-    bool gone = hooks.client_alive && !hooks.client_alive();
-    if (gone || (done < total && !hooks.on_prefill_progress(done, total))) {
-      r.finish = GenerationResult::Finish::kCancelled;
-      r.prefill_seconds = seconds_since(t0);
-      return r;
-    }
-  }
+  const bool done =
+      prefill_in_calls(total, split, prefill_call_tokens(engine, config), hooks, logits, [&](int64_t first, int64_t n) {
+        auto begin = prompt.begin() + r.cached_tokens + first;
+        auto out = forward(std::vector<int32_t>(begin, begin + n));
+        if (fixed && (first + n == split || first + n == total)) seq->checkpoint();
+        return out;
+      });
   r.prefill_seconds = seconds_since(t0);
+  if (!done) {
+    r.finish = GenerationResult::Finish::kCancelled;
+    return r;
+  }
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
