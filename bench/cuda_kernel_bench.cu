@@ -527,6 +527,40 @@ void moe(int i) {  // Impl::moe, all experts in VRAM, shared expert grouped with
   experts(B.ids, KK);
   moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true);
 }
+// Prefill experts (issue 20): 16 experts x 192 rows through the gate projection (2048x4096, fp16 rotated input), the
+// grouped GEMM (tiles of exl3_gemm_tile_rows()) vs each expert's dequantization + cuBLAS (the engine's other path).
+constexpr int kPrefillExperts = 16, kPrefillRows = 192;
+struct PrefillBufs {
+  uint16_t *xh = nullptr, *w16 = nullptr;
+  float* yr = nullptr;
+  Exl3GemmTile* tiles = nullptr;
+  int n_tiles = 0;
+} P;
+void prefill_setup() {
+  if (P.xh) return;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<uint16_t> x(size_t(kPrefillExperts) * kPrefillRows * D);
+  for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
+  std::vector<Exl3GemmTile> tiles;
+  const int tr = exl3_gemm_tile_rows();
+  for (int e = 0; e < kPrefillExperts; ++e)
+    for (int r = 0; r < kPrefillRows; r += tr)
+      tiles.push_back({e, e * kPrefillRows + r, std::min(tr, kPrefillRows - r), 0});
+  P.xh = upload(x), P.tiles = upload(tiles), P.n_tiles = int(tiles.size());
+  P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
+}
+void prefill_grouped() {
+  g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
+  exl3_grouped_gemm(W.expert_shape[0], W.tab, P.tiles, P.n_tiles, P.xh, P.yr, g_st, exl3_gemm_tile_rows());
+}
+void prefill_cublas() {
+  g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
+  for (int e = 0; e < kPrefillExperts; ++e)
+    exl3_gemm_rotated(W.shared_sep[0][e], P.xh + size_t(e) * kPrefillRows * D, kPrefillRows,
+                      P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
+}
+
 void shared_unfused(int i) {  // Impl::mlp over EXL3 gate|up (two parts), clamped SwiGLU, down
   exl3_linear(W.shared_sep[0][i], B.h, B.gu, 2 * I);
   exl3_linear(W.shared_sep[1][i], B.h, B.gu + I, 2 * I);
@@ -696,6 +730,11 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("MoE route sigmoid top-8 + shared + counts", [](int) { route_call(); });
   bench("MoE router + route fused (one launch)", [](int i) { route_fused_call(i); });
   bench("MoE EXL3 experts gate, 9x 2048x4096", [](int i) { experts_part(0, B.rand_ids + size_t(i) * KK, KK); });
+  if (selected("prefill")) {
+    prefill_setup();
+    bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(); });
+    bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
+  }
   bench("MoE EXL3 experts gate|up, 2x 9x 2048x4096", [](int i) { experts_gate_up(B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts down, 9x 4096x2048 (SwiGLU in)",
         [](int i) { experts_part(2, B.rand_ids + size_t(i) * KK, KK); });

@@ -152,6 +152,46 @@ void correctness(bool quick) {
       double eg = gpu_vs_cpu(g, h->w, 37, true);
       check(eg < 3e-3, tag + ": GEMM (fp16 dequant + cuBLAS) n=37 rel err " + std::to_string(eg));
     }
+  // The prefill experts' grouped GEMM: pieces of 1..100 rows (tiles of 64) over three experts vs the CPU's W_hat in
+  // double on the same fp16 input (the GEMM's fp32 accumulation is the only difference).
+  for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mul1})
+    for (int K : {2, 3, 4, 6}) {
+      const int64_t gin = 512, gout = 384;
+      std::vector<std::unique_ptr<HostWeights>> hw;
+      std::vector<std::unique_ptr<Exl3CudaLinear>> gl;
+      std::vector<const Exl3CudaLinear*> experts;
+      std::vector<std::vector<float>> what;
+      for (int e = 0; e < 3; ++e) {
+        hw.push_back(random_weights(gin, gout, K, cb, uint32_t(977 * e + K * 31 + int(cb))));
+        gl.push_back(std::make_unique<Exl3CudaLinear>(hw.back()->w));
+        experts.push_back(gl.back().get());
+        what.emplace_back(size_t(gin * gout));
+        exl3_decode_rotated(hw.back()->w, 0, gout, what.back().data());
+      }
+      const std::vector<std::pair<int, int>> pieces = {{0, 1}, {1, 37}, {2, 64}, {0, 100}, {2, 65}};
+      int rows = 0;
+      for (const auto& p : pieces) rows += p.second;
+      auto x = randn(size_t(rows) * gin, uint32_t(K + 5));
+      std::vector<uint16_t> xh(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xh[i] = f32_to_f16(x[i]);
+      const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh);
+      double num = 0, den = 0;
+      int r0 = 0;
+      for (const auto& [e, n] : pieces) {
+        for (int r = r0; r < r0 + n; ++r)
+          for (int64_t c = 0; c < gout; ++c) {
+            double ref = 0;
+            for (int64_t k = 0; k < gin; ++k)
+              ref += double(f16_to_f32(xh[size_t(r) * gin + k])) * what[size_t(e)][size_t(k * gout + c)];
+            const double d = double(y[size_t(r) * gout + c]) - ref;
+            num += d * d, den += ref * ref;
+          }
+        r0 += n;
+      }
+      const double err = std::sqrt(num / std::max(den, 1e-30));
+      check(err < 1e-5, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
+                            ": grouped GEMM, 5 pieces over 3 experts, rel err " + std::to_string(err));
+    }
   // Real decode shapes: the one-row kernel (input rotation fused in, tensor-core sums, the K split left in parts for
   // the output rotation) against the CPU.
   struct Shape {

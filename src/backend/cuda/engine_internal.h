@@ -370,6 +370,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer row_expert;  // expert of each sorted row of a planned pass (grouped EXL3 waves)
+    cuda::DeviceBuffer gemm_tiles;  // Exl3GemmTile of a pass's grouped EXL3 waves (gemm_tiles_used of them so far)
     cuda::DeviceBuffer route_ticket;  // route_fused's block counter (zeroed once; each launch leaves it at zero)
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
@@ -380,7 +381,8 @@ struct CudaEngine::Impl {
     // views: a layer runs one of the two (allocate_scratch).
     cuda::DeviceBuffer mixer_arena;
   } s;
-  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits;
+  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits, h_gemm_tiles;
+  int64_t gemm_tiles_used = 0;  // of s.gemm_tiles in the current pass (each wave's tiles stay until the pass syncs)
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
   cuda::DeviceBuffer d_usage, d_usage_tokens;
   mutable std::unique_ptr<UsageStats> usage;

@@ -3,6 +3,7 @@
 // in VRAM run as grouped GEMVs over the device expert table (graph safe), cached ones from their slot.
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/engine_internal.h"
 
@@ -170,12 +171,40 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   uint16_t* xh = s.x3_xh.as<uint16_t>();
   float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
   const size_t w16 = s.x3_w16.bytes() / 2;
+  // MOESRV_EXL3_GROUPED_GEMM=1: one grouped GEMM per projection (the pieces as tiles of exl3_gemm_tile_rows() rows,
+  // copied once for the wave's three projections) instead of each piece's dequantization + cuBLAS. Opt-in: its first
+  // (64-row) version measured slower than cuBLAS in the slice (docs/perf-cuda.md, sixth round).
+  static const bool per_piece = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
+    return !(v && v[0] == '1');
+  }();
+  const int64_t tile_rows = exl3_gemm_tile_rows();
+  int64_t n_tiles = 0;
+  for (const ExpertPiece& pc : pieces) n_tiles += (pc.cnt + tile_rows - 1) / tile_rows;
+  const int64_t cap = int64_t(s.gemm_tiles.bytes() / sizeof(Exl3GemmTile));
+  const bool fused = !per_piece && gemm_tiles_used + n_tiles <= cap;
+  Exl3GemmTile* d_tiles = s.gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used;
+  if (fused) {
+    Exl3GemmTile* t = h_gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used;
+    for (const ExpertPiece& pc : pieces)
+      for (int64_t r = 0; r < pc.cnt; r += tile_rows)
+        *t++ = {pc.e, int32_t(pc.row0 - a + r), int32_t(std::min(tile_rows, pc.cnt - r)), 0};
+    MOESRV_CUDA_OK(cudaMemcpyAsync(d_tiles, h_gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used,
+                                   size_t(n_tiles) * sizeof(Exl3GemmTile), cudaMemcpyHostToDevice, stream));
+    gemm_tiles_used += n_tiles;
+  }
   for (int p = 0; p < 3; ++p) {
     const Exl3Dev& shape = m.x3_off[0][size_t(p)];
     const Exl3Group g{tab + p * m.x3_stride, ids};
     const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, s.sorted_tok.as<int32_t>() + a}
                               : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};  // SwiGLU of gate | up
     exl3_rotate_in(shape, g, src, int(rows), xh, true, stream);
+    if (fused) {
+      exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows));
+      if (p < 2) exl3_rotate_out(shape, g, yr, int(rows), gu + p * I, 2 * I, nullptr, stream);
+      else exl3_rotate_out(shape, g, yr, int(rows), s.ysorted.as<float>(), D, nullptr, stream);
+      continue;
+    }
     // piece j on lane j % n (lane 0: the engine's stream), forked after the rotation, joined before rotate_out
     const size_t n = std::min(pieces.size(), expert_lanes.size() + 1);
     if (n > 1) MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));

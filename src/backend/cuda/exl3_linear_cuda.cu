@@ -2,6 +2,7 @@
 // exl3_ops.h; and the codebook decode check.
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -108,6 +109,39 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   cuda::exl3_rotate_in(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, n, m.xh.p, false, stream);
   cuda::exl3_gemv_rotated(m.w, {}, m.xh.p, n, m.yr.p, m.gemv_kernel, stream);
   cuda::exl3_rotate_out(m.w, {}, m.yr.p, n, d_y, m.w.out_pad, nullptr, stream);
+}
+
+std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>& experts,
+                                          const std::vector<std::pair<int, int>>& pieces,
+                                          const std::vector<uint16_t>& xh16) {
+  if (experts.empty()) return {};
+  const Exl3Dev& shape = experts[0]->impl_->w;
+  std::vector<Exl3Dev> tab;
+  for (const Exl3CudaLinear* e : experts) tab.push_back(e->impl_->w);
+  std::vector<cuda::Exl3GemmTile> tiles;
+  int rows = 0;
+  const int tile_rows = cuda::exl3_gemm_tile_rows();
+  for (const auto& [e, n] : pieces) {
+    for (int r = 0; r < n; r += tile_rows) tiles.push_back({e, rows + r, std::min(tile_rows, n - r), 0});
+    rows += n;
+  }
+  if (xh16.size() != size_t(rows) * shape.in_pad) throw std::runtime_error("exl3_cuda_grouped_gemm: input size");
+  DeviceBuffer<Exl3Dev> d_tab;
+  DeviceBuffer<cuda::Exl3GemmTile> d_tiles;
+  DeviceBuffer<uint16_t> d_x;
+  DeviceBuffer<float> d_y;
+  d_tab.reserve(tab.size());
+  d_tiles.reserve(tiles.size());
+  d_x.reserve(xh16.size());
+  d_y.reserve(size_t(rows) * shape.out_pad);
+  EXL3_CHECK(cudaMemcpy(d_tab.p, tab.data(), tab.size() * sizeof(Exl3Dev), cudaMemcpyHostToDevice));
+  EXL3_CHECK(cudaMemcpy(d_tiles.p, tiles.data(), tiles.size() * sizeof(tiles[0]), cudaMemcpyHostToDevice));
+  EXL3_CHECK(cudaMemcpy(d_x.p, xh16.data(), xh16.size() * 2, cudaMemcpyHostToDevice));
+  EXL3_CHECK(cudaMemset(d_y.p, 0xff, d_y.n * 4));  // NaN poison
+  cuda::exl3_grouped_gemm(shape, d_tab.p, d_tiles.p, int(tiles.size()), d_x.p, d_y.p, nullptr, tile_rows);
+  std::vector<float> y(d_y.n);
+  EXL3_CHECK(cudaMemcpy(y.data(), d_y.p, y.size() * 4, cudaMemcpyDeviceToHost));
+  return y;
 }
 
 void Exl3CudaLinear::dequant_rotated_f16(uint16_t* d_out, void* stream) const {

@@ -83,6 +83,16 @@ void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, voi
 bool exl3_fits_whole(const Exl3Dev& w, size_t w16_elems);
 void exl3_gemm_rotated(const Exl3Dev& w, const uint16_t* xh16, int n, float* yr, uint16_t* w16, size_t w16_elems,
                        bool w16_ready, void* cublas, void* stream);
+// Grouped GEMM over expert pieces (prefill): tile i multiplies rows [row0, row0 + rows) of xh16 (fp16 [.][in_pad],
+// rows <= tile_rows, 64 or 128) by W_hat of tab[e] (device table; shape gives K, codebook and sizes, shared by all)
+// into the same rows of yr ([.][out_pad], fp32). The trellis is decoded inside the GEMM (no fp16 W_hat, one launch).
+constexpr int kExl3GemmRows = 128;
+struct Exl3GemmTile {
+  int32_t e, row0, rows, pad;
+};
+int exl3_gemm_tile_rows();  // the tile height callers use: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128), read once
+void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
+                       const uint16_t* xh16, float* yr, void* stream, int tile_rows);
 // y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart. parts: yr holds that many K parts of
 // the n rows (exl3_gemv_in), summed in part order.
 void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,

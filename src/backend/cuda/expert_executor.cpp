@@ -227,6 +227,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   const int64_t wave = grouped ? exl3_wave_rows(m) : moe_wave_rows;
   if (wave < 1) fail("layer {}: MoE wave of no rows", l);
   stream_window = n >= kStreamPassTokens ? kStreamWindow : 0;
+  gemm_tiles_used = 0;  // the copies of the previous pass's tiles are done (synchronised above)
   std::vector<ExpertPiece> pieces;
   size_t r = 0;  // first run that may reach into the wave
   for (int64_t a = 0; a < rows_total; a += wave) {
