@@ -57,6 +57,11 @@ class CpuEngine : public Engine, public MtpEngine {
   // Prefill of a model with recurrent state is cut at multiples of kCheckpointInterval tokens, and the state
   // is checkpointed there and at the end of every multi-token forward (resume points for the prefix cache).
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
+  // Decode step of several sequences (batch_blocks.h: which blocks run over all rows); bit-identical per row to
+  // forward(*seqs[i], {tokens[i]}).
+  std::vector<std::vector<float>> forward_batch(const std::vector<SequenceState*>& seqs,
+                                                const std::vector<int32_t>& tokens) override;
+  uint64_t sequence_bytes(int64_t tokens) const override;
   static constexpr int64_t kCheckpointInterval = 2048;
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
 
@@ -95,6 +100,8 @@ class CpuEngine : public Engine, public MtpEngine {
                          std::vector<float>* hidden);
 
   std::unique_ptr<ModelWeights> weights_;
+  std::vector<bool> batch_ffn_;  // per layer: the feed-forward block computes its rows independently
+  bool batch_head_ = false;      // the same for lm_head
   ModelSpec mtp_spec_;  // the MTP block as a one-layer model (plain residual); set when the block is loaded
   Rope rope_;
   std::string name_;
