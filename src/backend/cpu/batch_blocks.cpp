@@ -17,9 +17,27 @@ bool rows_independent(const MoeWeights& w) {
   return true;
 }
 
+BatchPlan BatchPlan::of(const ModelWeights& w) {
+  BatchPlan p;
+  for (const LayerWeights& L : w.layers) {
+    bool mixer = false;
+    if (L.mla)
+      mixer =
+          (L.mla->q_a ? rows_independent(*L.mla->q_a) && rows_independent(*L.mla->q_b) : rows_independent(*L.mla->q)) &&
+          rows_independent(*L.mla->kv_a) && rows_independent(*L.mla->o);
+    else if (L.gqa)
+      mixer = rows_independent(*L.gqa->q) && rows_independent(*L.gqa->k) && rows_independent(*L.gqa->v) &&
+              rows_independent(*L.gqa->o);
+    p.mixer.push_back(mixer);
+    p.ffn.push_back(L.moe ? rows_independent(*L.moe) : L.mlp && rows_independent(*L.mlp));
+  }
+  p.head = rows_independent(*w.lm_head);
+  return p;
+}
+
 BatchBlocks::BatchBlocks(const ModelSpec& c, const LayerWeights* layers, const Rope& rope,
-                         std::vector<LayerState*> states, std::vector<int64_t> pos, float* x,
-                         const std::vector<bool>& batch_ffn, UsageStats* usage)
+                         std::vector<LayerState*> states, std::vector<int64_t> pos, float* x, const BatchPlan& plan,
+                         UsageStats* usage)
     : c_(c),
       layers_(layers),
       rope_(rope),
@@ -27,7 +45,7 @@ BatchBlocks::BatchBlocks(const ModelSpec& c, const LayerWeights* layers, const R
       pos_(std::move(pos)),
       x_(x),
       B_(int64_t(states_.size())),
-      batch_ffn_(batch_ffn),
+      plan_(plan),
       usage_(usage),
       selection_(states_.size()),
       h_(size_t(B_ * c.hidden_size)),
@@ -41,18 +59,39 @@ void BatchBlocks::enter(int64_t l, Site site) {
 }
 
 void BatchBlocks::mla(int64_t l, IndexerKind indexer) {
+  const MlaWeights& w = *layers_[l].mla;
+  const bool batched = plan_.mixer[size_t(l)];
+  MlaProjection p;
+  std::vector<float> attn;
+  if (batched) {
+    p = mla_project(w, c_, h_.data(), B_);
+    attn.resize(size_t(B_ * c_.num_heads * c_.v_head_dim));
+  }
   for (int64_t b = 0; b < B_; ++b) {
     TokenSelection dense;
-    TokenSelection& sel = selection_[size_t(b)];
+    TokenSelection& sel = indexer == IndexerKind::None ? dense : selection_[size_t(b)];
     if (indexer == IndexerKind::Own) sel.clear();  // recomputed by the layer's indexer
-    mla_forward(*layers_[l].mla, c_, rope_, h(b), 1, pos_[size_t(b)], states_[size_t(b)][l],
-                indexer == IndexerKind::None ? dense : sel, y(b));
+    LayerState& state = states_[size_t(b)][l];
+    if (batched)
+      mla_attend(w, c_, rope_, h_.data(), p, b, 1, pos_[size_t(b)], state, sel,
+                 attn.data() + b * c_.num_heads * c_.v_head_dim);
+    else mla_forward(w, c_, rope_, h(b), 1, pos_[size_t(b)], state, sel, y(b));
   }
+  if (batched) w.o->forward(attn.data(), B_, y_.data());
 }
 
 void BatchBlocks::gqa(int64_t l) {
+  const GqaWeights& w = *layers_[l].gqa;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) gqa_forward(w, c_, rope_, h(b), 1, pos_[size_t(b)], states_[size_t(b)][l], y(b));
+    return;
+  }
+  GqaProjection p = gqa_project(w, c_, h_.data(), B_);
+  std::vector<float> attn(size_t(B_ * c_.num_heads * c_.head_dim));
   for (int64_t b = 0; b < B_; ++b)
-    gqa_forward(*layers_[l].gqa, c_, rope_, h(b), 1, pos_[size_t(b)], states_[size_t(b)][l], y(b));
+    gqa_attend(c_, rope_, p, b, 1, pos_[size_t(b)], states_[size_t(b)][l],
+               attn.data() + b * c_.num_heads * c_.head_dim);
+  gqa_finish(w, p, B_, attn.data(), y_.data());
 }
 
 void BatchBlocks::kda(int64_t l) {
@@ -65,12 +104,12 @@ void BatchBlocks::gated_delta(int64_t l) {
 }
 
 void BatchBlocks::mlp(int64_t l) {
-  if (batch_ffn_[size_t(l)]) return mlp_forward(*layers_[l].mlp, h_.data(), B_, y_.data());
+  if (plan_.ffn[size_t(l)]) return mlp_forward(*layers_[l].mlp, h_.data(), B_, y_.data());
   for (int64_t b = 0; b < B_; ++b) mlp_forward(*layers_[l].mlp, h(b), 1, y(b));
 }
 
 void BatchBlocks::moe(int64_t l) {
-  if (batch_ffn_[size_t(l)]) return moe_forward(*layers_[l].moe, c_, h_.data(), B_, y_.data(), usage_, l);
+  if (plan_.ffn[size_t(l)]) return moe_forward(*layers_[l].moe, c_, h_.data(), B_, y_.data(), usage_, l);
   for (int64_t b = 0; b < B_; ++b) moe_forward(*layers_[l].moe, c_, h(b), 1, y(b), usage_, l);
 }
 

@@ -1,8 +1,9 @@
 // The CPU's blocks for one decode step of B sequences (model/decoder.h): row b is sequence b's next token at its own
 // position. The blocks whose kernels compute every row alone with the same arithmetic (norms, mHC mixing, dense
-// linears, the MoE's router and its experts grouped per expert) run over all B rows, so each weight is read once per
-// step; the mixers (attention, recurrences: per-sequence state) and any block with an EXL3 linear (its kernels sum
-// differently for several rows) run row by row. Every row's result is bit-identical to its sequence's own step.
+// linears: the MLA and GQA projections, the MLP, the MoE's router and its experts grouped per expert) run over all
+// B rows, so each weight is read once per step; the attention itself (per-sequence cache and position), the
+// recurrent mixers (KDA, Gated DeltaNet) and any block with an EXL3 linear (its kernels sum differently for several
+// rows) run row by row. Every row's result is bit-identical to its sequence's own step.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -18,12 +19,18 @@ bool rows_independent(const Linear& lin);
 bool rows_independent(const MlpWeights& w);
 bool rows_independent(const MoeWeights& w);
 
+// Which of a model's blocks may run over all rows of a batch (from rows_independent of their linears).
+struct BatchPlan {
+  std::vector<bool> mixer, ffn;  // per layer: the MLA / GQA projections; the MLP or MoE
+  bool head = false;             // lm_head
+  static BatchPlan of(const ModelWeights& w);
+};
+
 class BatchBlocks final : public BlockExecutor {
  public:
-  // states[b]: sequence b's per-layer states; pos[b]: its position; x [B, stream_width]. batch_ffn[l]: layer l's
-  // feed-forward block may run over all rows at once.
+  // states[b]: sequence b's per-layer states; pos[b]: its position; x [B, stream_width].
   BatchBlocks(const ModelSpec& c, const LayerWeights* layers, const Rope& rope, std::vector<LayerState*> states,
-              std::vector<int64_t> pos, float* x, const std::vector<bool>& batch_ffn, UsageStats* usage);
+              std::vector<int64_t> pos, float* x, const BatchPlan& plan, UsageStats* usage);
 
   void enter(int64_t l, Site site) override;
   void leave(int64_t, Site) override { residual_.leave(x_, B_, y_.data()); }
@@ -44,7 +51,7 @@ class BatchBlocks final : public BlockExecutor {
   std::vector<int64_t> pos_;
   float* x_;
   const int64_t B_;
-  const std::vector<bool>& batch_ffn_;
+  const BatchPlan& plan_;
   UsageStats* usage_;
   std::vector<TokenSelection> selection_;  // per sequence: the DSA selection of its last own-indexer layer
   std::vector<float> h_, y_;

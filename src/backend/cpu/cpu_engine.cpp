@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <filesystem>
 
-#include "backend/cpu/batch_blocks.h"
 #include "backend/cpu/cpu_blocks.h"
 #include "backend/cpu/linear.h"
 #include "backend/cpu/ops.h"
@@ -133,9 +132,7 @@ CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
              std::max<int64_t>(1, weights_->config.experts_per_token)) {
   if (name_.empty()) name_ = std::filesystem::path(pkg->dir()).filename().string();
   if (weights_->mtp_block) mtp_spec_ = weights_->config.mtp_block();
-  for (const LayerWeights& L : weights_->layers)
-    batch_ffn_.push_back(L.moe ? cpu::rows_independent(*L.moe) : L.mlp && cpu::rows_independent(*L.mlp));
-  batch_head_ = cpu::rows_independent(*weights_->lm_head);
+  batch_plan_ = cpu::BatchPlan::of(*weights_);
 }
 
 std::unique_ptr<CpuEngine> CpuEngine::open(const std::string& model_dir, std::string served_name) {
@@ -217,12 +214,12 @@ std::vector<std::vector<float>> CpuEngine::forward_batch(const std::vector<Seque
   for (CpuSequence* seq : own) seq->drop_steps();
   std::vector<float> x(size_t(B * W));
   embed(tokens, x.data());
-  cpu::BatchBlocks blocks(c, weights_->layers.data(), rope_, std::move(states), std::move(pos), x.data(), batch_ffn_,
+  cpu::BatchBlocks blocks(c, weights_->layers.data(), rope_, std::move(states), std::move(pos), x.data(), batch_plan_,
                           &usage_);
   run_decoder_layers(c, blocks, 0, c.num_layers);
   for (CpuSequence* seq : own) ++seq->length_, seq->stop_recording();
   std::vector<float> h = head_input(x.data(), B), all(size_t(B * V));
-  if (batch_head_) weights_->lm_head->forward(h.data(), B, all.data());
+  if (batch_plan_.head) weights_->lm_head->forward(h.data(), B, all.data());
   else
     for (int64_t b = 0; b < B; ++b) weights_->lm_head->forward(h.data() + b * c.hidden_size, 1, all.data() + b * V);
   std::vector<std::vector<float>> out(static_cast<size_t>(B));

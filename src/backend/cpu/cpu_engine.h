@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "backend/cpu/batch_blocks.h"
 #include "backend/cpu/cpu_layers.h"
 #include "backend/engine.h"
 #include "model/rope.h"
@@ -100,8 +101,7 @@ class CpuEngine : public Engine, public MtpEngine {
                          std::vector<float>* hidden);
 
   std::unique_ptr<ModelWeights> weights_;
-  std::vector<bool> batch_ffn_;  // per layer: the feed-forward block computes its rows independently
-  bool batch_head_ = false;      // the same for lm_head
+  cpu::BatchPlan batch_plan_;  // the blocks forward_batch runs over all rows
   ModelSpec mtp_spec_;  // the MTP block as a one-layer model (plain residual); set when the block is loaded
   Rope rope_;
   std::string name_;

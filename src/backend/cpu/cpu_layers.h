@@ -48,6 +48,16 @@ using TokenSelection = std::vector<std::vector<int32_t>>;
 void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, TokenSelection& selection, float* out);
 
+// mla_forward in steps, so that a batch of sequences can share the row-independent ones: the projections of S rows
+// (mla_project), then per sequence the attention of its rows [r0, r0 + S) of p and x at positions [pos0, pos0 + S)
+// (mla_attend: appends to cache, runs the indexer, writes attn [S, heads * v_head_dim]), then w.o over all rows.
+struct MlaProjection {
+  std::vector<float> q, q_latent, kv;  // [S, heads * qk_head_dim], [S, q_lora_rank] (empty without q_a), [S, r + dr]
+};
+MlaProjection mla_project(const MlaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, MlaProjection& p, int64_t r0,
+                int64_t S, int64_t pos0, LayerState& cache, TokenSelection& selection, float* attn);
+
 // DSA lightning indexer: top-k key positions for each of the S query tokens (appends indexer keys to cache).
 TokenSelection dsa_select(const IndexerWeights& w, const ModelSpec& c, const Rope& rope, const float* x,
                           const float* q_latent, int64_t S, int64_t pos0, LayerState& cache);
@@ -65,6 +75,16 @@ void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const f
 
 void gqa_forward(const GqaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, float* out);
+
+// gqa_forward in steps (as MLA's): projections and q/k norms of S rows; rope, cache append and attention of one
+// sequence's rows [r0, r0 + S) into attn [S, heads * head_dim]; output gate and w.o over all rows.
+struct GqaProjection {
+  std::vector<float> q, k, v, gate;  // gate: attn_output_gate only
+};
+GqaProjection gqa_project(const GqaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void gqa_attend(const ModelSpec& c, const Rope& rope, GqaProjection& p, int64_t r0, int64_t S, int64_t pos0,
+                LayerState& cache, float* attn);
+void gqa_finish(const GqaWeights& w, const GqaProjection& p, int64_t S, float* attn, float* out);
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out);
 // Records each token's routed experts into `usage` (layer `layer`) when given.
