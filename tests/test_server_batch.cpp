@@ -150,10 +150,13 @@ class ServerBatch : public ::testing::TestWithParam<std::string> {
     engine = CpuEngine::open(model_dir(GetParam()));
     codec = std::make_unique<TokenizerCodec>(kTokenizer, model_dir(GetParam()));
   }
-  // Each request alone on a server that runs one at a time, without a prefix cache (prompts in calls of
-  // `prefill_chunk` tokens, as on the batch server: a recurrent state's chunked prefill rounds per chunk).
-  std::vector<json> alone(Engine& e, const ChatCodec& c, const std::vector<Request>& reqs, int64_t prefill_chunk = 0) {
-    Served single(e, c, {.prefix_cache_mb = 0, .prefill_chunk = prefill_chunk});
+  // Each request alone on a server that runs one at a time, without a prefix cache unless `warm` requests fill it
+  // first (prompts in calls of `prefill_chunk` tokens, as on the batch server: a recurrent state's chunked prefill
+  // rounds per chunk, so a cold run and one resumed from a cached prefix differ in the last bits).
+  std::vector<json> alone(Engine& e, const ChatCodec& c, const std::vector<Request>& reqs, int64_t prefill_chunk = 0,
+                          const std::vector<Request>& warm = {}) {
+    Served single(e, c, {.prefix_cache_mb = warm.empty() ? size_t(0) : size_t(64), .prefill_chunk = prefill_chunk});
+    for (const auto& r : warm) outcome(single, r.path, r.body);
     std::vector<json> out;
     for (const auto& r : reqs) out.push_back(outcome(single, r.path, r.body));
     return out;
@@ -199,6 +202,33 @@ TEST_P(ServerBatch, ConcurrentRequestsMatchEachAlone) {
   EXPECT_GT(rows, steps) << "no decode step ran more than one sequence";
   EXPECT_EQ(batch.metric("moesrv_sequences_running"), 0);
   EXPECT_EQ(batch.metric("moesrv_max_batch"), 4);
+}
+
+// Two requests at once that extend one cached prompt each fork their own sequence from the cached entry (a clone
+// each, resumed at the cached prompt's end) and continue as each does alone after the same cached prompt.
+TEST_P(ServerBatch, ConcurrentForksOfACachedPrefixMatchAlone) {
+  const std::vector<int32_t> base = id_prompt(40, 7);
+  auto extended = [&](size_t n, int salt) {
+    std::vector<int32_t> p = base;
+    for (int32_t t : id_prompt(n, salt)) p.push_back(t);
+    return p;
+  };
+  const std::vector<Request> forks = {{"/v1/completions", completion(extended(9, 8), 20)},
+                                      {"/v1/completions", completion(extended(13, 9), 24)}};
+  const Request warm{"/v1/completions", completion(base, 6)};  // caches base (+ its answer)
+  const std::vector<json> want = alone(*engine, *codec, forks, 16, {warm});
+  Served batch(*engine, *codec, {.max_batch = 4, .prefill_chunk = 16});
+  ASSERT_EQ(outcome(batch, warm.path, warm.body)["status"], 200);
+  std::vector<std::future<json>> running;
+  for (const auto& r : forks)
+    running.push_back(std::async(std::launch::async, [&] { return batch.post(r.path, r.body); }));
+  for (size_t i = 0; i < forks.size(); ++i) {
+    json r = running[i].get();
+    EXPECT_GE(r["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), int64_t(base.size())) << r.dump();
+    json ch = r["choices"][0];
+    ch.erase("index");
+    EXPECT_EQ(ch, want[i]["choice"]) << "fork " << i;
+  }
 }
 
 // A client that hangs up mid-generation stops its own request only: the others finish as they would alone.
