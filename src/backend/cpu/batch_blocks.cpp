@@ -1,5 +1,8 @@
 #include "backend/cpu/batch_blocks.h"
 
+#include <algorithm>
+#include <array>
+
 #include "backend/cpu/linear.h"
 
 namespace moesrv::cpu {
@@ -17,6 +20,15 @@ bool rows_independent(const MoeWeights& w) {
   return true;
 }
 
+namespace {
+std::array<const Linear*, 9> kda_linears(const KdaWeights& w) {
+  return {w.q.get(), w.k.get(), w.v.get(), w.f_a.get(), w.f_b.get(), w.b.get(), w.g_a.get(), w.g_b.get(), w.o.get()};
+}
+bool all_rows_independent(const std::array<const Linear*, 9>& linears) {
+  return std::all_of(linears.begin(), linears.end(), [](const Linear* lin) { return rows_independent(*lin); });
+}
+}  // namespace
+
 BatchPlan BatchPlan::of(const ModelWeights& w) {
   BatchPlan p;
   for (const LayerWeights& L : w.layers) {
@@ -28,6 +40,10 @@ BatchPlan BatchPlan::of(const ModelWeights& w) {
     else if (L.gqa)
       mixer = rows_independent(*L.gqa->q) && rows_independent(*L.gqa->k) && rows_independent(*L.gqa->v) &&
               rows_independent(*L.gqa->o);
+    else if (L.kda) mixer = all_rows_independent(kda_linears(*L.kda));
+    else if (L.gated_delta)
+      mixer = rows_independent(*L.gated_delta->qkvz) && rows_independent(*L.gated_delta->ba) &&
+              rows_independent(*L.gated_delta->out);
     p.mixer.push_back(mixer);
     p.ffn.push_back(L.moe ? rows_independent(*L.moe) : L.mlp && rows_independent(*L.mlp));
   }
@@ -95,12 +111,29 @@ void BatchBlocks::gqa(int64_t l) {
 }
 
 void BatchBlocks::kda(int64_t l) {
-  for (int64_t b = 0; b < B_; ++b) kda_forward(*layers_[l].kda, c_, h(b), 1, states_[size_t(b)][l], y(b));
+  const KdaWeights& w = *layers_[l].kda;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) kda_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
+    return;
+  }
+  const KdaProjection p = kda_project(w, c_, h_.data(), B_);
+  const int64_t width = c_.linear.v_heads * c_.linear.dk;
+  std::vector<float> o(size_t(B_ * width));
+  for (int64_t b = 0; b < B_; ++b) kda_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
+  w.o->forward(o.data(), B_, y_.data());
 }
 
 void BatchBlocks::gated_delta(int64_t l) {
-  for (int64_t b = 0; b < B_; ++b)
-    gated_delta_forward(*layers_[l].gated_delta, c_, h(b), 1, states_[size_t(b)][l], y(b));
+  const GatedDeltaWeights& w = *layers_[l].gated_delta;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) gated_delta_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
+    return;
+  }
+  const GatedDeltaProjection p = gated_delta_project(w, c_, h_.data(), B_);
+  const int64_t width = c_.linear.v_heads * c_.linear.dv;
+  std::vector<float> o(size_t(B_ * width));
+  for (int64_t b = 0; b < B_; ++b) gated_delta_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
+  w.out->forward(o.data(), B_, y_.data());
 }
 
 void BatchBlocks::mlp(int64_t l) {

@@ -1,9 +1,9 @@
 // The CPU's blocks for one decode step of B sequences (model/decoder.h): row b is sequence b's next token at its own
 // position. The blocks whose kernels compute every row alone with the same arithmetic (norms, mHC mixing, dense
-// linears: the MLA and GQA projections, the MLP, the MoE's router and its experts grouped per expert) run over all
-// B rows, so each weight is read once per step; the attention itself (per-sequence cache and position), the
-// recurrent mixers (KDA, Gated DeltaNet) and any block with an EXL3 linear (its kernels sum differently for several
-// rows) run row by row. Every row's result is bit-identical to its sequence's own step.
+// linears: the mixers' input and output projections, the MLP, the MoE's router and its experts grouped per expert)
+// run over all B rows, so each weight is read once per step; the attention and the recurrences (per-sequence cache,
+// state and position) and any block with an EXL3 linear (its kernels sum differently for several rows) run row by
+// row. Every row's result is bit-identical to its sequence's own step.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -21,7 +21,7 @@ bool rows_independent(const MoeWeights& w);
 
 // Which of a model's blocks may run over all rows of a batch (from rows_independent of their linears).
 struct BatchPlan {
-  std::vector<bool> mixer, ffn;  // per layer: the MLA / GQA projections; the MLP or MoE
+  std::vector<bool> mixer, ffn;  // per layer: the mixer's projections; the MLP or MoE
   bool head = false;             // lm_head
   static BatchPlan of(const ModelWeights& w);
 };

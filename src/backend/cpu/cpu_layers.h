@@ -73,6 +73,22 @@ void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_
 void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& state,
                          float* out);
 
+// The recurrent mixers in steps (as MLA's): the input projections of S rows (row by row arithmetic: a batch of
+// sequences shares them); then per sequence its rows [r0, r0 + S) through the conv, the delta rule (its state) and
+// the gated norm into o [S, v_heads * dv]; then the output projection over all rows.
+struct KdaProjection {
+  std::vector<float> qkv, g, beta, gate;  // [S, 3 * H * d] conv inputs; decay [S, H * d]; beta [S, H]; gate logits
+};
+KdaProjection kda_project(const KdaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void kda_mix(const KdaWeights& w, const ModelSpec& c, const KdaProjection& p, int64_t r0, int64_t S, LayerState& st,
+             float* o);
+struct GatedDeltaProjection {
+  std::vector<float> qkvz, ba;  // per key head: q, k, v, z; per value head: b, a
+};
+GatedDeltaProjection gated_delta_project(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const GatedDeltaProjection& p, int64_t r0,
+                     int64_t S, LayerState& st, float* o);
+
 void gqa_forward(const GqaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, float* out);
 
