@@ -125,6 +125,7 @@ struct PacedEngine : Engine {
   int64_t max_context() const override { return inner.max_context(); }
   std::unique_ptr<SequenceState> new_sequence() const override { return inner.new_sequence(); }
   uint64_t sequence_bytes(int64_t tokens) const override { return inner.sequence_bytes(tokens); }
+  bool concurrent_sequence_ops() const override { return concurrent; }
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) override {
     std::this_thread::sleep_for(1ms);
     return inner.forward(seq, tokens, all_logits);
@@ -135,6 +136,7 @@ struct PacedEngine : Engine {
     return inner.forward_batch(seqs, tokens);
   }
   Engine& inner;
+  bool concurrent = true;
 };
 
 struct Request {
@@ -291,6 +293,21 @@ TEST(ServerBatchGauges, RunningAndWaitingSequences) {
   EXPECT_EQ(batch.metric("moesrv_sequences_running"), 0);
   EXPECT_EQ(batch.metric("moesrv_sequences_waiting"), 0);
   EXPECT_EQ(batch.metric("moesrv_reserved_state_bytes"), 0);
+}
+
+// An engine whose sequence states must not be touched during a forward (a device engine today) runs one request
+// at a time whatever --max-batch says.
+TEST(ServerBatchGauges, AnEngineWithoutConcurrentSequenceOpsRunsOneAtATime) {
+  const std::string dir = model_dir("deepseek_v3");
+  if (!fs::exists(dir + "/model.safetensors")) MOESRV_E2E_SKIP("no hf-tiny deepseek_v3");
+  auto engine = CpuEngine::open(dir);
+  PacedEngine device_like(*engine);
+  device_like.concurrent = false;
+  TokenizerCodec codec(kTokenizer, dir);
+  Served batch(device_like, codec, {.max_batch = 4});
+  EXPECT_EQ(batch.metric("moesrv_max_batch"), 1);
+  Served cpu(*engine, codec, {.max_batch = 4});
+  EXPECT_EQ(cpu.metric("moesrv_max_batch"), 4);
 }
 
 // A request whose state (prompt + max_tokens) exceeds --state-memory-mb alone is refused with a clear error; a

@@ -59,6 +59,10 @@ class Engine {
   // engine's expert plan, a hybrid engine's expert transfers) more often.
   virtual int64_t prefill_chunk() const { return 512; }
   virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
+  // True when sequence states may be created, cloned, truncated and freed on other threads while forward() or
+  // forward_batch() runs on another sequence (what the server's --max-batch > 1 does: the prefix cache clones on the
+  // request threads). Engines whose states live on a device say false until they synchronise that.
+  virtual bool concurrent_sequence_ops() const { return false; }
   // Bytes one sequence's state holds after `tokens` tokens (what admission reserves per request); 0: unknown.
   virtual uint64_t sequence_bytes(int64_t tokens) const { return 0; }
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.

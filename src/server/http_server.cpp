@@ -71,7 +71,7 @@ struct HttpServer::Impl {
       : engine(e),
         codec(c),
         opt(std::move(o)),
-        scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000)), batch_size(opt),
+        scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000)), batch_size(opt, e),
                   uint64_t(opt.state_memory_mb) << 20),
         vocab(c),
         markers(TurnMarkers::detect(c)) {
@@ -83,8 +83,11 @@ struct HttpServer::Impl {
     routes();
   }
 
-  // MTP speculative decoding runs one request at a time.
-  static size_t batch_size(const ServerOptions& o) { return o.speculative > 0 ? 1 : std::max<size_t>(1, o.max_batch); }
+  // MTP speculative decoding runs one request at a time, and so does an engine whose sequence states must not be
+  // touched during a forward (see Engine::concurrent_sequence_ops).
+  static size_t batch_size(const ServerOptions& o, const Engine& e) {
+    return o.speculative > 0 || !e.concurrent_sequence_ops() ? 1 : std::max<size_t>(1, o.max_batch);
+  }
 
   // One generation, through the batch runner when several requests may run at once.
   GenerationResult run_generation(const std::vector<int32_t>& prompt, int64_t max_new, Sampler& sampler,

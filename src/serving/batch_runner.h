@@ -75,6 +75,7 @@ class BatchRunner::Member final : public Engine {
   int64_t prefill_chunk() const override { return engine_.prefill_chunk(); }
   std::unique_ptr<SequenceState> new_sequence() const override { return engine_.new_sequence(); }
   uint64_t sequence_bytes(int64_t tokens) const override { return engine_.sequence_bytes(tokens); }
+  bool concurrent_sequence_ops() const override { return engine_.concurrent_sequence_ops(); }
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) override;
   const UsageStats* expert_usage() const override { return engine_.expert_usage(); }
 

@@ -63,6 +63,7 @@ class CpuEngine : public Engine, public MtpEngine {
   std::vector<std::vector<float>> forward_batch(const std::vector<SequenceState*>& seqs,
                                                 const std::vector<int32_t>& tokens) override;
   uint64_t sequence_bytes(int64_t tokens) const override;
+  bool concurrent_sequence_ops() const override { return true; }  // states are host memory, one owner each
   static constexpr int64_t kCheckpointInterval = 2048;
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
 
