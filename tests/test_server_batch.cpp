@@ -59,6 +59,14 @@ struct Served {
       if (at == 0 || b[at - 1] == '\n') return std::stod(b.substr(at + name.size() + 1));
     return -1;
   }
+  // Polls `name` until it reads `value` (a streamed answer's slot is freed just after its last bytes), or 10 s.
+  double settle(const std::string& name, double value) const {
+    for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < 10s;) {
+      if (metric(name) == value) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    return metric(name);
+  }
   HttpServer server;
   int port = 0;
 };
@@ -202,7 +210,7 @@ TEST_P(ServerBatch, ConcurrentRequestsMatchEachAlone) {
   const double rows = batch.metric("moesrv_batch_decode_rows_total");
   EXPECT_GT(steps, 0);
   EXPECT_GT(rows, steps) << "no decode step ran more than one sequence";
-  EXPECT_EQ(batch.metric("moesrv_sequences_running"), 0);
+  EXPECT_EQ(batch.settle("moesrv_sequences_running", 0), 0);
   EXPECT_EQ(batch.metric("moesrv_max_batch"), 4);
 }
 
@@ -252,10 +260,7 @@ TEST_P(ServerBatch, ACancelledRequestLeavesTheOthersIdentical) {
   const std::vector<json> got = concurrently(batch, reqs);
   EXPECT_FALSE(leaver.get());
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
-  auto t0 = std::chrono::steady_clock::now();
-  while (batch.metric("moesrv_sequences_running") != 0 && std::chrono::steady_clock::now() - t0 < 10s)
-    std::this_thread::sleep_for(5ms);
-  EXPECT_EQ(batch.metric("moesrv_sequences_running"), 0);
+  EXPECT_EQ(batch.settle("moesrv_sequences_running", 0), 0);
   EXPECT_EQ(batch.metric("moesrv_requests_cancelled_total"), 1);
 }
 
@@ -286,12 +291,8 @@ TEST(ServerBatchGauges, RunningAndWaitingSequences) {
   EXPECT_TRUE(seen) << "never saw 2 running and 1 waiting";
   EXPECT_GT(batch.metric("moesrv_reserved_state_bytes"), 0);
   for (auto& c : clients) EXPECT_FALSE(c.get());
-  auto t0 = std::chrono::steady_clock::now();
-  while ((batch.metric("moesrv_sequences_running") != 0 || batch.metric("moesrv_sequences_waiting") != 0) &&
-         std::chrono::steady_clock::now() - t0 < 10s)
-    std::this_thread::sleep_for(5ms);
-  EXPECT_EQ(batch.metric("moesrv_sequences_running"), 0);
-  EXPECT_EQ(batch.metric("moesrv_sequences_waiting"), 0);
+  EXPECT_EQ(batch.settle("moesrv_sequences_running", 0), 0);
+  EXPECT_EQ(batch.settle("moesrv_sequences_waiting", 0), 0);
   EXPECT_EQ(batch.metric("moesrv_reserved_state_bytes"), 0);
 }
 

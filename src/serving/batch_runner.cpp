@@ -80,13 +80,16 @@ void BatchRunner::loop() {
     work_.wait_until(lock, pending_.front()->since + gather_, [&] { return stop_ || pending_.size() >= members_; });
     std::vector<Call*> decode;
     Call* prefill = nullptr;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      const bool take = (*it)->decode ? decode.size() < max_batch_ : !prefill;
-      if (!take) {
+    for (auto it = pending_.begin(); it != pending_.end();) {  // in arrival order
+      Call* c = *it;
+      if (c->decode && decode.size() < max_batch_) {
+        decode.push_back(c);
+      } else if (!c->decode && !prefill) {
+        prefill = c;
+      } else {
         ++it;
         continue;
       }
-      ((*it)->decode ? decode.push_back(*it) : void(prefill = *it));
       it = pending_.erase(it);
     }
     if (!decode.empty()) ++stats_.decode_steps, stats_.decode_rows += decode.size();
