@@ -2,10 +2,14 @@
 // row exactly (bit for bit) the logits its sequence gets from a forward of that token alone.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
+#include <iostream>
 
 #include "backend/cpu/cpu_engine.h"
 #include "engine_test_util.h"
+#include "model/synthetic_model.h"
 #include "reference_util.h"
 
 using namespace moesrv;
@@ -89,6 +93,36 @@ TEST(ForwardBatchChecks, RejectsARepeatedSequenceAndMismatchedSizes) {
   EXPECT_THROW(engine->forward_batch({a.get(), a.get()}, {1, 2}), Error);
   EXPECT_THROW(engine->forward_batch({a.get()}, {1, 2}), Error);
   EXPECT_TRUE(engine->forward_batch({}, {}).empty());
+}
+
+// Opt-in (MOESRV_CPU_BENCH=1): decode tokens per second of B = 4 sequences stepped one by one and together, on a
+// 2-layer GLM-5-width synthetic model (16 distinct expert weight sets behind its 256 experts).
+TEST(ForwardBatchBench, DecodeTokensPerSecond) {
+  if (!std::getenv("MOESRV_CPU_BENCH")) GTEST_SKIP() << "set MOESRV_CPU_BENCH=1";
+  CpuEngine engine(make_synthetic_model(glm5_config(2, 16384), {.seed = 5, .distinct_experts = 16}));
+  constexpr int kSeqs = 4, kSteps = 8;
+  std::vector<std::unique_ptr<SequenceState>> seqs;
+  std::vector<SequenceState*> ptrs;
+  std::vector<int32_t> toks;
+  for (int i = 0; i < kSeqs; ++i) {
+    seqs.push_back(engine.new_sequence());
+    ptrs.push_back(seqs.back().get());
+    std::vector<int32_t> prompt = moesrv::test::bench_prompt(32 + 8 * size_t(i));
+    for (int32_t& t : prompt) t %= 16384;
+    toks.push_back(moesrv::test::greedy(engine.forward(*seqs.back(), prompt)));
+  }
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  for (int s = 0; s < kSteps; ++s)
+    for (int i = 0; i < kSeqs; ++i) engine.forward(*seqs[size_t(i)], {toks[size_t(i)]});
+  const double alone = kSeqs * kSteps / std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  for (int s = 0; s < kSteps; ++s) engine.forward_batch(ptrs, toks);
+  const double together = kSeqs * kSteps / std::chrono::duration<double>(Clock::now() - t0).count();
+  std::cout << "decode tok/s, " << kSeqs << " sequences: one by one " << alone << ", forward_batch " << together
+            << " (x" << together / alone << ")\n";
+  RecordProperty("one_by_one_tok_s", std::to_string(alone));
+  RecordProperty("batched_tok_s", std::to_string(together));
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ForwardBatch,
