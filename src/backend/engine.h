@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "util/error.h"
+
 namespace moesrv {
 
 class UsageStats;
@@ -57,9 +59,27 @@ class Engine {
   // engine's expert plan, a hybrid engine's expert transfers) more often.
   virtual int64_t prefill_chunk() const { return 512; }
   virtual std::unique_ptr<SequenceState> new_sequence() const = 0;
+  // True when sequence states may be created, cloned, truncated and freed on other threads while forward() or
+  // forward_batch() runs on another sequence (what the server's --max-batch > 1 does: the prefix cache clones on the
+  // request threads). Engines whose states live on a device say false until they synchronise that.
+  virtual bool concurrent_sequence_ops() const { return false; }
+  // Bytes one sequence's state holds after `tokens` tokens (what admission reserves per request); 0: unknown.
+  virtual uint64_t sequence_bytes(int64_t tokens) const { return 0; }
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
   virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens,
                                      bool all_logits = false) = 0;
+  // One decode step of several sequences: tokens[i] is appended to *seqs[i] (each at its own length) and result[i]
+  // is its logits [vocab], exactly what forward(*seqs[i], {tokens[i]}) returns. The sequences must be distinct. This
+  // default runs them one after another; an engine may run the rows together (the CPU engine batches the
+  // row-independent blocks, reading each weight once per step).
+  virtual std::vector<std::vector<float>> forward_batch(const std::vector<SequenceState*>& seqs,
+                                                        const std::vector<int32_t>& tokens) {
+    MOESRV_CHECK(seqs.size() == tokens.size(), "forward_batch: {} sequences, {} tokens", seqs.size(), tokens.size());
+    std::vector<std::vector<float>> out;
+    out.reserve(seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) out.push_back(forward(*seqs[i], {tokens[i]}));
+    return out;
+  }
   // Routed-expert selections recorded so far, when the engine records them (persisted for pinning).
   virtual const UsageStats* expert_usage() const { return nullptr; }
   // Speculative decoding with the MTP block (see MtpEngine); nullptr: not available.

@@ -41,6 +41,11 @@ void run_serve(ServeArgs a) {
   if (a.server.speculative > 0 && !engine->mtp())
     fail("--speculative {}: {} has no MTP block on this engine (the CPU engine runs it: --backend cpu)", a.speculative,
          a.model);
+  if (a.server.max_batch > 1 && (a.server.speculative > 0 || !engine->concurrent_sequence_ops())) {
+    fmt::print(stderr, "{} runs one request at a time: --max-batch {} is ignored\n",
+               a.server.speculative > 0 ? "--speculative" : "this engine (CPU only for now)", a.server.max_batch);
+    a.server.max_batch = 1;
+  }
   TokenizerCodec codec(a.tokenizer.empty() ? a.model : a.tokenizer, a.model, parse_chat_format(a.chat_format));
   MOESRV_CHECK(codec.vocab_size() <= engine->vocab_size(), "tokenizer vocab ({}) is larger than the model's ({})",
                codec.vocab_size(), engine->vocab_size());
@@ -77,6 +82,15 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag("--strict-tools", a->server.strict_tools, "Constrain tool calls to the declared tools and schemas");
   cmd->add_option("--queue-max", a->server.queue_max, "Requests that may wait for the engine (more: HTTP 429)")->capture_default_str();
   cmd->add_option("--queue-timeout", a->server.queue_timeout_s, "Seconds a request may wait (then HTTP 503)")->capture_default_str();
+  cmd->add_option("--max-batch", a->server.max_batch,
+                  "Requests that generate at once, their decode steps batched and new prompts prefilled a chunk at a "
+                  "time in between (1: one request at a time; CPU engine only, forced to 1 with --speculative)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--state-memory-mb", a->server.state_memory_mb,
+                  "Sequence state (KV cache, recurrent state) the running requests may reserve together; a request "
+                  "reserves it for prompt + max_tokens at admission and waits until it fits (0: unlimited)")
+      ->capture_default_str();
   cmd->add_option("--prefix-cache-mb", a->server.prefix_cache_mb, "Memory for reusable prompt prefixes (0: off)")->capture_default_str();
   cmd->add_option("--served-name", a->server.served_name, "Model id reported by the API (default: from the model)");
   cmd->add_option("--alias", a->server.aliases, "More model ids the server answers to (repeatable; others get 404)");

@@ -15,6 +15,7 @@
 #include "server/reasoning_store.h"
 #include "server/text_decoder.h"
 #include "server/turn_grammar.h"
+#include "serving/batch_runner.h"
 #include "serving/prefix_cache.h"
 #include "serving/scheduler.h"
 #include "util/error.h"
@@ -55,6 +56,7 @@ struct HttpServer::Impl {
   ServerOptions opt;
   ConnectionServer http;
   Scheduler scheduler;
+  std::unique_ptr<BatchRunner> runner;  // max_batch > 1: the requests' engine calls, batched
   std::unique_ptr<PrefixCache> cache;
   ServerMetrics metrics;
   ReasoningStore reasoning;
@@ -69,14 +71,31 @@ struct HttpServer::Impl {
       : engine(e),
         codec(c),
         opt(std::move(o)),
-        scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000))),
+        scheduler(opt.queue_max, std::chrono::milliseconds(int64_t(opt.queue_timeout_s * 1000)), batch_size(opt, e),
+                  uint64_t(opt.state_memory_mb) << 20),
         vocab(c),
         markers(TurnMarkers::detect(c)) {
+    if (scheduler.max_running() > 1) runner = std::make_unique<BatchRunner>(engine, scheduler.max_running());
     if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
     tokenizer_ids.assign(size_t(codec.vocab_size()), 1);
     model = opt.served_name.empty() ? engine.name() : opt.served_name;
     ctx = opt.ctx > 0 ? std::min(opt.ctx, engine.max_context()) : engine.max_context();
     routes();
+  }
+
+  // MTP speculative decoding runs one request at a time, and so does an engine whose sequence states must not be
+  // touched during a forward (see Engine::concurrent_sequence_ops).
+  static size_t batch_size(const ServerOptions& o, const Engine& e) {
+    return o.speculative > 0 || !e.concurrent_sequence_ops() ? 1 : std::max<size_t>(1, o.max_batch);
+  }
+
+  // One generation, through the batch runner when several requests may run at once.
+  GenerationResult run_generation(const std::vector<int32_t>& prompt, int64_t max_new, Sampler& sampler,
+                                  DecodeHooks& hooks) {
+    const GeneratorConfig config{opt.prefill_chunk, opt.speculative};
+    if (!runner) return generate(engine, cache.get(), prompt, max_new, sampler, hooks, config);
+    auto member = runner->join();
+    return generate(*member, cache.get(), prompt, max_new, sampler, hooks, config);
   }
 
   template <class F>
@@ -97,11 +116,19 @@ struct HttpServer::Impl {
     send_json(res, e.status, e.to_json());
   }
 
-  std::unique_ptr<Scheduler::Slot> admit() {
+  // Waits for a running place for a request of `tokens` tokens (prompt + new), reserving its sequence state.
+  std::unique_ptr<Scheduler::Slot> admit(int64_t tokens) {
     std::unique_ptr<Scheduler::Slot> slot;
     int fd = ConnectionServer::current_socket();
-    switch (scheduler.acquire(slot, [fd] { return socket_gone(fd); })) {
+    const uint64_t bytes = engine.sequence_bytes(std::min(tokens, ctx));
+    auto gone = [fd] { return socket_gone(fd); };
+    switch (scheduler.acquire(slot, gone, std::chrono::milliseconds(50), bytes)) {
       case Scheduler::Admission::kGranted: return slot;
+      case Scheduler::Admission::kTooLarge:
+        throw bad_request(fmt::format("This request needs {} MiB of sequence state for {} tokens (prompt and "
+                                      "max_tokens), more than the server's limit of {} MiB. Lower max_tokens.",
+                                      (bytes + (1 << 20) - 1) >> 20, std::min(tokens, ctx), opt.state_memory_mb),
+                          "max_tokens", "state_memory_exceeded");
       case Scheduler::Admission::kQueueFull:
         ++metrics.rejected_queue_full;
         throw ApiError(429,
@@ -189,8 +216,7 @@ struct HttpServer::Impl {
     ChatOutcome out;
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    out.gen =
-        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
+    out.gen = run_generation(job.prompt, job.max_new, sampler, dec);
     dec.finish();
     out.cancelled = dec.cancelled() || out.gen.finish == GenerationResult::Finish::kCancelled;
     if (out.cancelled) out.gen.finish = GenerationResult::Finish::kCancelled;
@@ -229,7 +255,7 @@ struct HttpServer::Impl {
     job->max_new = budget_new_tokens(int64_t(job->prompt.size()), job->req.gen);
     job->start_in_reasoning = ends_in_reasoning(job->prompt);
     job->head = header("chatcmpl-");
-    job->slot = admit();
+    job->slot = admit(int64_t(job->prompt.size()) + job->max_new);
 
     if (!job->req.gen.stream) {
       ChatTurnDecoder dec(codec, vocab, markers, job->req, turn_config(*job), [](const ChatDelta&) { return true; });
@@ -294,8 +320,7 @@ struct HttpServer::Impl {
     if (engine.vocab_size() > codec.vocab_size()) dec.restrict_to(&tokenizer_ids);
     int fd = job.socket;
     dec.client_alive = [fd] { return !socket_gone(fd); };
-    GenerationResult r =
-        generate(engine, cache.get(), job.prompt, job.max_new, sampler, dec, {opt.prefill_chunk, opt.speculative});
+    GenerationResult r = run_generation(job.prompt, job.max_new, sampler, dec);
     dec.finish();
     if (dec.cancelled()) r.finish = GenerationResult::Finish::kCancelled;
     if (r.finish == GenerationResult::Finish::kCancelled && !dec.cancelled()) dec.cancel();
@@ -321,7 +346,7 @@ struct HttpServer::Impl {
     job->max_new = budget_new_tokens(int64_t(job->prompt.size()), job->req.gen);
     if (!job->req.gen.max_tokens) job->max_new = std::min<int64_t>(job->max_new, 16);  // OpenAI default
     job->head = header("cmpl-");
-    job->slot = admit();
+    job->slot = admit(int64_t(job->prompt.size()) + job->max_new);
 
     int lp = job->req.logprobs.enabled ? job->req.logprobs.top : -1;
     if (!job->req.gen.stream) {
@@ -392,9 +417,14 @@ struct HttpServer::Impl {
       send_json(r, 200, {{"status", "ok"}, {"model", model}, {"busy", scheduler.busy()}, {"queued", scheduler.waiting()}});
     }));
     http.Get("/metrics", guarded([this](auto&, auto& r) {
-      ServerMetrics::Gauges g{scheduler.waiting(), scheduler.busy(), cache ? cache->bytes() : 0, cache ? cache->entries() : 0};
-      r.set_content(metrics.render(g), "text/plain; version=0.0.4");
-    }));
+               ServerMetrics::Gauges g{scheduler.waiting(), scheduler.busy(), cache ? cache->bytes() : 0,
+                                       cache ? cache->entries() : 0};
+               g.running = scheduler.running();
+               g.max_running = scheduler.max_running();
+               g.reserved_state_bytes = scheduler.reserved_bytes();
+               if (runner) g.batch_steps = runner->stats().decode_steps, g.batch_rows = runner->stats().decode_rows;
+               r.set_content(metrics.render(g), "text/plain; version=0.0.4");
+             }));
     size_t max_body = opt.max_body_mb << 20;
     http.set_error_handler([max_body](const httplib::Request& q, httplib::Response& r) {
       if (!r.body.empty()) return;

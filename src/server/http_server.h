@@ -1,5 +1,6 @@
 // The OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
-// One request uses the engine at a time (Scheduler); the rest queue. Start on port 0 for an ephemeral port.
+// Up to max_batch requests generate at once (Scheduler; with more than one, their decode steps run batched,
+// serving/batch_runner.h); the rest queue. Start on port 0 for an ephemeral port.
 // Idle and slow connections wait on one reception thread, not on threads of their own, and /health is answered
 // there (http_connections.h): they cannot hold up requests or /health. A client that goes away, streaming or
 // not, stops its generation.
@@ -20,7 +21,9 @@ struct ServerOptions {
   int64_t ctx = 0;                  // 0: the engine's max_context()
   int64_t reasoning_budget = 4096;  // tokens inside <think> before "</think>" is forced; 0: unlimited
   bool strict_tools = false;
-  size_t queue_max = 16;            // waiting requests beyond the running one
+  size_t queue_max = 16;       // waiting requests beyond the running ones
+  size_t max_batch = 1;        // requests generating at once, decode steps batched (1 with speculative > 0)
+  size_t state_memory_mb = 0;  // sequence state the running requests may reserve together (0: unlimited)
   double queue_timeout_s = 600;
   size_t prefix_cache_mb = 4096;    // 0: off
   std::string served_name;          // "": the engine's name()

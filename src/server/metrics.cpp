@@ -47,6 +47,15 @@ std::string ServerMetrics::render(const Gauges& g) const {
   }
   metric("moesrv_queue_depth", "gauge", "Requests waiting for the engine.", double(g.queue_depth));
   metric("moesrv_engine_busy", "gauge", "1 while a request is running.", g.busy ? 1 : 0);
+  metric("moesrv_sequences_running", "gauge", "Requests generating now (at most --max-batch).", double(g.running));
+  metric("moesrv_sequences_waiting", "gauge", "Requests queued for a running place.", double(g.queue_depth));
+  metric("moesrv_max_batch", "gauge", "Requests that may generate at once (--max-batch).", double(g.max_running));
+  metric("moesrv_reserved_state_bytes", "gauge", "Sequence state reserved by the running requests.",
+         double(g.reserved_state_bytes));
+  metric("moesrv_batch_decode_steps_total", "counter", "Batched decode steps (--max-batch > 1).",
+         double(g.batch_steps));
+  metric("moesrv_batch_decode_rows_total", "counter",
+         "Sequences decoded by the batched steps (rows / steps: mean batch).", double(g.batch_rows));
   metric("moesrv_prefix_cache_bytes", "gauge", "Memory held by prefix cache snapshots.", double(g.prefix_cache_bytes));
   metric("moesrv_prefix_cache_entries", "gauge", "Prefix cache snapshots.", double(g.prefix_cache_entries));
   return out;

@@ -19,6 +19,9 @@ struct ServerMetrics {
     size_t queue_depth = 0;
     bool busy = false;
     size_t prefix_cache_bytes = 0, prefix_cache_entries = 0;
+    size_t running = 0, max_running = 1;       // sequences generating now (continuous batching: up to --max-batch)
+    uint64_t reserved_state_bytes = 0;         // sequence state the running requests reserved at admission
+    uint64_t batch_steps = 0, batch_rows = 0;  // batched decode steps and the rows they ran (--max-batch > 1)
   };
   std::string render(const Gauges& g) const;
 

@@ -2,20 +2,26 @@
 
 namespace moesrv {
 
+bool Scheduler::fits_locked(uint64_t bytes) const {
+  return running_ < max_running_ && (state_budget_ == 0 || reserved_ + bytes <= state_budget_);
+}
+
 Scheduler::Admission Scheduler::acquire(std::unique_ptr<Slot>& slot, const std::function<bool()>& abandoned,
-                                        std::chrono::milliseconds poll) {
+                                        std::chrono::milliseconds poll, uint64_t state_bytes) {
   std::unique_lock lock(mu_);
-  if (!running_ && waiting_ == 0) {
-    running_ = true;
-    slot = std::make_unique<Slot>(this);
+  if (state_budget_ && state_bytes > state_budget_) return Admission::kTooLarge;
+  if (waiting_ == 0 && fits_locked(state_bytes)) {
+    ++running_;
+    reserved_ += state_bytes;
+    slot = std::make_unique<Slot>(this, state_bytes);
     return Admission::kGranted;
   }
   if (waiting_ >= queue_max_) return Admission::kQueueFull;
   uint64_t ticket = next_ticket_++;
   ++waiting_;
   auto deadline = std::chrono::steady_clock::now() + queue_timeout_;
-  // A ticket is servable once every earlier ticket was served or abandoned.
-  auto my_turn = [&] { return !running_ && serving_ == ticket; };
+  // A ticket is servable once every earlier ticket was served or abandoned, and it fits.
+  auto my_turn = [&] { return serving_ == ticket && fits_locked(state_bytes); };
   bool ok = false, gone = false;
   while (!ok) {
     auto until = abandoned ? std::min(deadline, std::chrono::steady_clock::now() + poll) : deadline;
@@ -37,8 +43,10 @@ Scheduler::Admission Scheduler::acquire(std::unique_ptr<Slot>& slot, const std::
   }
   ++serving_;
   skip_abandoned_locked();
-  running_ = true;
-  slot = std::make_unique<Slot>(this);
+  ++running_;
+  reserved_ += state_bytes;
+  slot = std::make_unique<Slot>(this, state_bytes);
+  cv_.notify_all();  // the next ticket may fit too
   return Admission::kGranted;
 }
 
@@ -46,10 +54,11 @@ void Scheduler::skip_abandoned_locked() {
   while (abandoned_.erase(serving_)) ++serving_;
 }
 
-void Scheduler::release() {
+void Scheduler::release(uint64_t bytes) {
   {
     std::lock_guard lock(mu_);
-    running_ = false;
+    --running_;
+    reserved_ -= bytes;
   }
   cv_.notify_all();
 }
@@ -59,9 +68,14 @@ size_t Scheduler::waiting() const {
   return waiting_;
 }
 
-bool Scheduler::busy() const {
+size_t Scheduler::running() const {
   std::lock_guard lock(mu_);
   return running_;
+}
+
+uint64_t Scheduler::reserved_bytes() const {
+  std::lock_guard lock(mu_);
+  return reserved_;
 }
 
 }  // namespace moesrv

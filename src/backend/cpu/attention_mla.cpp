@@ -10,43 +10,58 @@
 
 namespace moesrv::cpu {
 
+MlaProjection mla_project(const MlaWeights& w, const ModelSpec& c, const float* x, int64_t S) {
+  MlaProjection p;
+  p.q.resize(size_t(S * c.num_heads * c.qk_head_dim()));
+  if (w.q_a) {
+    p.q_latent.resize(size_t(S * c.q_lora_rank));
+    w.q_a->forward(x, S, p.q_latent.data());
+    rms_norm(p.q_latent.data(), w.q_a_norm.weight.data(), S, c.q_lora_rank, 1e-6, p.q_latent.data());
+    w.q_b->forward(p.q_latent.data(), S, p.q.data());
+  } else {
+    w.q->forward(x, S, p.q.data());
+  }
+  p.kv.resize(size_t(S * (c.kv_lora_rank + c.qk_rope_dim)));
+  w.kv_a->forward(x, S, p.kv.data());
+  return p;
+}
+
 void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, TokenSelection& selection, float* out) {
+  MlaProjection p = mla_project(w, c, x, S);
+  std::vector<float> attn(size_t(S * c.num_heads * c.v_head_dim));
+  mla_attend(w, c, rope, x, p, 0, S, pos0, cache, selection, attn.data());
+  w.o->forward(attn.data(), S, out);
+}
+
+void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x_all, MlaProjection& p,
+                int64_t r0, int64_t S, int64_t pos0, LayerState& cache, TokenSelection& selection, float* attn) {
   const int64_t H = c.num_heads, dn = c.qk_nope_dim, dr = c.qk_rope_dim, qk = c.qk_head_dim();
   const int64_t r = c.kv_lora_rank, dv = c.v_head_dim;
-
-  std::vector<float> q(size_t(S * H * qk)), q_latent;
-  if (w.q_a) {
-    q_latent.resize(size_t(S * c.q_lora_rank));
-    w.q_a->forward(x, S, q_latent.data());
-    rms_norm(q_latent.data(), w.q_a_norm.weight.data(), S, c.q_lora_rank, 1e-6, q_latent.data());
-    w.q_b->forward(q_latent.data(), S, q.data());
-  } else {
-    w.q->forward(x, S, q.data());
-  }
-
-  std::vector<float> kv(size_t(S * (r + dr)));
-  w.kv_a->forward(x, S, kv.data());
+  const float* x = x_all + r0 * c.hidden_size;
+  float* q = p.q.data() + r0 * H * qk;
+  const float* kv = p.kv.data() + r0 * (r + dr);
+  const float* q_latent = p.q_latent.empty() ? nullptr : p.q_latent.data() + r0 * c.q_lora_rank;
   const int64_t T0 = pos0, T = pos0 + S;
   cache.latent.resize(size_t(T * r));
   cache.k_rope.resize(size_t(T * dr));
   for (int64_t s = 0; s < S; ++s) {
-    rms_norm(kv.data() + s * (r + dr), w.kv_a_norm.weight.data(), 1, r, 1e-6, cache.latent.data() + (T0 + s) * r);
+    rms_norm(kv + s * (r + dr), w.kv_a_norm.weight.data(), 1, r, 1e-6, cache.latent.data() + (T0 + s) * r);
     float* kr = cache.k_rope.data() + (T0 + s) * dr;
-    std::copy(kv.data() + s * (r + dr) + r, kv.data() + (s + 1) * (r + dr), kr);
+    std::copy(kv + s * (r + dr) + r, kv + (s + 1) * (r + dr), kr);
     rope.apply(kr, pos0 + s, c.rope.layout);
   }
 
   if (w.indexer)
-    selection = c.index_kpool > 1 ? kpool_select(*w.indexer, c, x, q_latent.data(), S, pos0, cache)
-                                  : dsa_select(*w.indexer, c, rope, x, q_latent.data(), S, pos0, cache);
+    selection = c.index_kpool > 1 ? kpool_select(*w.indexer, c, x, q_latent, S, pos0, cache)
+                                  : dsa_select(*w.indexer, c, rope, x, q_latent, S, pos0, cache);
 
   // Queries into latent space: q_abs[s, h] = W_uk[h]^T q_nope[s, h]; rope part kept contiguous beside it.
   std::vector<float> q_abs(size_t(S * H * r), 0.0f), q_rope(size_t(S * H * dr));
   ThreadPool::global().parallel_for(S * H, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t s = i / H, h = i % H;
-      float* qh = q.data() + i * qk;
+      float* qh = q + i * qk;
       rope.apply(qh + dn, pos0 + s, c.rope.layout);
       std::copy(qh + dn, qh + qk, q_rope.data() + i * dr);
       const float* uk = w.w_uk.data() + h * dn * r;
@@ -94,14 +109,12 @@ void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, cons
     });
   }
 
-  std::vector<float> attn(size_t(S * H * dv));
   ThreadPool::global().parallel_for(S * H, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* uv = w.w_uv.data() + (i % H) * dv * r;
-      for (int64_t d = 0; d < dv; ++d) attn[size_t(i * dv + d)] = dot(uv + d * r, o_lat.data() + i * r, r);
+      for (int64_t d = 0; d < dv; ++d) attn[i * dv + d] = dot(uv + d * r, o_lat.data() + i * r, r);
     }
   });
-  w.o->forward(attn.data(), S, out);
 }
 
 }  // namespace moesrv::cpu

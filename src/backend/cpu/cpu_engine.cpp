@@ -132,6 +132,7 @@ CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
              std::max<int64_t>(1, weights_->config.experts_per_token)) {
   if (name_.empty()) name_ = std::filesystem::path(pkg->dir()).filename().string();
   if (weights_->mtp_block) mtp_spec_ = weights_->config.mtp_block();
+  batch_plan_ = cpu::BatchPlan::of(*weights_);
 }
 
 std::unique_ptr<CpuEngine> CpuEngine::open(const std::string& model_dir, std::string served_name) {
@@ -190,6 +191,48 @@ std::vector<float> CpuEngine::logits(const float* x, int64_t S, int64_t rows) co
 
 std::vector<float> CpuEngine::forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) {
   return run(own_sequence(seq), tokens, all_logits, false, nullptr);
+}
+
+std::vector<std::vector<float>> CpuEngine::forward_batch(const std::vector<SequenceState*>& seqs,
+                                                         const std::vector<int32_t>& tokens) {
+  const ModelSpec& c = weights_->config;
+  const int64_t B = int64_t(seqs.size()), W = c.stream_width(), V = c.vocab_size;
+  MOESRV_CHECK(seqs.size() == tokens.size(), "forward_batch: {} sequences, {} tokens", seqs.size(), tokens.size());
+  if (B == 0) return {};
+  std::vector<CpuSequence*> own;
+  std::vector<cpu::LayerState*> states;
+  std::vector<int64_t> pos;
+  for (SequenceState* s : seqs) {
+    CpuSequence& seq = own_sequence(*s);
+    MOESRV_CHECK(std::find(own.begin(), own.end(), &seq) == own.end(), "forward_batch: a sequence appears twice");
+    if (seq.length() + 1 > c.max_position)
+      fail("context length exceeded: {} + 1 tokens > {}", seq.length(), c.max_position);
+    own.push_back(&seq);
+    states.push_back(seq.layers.data());
+    pos.push_back(seq.length());
+  }
+  for (CpuSequence* seq : own) seq->drop_steps();
+  std::vector<float> x(size_t(B * W));
+  embed(tokens, x.data());
+  cpu::BatchBlocks blocks(c, weights_->layers.data(), rope_, std::move(states), std::move(pos), x.data(), batch_plan_,
+                          &usage_);
+  run_decoder_layers(c, blocks, 0, c.num_layers);
+  for (CpuSequence* seq : own) ++seq->length_, seq->stop_recording();
+  std::vector<float> h = head_input(x.data(), B), all(size_t(B * V));
+  if (batch_plan_.head) weights_->lm_head->forward(h.data(), B, all.data());
+  else
+    for (int64_t b = 0; b < B; ++b) weights_->lm_head->forward(h.data() + b * c.hidden_size, 1, all.data() + b * V);
+  std::vector<std::vector<float>> out(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) out[size_t(b)].assign(all.begin() + b * V, all.begin() + (b + 1) * V);
+  return out;
+}
+
+uint64_t CpuEngine::sequence_bytes(int64_t tokens) const {
+  // fp32 state, plus the host checkpoints of the fixed state (one per kCheckpointInterval prompt tokens and the
+  // prompt's end, at most kMaxCheckpoints).
+  const ModelSpec& c = weights_->config;
+  const uint64_t checkpoints = std::min<uint64_t>(kMaxCheckpoints, uint64_t(tokens / kCheckpointInterval) + 2);
+  return state_bytes(c, tokens, 4) + checkpoints * state_bytes(c, 0, 4);
 }
 
 std::vector<float> CpuEngine::forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "backend/cpu/batch_blocks.h"
 #include "backend/cpu/cpu_layers.h"
 #include "backend/engine.h"
 #include "model/rope.h"
@@ -57,6 +58,12 @@ class CpuEngine : public Engine, public MtpEngine {
   // Prefill of a model with recurrent state is cut at multiples of kCheckpointInterval tokens, and the state
   // is checkpointed there and at the end of every multi-token forward (resume points for the prefix cache).
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
+  // Decode step of several sequences (batch_blocks.h: which blocks run over all rows); bit-identical per row to
+  // forward(*seqs[i], {tokens[i]}).
+  std::vector<std::vector<float>> forward_batch(const std::vector<SequenceState*>& seqs,
+                                                const std::vector<int32_t>& tokens) override;
+  uint64_t sequence_bytes(int64_t tokens) const override;
+  bool concurrent_sequence_ops() const override { return true; }  // states are host memory, one owner each
   static constexpr int64_t kCheckpointInterval = 2048;
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
 
@@ -95,6 +102,7 @@ class CpuEngine : public Engine, public MtpEngine {
                          std::vector<float>* hidden);
 
   std::unique_ptr<ModelWeights> weights_;
+  cpu::BatchPlan batch_plan_;  // the blocks forward_batch runs over all rows
   ModelSpec mtp_spec_;  // the MTP block as a one-layer model (plain residual); set when the block is loaded
   Rope rope_;
   std::string name_;

@@ -48,6 +48,16 @@ using TokenSelection = std::vector<std::vector<int32_t>>;
 void mla_forward(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, TokenSelection& selection, float* out);
 
+// mla_forward in steps, so that a batch of sequences can share the row-independent ones: the projections of S rows
+// (mla_project), then per sequence the attention of its rows [r0, r0 + S) of p and x at positions [pos0, pos0 + S)
+// (mla_attend: appends to cache, runs the indexer, writes attn [S, heads * v_head_dim]), then w.o over all rows.
+struct MlaProjection {
+  std::vector<float> q, q_latent, kv;  // [S, heads * qk_head_dim], [S, q_lora_rank] (empty without q_a), [S, r + dr]
+};
+MlaProjection mla_project(const MlaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, MlaProjection& p, int64_t r0,
+                int64_t S, int64_t pos0, LayerState& cache, TokenSelection& selection, float* attn);
+
 // DSA lightning indexer: top-k key positions for each of the S query tokens (appends indexer keys to cache).
 TokenSelection dsa_select(const IndexerWeights& w, const ModelSpec& c, const Rope& rope, const float* x,
                           const float* q_latent, int64_t S, int64_t pos0, LayerState& cache);
@@ -63,8 +73,34 @@ void kda_forward(const KdaWeights& w, const ModelSpec& c, const float* x, int64_
 void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& state,
                          float* out);
 
+// The recurrent mixers in steps (as MLA's): the input projections of S rows (row by row arithmetic: a batch of
+// sequences shares them); then per sequence its rows [r0, r0 + S) through the conv, the delta rule (its state) and
+// the gated norm into o [S, v_heads * dv]; then the output projection over all rows.
+struct KdaProjection {
+  std::vector<float> qkv, g, beta, gate;  // [S, 3 * H * d] conv inputs; decay [S, H * d]; beta [S, H]; gate logits
+};
+KdaProjection kda_project(const KdaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void kda_mix(const KdaWeights& w, const ModelSpec& c, const KdaProjection& p, int64_t r0, int64_t S, LayerState& st,
+             float* o);
+struct GatedDeltaProjection {
+  std::vector<float> qkvz, ba;  // per key head: q, k, v, z; per value head: b, a
+};
+GatedDeltaProjection gated_delta_project(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const GatedDeltaProjection& p, int64_t r0,
+                     int64_t S, LayerState& st, float* o);
+
 void gqa_forward(const GqaWeights& w, const ModelSpec& c, const Rope& rope, const float* x, int64_t S, int64_t pos0,
                  LayerState& cache, float* out);
+
+// gqa_forward in steps (as MLA's): projections and q/k norms of S rows; rope, cache append and attention of one
+// sequence's rows [r0, r0 + S) into attn [S, heads * head_dim]; output gate and w.o over all rows.
+struct GqaProjection {
+  std::vector<float> q, k, v, gate;  // gate: attn_output_gate only
+};
+GqaProjection gqa_project(const GqaWeights& w, const ModelSpec& c, const float* x, int64_t S);
+void gqa_attend(const ModelSpec& c, const Rope& rope, GqaProjection& p, int64_t r0, int64_t S, int64_t pos0,
+                LayerState& cache, float* attn);
+void gqa_finish(const GqaWeights& w, const GqaProjection& p, int64_t S, float* attn, float* out);
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t S, float* out);
 // Records each token's routed experts into `usage` (layer `layer`) when given.

@@ -11,22 +11,38 @@
 
 namespace moesrv::cpu {
 
+GatedDeltaProjection gated_delta_project(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S) {
+  const LinearAttnDims& la = c.linear;
+  GatedDeltaProjection p;
+  p.qkvz.resize(size_t(S * la.k_heads * (2 * la.dk + 2 * (la.v_heads / la.k_heads) * la.dv)));
+  p.ba.resize(size_t(S * 2 * la.v_heads));
+  w.qkvz->forward(x, S, p.qkvz.data());
+  w.ba->forward(x, S, p.ba.data());
+  return p;
+}
+
 void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const float* x, int64_t S, LayerState& st,
                          float* out) {
+  const GatedDeltaProjection p = gated_delta_project(w, c, x, S);
+  std::vector<float> o(size_t(S * c.linear.v_heads * c.linear.dv));
+  gated_delta_mix(w, c, p, 0, S, st, o.data());
+  w.out->forward(o.data(), S, out);
+}
+
+void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const GatedDeltaProjection& p, int64_t r0,
+                     int64_t S, LayerState& st, float* o) {
   const LinearAttnDims& la = c.linear;
   const int64_t Hk = la.k_heads, Hv = la.v_heads, dk = la.dk, dv = la.dv, r = Hv / Hk, K = la.conv_kernel;
   const int64_t C = la.conv_channels(), group = 2 * dk + 2 * r * dv, QK = Hk * dk, V = Hv * dv;
   if (st.conv.empty()) st.conv.assign(size_t((K - 1) * C), 0.0f);
   if (st.recurrent.empty()) st.recurrent.assign(size_t(Hv * dk * dv), 0.0f);
-
-  std::vector<float> qkvz(size_t(S * Hk * group)), ba(size_t(S * 2 * Hv));
-  w.qkvz->forward(x, S, qkvz.data());
-  w.ba->forward(x, S, ba.data());
+  const float* qkvz = p.qkvz.data() + r0 * Hk * group;
+  const float* ba = p.ba.data() + r0 * 2 * Hv;
   // Regroup per token into conv channels q | k | v (all heads), and z, b, a per value head.
   std::vector<float> mixed(size_t(S * C)), z(size_t(S * V)), beta(size_t(S * Hv)), g(size_t(S * Hv));
   for (int64_t s = 0; s < S; ++s)
     for (int64_t h = 0; h < Hk; ++h) {
-      const float* src = qkvz.data() + (s * Hk + h) * group;
+      const float* src = qkvz + (s * Hk + h) * group;
       float* m = mixed.data() + s * C;
       std::copy(src, src + dk, m + h * dk);
       std::copy(src + dk, src + 2 * dk, m + QK + h * dk);
@@ -60,13 +76,10 @@ void gated_delta_forward(const GatedDeltaWeights& w, const ModelSpec& c, const f
   for (float& e : q) e *= qscale;
 
   const DeltaRuleShape shape{Hv, dk, dv, /*per_channel_decay=*/false};
-  std::vector<float> o(size_t(S * V));
-  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, mixed.data(), C, st,
-                   o.data());
+  delta_rule_layer(shape, S, q.data(), k.data(), v.data(), g.data(), beta.data(), conv_before, mixed.data(), C, st, o);
 
-  rms_norm(o.data(), w.norm.weight.data(), S * Hv, dv, c.rms_eps, o.data());
-  for (size_t i = 0; i < o.size(); ++i) o[i] *= z[i] / (1.0f + std::exp(-z[i]));
-  w.out->forward(o.data(), S, out);
+  rms_norm(o, w.norm.weight.data(), S * Hv, dv, c.rms_eps, o);
+  for (size_t i = 0; i < size_t(S * V); ++i) o[i] *= z[i] / (1.0f + std::exp(-z[i]));
 }
 
 }  // namespace moesrv::cpu

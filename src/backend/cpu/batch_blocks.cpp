@@ -1,0 +1,149 @@
+#include "backend/cpu/batch_blocks.h"
+
+#include <algorithm>
+#include <array>
+
+#include "backend/cpu/linear.h"
+
+namespace moesrv::cpu {
+
+bool rows_independent(const Linear& lin) { return dynamic_cast<const DenseLinear*>(&lin) != nullptr; }
+
+bool rows_independent(const MlpWeights& w) {
+  return rows_independent(*w.gate) && rows_independent(*w.up) && rows_independent(*w.down);
+}
+
+bool rows_independent(const MoeWeights& w) {
+  if (w.shared && !rows_independent(*w.shared)) return false;
+  for (const MlpWeights& e : w.experts)
+    if (!rows_independent(e)) return false;
+  return true;
+}
+
+namespace {
+std::array<const Linear*, 9> kda_linears(const KdaWeights& w) {
+  return {w.q.get(), w.k.get(), w.v.get(), w.f_a.get(), w.f_b.get(), w.b.get(), w.g_a.get(), w.g_b.get(), w.o.get()};
+}
+bool all_rows_independent(const std::array<const Linear*, 9>& linears) {
+  return std::all_of(linears.begin(), linears.end(), [](const Linear* lin) { return rows_independent(*lin); });
+}
+}  // namespace
+
+BatchPlan BatchPlan::of(const ModelWeights& w) {
+  BatchPlan p;
+  for (const LayerWeights& L : w.layers) {
+    bool mixer = false;
+    if (L.mla)
+      mixer =
+          (L.mla->q_a ? rows_independent(*L.mla->q_a) && rows_independent(*L.mla->q_b) : rows_independent(*L.mla->q)) &&
+          rows_independent(*L.mla->kv_a) && rows_independent(*L.mla->o);
+    else if (L.gqa)
+      mixer = rows_independent(*L.gqa->q) && rows_independent(*L.gqa->k) && rows_independent(*L.gqa->v) &&
+              rows_independent(*L.gqa->o);
+    else if (L.kda) mixer = all_rows_independent(kda_linears(*L.kda));
+    else if (L.gated_delta)
+      mixer = rows_independent(*L.gated_delta->qkvz) && rows_independent(*L.gated_delta->ba) &&
+              rows_independent(*L.gated_delta->out);
+    p.mixer.push_back(mixer);
+    p.ffn.push_back(L.moe ? rows_independent(*L.moe) : L.mlp && rows_independent(*L.mlp));
+  }
+  p.head = rows_independent(*w.lm_head);
+  return p;
+}
+
+BatchBlocks::BatchBlocks(const ModelSpec& c, const LayerWeights* layers, const Rope& rope,
+                         std::vector<LayerState*> states, std::vector<int64_t> pos, float* x, const BatchPlan& plan,
+                         UsageStats* usage)
+    : c_(c),
+      layers_(layers),
+      rope_(rope),
+      states_(std::move(states)),
+      pos_(std::move(pos)),
+      x_(x),
+      B_(int64_t(states_.size())),
+      plan_(plan),
+      usage_(usage),
+      selection_(states_.size()),
+      h_(size_t(B_ * c.hidden_size)),
+      y_(size_t(B_ * c.hidden_size)),
+      residual_(c) {}
+
+void BatchBlocks::enter(int64_t l, Site site) {
+  const LayerWeights& L = layers_[l];
+  if (site == Site::Attention) residual_.enter(x_, B_, L.input_norm, L.attn_hc, h_.data());
+  else residual_.enter(x_, B_, L.post_attention_norm, L.ffn_hc, h_.data());
+}
+
+void BatchBlocks::mla(int64_t l, IndexerKind indexer) {
+  const MlaWeights& w = *layers_[l].mla;
+  const bool batched = plan_.mixer[size_t(l)];
+  MlaProjection p;
+  std::vector<float> attn;
+  if (batched) {
+    p = mla_project(w, c_, h_.data(), B_);
+    attn.resize(size_t(B_ * c_.num_heads * c_.v_head_dim));
+  }
+  for (int64_t b = 0; b < B_; ++b) {
+    TokenSelection dense;
+    TokenSelection& sel = indexer == IndexerKind::None ? dense : selection_[size_t(b)];
+    if (indexer == IndexerKind::Own) sel.clear();  // recomputed by the layer's indexer
+    LayerState& state = states_[size_t(b)][l];
+    if (batched)
+      mla_attend(w, c_, rope_, h_.data(), p, b, 1, pos_[size_t(b)], state, sel,
+                 attn.data() + b * c_.num_heads * c_.v_head_dim);
+    else mla_forward(w, c_, rope_, h(b), 1, pos_[size_t(b)], state, sel, y(b));
+  }
+  if (batched) w.o->forward(attn.data(), B_, y_.data());
+}
+
+void BatchBlocks::gqa(int64_t l) {
+  const GqaWeights& w = *layers_[l].gqa;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) gqa_forward(w, c_, rope_, h(b), 1, pos_[size_t(b)], states_[size_t(b)][l], y(b));
+    return;
+  }
+  GqaProjection p = gqa_project(w, c_, h_.data(), B_);
+  std::vector<float> attn(size_t(B_ * c_.num_heads * c_.head_dim));
+  for (int64_t b = 0; b < B_; ++b)
+    gqa_attend(c_, rope_, p, b, 1, pos_[size_t(b)], states_[size_t(b)][l],
+               attn.data() + b * c_.num_heads * c_.head_dim);
+  gqa_finish(w, p, B_, attn.data(), y_.data());
+}
+
+void BatchBlocks::kda(int64_t l) {
+  const KdaWeights& w = *layers_[l].kda;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) kda_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
+    return;
+  }
+  const KdaProjection p = kda_project(w, c_, h_.data(), B_);
+  const int64_t width = c_.linear.v_heads * c_.linear.dk;
+  std::vector<float> o(size_t(B_ * width));
+  for (int64_t b = 0; b < B_; ++b) kda_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
+  w.o->forward(o.data(), B_, y_.data());
+}
+
+void BatchBlocks::gated_delta(int64_t l) {
+  const GatedDeltaWeights& w = *layers_[l].gated_delta;
+  if (!plan_.mixer[size_t(l)]) {
+    for (int64_t b = 0; b < B_; ++b) gated_delta_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
+    return;
+  }
+  const GatedDeltaProjection p = gated_delta_project(w, c_, h_.data(), B_);
+  const int64_t width = c_.linear.v_heads * c_.linear.dv;
+  std::vector<float> o(size_t(B_ * width));
+  for (int64_t b = 0; b < B_; ++b) gated_delta_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
+  w.out->forward(o.data(), B_, y_.data());
+}
+
+void BatchBlocks::mlp(int64_t l) {
+  if (plan_.ffn[size_t(l)]) return mlp_forward(*layers_[l].mlp, h_.data(), B_, y_.data());
+  for (int64_t b = 0; b < B_; ++b) mlp_forward(*layers_[l].mlp, h(b), 1, y(b));
+}
+
+void BatchBlocks::moe(int64_t l) {
+  if (plan_.ffn[size_t(l)]) return moe_forward(*layers_[l].moe, c_, h_.data(), B_, y_.data(), usage_, l);
+  for (int64_t b = 0; b < B_; ++b) moe_forward(*layers_[l].moe, c_, h(b), 1, y(b), usage_, l);
+}
+
+}  // namespace moesrv::cpu
