@@ -86,7 +86,7 @@ void exl3_gemm_rotated(const Exl3Dev& w, const uint16_t* xh16, int n, float* yr,
 // Grouped GEMM over expert pieces (prefill): tile i multiplies rows [row0, row0 + rows) of xh16 (fp16 [.][in_pad],
 // rows <= tile_rows, 64 or 128) by W_hat of tab[e] (device table; shape gives K, codebook and sizes, shared by all)
 // into the same rows of yr ([.][out_pad], fp32). The trellis is decoded inside the GEMM (no fp16 W_hat, one launch).
-constexpr int kExl3GemmRows = 128;
+constexpr int kExl3GemmRows = 128;  // the largest tile (exl3_gemm_tile_rows: 64 unless MOESRV_EXL3_GEMM_ROWS=128)
 struct Exl3GemmTile {
   int32_t e, row0, rows, pad;
 };
