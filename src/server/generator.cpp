@@ -20,17 +20,24 @@ int64_t prefill_call_tokens(const Engine& engine, const GeneratorConfig& config)
 
 // Prefills `total` prompt tokens in forward calls of at most `chunk` tokens, none crossing `split`: run(first, n)
 // makes a call and returns its logits (kept in `logits`); after each call the client and, unless it was the last,
-// the progress hook are asked. false: cancelled.
+// the progress hook are asked. Times the prefill into r.prefill_seconds; false: cancelled (r.finish says so).
 template <class Run>
-bool prefill_in_calls(int64_t total, int64_t split, int64_t chunk, DecodeHooks& hooks, std::vector<float>& logits,
-                      Run run) {
+bool prefill_in_calls(GenerationResult& r, int64_t total, int64_t split, int64_t chunk, DecodeHooks& hooks,
+                      std::vector<float>& logits, Run run) {
+  const auto t0 = std::chrono::steady_clock::now();
+  bool finished = true;
   for (int64_t done = 0; done < total;) {
     const int64_t n = std::min(chunk, (done < split ? split : total) - done);
     logits = run(done, n);
     done += n;
-    if (client_gone(hooks) || (done < total && !hooks.on_prefill_progress(done, total))) return false;
+    if (client_gone(hooks) || (done < total && !hooks.on_prefill_progress(done, total))) {
+      finished = false;
+      break;
+    }
   }
-  return true;
+  r.prefill_seconds = seconds_since(t0);
+  if (!finished) r.finish = GenerationResult::Finish::kCancelled;
+  return finished;
 }
 
 // The same loop with MTP drafts: each step runs the chosen token and up to k drafts in one forward, then chooses
@@ -42,18 +49,13 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
   r.prompt_tokens = int64_t(prompt.size());
   SpeculativeDecoder dec(engine, config.speculative);
   auto seq = engine.new_sequence();
-  auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
-  const bool done = prefill_in_calls(
-      r.prompt_tokens, r.prompt_tokens, prefill_call_tokens(engine, config), hooks, logits,
-      [&](int64_t first, int64_t n) {
-        return dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + first, prompt.begin() + first + n));
-      });
-  r.prefill_seconds = seconds_since(t0);
-  if (!done) {
-    r.finish = GenerationResult::Finish::kCancelled;
+  if (!prefill_in_calls(r, r.prompt_tokens, r.prompt_tokens, prefill_call_tokens(engine, config), hooks, logits,
+                        [&](int64_t first, int64_t n) {
+                          return dec.prefill(*seq,
+                                             std::vector<int32_t>(prompt.begin() + first, prompt.begin() + first + n));
+                        }))
     return r;
-  }
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
@@ -129,7 +131,6 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
     return logits;
   };
 
-  auto t0 = std::chrono::steady_clock::now();
   std::vector<float> logits;
   // Fixed-size state resumes only at checkpoints: the prompt's last token runs alone, with one before it (the
   // longest prefix the same prompt may reuse: one token is left to produce logits) and one after it (where a
@@ -137,18 +138,14 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   const int64_t total = r.prompt_tokens - r.cached_tokens;
   const bool fixed = seq->has_fixed_state();
   const int64_t split = fixed && total > 1 ? total - 1 : total;
-  const bool done =
-      prefill_in_calls(total, split, prefill_call_tokens(engine, config), hooks, logits, [&](int64_t first, int64_t n) {
-        auto begin = prompt.begin() + r.cached_tokens + first;
-        auto out = forward(std::vector<int32_t>(begin, begin + n));
-        if (fixed && (first + n == split || first + n == total)) seq->checkpoint();
-        return out;
-      });
-  r.prefill_seconds = seconds_since(t0);
-  if (!done) {
-    r.finish = GenerationResult::Finish::kCancelled;
+  if (!prefill_in_calls(r, total, split, prefill_call_tokens(engine, config), hooks, logits,
+                        [&](int64_t first, int64_t n) {
+                          auto begin = prompt.begin() + r.cached_tokens + first;
+                          auto out = forward(std::vector<int32_t>(begin, begin + n));
+                          if (fixed && (first + n == split || first + n == total)) seq->checkpoint();
+                          return out;
+                        }))
     return r;
-  }
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
