@@ -322,5 +322,50 @@ TEST(MtpServerLoop, SameTokensAsThePlainLoopThroughTheHooks) {
   }
 }
 
+// The prefix cache with MTP drafts: a follow-up turn (the prompt, the answer and new tokens), a regenerated prompt
+// and a prompt that diverges inside the answer resume the model's state and the MTP block's at an anchor (end of the
+// last generation, end of a prompt but its last token) and give the cold run's tokens, drafts and acceptance (so
+// the MTP cache resumed is the one a cold run builds), and plain decoding's tokens. glm5_next: KDA state resumes
+// from checkpoints; deepseek_v3: MLA caches.
+class MtpPrefixCache : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MtpPrefixCache, ResumesTheModelAndTheMtpBlock) {
+  MtpModel m = open_with_mtp(GetParam());
+  PrefixCache cache(size_t(1) << 30);
+  auto run = [&](const std::vector<int32_t>& prompt, PrefixCache* c) {
+    CollectHooks hooks;
+    hooks.stop_after = 1000;
+    Sampler s = greedy_sampler();
+    auto r = generate(*m.engine, c, prompt, 14, s, hooks, {.prefill_chunk = 8, .speculative = 2});
+    EXPECT_EQ(hooks.tokens, plain_greedy(*m.engine, prompt, 14));
+    return std::make_pair(r, hooks.tokens);
+  };
+  auto expect_as_cold = [&](const std::vector<int32_t>& prompt, int64_t cached, const char* what) {
+    auto [warm, warm_tokens] = run(prompt, &cache);
+    auto [cold, cold_tokens] = run(prompt, nullptr);
+    EXPECT_EQ(warm.cached_tokens, cached) << what;
+    EXPECT_EQ(warm_tokens, cold_tokens) << what;
+    EXPECT_EQ(warm.speculative.steps, cold.speculative.steps) << what;
+    EXPECT_EQ(warm.speculative.drafted, cold.speculative.drafted) << what;
+    EXPECT_EQ(warm.speculative.accepted, cold.speculative.accepted) << what;
+    return warm_tokens;
+  };
+  const auto a = prompt_of(GetParam(), 19);
+  const auto answer = expect_as_cold(a, 0, "first turn");
+  std::vector<int32_t> follow = a;
+  follow.insert(follow.end(), answer.begin(), answer.end());
+  for (int32_t t : {5, 77, 300}) follow.push_back(t);
+  // The entry holds the prompt and the answer but its last token (never run): the generation's anchor.
+  expect_as_cold(follow, int64_t(a.size() + answer.size()) - 1, "follow-up");
+  expect_as_cold(follow, int64_t(follow.size()) - 1, "regenerated");
+  std::vector<int32_t> diverged(a.begin(), a.end());
+  diverged.insert(diverged.end(), answer.begin(), answer.begin() + 3);
+  diverged.push_back(9);
+  expect_as_cold(diverged, int64_t(a.size()) - 1, "diverged inside the answer");
+  EXPECT_GT(cache.entries(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, MtpPrefixCache, ::testing::Values("glm5_next", "deepseek_v3"));
+
 }  // namespace
 }  // namespace moesrv

@@ -1,5 +1,7 @@
 #include "runtime/pipeline_cpu_stage.h"
 
+#include <algorithm>
+
 #include "util/error.h"
 
 namespace moesrv {
@@ -11,11 +13,22 @@ void CpuPipelineStage::embed(const std::vector<int32_t>& tokens, StageActivation
 
 void CpuPipelineStage::forward_layers(SequenceState& seq_base, StageActivations& a, int64_t begin, int64_t end) {
   CpuSequence& seq = engine_->own_sequence(seq_base);
+  const int64_t W = engine_->config().stream_width();
   if (seq.length() != a.pos0) fail("pipeline stage: sequence holds {} tokens, batch starts at {}", seq.length(), a.pos0);
-  if (int64_t(a.hidden.size()) != a.tokens * engine_->config().stream_width()) fail("pipeline stage: hidden state size mismatch");
-  engine_->forward_layers(seq, a.hidden.data(), a.tokens, a.pos0, begin, end, a.selection);
-  seq.length_ = a.pos0 + a.tokens;
-  if (a.tokens > 1) seq.checkpoint();
+  if (int64_t(a.hidden.size()) != a.tokens * W) fail("pipeline stage: hidden state size mismatch");
+  // The engine's passes (cuts and checkpoints as CpuEngine::forward); each pass reads and writes its rows of the
+  // DSA selection.
+  for (const Pass& p : plan_passes(engine_->pass_policy(), a.pos0, a.tokens)) {
+    cpu::TokenSelection sel;
+    if (!a.selection.empty()) sel.assign(a.selection.begin() + p.offset, a.selection.begin() + p.offset + p.rows);
+    engine_->forward_layers(seq, a.hidden.data() + p.offset * W, p.rows, p.pos0, begin, end, sel);
+    if (!sel.empty()) {
+      a.selection.resize(size_t(a.tokens));
+      std::move(sel.begin(), sel.end(), a.selection.begin() + p.offset);
+    }
+    seq.length_ = p.pos0 + p.rows;
+    if (p.checkpoint) seq.checkpoint();
+  }
 }
 
 std::vector<float> CpuPipelineStage::logits(const StageActivations& a, int64_t rows) {

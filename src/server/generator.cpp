@@ -18,16 +18,18 @@ int64_t prefill_call_tokens(const Engine& engine, const GeneratorConfig& config)
   return config.prefill_chunk > 0 ? config.prefill_chunk : std::max<int64_t>(1, engine.prefill_chunk());
 }
 
-// Prefills `total` prompt tokens in forward calls of at most `chunk` tokens, none crossing `split`: run(first, n)
-// makes a call and returns its logits (kept in `logits`); after each call the client and, unless it was the last,
-// the progress hook are asked. Times the prefill into r.prefill_seconds; false: cancelled (r.finish says so).
+// Prefills `total` prompt tokens that start at position `pos0` in forward calls that end at multiples of `chunk`
+// (so that, resumed from a cached prefix, they still fill the engine's passes, pass_plan.h) and never cross
+// `split`: run(first, n) makes a call and returns its logits (kept in `logits`); after each call the client and,
+// unless it was the last, the progress hook are asked. Times the prefill into r.prefill_seconds; false: cancelled
+// (r.finish says so).
 template <class Run>
-bool prefill_in_calls(GenerationResult& r, int64_t total, int64_t split, int64_t chunk, DecodeHooks& hooks,
-                      std::vector<float>& logits, Run run) {
+bool prefill_in_calls(GenerationResult& r, int64_t pos0, int64_t total, int64_t split, int64_t chunk,
+                      DecodeHooks& hooks, std::vector<float>& logits, Run run) {
   const auto t0 = std::chrono::steady_clock::now();
   bool finished = true;
   for (int64_t done = 0; done < total;) {
-    const int64_t n = std::min(chunk, (done < split ? split : total) - done);
+    const int64_t n = std::min(chunk - (pos0 + done) % chunk, (done < split ? split : total) - done);
     logits = run(done, n);
     done += n;
     if (client_gone(hooks) || (done < total && !hooks.on_prefill_progress(done, total))) {
@@ -42,20 +44,44 @@ bool prefill_in_calls(GenerationResult& r, int64_t total, int64_t split, int64_t
 
 // The same loop with MTP drafts: each step runs the chosen token and up to k drafts in one forward, then chooses
 // token after token from its logits (forced tokens, masks and hooks as in the plain loop; a draft is kept while the
-// sampler's acceptance rule keeps it) and commits the accepted prefix.
-GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
-                                   Sampler& sampler, DecodeHooks& hooks, const GeneratorConfig& config) {
+// sampler's acceptance rule keeps it) and commits the accepted prefix. With a prefix cache, the model's state and
+// the decoder's are kept together (SpeculativeSequence) with anchors at the prompt's end but its last token and at
+// the generation's end, where a later request resumes both.
+GenerationResult generate_with_mtp(Engine& engine, PrefixCache* cache, const std::vector<int32_t>& prompt,
+                                   int64_t max_new_tokens, Sampler& sampler, DecodeHooks& hooks,
+                                   const GeneratorConfig& config) {
   GenerationResult r;
   r.prompt_tokens = int64_t(prompt.size());
   SpeculativeDecoder dec(engine, config.speculative);
-  auto seq = engine.new_sequence();
+  std::unique_ptr<SpeculativeSequence> spec;
+  if (cache) {
+    auto hit = cache->acquire(prompt, r.prompt_tokens - 1);
+    if (auto* s = dynamic_cast<SpeculativeSequence*>(hit.state.get()); s && hit.reused > 0) {
+      hit.state.release();
+      spec.reset(s);
+      r.cached_tokens = hit.reused;
+      dec.restore(*spec->model, *spec->anchor(hit.reused));
+    }
+  }
+  if (!spec) spec = std::make_unique<SpeculativeSequence>(engine.new_sequence()), r.cached_tokens = 0;
+  SequenceState& seq = *spec->model;
+  const int64_t total = r.prompt_tokens - r.cached_tokens, split = total > 1 ? total - 1 : total;
   std::vector<float> logits;
-  if (!prefill_in_calls(r, r.prompt_tokens, r.prompt_tokens, prefill_call_tokens(engine, config), hooks, logits,
+  if (!prefill_in_calls(r, r.cached_tokens, total, split, prefill_call_tokens(engine, config), hooks, logits,
                         [&](int64_t first, int64_t n) {
-                          return dec.prefill(*seq,
-                                             std::vector<int32_t>(prompt.begin() + first, prompt.begin() + first + n));
-                        }))
+                          auto begin = prompt.begin() + r.cached_tokens + first;
+                          auto out = dec.prefill(seq, std::vector<int32_t>(begin, begin + n));
+                          if (cache && first + n == split && split < total) {
+                            seq.checkpoint();
+                            spec->add_anchor(dec.save(seq, true));
+                          }
+                          return out;
+                        })) {
+    if (cache && spec->resume_point(seq.length()) > 0)  // cancelled: what it can resume from stays cached
+      cache->insert(std::vector<int32_t>(prompt.begin(), prompt.begin() + seq.length()), std::move(spec));
     return r;
+  }
+  std::vector<int32_t> held = prompt;  // the tokens `seq` holds: the prompt and every chosen token but the last
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
@@ -73,17 +99,19 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
   };
   int32_t tok = choose(logits, -1);
   bool go = emit(logits, tok);
-  while (go && r.completion_tokens < max_new_tokens && seq->length() + 1 < engine.max_context()) {
-    auto st = dec.step(*seq, tok, max_new_tokens - r.completion_tokens - 1);
+  while (go && r.completion_tokens < max_new_tokens && seq.length() + 1 < engine.max_context()) {
+    auto st = dec.step(seq, tok, max_new_tokens - r.completion_tokens - 1);
     const size_t V = st.logits.size() / (st.draft.size() + 1);
     int64_t accepted = 0;
+    held.push_back(tok);  // `last`, run by this step
     for (size_t j = 0; j <= st.draft.size(); ++j) {
       std::span<const float> row(st.logits.data() + j * V, V);
       tok = choose(row, j < st.draft.size() ? st.draft[j] : -1);
       if (!(go = emit(row, tok)) || j == st.draft.size() || tok != st.draft[j]) break;
       ++accepted;
+      held.push_back(tok);
     }
-    dec.commit(*seq, accepted);
+    dec.commit(seq, accepted);
     if (go && client_gone(hooks)) {
       r.finish = GenerationResult::Finish::kCancelled;
       break;
@@ -91,6 +119,13 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
   }
   r.decode_seconds = seconds_since(t1);
   r.speculative = dec.stats();
+  if (cache) {
+    MOESRV_CHECK(int64_t(held.size()) == seq.length(), "speculative: {} tokens held, state of {}", held.size(),
+                 seq.length());
+    seq.checkpoint();
+    spec->add_anchor(dec.save(seq, false));
+    cache->insert(std::move(held), std::move(spec));
+  }
   return r;
 }
 
@@ -99,7 +134,7 @@ GenerationResult generate_with_mtp(Engine& engine, const std::vector<int32_t>& p
 GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<int32_t>& prompt,
                           int64_t max_new_tokens, Sampler& sampler, DecodeHooks& hooks, GeneratorConfig config) {
   MOESRV_CHECK(!prompt.empty(), "empty prompt");
-  if (config.speculative > 0) return generate_with_mtp(engine, prompt, max_new_tokens, sampler, hooks, config);
+  if (config.speculative > 0) return generate_with_mtp(engine, cache, prompt, max_new_tokens, sampler, hooks, config);
   GenerationResult r;
   r.prompt_tokens = int64_t(prompt.size());
   std::unique_ptr<SequenceState> seq;
@@ -107,6 +142,8 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
     auto hit = cache->acquire(prompt, r.prompt_tokens - 1);
     seq = std::move(hit.state);
     r.cached_tokens = hit.reused;
+    // An entry of speculative decoding (another server setting): the model's part.
+    if (auto* spec = dynamic_cast<SpeculativeSequence*>(seq.get())) seq = std::move(spec->model);
   }
   if (!seq) seq = engine.new_sequence(), r.cached_tokens = 0;
   std::vector<int32_t> seq_tokens(prompt.begin(), prompt.begin() + r.cached_tokens);  // what `seq` holds
@@ -138,7 +175,7 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   const int64_t total = r.prompt_tokens - r.cached_tokens;
   const bool fixed = seq->has_fixed_state();
   const int64_t split = fixed && total > 1 ? total - 1 : total;
-  if (!prefill_in_calls(r, total, split, prefill_call_tokens(engine, config), hooks, logits,
+  if (!prefill_in_calls(r, r.cached_tokens, total, split, prefill_call_tokens(engine, config), hooks, logits,
                         [&](int64_t first, int64_t n) {
                           auto begin = prompt.begin() + r.cached_tokens + first;
                           auto out = forward(std::vector<int32_t>(begin, begin + n));

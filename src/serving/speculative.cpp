@@ -85,6 +85,56 @@ void SpeculativeDecoder::commit(SequenceState& seq, int64_t accepted) {
   step_len_ = -1;
 }
 
+MtpResume SpeculativeDecoder::save(const SequenceState& seq, bool keep_mtp) {
+  if (step_len_ >= 0) fail("speculative save inside a step");
+  MtpResume r{seq.length(), nullptr, pending_hidden_, pending_next_};
+  if (keep_mtp) r.mtp = mtp_seq_->clone();
+  else r.mtp = std::move(mtp_seq_);
+  return r;
+}
+
+void SpeculativeDecoder::restore(const SequenceState& seq, const MtpResume& r) {
+  if (seq.length() != r.length)
+    fail("speculative restore: state of length {} for a sequence of {}", r.length, seq.length());
+  mtp_seq_ = r.mtp->clone();
+  pending_hidden_ = r.pending_hidden;
+  pending_next_ = r.pending_next;
+  step_len_ = -1;
+}
+
+void SpeculativeSequence::truncate(int64_t n) {
+  if (n == length()) return;
+  if (resume_point(n) != n) fail("truncate({}): speculative state resumes only at its anchors", n);
+  model->truncate(n);
+  anchors_.drop_after(n);
+}
+
+std::unique_ptr<SequenceState> SpeculativeSequence::clone() const {
+  auto s = std::make_unique<SpeculativeSequence>(model->clone());
+  s->anchors_ = anchors_;
+  return s;
+}
+
+size_t SpeculativeSequence::bytes() const {
+  size_t b = model->bytes();
+  anchors_.for_each([&b](int64_t, const MtpResume& r) { b += r.bytes(); });
+  return b;
+}
+
+int64_t SpeculativeSequence::resume_point(int64_t n) const {
+  int64_t best = 0;
+  anchors_.for_each([&](int64_t at, const MtpResume&) {
+    if (at <= n && at <= length() && model->resume_point(at) == at) best = std::max(best, at);
+  });
+  return best;
+}
+
+void SpeculativeSequence::add_anchor(MtpResume r) {
+  if (r.length != length()) fail("speculative anchor at {} for a sequence of {}", r.length, length());
+  const int64_t at = r.length;
+  if (anchors_.wants(at)) anchors_.push(at, std::make_shared<const MtpResume>(std::move(r)));
+}
+
 int parse_speculative(const std::string& spec) {
   if (spec.empty() || spec == "off") return 0;
   const std::string prefix = "mtp:";

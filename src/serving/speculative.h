@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/checkpoint_list.h"
 #include "backend/engine.h"
 #include "serving/sampler.h"
 
@@ -23,6 +24,16 @@ struct SpeculativeStats {
   double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
   // Tokens the model commits per verify forward: the accepted drafts plus the one each step chooses itself.
   double tokens_per_step() const { return steps ? double(steps + accepted) / double(steps) : 0.0; }
+};
+
+// The decoder's own state at one model length: the MTP block's cache and the model's hidden rows (with their next
+// tokens) it has not run yet. With the model's state at that length it resumes speculative decoding there.
+struct MtpResume {
+  int64_t length = 0;  // the model's length
+  std::shared_ptr<const SequenceState> mtp;
+  std::vector<float> pending_hidden;
+  std::vector<int32_t> pending_next;
+  size_t bytes() const { return mtp->bytes() + pending_hidden.size() * 4 + pending_next.size() * 4; }
 };
 
 class SpeculativeDecoder {
@@ -47,6 +58,12 @@ class SpeculativeDecoder {
   // step's `last`).
   void commit(SequenceState& seq, int64_t accepted);
 
+  // The decoder's state for `seq` at its current length (between steps). `keep_mtp`: the MTP cache is copied
+  // (decoding goes on); otherwise it is moved into the result and the decoder is done.
+  MtpResume save(const SequenceState& seq, bool keep_mtp);
+  // Continues from `r` with `seq` holding the model's state at r.length (a resumed prefix); then prefill goes on.
+  void restore(const SequenceState& seq, const MtpResume& r);
+
   const SpeculativeStats& stats() const { return stats_; }
   const SequenceState& mtp_state() const { return *mtp_seq_; }  // the MTP block's cache
 
@@ -65,6 +82,29 @@ class SpeculativeDecoder {
   std::vector<int32_t> step_draft_;
   std::vector<float> step_hidden_;
   SpeculativeStats stats_;
+};
+
+// A prefix-cache entry of speculative decoding: the model's state plus the decoder's at anchor lengths (the end of a
+// prompt but its last token, the end of a generation), the only lengths it resumes at (the model's state must
+// resume there too: a checkpoint for recurrent state). Anchors are immutable and shared by clones.
+class SpeculativeSequence : public SequenceState {
+ public:
+  static constexpr size_t kMaxAnchors = 4;  // two turns
+  explicit SpeculativeSequence(std::unique_ptr<SequenceState> model_state) : model(std::move(model_state)) {}
+  int64_t length() const override { return model->length(); }
+  void truncate(int64_t n) override;
+  std::unique_ptr<SequenceState> clone() const override;
+  size_t bytes() const override;
+  int64_t resume_point(int64_t n) const override;
+  void checkpoint() override { model->checkpoint(); }
+  bool has_fixed_state() const override { return true; }
+  void add_anchor(MtpResume r);
+  const MtpResume* anchor(int64_t length) const { return anchors_.at(length); }
+
+  std::unique_ptr<SequenceState> model;
+
+ private:
+  CheckpointList<MtpResume> anchors_{kMaxAnchors};
 };
 
 // "mtp:K" (K draft tokens per step, 1..3) -> K; "" or "off" -> 0; anything else fails naming the value.

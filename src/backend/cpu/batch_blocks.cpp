@@ -110,30 +110,27 @@ void BatchBlocks::gqa(int64_t l) {
   gqa_finish(w, p, B_, attn.data(), y_.data());
 }
 
-void BatchBlocks::kda(int64_t l) {
-  const KdaWeights& w = *layers_[l].kda;
+template <class Weights, class Forward, class Project, class Mix>
+void BatchBlocks::recurrent(int64_t l, const Weights& w, const Linear& out, int64_t width, Forward forward,
+                            Project project, Mix mix) {
   if (!plan_.mixer[size_t(l)]) {
-    for (int64_t b = 0; b < B_; ++b) kda_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
+    for (int64_t b = 0; b < B_; ++b) forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
     return;
   }
-  const KdaProjection p = kda_project(w, c_, h_.data(), B_);
-  const int64_t width = c_.linear.v_heads * c_.linear.dk;
+  const auto p = project(w, c_, h_.data(), B_);
   std::vector<float> o(size_t(B_ * width));
-  for (int64_t b = 0; b < B_; ++b) kda_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
-  w.o->forward(o.data(), B_, y_.data());
+  for (int64_t b = 0; b < B_; ++b) mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
+  out.forward(o.data(), B_, y_.data());
+}
+
+void BatchBlocks::kda(int64_t l) {
+  const KdaWeights& w = *layers_[l].kda;
+  recurrent(l, w, *w.o, c_.linear.v_heads * c_.linear.dk, kda_forward, kda_project, kda_mix);
 }
 
 void BatchBlocks::gated_delta(int64_t l) {
   const GatedDeltaWeights& w = *layers_[l].gated_delta;
-  if (!plan_.mixer[size_t(l)]) {
-    for (int64_t b = 0; b < B_; ++b) gated_delta_forward(w, c_, h(b), 1, states_[size_t(b)][l], y(b));
-    return;
-  }
-  const GatedDeltaProjection p = gated_delta_project(w, c_, h_.data(), B_);
-  const int64_t width = c_.linear.v_heads * c_.linear.dv;
-  std::vector<float> o(size_t(B_ * width));
-  for (int64_t b = 0; b < B_; ++b) gated_delta_mix(w, c_, p, b, 1, states_[size_t(b)][l], o.data() + b * width);
-  w.out->forward(o.data(), B_, y_.data());
+  recurrent(l, w, *w.out, c_.linear.v_heads * c_.linear.dv, gated_delta_forward, gated_delta_project, gated_delta_mix);
 }
 
 void BatchBlocks::mlp(int64_t l) {

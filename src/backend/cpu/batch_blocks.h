@@ -44,6 +44,11 @@ class BatchBlocks final : public BlockExecutor {
  private:
   const float* h(int64_t b) const { return h_.data() + b * c_.hidden_size; }
   float* y(int64_t b) { return y_.data() + b * c_.hidden_size; }
+  // kda() and gated_delta(): the B rows' input projections at once, each sequence's conv and delta rule over its
+  // row (`width` values), the output projection `out` over all rows; per row whole when the plan says so.
+  template <class Weights, class Forward, class Project, class Mix>
+  void recurrent(int64_t l, const Weights& w, const Linear& out, int64_t width, Forward forward, Project project,
+                 Mix mix);
   const ModelSpec& c_;
   const LayerWeights* layers_;
   const Rope& rope_;

@@ -1,6 +1,7 @@
 #include "backend/cpu/cpu_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 
 #include "backend/cpu/cpu_blocks.h"
@@ -14,7 +15,9 @@
 namespace moesrv {
 
 namespace {
-constexpr size_t kMaxCheckpoints = 16;
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 }  // namespace
 
 CpuSequence::CpuSequence(const ModelSpec& c, const void* engine) : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
@@ -28,32 +31,27 @@ bool CpuSequence::resumable(int64_t n) const {
   if (n == length_ || n == 0 || !fixed_state_) return true;
   if (steps_from_ >= 0 && n > steps_from_ && n < length_) return true;
   if (!recurrent_ && n % c_->index_kpool == 0) return true;  // k-pool only: the open pool is empty there
-  return std::any_of(checkpoints_.begin(), checkpoints_.end(), [n](const auto& cp) { return cp->length == n; });
+  return checkpoints_.at(n) != nullptr;
 }
 
 int64_t CpuSequence::resume_point(int64_t n) const {
   n = std::min(n, length_);
   if (resumable(n)) return n;
-  int64_t best = 0;
-  for (const auto& cp : checkpoints_)
-    if (cp->length <= n) best = std::max(best, cp->length);
+  int64_t best = checkpoints_.latest_at_or_before(n);
   if (!recurrent_) best = std::max(best, n / c_->index_kpool * c_->index_kpool);
   return best;
 }
 
 void CpuSequence::checkpoint() {
-  if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back()->length == length_)) return;
-  auto cp = std::make_shared<Checkpoint>();
-  cp->length = length_;
-  cp->fixed.resize(layers.size());
+  if (!fixed_state_ || !checkpoints_.wants(length_)) return;
+  auto cp = std::make_shared<FixedState>(layers.size());
   for (size_t l = 0; l < layers.size(); ++l) {
-    cp->fixed[l].conv = layers[l].conv;
-    cp->fixed[l].recurrent = layers[l].recurrent;
-    cp->fixed[l].open_k = layers[l].open_k;
-    cp->fixed[l].open_g = layers[l].open_g;
+    (*cp)[l].conv = layers[l].conv;
+    (*cp)[l].recurrent = layers[l].recurrent;
+    (*cp)[l].open_k = layers[l].open_k;
+    (*cp)[l].open_g = layers[l].open_g;
   }
-  checkpoints_.push_back(std::move(cp));
-  if (checkpoints_.size() > kMaxCheckpoints) checkpoints_.erase(checkpoints_.begin());
+  checkpoints_.push(length_, std::move(cp));
 }
 
 void CpuSequence::record_steps() {
@@ -75,9 +73,7 @@ void CpuSequence::truncate(int64_t n) {
   if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
   if (n == length_) return drop_steps();
   if (!resumable(n)) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
-  const Checkpoint* cp = nullptr;
-  for (const auto& c : checkpoints_)
-    if (c->length == n) cp = c.get();
+  const FixedState* cp = checkpoints_.at(n);
   const int64_t step = steps_from_ >= 0 && n > steps_from_ ? n - steps_from_ - 1 : -1;  // a rollback point
   const ModelSpec& c = *c_;
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -100,10 +96,10 @@ void CpuSequence::truncate(int64_t n) {
         L.open_g = f.open_g;
       }
     } else if (cp) {
-      L.conv = cp->fixed[l].conv;
-      L.recurrent = cp->fixed[l].recurrent;
-      L.open_k = cp->fixed[l].open_k;
-      L.open_g = cp->fixed[l].open_g;
+      L.conv = (*cp)[l].conv;
+      L.recurrent = (*cp)[l].recurrent;
+      L.open_k = (*cp)[l].open_k;
+      L.open_g = (*cp)[l].open_g;
     } else {  // n == 0, or a pool boundary of a model without recurrent layers
       L.conv.clear();
       L.recurrent.clear();
@@ -111,7 +107,7 @@ void CpuSequence::truncate(int64_t n) {
       L.open_g.clear();
     }
   }
-  while (!checkpoints_.empty() && checkpoints_.back()->length > n) checkpoints_.pop_back();
+  checkpoints_.drop_after(n);
   length_ = n;
   drop_steps();
 }
@@ -119,8 +115,9 @@ void CpuSequence::truncate(int64_t n) {
 size_t CpuSequence::bytes() const {
   size_t b = 0;
   for (const auto& L : layers) b += L.bytes();
-  for (const auto& cp : checkpoints_)
-    for (const auto& L : cp->fixed) b += L.bytes();
+  checkpoints_.for_each([&b](int64_t, const FixedState& f) {
+    for (const auto& L : f) b += L.bytes();
+  });
   return b;
 }
 
@@ -165,7 +162,26 @@ void CpuEngine::forward_layers(CpuSequence& seq, float* x, int64_t S, int64_t po
                                cpu::TokenSelection& selection) {
   cpu::CpuBlocks blocks(weights_->config, weights_->layers.data(), rope_, seq.layers.data(), x, S, pos0, selection,
                         &usage_);
-  run_decoder_layers(weights_->config, blocks, begin, end);
+  if (!step_times_) return run_decoder_layers(weights_->config, blocks, begin, end);
+  step_times_->layer_s.resize(size_t(weights_->config.num_layers), 0.0);
+  for (int64_t l = begin; l < end; ++l) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run_decoder_layers(weights_->config, blocks, l, l + 1);
+    step_times_->layer_s[size_t(l)] += seconds_since(t0);
+  }
+}
+
+double CpuEngine::StepTimes::total() const {
+  double t = embed_s + head_s;
+  for (double x : layer_s) t += x;
+  return t;
+}
+
+void CpuEngine::StepTimes::add(const StepTimes& o) {
+  layer_s.resize(std::max(layer_s.size(), o.layer_s.size()), 0.0);
+  for (size_t i = 0; i < o.layer_s.size(); ++i) layer_s[i] += o.layer_s[i];
+  embed_s += o.embed_s;
+  head_s += o.head_s;
 }
 
 std::vector<float> CpuEngine::head_input(const float* x, int64_t S) const {
@@ -231,8 +247,13 @@ uint64_t CpuEngine::sequence_bytes(int64_t tokens) const {
   // fp32 state, plus the host checkpoints of the fixed state (one per kCheckpointInterval prompt tokens and the
   // prompt's end, at most kMaxCheckpoints).
   const ModelSpec& c = weights_->config;
-  const uint64_t checkpoints = std::min<uint64_t>(kMaxCheckpoints, uint64_t(tokens / kCheckpointInterval) + 2);
+  const uint64_t checkpoints =
+      std::min<uint64_t>(CpuSequence::kMaxCheckpoints, uint64_t(tokens / kCheckpointInterval) + 2);
   return state_bytes(c, tokens, 4) + checkpoints * state_bytes(c, 0, 4);
+}
+
+PassPolicy CpuEngine::pass_policy() const {
+  return {0, kCheckpointInterval, int64_t(CpuSequence::kMaxCheckpoints), weights_->config.has_recurrent_layers()};
 }
 
 std::vector<float> CpuEngine::forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
@@ -251,25 +272,24 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
   if (all_logits) out.reserve(size_t(S * c.vocab_size));
   if (rollback) seq.record_steps();
   else seq.drop_steps();
-  for (int64_t done = 0; done < S;) {
-    // Pieces end at checkpoint boundaries of the recurrent state (the whole batch otherwise, and for a verify).
-    int64_t n = S - done;
-    if (c.has_recurrent_layers() && S > 1 && !rollback)
-      n = std::min(n, kCheckpointInterval - (pos0 + done) % kCheckpointInterval);
-    std::vector<int32_t> piece(tokens.begin() + done, tokens.begin() + done + n);
-    std::vector<float> x(size_t(n * W));
+  for (const Pass& p : plan_passes(pass_policy(), pos0, S, rollback)) {
+    std::vector<int32_t> piece(tokens.begin() + p.offset, tokens.begin() + p.offset + p.rows);
+    std::vector<float> x(size_t(p.rows * W));
+    auto t0 = std::chrono::steady_clock::now();
     embed(piece, x.data());
+    if (step_times_) step_times_->embed_s += seconds_since(t0);
     cpu::TokenSelection selection;
-    forward_layers(seq, x.data(), n, pos0 + done, 0, c.num_layers, selection);
-    seq.length_ = pos0 + done + n;
-    done += n;
-    if (S > 1 && !rollback) seq.checkpoint();
+    forward_layers(seq, x.data(), p.rows, p.pos0, 0, c.num_layers, selection);
+    seq.length_ = p.pos0 + p.rows;
+    if (p.checkpoint) seq.checkpoint();
     if (hidden) {
-      auto h = head_input(x.data(), n);
+      auto h = head_input(x.data(), p.rows);
       hidden->insert(hidden->end(), h.begin(), h.end());
     }
-    if (all_logits || done == S) {
-      auto part = logits(x.data(), n, all_logits ? n : 1);
+    if (all_logits || p.last) {
+      t0 = std::chrono::steady_clock::now();
+      auto part = logits(x.data(), p.rows, all_logits ? p.rows : 1);
+      if (step_times_) step_times_->head_s += seconds_since(t0);
       out.insert(out.end(), part.begin(), part.end());
     }
   }

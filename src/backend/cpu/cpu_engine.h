@@ -3,9 +3,11 @@
 #include <memory>
 #include <string>
 
+#include "backend/checkpoint_list.h"
 #include "backend/cpu/batch_blocks.h"
 #include "backend/cpu/cpu_layers.h"
 #include "backend/engine.h"
+#include "backend/pass_plan.h"
 #include "model/rope.h"
 #include "model/weights.h"
 
@@ -13,11 +15,9 @@ namespace moesrv {
 
 class CpuSequence : public SequenceState {
  public:
-  // The fixed-size parts of every layer's state at one length (recurrent + conv state, open k-pool).
-  struct Checkpoint {
-    int64_t length = 0;
-    std::vector<cpu::LayerState> fixed;  // per layer: conv, recurrent, open_k, open_g only
-  };
+  // The fixed-size parts of every layer's state at one length: per layer conv, recurrent, open_k, open_g only.
+  using FixedState = std::vector<cpu::LayerState>;
+  static constexpr size_t kMaxCheckpoints = 16;
 
   CpuSequence(const ModelSpec& c, const void* owner);
   int64_t length() const override { return length_; }
@@ -43,7 +43,7 @@ class CpuSequence : public SequenceState {
   bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
   bool recurrent_ = false;
   int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)
-  std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
+  CheckpointList<FixedState> checkpoints_{kMaxCheckpoints};
 };
 
 class CpuEngine : public Engine, public MtpEngine {
@@ -66,6 +66,8 @@ class CpuEngine : public Engine, public MtpEngine {
   bool concurrent_sequence_ops() const override { return true; }  // states are host memory, one owner each
   static constexpr int64_t kCheckpointInterval = 2048;
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
+  // Passes of a forward (pass_plan.h): no row limit; recurrent models cut and checkpoint every kCheckpointInterval.
+  PassPolicy pass_policy() const;
 
   // MTP speculative decoding (mtp_forward.cpp): available when the package has the MTP block.
   MtpEngine* mtp() override { return weights_->mtp_block ? this : nullptr; }
@@ -91,6 +93,15 @@ class CpuEngine : public Engine, public MtpEngine {
   std::vector<float> head_input(const float* x, int64_t S) const;
   CpuSequence& own_sequence(SequenceState& seq) const;  // checked cast: fails unless new_sequence() made it
 
+  // Seconds spent in forward()'s steps, summed over calls while set (bench: time_steps(&t), forward, nullptr).
+  struct StepTimes {
+    std::vector<double> layer_s;  // per layer
+    double embed_s = 0, head_s = 0;
+    double total() const;
+    void add(const StepTimes& o);
+  };
+  void time_steps(StepTimes* t) { step_times_ = t; }
+
   const ModelSpec& config() const { return weights_->config; }
   // Routed-expert selections seen so far (for pinning hot experts at the next start, see usage_placement.h).
   const UsageStats* expert_usage() const override { return &usage_; }
@@ -102,6 +113,7 @@ class CpuEngine : public Engine, public MtpEngine {
                          std::vector<float>* hidden);
 
   std::unique_ptr<ModelWeights> weights_;
+  StepTimes* step_times_ = nullptr;
   cpu::BatchPlan batch_plan_;  // the blocks forward_batch runs over all rows
   ModelSpec mtp_spec_;  // the MTP block as a one-layer model (plain residual); set when the block is loaded
   Rope rope_;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iterator>
 
+#include "backend/checkpoint_list.h"
 #include "backend/cuda/engine_internal.h"
 #include "model/decoder.h"
 
@@ -19,7 +20,7 @@ namespace {
 // One sequence's state on the device, max_ctx tokens, allocated against the engine's budget: per softmax-attention
 // layer its KV (or latent) cache and indexer keys (per token, or pooled with the k-pool indexer and its open
 // pool), per linear-attention layer its conv and recurrent state. Fixed-size state cannot be rewound per token:
-// it is checkpointed (device copies) at the end of every multi-token forward, and truncate() goes back to those.
+// it is checkpointed (device copies) where the pass plan says (pass_plan.h), and truncate() goes back to those.
 class CudaSequence : public SequenceState {
  public:
   explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
@@ -65,10 +66,7 @@ class CudaSequence : public SequenceState {
   int64_t resume_point(int64_t n) const override {
     n = std::min(n, length_);
     if (!fixed_state_ || n == length_) return n;
-    int64_t best = 0;
-    for (const auto& cp : checkpoints_)
-      if (cp->length <= n) best = std::max(best, cp->length);
-    return best;
+    return checkpoints_.latest_at_or_before(n);
   }
   void truncate(int64_t n) override {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
@@ -77,35 +75,30 @@ class CudaSequence : public SequenceState {
       const DeviceGuard on(owner->opt.device);
       if (resume_point(n) != n)
         fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
-      const Checkpoint* cp = nullptr;
-      for (const auto& c : checkpoints_)
-        if (c->length == n) cp = c.get();
+      const FixedState* cp = checkpoints_.at(n);
       for (size_t l = 0; l < layers.size(); ++l)
         for (auto [buf, i] : fixed_buffers(l)) {
           if (!buf->bytes()) continue;
-          if (cp) copy(cp->fixed[l * 3 + i], *buf);
+          if (cp) copy((*cp)[l * 3 + i], *buf);
           else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
         }
-      while (!checkpoints_.empty() && checkpoints_.back()->length > n) checkpoints_.pop_back();
+      checkpoints_.drop_after(n);
     }
     length_ = n;  // later positions are overwritten by the next forward
   }
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
-    if (!fixed_state_ || length_ == 0 || (!checkpoints_.empty() && checkpoints_.back()->length == length_)) return;
+    if (!fixed_state_ || !checkpoints_.wants(length_)) return;
     const DeviceGuard on(owner->opt.device);
-    if (checkpoints_.size() == CudaEngine::Impl::kMaxCheckpoints)
-      checkpoints_.erase(checkpoints_.begin());  // room first
-    auto cp = std::make_shared<Checkpoint>();
-    cp->length = length_;
-    cp->fixed.resize(layers.size() * 3);
+    checkpoints_.make_room();  // the oldest copy's memory is freed before the next is allocated
+    auto cp = std::make_shared<FixedState>(layers.size() * 3);
     for (size_t l = 0; l < layers.size(); ++l)
       for (auto [buf, i] : fixed_buffers(l)) {
         if (!buf->bytes()) continue;
-        cp->fixed[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
-        copy(*buf, cp->fixed[l * 3 + i]);
+        (*cp)[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
+        copy(*buf, (*cp)[l * 3 + i]);
       }
-    checkpoints_.push_back(std::move(cp));
+    checkpoints_.push(length_, std::move(cp));
   }
   std::unique_ptr<SequenceState> clone() const override {
     const DeviceGuard on(owner->opt.device);
@@ -135,8 +128,9 @@ class CudaSequence : public SequenceState {
     for (const auto& L : layers)
       b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes() + L.pool_k.bytes() +
            L.open.bytes() + L.conv.bytes() + L.recurrent.bytes();
-    for (const auto& cp : checkpoints_)
-      for (const auto& f : cp->fixed) b += f.bytes();
+    checkpoints_.for_each([&b](int64_t, const FixedState& cp) {
+      for (const auto& f : cp) b += f.bytes();
+    });
     return b;
   }
   // Raw pointers of the fixed-size and pooled state for the engine's pass.
@@ -162,10 +156,7 @@ class CudaSequence : public SequenceState {
     static std::atomic<uint64_t> n{0};
     return ++n;
   }
-  struct Checkpoint {
-    int64_t length = 0;
-    std::vector<DeviceBuffer> fixed;  // [layer * 3 + i]: open, conv, recurrent (empty where the layer has none)
-  };
+  using FixedState = std::vector<DeviceBuffer>;  // [layer * 3 + i]: open, conv, recurrent (empty where none)
   static DeviceBuffer fixed(const CudaEngine::Impl& e, size_t floats, const char* what) {
     DeviceBuffer b(e.budget, floats * 4, what);
     MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), e.stream));
@@ -182,7 +173,7 @@ class CudaSequence : public SequenceState {
   }
   std::shared_ptr<SequenceGraphs> graphs_;  // the engine's, kept alive by the sequence
   bool fixed_state_ = false;
-  std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
+  CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};
 };
 
 }  // namespace
@@ -485,10 +476,10 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
   std::memcpy(m.h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
   MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
                                  seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
-  for (int64_t c0 = 0; c0 < S; c0 += m.rows) {
-    const int64_t n = std::min(m.rows, S - c0);
+  for (const Pass& p : plan_passes(m.pass_policy(), pos0, S)) {
+    const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
-    *m.h_pos0.as<int32_t>() = int32_t(pos0 + c0);
+    *m.h_pos0.as<int32_t>() = int32_t(p.pos0);
     std::memcpy(m.h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
@@ -505,11 +496,11 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     } else {
       m.run_layers(n);
       if (all_logits) m.lm_head_rows(0, n, logits.data() + c0 * V);
-      else if (c0 + n == S) m.lm_head_rows(n - 1, 1, logits.data());
+      else if (p.last) m.lm_head_rows(n - 1, 1, logits.data());
     }
-    seq->length_ = pos0 + c0 + n;
+    seq->length_ = p.pos0 + n;
+    if (p.checkpoint) seq->checkpoint();
   }
-  if (S > 1) seq->checkpoint();
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
   return logits;
 }
@@ -601,10 +592,10 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
   const bool whole_range = begin == m.layer_begin && end == m.layer_end;
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
   bind_sequence(m, *seq);
-  for (int64_t c0 = 0; c0 < S; c0 += m.rows) {
-    const int64_t n = std::min(m.rows, S - c0);
+  for (const Pass& p : plan_passes(m.pass_policy(), pos0, S)) {
+    const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
-    *m.h_pos0.as<int32_t>() = int32_t(pos0 + c0);
+    *m.h_pos0.as<int32_t>() = int32_t(p.pos0);
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
     std::memcpy(staged, a.hidden.data() + c0 * W, size_t(n * W) * 4);
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.s.x.as<void>(), staged, size_t(n * W) * 4, cudaMemcpyHostToDevice, m.stream));
@@ -628,9 +619,9 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
     MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
     std::memcpy(a.hidden.data() + c0 * W, staged, size_t(n * W) * 4);
     if (writes) unpack_selection(m.h_stage_sel.as<int32_t>(), n, Wsel, c0, a.selection);
-    seq->length_ = pos0 + c0 + n;
+    seq->length_ = p.pos0 + n;
+    if (p.checkpoint) seq->checkpoint();
   }
-  if (S > 1) seq->checkpoint();
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
 }
 

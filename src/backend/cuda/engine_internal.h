@@ -21,6 +21,7 @@
 #include "backend/cuda/host_experts.h"
 #include "backend/cuda/kernels.h"
 #include "backend/expert_cache.h"
+#include "backend/pass_plan.h"
 #include "backend/usage_stats.h"
 #include "model/weights.h"
 #include "util/error.h"
@@ -350,6 +351,8 @@ struct CudaEngine::Impl {
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
+  // Passes of a forward (pass_plan.h): `rows` each; recurrent models cut and checkpoint at multiples of `rows`.
+  PassPolicy pass_policy() const { return {rows, rows, int64_t(kMaxCheckpoints), c.has_recurrent_layers()}; }
 
   // Per-pass device state: positions, tokens, the current sequence's cache table.
   cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache;

@@ -1,0 +1,31 @@
+// One forward call as passes: where a multi-token forward is cut and after which passes the fixed-size state
+// (recurrent, conv, open k-pool) is checkpointed as a resume point. Every engine and pipeline stage (CPU and CUDA)
+// and the CPU bench run their passes from this plan, so chunking and the checkpoint policy are written once.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace moesrv {
+
+struct PassPolicy {
+  int64_t max_rows = 0;             // rows of one pass (the engine's activations); 0: no limit
+  int64_t checkpoint_interval = 0;  // resume points at multiples of this position (0: only a call's end)
+  int64_t max_checkpoints = 1;      // checkpoints a sequence keeps, the oldest dropped first
+  bool cut_at_checkpoints = false;  // passes also end at those multiples (models with recurrent state)
+};
+
+struct Pass {
+  int64_t offset = 0;  // first row of the call's tokens
+  int64_t rows = 0;
+  int64_t pos0 = 0;  // position of the first row
+  bool last = false;
+  bool checkpoint = false;  // checkpoint the fixed state after this pass
+};
+
+// The passes of a forward of S tokens at positions [pos0, pos0 + S). A multi-token forward checkpoints after every
+// pass that ends at a multiple of the interval (when cut there) and after its last pass, but never more than the
+// sequence keeps (earlier ones would be dropped within the same call); a single token and a rollback forward
+// (speculative verify: one pass, rollback points instead) checkpoint nothing.
+std::vector<Pass> plan_passes(const PassPolicy& policy, int64_t pos0, int64_t S, bool rollback = false);
+
+}  // namespace moesrv
