@@ -77,6 +77,10 @@ TEST(ModelSpec, StateBytesByLayerKind) {
   EXPECT_EQ(specs[3].bytes(100, 2) - specs[3].bytes(0, 2), uint64_t(100 * 32 * 2 + 25 * 16 * 2));
   ModelSpec g = spec_of("glm4_moe");
   EXPECT_EQ(state_bytes(g, 10, 2), uint64_t(g.num_layers * 10 * 2 * g.num_kv_heads * g.head_dim * 2));
+  // int8 caches (--kv-q8): one fp32 scale per token row of the MLA latent, of the GQA K and of the V cache.
+  EXPECT_EQ(specs[3].bytes(100, 1) - specs[3].bytes(0, 1), uint64_t(100 * (32 + 4) + 25 * 16));
+  EXPECT_EQ(state_bytes(g, 10, 1), uint64_t(g.num_layers * 10 * 2 * (g.num_kv_heads * g.head_dim + 4)));
+  EXPECT_EQ(specs[0].bytes(10, 1), specs[0].bytes(10, 2));  // fixed state keeps its fp32
 }
 
 // The manifest names exactly the tensors the checkpoint holds (visual tensors aside).

@@ -11,7 +11,7 @@ uint64_t buffer_bytes(const StateBuffer& x, int64_t rows, int64_t pool, int kv_b
                       int index_bytes) {
   const uint64_t elem = uint64_t(x.indexer && index_bytes >= 0 ? index_bytes : kv_bytes);
   switch (x.growth) {
-    case Growth::PerToken: return uint64_t(rows * x.elems) * elem;
+    case Growth::PerToken: return uint64_t(rows * x.elems) * elem + (x.int8_scale && elem == 1 ? uint64_t(rows) * 4 : 0);
     case Growth::PerPool: return uint64_t(rows / pool * x.elems) * elem;
     case Growth::Fixed: return uint64_t(x.elems) * uint64_t(fixed_bytes);
   }
@@ -34,12 +34,12 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
     st.layer = l;
     switch (L.mixer) {
       case Mixer::Mla:
-        st.buffers.push_back({"latent", Growth::PerToken, s.kv_lora_rank});
+        st.buffers.push_back({"latent", Growth::PerToken, s.kv_lora_rank, false, true});
         if (s.qk_rope_dim > 0) st.buffers.push_back({"k_rope", Growth::PerToken, s.qk_rope_dim});
         break;
       case Mixer::Gqa:
-        st.buffers.push_back({"k", Growth::PerToken, s.num_kv_heads * s.head_dim});
-        st.buffers.push_back({"v", Growth::PerToken, s.num_kv_heads * s.head_dim});
+        st.buffers.push_back({"k", Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
+        st.buffers.push_back({"v", Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
         break;
       case Mixer::Kda:
       case Mixer::GatedDelta:

@@ -16,6 +16,9 @@ struct StateBuffer {
   Growth growth;
   int64_t elems;  // per token, per completed pool, or in total
   bool indexer = false;  // DSA indexer keys (may be stored at another precision than the KV cache)
+  // Stored as int8 (1 byte per element), each token row carries an fp32 scale (MLA: latent and rope key share the
+  // latent's; GQA: one for K, one for V).
+  bool int8_scale = false;
 };
 
 struct StateSpec {
@@ -23,8 +26,8 @@ struct StateSpec {
   int64_t pool = 1;        // PerPool buffers grow by one row every `pool` tokens
   bool recurrent = false;  // holds a fixed-size recurrence: resumable only from checkpoints
   std::vector<StateBuffer> buffers;
-  // Bytes after `tokens` tokens with `kv_bytes` per growing element (`index_bytes` for indexer keys; < 0: the
-  // same) and `fixed_bytes` per fixed element.
+  // Bytes after `tokens` tokens with `kv_bytes` per growing element (1: int8 with per-token scales; `index_bytes`
+  // for indexer keys; < 0: the same) and `fixed_bytes` per fixed element.
   uint64_t bytes(int64_t tokens, int kv_bytes, int fixed_bytes = 4, int index_bytes = -1) const;
 };
 

@@ -98,12 +98,9 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   } else {
     kv_row = v_row = c.num_kv_heads * c.head_dim;
   }
-  // model/state.h's formula: bf16 (or int8) KV, bf16 DSA keys, fp32 pooled k-pool keys and fixed state; int8
-  // caches add a per-token fp32 scale per softmax-attention layer and cache.
-  int64_t attn_layers = 0;
-  for (int64_t l = layer_begin; l < layer_end; ++l) attn_layers += !c.layers[size_t(l)].recurrent();
-  seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, layer_begin, layer_end, c.index_kpool > 1 ? 4 : 2)) +
-              (opt.kv_q8 ? size_t(max_ctx * attn_layers * (v_row ? 8 : 4)) : 0);
+  // model/state.h's formula: bf16 (or int8 with per-token fp32 scales) KV, bf16 DSA keys, fp32 pooled k-pool keys
+  // and fixed state.
+  seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, layer_begin, layer_end, c.index_kpool > 1 ? 4 : 2));
   // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too.
   seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, layer_begin, layer_end, 4));
 
