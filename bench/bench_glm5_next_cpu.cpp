@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "tools/bench.h"
+#include "bench/bench.h"
 #include "util/error.h"
 
 int main(int argc, char** argv) {

@@ -1,4 +1,4 @@
-#include "tools/bench.h"
+#include "bench/bench.h"
 
 #include <fmt/format.h>
 
