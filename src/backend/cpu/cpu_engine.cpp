@@ -277,4 +277,22 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
   return out;
 }
 
+void CpuSequence::repeat_rows_to(int64_t tokens) {
+  const int64_t t0 = length_, pool = std::max<int64_t>(1, c_->index_kpool);
+  if (t0 <= 0 || tokens < t0 || t0 % pool || tokens % pool)
+    fail("repeat_rows_to: {} -> {} tokens (pool {})", t0, tokens, pool);
+  auto tile = [](std::vector<float>& v, int64_t rows0, int64_t rows) {
+    if (v.empty()) return;
+    const size_t width = v.size() / size_t(rows0);
+    v.resize(size_t(rows) * width);
+    for (int64_t r = rows0; r < rows; ++r)
+      std::copy_n(v.begin() + (r % rows0) * int64_t(width), width, v.begin() + r * int64_t(width));
+  };
+  for (cpu::LayerState& L : layers) {
+    for (auto* v : {&L.latent, &L.k_rope, &L.index_k, &L.k, &L.v}) tile(*v, t0, tokens);
+    tile(L.pool_k, t0 / pool, tokens / pool);
+  }
+  length_ = tokens;
+}
+
 }  // namespace moesrv

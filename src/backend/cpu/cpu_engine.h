@@ -44,6 +44,11 @@ class CpuSequence : public SequenceState {
   bool recurrent_ = false;
   int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)
   std::vector<std::shared_ptr<const Checkpoint>> checkpoints_;  // ascending length; shared by clones
+
+ public:
+  // bench: grows every per-token buffer by repeating rows, fixed state kept. The MLA latent / rope key, GQA K/V,
+  // indexer and pooled keys reach `tokens` rows; recurrent, conv and open-pool state stay. Pool-aligned lengths.
+  void repeat_rows_to(int64_t tokens);
 };
 
 class CpuEngine : public Engine, public MtpEngine {
