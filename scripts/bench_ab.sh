@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CPU bench A/B: builds tools/bench at REV in a git worktree (build dir kept between runs) and alternates it with
-# this tree's build/bench, N rounds, on the same bench arguments; prints best-of-N prefill/decode tok/s per context
-# and the ratio (after / before). Noisy hosts: raise N. Example (the model-core change, docs/perf.md):
+# CPU bench A/B: builds the bench target (bench/bench.cpp; tools/bench.cpp in older revisions) at REV in a git
+# worktree (build dir kept between runs) and alternates it with this tree's build/bench, N rounds, on the same bench
+# arguments; prints best-of-N prefill/decode tok/s per context and the ratio (after / before). Noisy hosts: raise N.
+# Example (the model-core change, docs/perf.md):
 #   scripts/bench_ab.sh 36975fa 5 --tiny --layers 4 --contexts 512,2048 --decode-tokens 64 --model-contexts 8192
 set -euo pipefail
 cd "$(dirname "$0")/.."

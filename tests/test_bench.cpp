@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 
 #include "backend/cpu/cpu_engine.h"
+#include "bench/bench.h"
 #include "model/synthetic_model.h"
-#include "tools/bench.h"
 #include "util/error.h"
 
 namespace moesrv {

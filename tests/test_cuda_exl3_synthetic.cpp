@@ -16,12 +16,12 @@
 #include "backend/cpu/linear.h"
 #include "backend/cuda/cuda_engine.h"
 #include "backend/usage_stats.h"
+#include "bench/bench.h"
 #include "engine_test_util.h"
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
 #include "runtime/placement.h"
-#include "tools/bench.h"
 
 namespace moesrv {
 namespace {

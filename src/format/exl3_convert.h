@@ -4,7 +4,7 @@
 // ("exl3.shape.<prefix>" = "<out>,<in>"); config.json gains quantization_config.
 //
 // Which tensors to quantize is a model question: model/exl3_selection.h decides from the tensor manifest for
-// every architecture with a ModelSpec (what tools/exl3_convert uses). Without `select`, the name rule below.
+// every architecture with a ModelSpec (what apps/exl3_convert uses). Without `select`, the name rule below.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -248,9 +248,15 @@ void refuse_missing(const ModelPackage& pkg, const ModelSpec& c, const std::stri
 }  // namespace
 
 std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> pkg, const LinearLoader& make) {
+  ModelSpec spec = ModelSpec::from_json(pkg->config());
+  return load(std::move(pkg), std::move(spec), make);
+}
+
+std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> pkg, ModelSpec spec,
+                                                 const LinearLoader& make) {
   auto w = std::make_unique<ModelWeights>();
   w->package = pkg;
-  w->config = ModelSpec::from_json(pkg->config());
+  w->config = std::move(spec);
   const ModelSpec& c = w->config;
   const bool nested = pkg->has("model.language_model.embed_tokens.weight") ||
                       pkg->unindexed().count("model.language_model.embed_tokens.weight");

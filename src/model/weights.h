@@ -110,6 +110,9 @@ struct ModelWeights {
   // Loads every tensor the config needs; a missing tensor is an error naming it.
   // Every matrix through `make_linear` (the CPU's load_linear keeps each as stored).
   static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg, const LinearLoader& make_linear);
+  // The same with the package's config already parsed (`spec` = ModelSpec::from_json(pkg->config())).
+  static std::unique_ptr<ModelWeights> load(std::shared_ptr<ModelPackage> pkg, ModelSpec spec,
+                                            const LinearLoader& make_linear);
 };
 
 }  // namespace moesrv

@@ -21,20 +21,23 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   bool gpu = cuda_available();
   if (o.backend == "cuda" && !gpu)
     fail("--backend cuda: this build has no CUDA backend or no CUDA device is visible");
-  if (o.backend == "cpu" || !gpu) return CpuEngine::open(model_dir, o.served_name);
+  std::shared_ptr<ModelPackage> pkg = ModelPackage::open(model_dir);
+  if (o.backend == "cpu" || !gpu) return std::make_unique<CpuEngine>(pkg, o.served_name);
   // The CUDA engine runs every layer kind: MLA/GQA (with the gated output), KDA and Gated DeltaNet, plain or mHC
   // residuals, the DSA and k-pool indexers, sigmoid-group and softmax routers, gated shared experts. Its delta-rule
   // kernel takes key heads of 32, 64, 96, 128, 192 or 256 values; a linear-attention model with others runs on the CPU.
-  const ModelSpec spec = ModelSpec::from_json(read_json_file(model_dir + "/config.json"));
-  const bool cuda_ready = !spec.has_recurrent_layers() || cuda_delta_rule_supports(spec.linear.dk);
+  auto spec = std::make_shared<const ModelSpec>(ModelSpec::from_json(pkg->config()));
+  const bool cuda_ready = !spec->has_recurrent_layers() || cuda_delta_rule_supports(spec->linear.dk);
   if (!cuda_ready) {
-    if (o.backend == "cuda") fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec.model_type);
-    return CpuEngine::open(model_dir, o.served_name);
+    if (o.backend == "cuda")
+      fail("--backend cuda: {} is not supported by the CUDA engine yet (use --backend cpu)", spec->model_type);
+    return std::make_unique<CpuEngine>(pkg, o.served_name, spec.get());
   }
-  return open_single_gpu_engine(model_dir, o);
+  return open_single_gpu_engine(pkg, spec, o);
 }
 
-std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, const EngineOptions& o) {
+std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
+                                               const EngineOptions& o) {
 #ifdef MOESRV_HAS_CUDA
   CudaEngineOptions c;
   c.served_name = o.served_name;
@@ -43,18 +46,18 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   c.prefill_chunk = o.prefill_chunk;
   c.kv_q8 = o.kv_q8;
   apply_cold_experts(o.cold_experts, c);
-  auto pkg = ModelPackage::open(model_dir);
+  c.spec = spec;
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
     // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16). It runs
     // inside the engine once the engine's own memory is allocated: its workspace is what the engine holds beyond
     // the dense weights and caches the plan counts (the activations of a prefill pass are GiBs at real width).
-    ModelSpec cfg = ModelSpec::from_json(pkg->config());
-    int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(cfg.max_position, 32768);
-    auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(cfg, *pkg));
-    auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(model_dir, cfg));
+    int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(spec->max_position, 32768);
+    auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, *pkg));
+    auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(pkg->dir(), *spec));
     const double budget = c.vram_budget_gib;
-    c.plan_placement = [cfg, ctx, fp, usage, budget](size_t engine_bytes, CudaEngineOptions& opt) {
+    c.plan_placement = [spec, ctx, fp, usage, budget](size_t engine_bytes, CudaEngineOptions& opt) {
+      const ModelSpec& cfg = *spec;
       const PlacementPlan first = plan_with_usage(cfg, budget, ctx, *usage, 0.0, fp.get());
       const double counted = double(first.vram_dense + first.vram_kv);
       const double workspace_gib = std::max(0.0, double(engine_bytes) - counted) / double(1ull << 30);
@@ -65,7 +68,8 @@ std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, con
   }
   return make_cuda_engine(pkg, c);
 #else
-  fail("{}: this build has no CUDA backend", model_dir);
+  (void)spec;
+  fail("{}: this build has no CUDA backend", pkg->dir());
 #endif
 }
 

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "format/package.h"
+#include "model/spec.h"
 
 namespace moesrv {
 
@@ -22,9 +24,12 @@ struct EngineOptions {
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu (see apply_cold_experts)
 };
 
+// Opens the package once and parses its config once; the engine reuses both.
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
-// The CUDA engine on one GPU (throws in CPU builds); under a budget, expert homes come from the planner.
-std::unique_ptr<Engine> open_single_gpu_engine(const std::string& model_dir, const EngineOptions& options);
+// The CUDA engine on one GPU (throws in CPU builds) for an opened package and its parsed config; under a budget,
+// expert homes come from the planner.
+std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
+                                               const EngineOptions& options);
 // Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefill-pass to a command (and --max-ctx when
 // `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);

@@ -33,14 +33,18 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   if (o.gpus < 1) fail("--gpus {}: expected at least 1", o.gpus);
   const bool cpu = o.backend == "cpu";
   if (!cpu && !cuda_available()) fail("--gpus {}: this build has no CUDA backend or no CUDA device is visible", o.gpus);
-  if (!cpu && o.gpus == 1) return open_single_gpu_engine(model_dir, o);
+  if (!cpu && o.gpus == 1) {
+    std::shared_ptr<ModelPackage> pkg = ModelPackage::open(model_dir);
+    return open_single_gpu_engine(pkg, std::make_shared<const ModelSpec>(ModelSpec::from_json(pkg->config())), o);
+  }
   std::vector<double> gib = o.vram_budgets_gib;
   if (gib.empty()) gib.push_back(o.vram_budget_gib);
   if (gib.size() == 1 && gib[0] <= 0) fail("--gpus {}: give --vram-budget (GiB, one for all or one per GPU)", o.gpus);
   // The package is opened once; the split is planned from its manifest (the sizes the CUDA engines upload: EXL3 as
   // stored, the rest bf16), before any weight is loaded.
   std::shared_ptr<ModelPackage> pkg = ModelPackage::open(model_dir);
-  const ModelSpec c = ModelSpec::from_json(pkg->config());
+  auto spec = std::make_shared<const ModelSpec>(ModelSpec::from_json(pkg->config()));
+  const ModelSpec& c = *spec;
   ModelSplitRequest req;
   req.budgets = vram_budgets_for(gib, o.gpus);
   req.context = o.max_ctx > 0 ? o.max_ctx : std::min<int64_t>(c.max_position, 32768);
@@ -49,7 +53,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   if (!plan.fits) fail("--gpus {}: {}", o.gpus, plan.error);
   std::vector<int64_t> splits;
   for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
-  if (cpu) return make_cpu_pipeline(std::make_shared<CpuEngine>(pkg, o.served_name), splits);
+  if (cpu) return make_cpu_pipeline(std::make_shared<CpuEngine>(pkg, o.served_name, spec.get()), splits);
   // One CUDA stage per planned GPU: device g, that GPU's budget and layers; each engine places its experts in the
   // VRAM its budget leaves (the rest on the CPU).
   if (cuda_device_count() < int(plan.gpus.size()))
@@ -58,6 +62,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   for (size_t g = 0; g < stages.size(); ++g) {
     CudaEngineOptions& s = stages[g];
     s.served_name = o.served_name;
+    s.spec = spec;
     s.device = int(g);
     s.vram_budget_gib = double(req.budgets[g]) / double(kGiB);
     s.max_ctx = req.context;

@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include "format/package.h"
-
 namespace moesrv {
 
 std::optional<UsageStats> load_model_usage(const std::string& model_dir, const ModelSpec& c) {
@@ -11,24 +9,35 @@ std::optional<UsageStats> load_model_usage(const std::string& model_dir, const M
   return UsageStats::load(UsageStats::default_path(model_dir), c.num_layers, c.n_routed_experts);
 }
 
-void save_model_usage(const std::string& model_dir, const ModelSpec& c, const UsageStats& run,
-                      const std::string& model_id) {
+namespace {
+
+// save_model_usage for a model of `layers` x `experts` routed experts (0 experts: nothing stored).
+void merge_and_save(const std::string& model_dir, int64_t layers, int64_t experts, const UsageStats& run,
+                    const std::string& model_id) {
   bool any = false;
   for (int64_t l = 0; l < run.layers() && !any; ++l) any = !run.empty(l);
   if (!any) return;
-  UsageStats merged = load_model_usage(model_dir, c).value_or(
-      UsageStats(run.layers(), run.experts(), run.experts_per_token()));
+  std::optional<UsageStats> stored;
+  if (experts > 0) stored = UsageStats::load(UsageStats::default_path(model_dir), layers, experts);
+  UsageStats merged = stored.value_or(UsageStats(run.layers(), run.experts(), run.experts_per_token()));
   merged.decay(0.5);
   merged.merge(run);
   merged.save(UsageStats::default_path(model_dir), model_id);
+}
+
+}  // namespace
+
+void save_model_usage(const std::string& model_dir, const ModelSpec& c, const UsageStats& run,
+                      const std::string& model_id) {
+  merge_and_save(model_dir, c.num_layers, c.n_routed_experts, run, model_id);
 }
 
 void save_engine_usage(const std::string& model_dir, const Engine& engine) {
   const UsageStats* run = engine.expert_usage();
   if (!run) return;
   try {
-    ModelSpec c = ModelSpec::from_json(read_json_file(model_dir + "/config.json"));
-    save_model_usage(model_dir, c, *run, engine.name());
+    // The engine counted [layers][routed experts] of this model: the shape of the stored file, no config needed.
+    merge_and_save(model_dir, run->layers(), run->experts(), *run, engine.name());
   } catch (const std::exception& e) {  // a read-only model folder must not fail the run
     fmt::print(stderr, "warning: expert usage statistics not saved: {}\n", e.what());
   }

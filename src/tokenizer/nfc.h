@@ -1,4 +1,4 @@
-// Unicode NFC normalization (tables generated from the Unicode database, see tools/gen_nfc_tables.py).
+// Unicode NFC normalization (tables generated from the Unicode database, see tokenizer/tools/gen_nfc_tables.py).
 #pragma once
 #include <string>
 #include <string_view>

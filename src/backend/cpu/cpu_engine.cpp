@@ -121,8 +121,8 @@ size_t CpuSequence::bytes() const {
   return b;
 }
 
-CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name)
-    : weights_(ModelWeights::load(pkg, load_linear)),
+CpuEngine::CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name, const ModelSpec* spec)
+    : weights_(spec ? ModelWeights::load(pkg, *spec, load_linear) : ModelWeights::load(pkg, load_linear)),
       rope_(weights_->config.rope),
       name_(std::move(served_name)),
       usage_(weights_->config.num_layers, std::max<int64_t>(1, weights_->config.n_routed_experts),
@@ -295,6 +295,24 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
   }
   seq.stop_recording();
   return out;
+}
+
+void CpuSequence::repeat_rows_to(int64_t tokens) {
+  const int64_t t0 = length_, pool = std::max<int64_t>(1, c_->index_kpool);
+  if (t0 <= 0 || tokens < t0 || t0 % pool || tokens % pool)
+    fail("repeat_rows_to: {} -> {} tokens (pool {})", t0, tokens, pool);
+  auto tile = [](std::vector<float>& v, int64_t rows0, int64_t rows) {
+    if (v.empty()) return;
+    const size_t width = v.size() / size_t(rows0);
+    v.resize(size_t(rows) * width);
+    for (int64_t r = rows0; r < rows; ++r)
+      std::copy_n(v.begin() + (r % rows0) * int64_t(width), width, v.begin() + r * int64_t(width));
+  };
+  for (cpu::LayerState& L : layers) {
+    for (auto* v : {&L.latent, &L.k_rope, &L.index_k, &L.k, &L.v}) tile(*v, t0, tokens);
+    tile(L.pool_k, t0 / pool, tokens / pool);
+  }
+  length_ = tokens;
 }
 
 }  // namespace moesrv

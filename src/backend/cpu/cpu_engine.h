@@ -44,11 +44,17 @@ class CpuSequence : public SequenceState {
   bool recurrent_ = false;
   int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)
   CheckpointList<FixedState> checkpoints_{kMaxCheckpoints};
+
+ public:
+  // bench: grows every per-token buffer by repeating rows, fixed state kept. The MLA latent / rope key, GQA K/V,
+  // indexer and pooled keys reach `tokens` rows; recurrent, conv and open-pool state stay. Pool-aligned lengths.
+  void repeat_rows_to(int64_t tokens);
 };
 
 class CpuEngine : public Engine, public MtpEngine {
  public:
-  explicit CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name = "");
+  // `spec`: the package's config already parsed (else it is parsed here).
+  explicit CpuEngine(std::shared_ptr<ModelPackage> pkg, std::string served_name = "", const ModelSpec* spec = nullptr);
   static std::unique_ptr<CpuEngine> open(const std::string& model_dir, std::string served_name = "");
 
   std::string name() const override { return name_; }

@@ -16,6 +16,8 @@
 
 namespace moesrv {
 
+struct ModelSpec;
+
 // True when this build has the CUDA backend and a CUDA device is visible (always false in CPU builds).
 bool cuda_available();
 // Linear-attention key head sizes the CUDA delta-rule kernel is instantiated for (linear_attention.cu).
@@ -34,6 +36,8 @@ enum class ExpertPlacement : uint8_t {
 
 struct CudaEngineOptions {
   std::string served_name;
+  // The package's config, already parsed (ModelSpec::from_json(pkg->config())); null: the engine parses it.
+  std::shared_ptr<const ModelSpec> spec;
   int device = 0;
   int64_t max_ctx = 0;           // tokens per sequence the KV cache holds; 0: min(max_position, 32768)
   int64_t prefill_chunk = 8192;  // tokens per prefill pass

@@ -63,7 +63,7 @@ void close_side(const HyperSide& side) {
 
 CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o)
     : opt(o),
-      weights(ModelWeights::load(pkg, load_linear)),
+      weights(o.spec ? ModelWeights::load(pkg, *o.spec, load_linear) : ModelWeights::load(pkg, load_linear)),
       c(weights->config),
       name(o.served_name),
       use_graph(o.use_graph) {

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "tools/bench.h"
+#include "bench/bench.h"
 #include "util/error.h"
 
 int main(int argc, char** argv) {
@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   app.add_option("--distinct-experts", o.synthetic.distinct_experts, "routed experts with their own weights (0: all)");
   app.add_option("--vocab", vocab, "vocabulary size");
   app.add_option("--seed", o.synthetic.seed, "synthetic weight seed");
-  app.add_flag("--no-self-check", no_check, "skip the check that the per-layer loop equals CpuEngine::forward");
+  app.add_flag("--no-self-check", no_check, "skip the check that the timed forward equals CpuEngine::forward");
   app.add_option("--json", json_out, "write the JSON report here");
   app.add_option("--markdown", md_out, "write the markdown report here");
   CLI11_PARSE(app, argc, argv);

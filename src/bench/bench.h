@@ -1,7 +1,9 @@
-// `bench`: measures the engine on a model (synthetic by default) at several contexts, calibrates the cost model
-// on this host (memcpy, CPU expert GEMV/GEMM), and projects placements to the full layer count: all experts in
-// VRAM, hybrid (VRAM budget, LRU + CPU/PCIe split) and a GPU-dense + all-CPU-experts baseline, each next to the
-// physical floor (bytes moved per token / bandwidth). Measured and modeled numbers are labelled as such.
+// The benchmarks' library (src/bench/; their programs are bench/*.cpp). `bench`: measures the engine on a model
+// (synthetic by default) at several contexts, calibrates the cost model on this host (memcpy, CPU expert GEMV/GEMM),
+// and projects placements to the full layer count: all experts in VRAM, hybrid (VRAM budget, LRU + CPU/PCIe split)
+// and a GPU-dense + all-CPU-experts baseline, each next to the physical floor (bytes moved per token / bandwidth).
+// Measured and modeled numbers are labelled as such. Pieces: calibration, measure (engine runs), projection,
+// report, run_bench (the sequence); cpu_layer_timing + cpu_layer_bench for `bench_glm5_next_cpu`.
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -54,7 +56,7 @@ struct CpuLayerBenchOptions {
   // (MLA latent, indexer keys): same sizes, hence the same work, as a real prefill of that length.
   std::vector<int64_t> extra_contexts = {8192, 32768};
   int64_t decode_tokens = 4;
-  bool self_check = true;  // first: the per-layer loop reproduces CpuEngine::forward on a tiny model
+  bool self_check = true;  // first: timing the steps keeps CpuEngine::forward exact on a tiny model
 };
 
 BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt);
