@@ -45,12 +45,7 @@ int64_t CpuSequence::resume_point(int64_t n) const {
 void CpuSequence::checkpoint() {
   if (!fixed_state_ || !checkpoints_.wants(length_)) return;
   auto cp = std::make_shared<FixedState>(layers.size());
-  for (size_t l = 0; l < layers.size(); ++l) {
-    (*cp)[l].conv = layers[l].conv;
-    (*cp)[l].recurrent = layers[l].recurrent;
-    (*cp)[l].open_k = layers[l].open_k;
-    (*cp)[l].open_g = layers[l].open_g;
-  }
+  for (size_t l = 0; l < layers.size(); ++l) (*cp)[l] = layers[l].fixed();
   checkpoints_.push(length_, std::move(cp));
 }
 
@@ -75,36 +70,18 @@ void CpuSequence::truncate(int64_t n) {
   if (!resumable(n)) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
   const FixedState* cp = checkpoints_.at(n);
   const int64_t step = steps_from_ >= 0 && n > steps_from_ ? n - steps_from_ - 1 : -1;  // a rollback point
-  const ModelSpec& c = *c_;
+  const int64_t pool = std::max<int64_t>(1, c_->index_kpool);
   for (size_t l = 0; l < layers.size(); ++l) {
     cpu::LayerState& L = layers[l];
-    auto cut = [n](std::vector<float>& v, int64_t per_token) {
-      if (!v.empty()) v.resize(size_t(n * per_token));
-    };
-    cut(L.latent, c.kv_lora_rank);
-    cut(L.k_rope, c.qk_rope_dim);
-    cut(L.k, c.num_kv_heads * c.head_dim);
-    cut(L.v, c.num_kv_heads * c.head_dim);
-    cut(L.index_k, c.index_head_dim);
-    if (!L.pool_k.empty() || !L.open_k.empty()) L.pool_k.resize(size_t(n / c.index_kpool * c.index_head_dim));
+    L.for_each_growing([&](std::vector<float>& v, bool pooled) {  // the first n tokens' rows
+      if (!v.empty()) v.resize(v.size() / size_t(pooled ? length_ / pool : length_) * size_t(pooled ? n / pool : n));
+    });
     if (step >= 0) {
-      if (!L.steps.empty()) {
-        const cpu::FixedState& f = L.steps[size_t(step)];
-        L.conv = f.conv;
-        L.recurrent = f.recurrent;
-        L.open_k = f.open_k;
-        L.open_g = f.open_g;
-      }
+      if (!L.steps.empty()) L.fixed() = L.steps[size_t(step)];
     } else if (cp) {
-      L.conv = (*cp)[l].conv;
-      L.recurrent = (*cp)[l].recurrent;
-      L.open_k = (*cp)[l].open_k;
-      L.open_g = (*cp)[l].open_g;
+      L.fixed() = (*cp)[l];
     } else {  // n == 0, or a pool boundary of a model without recurrent layers
-      L.conv.clear();
-      L.recurrent.clear();
-      L.open_k.clear();
-      L.open_g.clear();
+      L.fixed() = {};
     }
   }
   checkpoints_.drop_after(n);
@@ -301,17 +278,15 @@ void CpuSequence::repeat_rows_to(int64_t tokens) {
   const int64_t t0 = length_, pool = std::max<int64_t>(1, c_->index_kpool);
   if (t0 <= 0 || tokens < t0 || t0 % pool || tokens % pool)
     fail("repeat_rows_to: {} -> {} tokens (pool {})", t0, tokens, pool);
-  auto tile = [](std::vector<float>& v, int64_t rows0, int64_t rows) {
-    if (v.empty()) return;
-    const size_t width = v.size() / size_t(rows0);
-    v.resize(size_t(rows) * width);
-    for (int64_t r = rows0; r < rows; ++r)
-      std::copy_n(v.begin() + (r % rows0) * int64_t(width), width, v.begin() + r * int64_t(width));
-  };
-  for (cpu::LayerState& L : layers) {
-    for (auto* v : {&L.latent, &L.k_rope, &L.index_k, &L.k, &L.v}) tile(*v, t0, tokens);
-    tile(L.pool_k, t0 / pool, tokens / pool);
-  }
+  for (cpu::LayerState& L : layers)
+    L.for_each_growing([&](std::vector<float>& v, bool pooled) {
+      const int64_t rows0 = pooled ? t0 / pool : t0, rows = pooled ? tokens / pool : tokens;
+      if (v.empty()) return;
+      const size_t width = v.size() / size_t(rows0);
+      v.resize(size_t(rows) * width);
+      for (int64_t r = rows0; r < rows; ++r)
+        std::copy_n(v.begin() + (r % rows0) * int64_t(width), width, v.begin() + r * int64_t(width));
+    });
   length_ = tokens;
 }
 

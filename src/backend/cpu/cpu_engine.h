@@ -15,8 +15,8 @@ namespace moesrv {
 
 class CpuSequence : public SequenceState {
  public:
-  // The fixed-size parts of every layer's state at one length: per layer conv, recurrent, open_k, open_g only.
-  using FixedState = std::vector<cpu::LayerState>;
+  // The fixed-size parts of every layer's state at one length.
+  using FixedState = std::vector<cpu::FixedState>;
   static constexpr size_t kMaxCheckpoints = 16;
 
   CpuSequence(const ModelSpec& c, const void* owner);

@@ -9,31 +9,39 @@
 
 namespace moesrv::cpu {
 
-// The parts of a layer's state that per-token truncation cannot rewind.
+// The parts of a layer's state that per-token truncation cannot rewind: what checkpoints and rollback points copy.
 struct FixedState {
-  std::vector<float> conv, recurrent, open_k, open_g;
+  std::vector<float> conv;            // linear attention: the last kernel-1 conv inputs [kernel - 1, channels]
+  std::vector<float> recurrent;       // linear attention: delta-rule state [heads, dk, dv]
+  std::vector<float> open_k, open_g;  // k-pool: keys and gate logits of the open pool's tokens [< kpool, d]
   size_t bytes() const { return (conv.size() + recurrent.size() + open_k.size() + open_g.size()) * sizeof(float); }
 };
 
-// Per-layer state, fp32 (the buffers model/state.h describes). MLA keeps only the normalised latent and the
-// roped shared key (absorbed attention); recurrent layers keep a fixed-size state instead of a cache.
-struct LayerState {
+// Per-layer state, fp32 (the buffers model/state.h describes): the fixed part, and the buffers that grow with the
+// sequence. MLA keeps only the normalised latent and the roped shared key (absorbed attention); recurrent layers
+// keep only the fixed part.
+struct LayerState : FixedState {
   std::vector<float> latent, k_rope;  // MLA: [T, kv_lora_rank], [T, qk_rope_dim]
   std::vector<float> index_k;         // DSA indexer keys [T, index_head_dim]
   std::vector<float> pool_k;          // k-pool indexer: one pooled key per completed pool [P, index_head_dim]
-  std::vector<float> open_k, open_g;  // k-pool: keys and gate logits of the open pool's tokens [< kpool, d]
   std::vector<float> k, v;            // GQA: [T, kv_heads * head_dim]
-  std::vector<float> conv;            // linear attention: the last kernel-1 conv inputs [kernel - 1, channels]
-  std::vector<float> recurrent;       // linear attention: delta-rule state [heads, dk, dv]
   // Rollback points (speculative verify): with record_steps set, a forward of S tokens runs its recurrence token by
   // token (as S single-token steps would, bit for bit) and keeps the fixed state after each of its first S - 1
   // tokens in `steps` (the state after the last one is the live state).
   bool record_steps = false;
   std::vector<FixedState> steps;
+
+  FixedState& fixed() { return *this; }
+  const FixedState& fixed() const { return *this; }
+  // f(buffer, pooled) for every buffer that grows with the sequence: a row per token, or (pooled) per completed pool.
+  template <class F>
+  void for_each_growing(F&& f) {
+    for (auto* x : {&latent, &k_rope, &index_k, &k, &v}) f(*x, false);
+    f(pool_k, true);
+  }
   size_t bytes() const {
-    size_t b = (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + open_k.size() + open_g.size() +
-                k.size() + v.size() + conv.size() + recurrent.size()) *
-               sizeof(float);
+    size_t b = fixed().bytes() +
+               (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + k.size() + v.size()) * sizeof(float);
     for (const FixedState& f : steps) b += f.bytes();
     return b;
   }
