@@ -35,12 +35,16 @@ inline std::vector<int32_t> bench_prompt(size_t n) {
 
 struct PrefillDecodeTiming {
   double prefill_s = 0, decode_s = 0;  // the whole prompt; per greedy decode step
+  std::vector<double> verify_s;        // [k - 1]: a forward of k + 1 tokens with all logits (with verify_k)
 };
 
 // Times a prefill of `prompt` (after a 64-token warm-up prefill when `warm_up`), then `warm` untimed and `steps`
-// timed greedy decode steps; `before_timed` runs just before the timed steps (e.g. to read counters).
+// timed greedy decode steps; `before_timed` runs just before the timed steps (e.g. to read counters). With
+// verify_k > 0, then the verify of MTP speculative decoding for k = 1 .. verify_k: a forward of k + 1 tokens with
+// every row's logits, cut back to the context after each (a checkpoint there), best of 3 after one untimed.
 inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int32_t>& prompt, int warm, int steps,
-                                               bool warm_up = true, const std::function<void()>& before_timed = {}) {
+                                               bool warm_up = true, const std::function<void()>& before_timed = {},
+                                               int verify_k = 0) {
   using Clock = std::chrono::steady_clock;
   auto secs = [](Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); };
   auto seq = e.new_sequence();
@@ -57,6 +61,21 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
   t0 = Clock::now();
   for (int i = 0; i < steps; ++i) l = e.forward(*seq, {greedy(l)});
   t.decode_s = steps > 0 ? secs(t0) / steps : 0;
+  if (verify_k > 0) {
+    const int64_t len = seq->length();
+    seq->checkpoint();
+    for (int k = 1; k <= verify_k; ++k) {
+      const std::vector<int32_t> tokens(size_t(k + 1), greedy(l));
+      double best = 1e30;
+      for (int rep = 0; rep < 4; ++rep) {
+        t0 = Clock::now();
+        e.forward(*seq, tokens, true);
+        if (rep > 0) best = std::min(best, secs(t0));
+        seq->truncate(len);
+      }
+      t.verify_s.push_back(best);
+    }
+  }
   return t;
 }
 

@@ -7,6 +7,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "bench/bench.h"
+#include "bench/speculative_projection.h"
 #include "model/synthetic_model.h"
 #include "util/error.h"
 
@@ -83,6 +84,22 @@ TEST(Bench, RunsEndToEndOnTinyModel) {
   EXPECT_NE(r.markdown.find("| context | TTFT s |"), std::string::npos);
   EXPECT_NE(r.markdown.find("hybrid 22 GiB"), std::string::npos);
   EXPECT_TRUE(j.contains("hybrid_plan"));
+}
+
+// The MTP projection's tokens per step against the sum over acceptance patterns, enumerated.
+TEST(MtpProjection, TokensPerStepAndSpeedup) {
+  for (int k = 0; k <= 3; ++k)
+    for (double a : {0.0, 0.3, 0.7, 1.0}) {
+      double want = 0;  // P(first rejection after exactly j accepted drafts) x (j + 1) committed tokens
+      for (int j = 0; j <= k; ++j) want += (j + 1) * std::pow(a, j) * (j < k ? 1 - a : 1.0);
+      EXPECT_NEAR(mtp_tokens_per_step(k, a), want, 1e-12) << k << " " << a;
+    }
+  // Nothing accepted: one token per (verify + drafts); everything accepted: k + 1 tokens.
+  EXPECT_NEAR(mtp_projected_speedup(3, 0.0, 10, 12, 1), 10.0 / 15, 1e-12);
+  EXPECT_NEAR(mtp_projected_speedup(3, 1.0, 10, 12, 1), 40.0 / 15, 1e-12);
+  const auto j = mtp_projection_json(3, 10, 12, 1);
+  EXPECT_NEAR(j["verify_over_decode"].get<double>(), 1.2, 1e-12);
+  EXPECT_NEAR(j["projected_speedup_at_0.7"].get<double>(), (1 + 0.7 + 0.49 + 0.343) * 10 / 15, 1e-12);
 }
 
 }  // namespace

@@ -484,7 +484,8 @@ TEST(CudaSyntheticGlm5, Throughput) {
     t0 = std::chrono::steady_clock::now();
     CudaEngine e(pkg, opt);
     const double load = secs(t0);
-    const auto [prefill, decode] = test::time_prefill_decode(e, test::bench_prompt(2048), 4, variant == 0 ? 64 : 16);
+    const auto timing = test::time_prefill_decode(e, test::bench_prompt(2048), 4, variant == 0 ? 64 : 16);
+    const double prefill = timing.prefill_s, decode = timing.decode_s;
     std::printf("[ perf ] glm5-width 2 layers %s: load %.1f s, VRAM %.2f GiB, prefill 2048 tok %.1f ms (%.0f tok/s), "
                 "decode %.2f ms/token at ctx ~2k (graph replays %ld)\n",
                 variant == 0 ? "all-VRAM" : "half experts on CPU", load, double(e.stats().vram_used) / double(1ull << 30),

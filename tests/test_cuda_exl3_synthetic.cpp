@@ -17,6 +17,7 @@
 #include "backend/cuda/cuda_engine.h"
 #include "backend/usage_stats.h"
 #include "bench/bench.h"
+#include "bench/speculative_projection.h"
 #include "engine_test_util.h"
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
@@ -130,7 +131,8 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
     auto t0 = std::chrono::steady_clock::now();
     CudaEngine e(variant == 0 ? bf : synthetic_exl3(bf, 4), opt);
     const double load = secs(t0);
-    const auto [prefill, decode] = test::time_prefill_decode(e, test::bench_prompt(2048), 4, 64);
+    const auto timing = test::time_prefill_decode(e, test::bench_prompt(2048), 4, 64);
+    const double prefill = timing.prefill_s, decode = timing.decode_s;
     const auto st = e.stats();
     std::printf(
         "[ perf ] glm5-width 2 layers %s: load %.1f s, weights %.2f GiB (EXL3 %.2f), VRAM %.2f GiB, prefill 2048 "
@@ -241,18 +243,22 @@ struct SliceRun {
   double selections = 0, vram_selections = 0;  // per decode token (host-planned passes only)
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
+  std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
   bool hybrid = false;
   std::array<double, size_t(CudaPhase::Count)> prefill_phase_s{};  // device seconds per block kind
 };
+
+constexpr int kMtpVerifyK = 3;  // verify of 2, 3 and 4 tokens after the timed decode steps
 
 SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   SliceRun r;
   const CudaEngineStats before = e.stats();
   CudaEngineStats a;  // after the prefill and 4 warm steps (graph capture)
-  const auto t =
-      test::time_prefill_decode(e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); });
+  const auto t = test::time_prefill_decode(
+      e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); }, kMtpVerifyK);
   r.prefill_s = t.prefill_s;
   r.decode_s = t.decode_s;
+  r.verify_s = t.verify_s;
   const CudaEngineStats b = e.stats();
   const double n = decode_tokens;
   r.selections = double(b.routed_selections - a.routed_selections) / n;
@@ -447,6 +453,21 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"graph_nodes_per_layer", nodes_per_layer},
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
+        // MTP (issue 24): the verify projected to 45 layers as decode is; a draft costs one decode layer + the head
+        // (the MTP block is one decoder layer sharing the lm_head). The verify is a plain forward of k + 1 tokens
+        // (no rollback points: the CUDA engine has no MTP path yet) and runs outside the decode graph.
+        nlohmann::json mtp = nlohmann::json::array();
+        std::string mtp_line;
+        for (size_t k = 1; k <= r4.verify_s.size() && k <= r8.verify_s.size(); ++k) {
+          const double vl = (r8.verify_s[k - 1] - r4.verify_s[k - 1]) / 4;
+          const double v45 = r4.verify_s[k - 1] - 4 * vl + kFull * vl, head = r4.decode_s - 4 * dl;
+          mtp.push_back(mtp_projection_json(int(k), d45, v45, dl + head));
+          mtp_line += " k=" + std::to_string(k) + " verify/decode " + std::to_string(v45 / d45).substr(0, 5) +
+                      " speed-up at 0.7 " +
+                      std::to_string(mtp.back()["projected_speedup_at_0.7"].get<double>()).substr(0, 5);
+        }
+        std::printf("[ perf ] MTP, 45 layers projected:%s\n", mtp_line.c_str());
+        row["mtp"] = mtp;
         results.push_back(row);
       }
     }

@@ -12,6 +12,7 @@
 #include "bench/bench.h"
 #include "bench/common.h"
 #include "bench/cpu_layer_timing.h"
+#include "bench/speculative_projection.h"
 #include "model/state.h"
 #include "util/error.h"
 #include "util/thread_pool.h"
@@ -155,7 +156,7 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt) {
 
   // Prefill (each followed by decode at its context); the longest one's state seeds the extended contexts.
   json pj = json::array(), dj = json::array();
-  std::string prefill_rows, decode_rows;
+  std::string prefill_rows, decode_rows, mtp_rows;
   std::unique_ptr<SequenceState> longest;
   int64_t longest_len = 0;
   auto decode = [&](CpuSequence& seq, std::vector<float> logits, const std::string& state_note) {
@@ -182,6 +183,30 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt) {
       sj[k] = {{"engine_bytes_per_layer", v.first}, {"formula_bytes_per_layer", v.second}};
     json gbps = json::object();
     for (const auto& [kk, v] : m) gbps[kk] = kind_bytes.at(kk) / v / 1e9;
+    // MTP verify (issue 24): k + 1 tokens in one forward with rollback points, as SpeculativeDecoder::step runs
+    // them, then cut back (after one untimed verify). A draft costs one decode layer of the costliest kind plus the
+    // head (the MTP block is one decoder layer sharing the lm_head). Full-model seconds, as `full`.
+    double costliest = 0;
+    for (const auto& [kk, v] : m) costliest = std::max(costliest, v);
+    const double draft = costliest + t.head_s / n;
+    json mtp = json::array();
+    std::string mtp_cells;
+    seq.checkpoint();
+    const int64_t len = seq.length();
+    for (int k = 0; k <= 3; ++k) {
+      StepTimes vt;
+      std::vector<float> hidden;
+      engine.time_steps(&vt);
+      engine.forward_hidden(seq, std::vector<int32_t>(size_t(std::max(k, 3) + 1), next()), true, true, hidden);
+      engine.time_steps(nullptr);
+      seq.truncate(len);
+      if (k == 0) continue;  // the warm-up (k = 3)
+      const json row = mtp_projection_json(k, full, full_seconds(vt, 1), draft);
+      mtp_cells += fmt::format(" {:.2f} / {:.2f} |", row["verify_over_decode"].get<double>(),
+                               row["projected_speedup_at_0.7"].get<double>());
+      mtp.push_back(row);
+    }
+    mtp_rows += fmt::format("| {} |{}\n", ctx, mtp_cells);
     dj.push_back({{"context", ctx},
                   {"state", state_note},
                   {"seconds_per_token", step},
@@ -192,6 +217,7 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt) {
                   {"embed_ms", 1e3 * t.embed_s / n},
                   {"full_seconds_per_token", full},
                   {"full_decode_tps", 1 / full},
+                  {"mtp", mtp},
                   {"state_bytes", sj}});
   };
   for (int64_t S : opt.prefill) {
@@ -251,6 +277,12 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt) {
                     opt.decode_tokens);
   md += "| context | state | s/token | tok/s |" + kind_hdr + " lm_head ms | full s/token | full tok/s |\n";
   md += "|---:|---|---:|---:|" + kind_sep + "---:|---:|---:|\n" + decode_rows + "\n";
+  md +=
+      "**MTP verify** (issue 24; full model): k + 1 tokens in one forward with rollback points over one decode step, "
+      "and the projected speed-up at acceptance 0.7 with drafts costing one decode layer + lm_head each "
+      "(bench/speculative_projection.h)\n\n| context | k=1 verify/decode / speed-up | k=2 | k=3 |\n"
+      "|---:|---:|---:|---:|\n" +
+      mtp_rows + "\n";
   std::string bytes_list;
   for (const auto& [k, v] : kind_bytes) bytes_list += fmt::format("{} {:.0f} MB, ", k, v / 1e6);
   md += fmt::format(
