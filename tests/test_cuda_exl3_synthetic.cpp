@@ -160,7 +160,9 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 // Opt-in: MOESRV_CUDA_BENCH=1. MOESRV_BENCH_JSON=<file> writes docs/perf/glm5-next-h200.json's format;
 // MOESRV_BENCH_CONTEXTS (default 8192,32768), MOESRV_BENCH_BUDGETS (default all; e.g. all,44,22),
 // MOESRV_BENCH_ROUTING (default uniform; e.g. skewed,uniform) pick the matrix; MOESRV_BENCH_MLA_SPLIT=0 decodes MLA
-// with the per-head kernel instead of the key-split one (the default).
+// with the per-head kernel instead of the key-split one (the default). Each row also has "mtp" (the verify cost and
+// projected speed-up, issue 24); the JSON's "concurrency" has B = MOESRV_BENCH_STREAMS (default 1,2,4,8) streams
+// decoding together at the first context (Engine::forward_batch; issue 23).
 std::vector<std::string> env_list(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   std::string s = v && *v ? v : fallback;
@@ -271,6 +273,31 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   return r;
 }
 
+// Decode of B concurrent streams (issue 23): B clones of one sequence prefilled to `ctx`, one forward_batch step for
+// all of them, seconds per step (after 2 untimed steps: graph captures), for each B in `streams`.
+std::map<int64_t, double> time_streams(CudaEngine& e, int64_t ctx, const std::vector<int64_t>& streams) {
+  std::map<int64_t, double> out;
+  auto base = e.new_sequence();
+  const auto logits = e.forward(*base, test::bench_prompt(size_t(ctx)));
+  const int32_t first = test::greedy(logits);
+  for (int64_t B : streams) {
+    std::vector<std::unique_ptr<SequenceState>> own;
+    std::vector<SequenceState*> seqs;
+    for (int64_t b = 0; b < B; ++b) own.push_back(base->clone()), seqs.push_back(own.back().get());
+    std::vector<int32_t> tokens(size_t(B), first);
+    auto step = [&] {
+      const auto l = e.forward_batch(seqs, tokens);
+      for (size_t b = 0; b < l.size(); ++b) tokens[b] = test::greedy(l[b]);
+    };
+    step(), step();
+    constexpr int kSteps = 8;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kSteps; ++i) step();
+    out[B] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kSteps;
+  }
+  return out;
+}
+
 TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
   if (!std::getenv("MOESRV_CUDA_BENCH")) GTEST_SKIP() << "set MOESRV_CUDA_BENCH=1";
@@ -285,7 +312,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   constexpr int kFull = 45, kDecode = 32;
   const ModelSpec c45 = ModelSpec::from_json(glm5_next_config(kFull));
   const int64_t E = c45.n_routed_experts, K = c45.experts_per_token;
-  nlohmann::json results = nlohmann::json::array();
+  nlohmann::json results = nlohmann::json::array(), concurrency = nlohmann::json::array();
+  std::vector<int64_t> streams;  // MOESRV_BENCH_STREAMS (default 1,2,4,8; 0: none), at the first context
+  for (const std::string& v : env_list("MOESRV_BENCH_STREAMS", "1,2,4,8"))
+    if (std::stoll(v) > 0) streams.push_back(std::stoll(v));
 
   for (const std::string& routing : routings) {
     SyntheticOptions so;
@@ -351,6 +381,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       req.cost.host_mem_gbps = std::min(bw.host, cpu.bytes / cpu.s1 / 1e9);
       req.cost.cpu_gflops = 2 * cpu.params * 64 / cpu.s64 / 1e9;
       std::map<int, std::vector<SliceRun>> t;  // layers -> per context
+      std::map<int, std::map<int64_t, double>> per_step;  // layers -> streams -> seconds per batched step
       for (int layers : {4, 8}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
@@ -391,6 +422,19 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
               layers, budget.c_str(), routing.c_str(), long(ctx), r.prefill_s, double(ctx) / r.prefill_s,
               r.decode_s * 1e3, double(e.stats().vram_used) / double(kGiB));
         }
+        if (!streams.empty()) per_step[layers] = time_streams(e, contexts[0], streams);
+      }
+      for (int64_t B : streams) {  // projected to 45 layers as decode is
+        const double sl = (per_step[8][B] - per_step[4][B]) / 4, s45 = per_step[4][B] - 4 * sl + kFull * sl;
+        std::printf("[ perf ] %ld streams, %s GiB, %s, ctx %ld: %.1f tok/s aggregate, %.1f per stream\n", long(B),
+                    budget.c_str(), routing.c_str(), long(contexts[0]), double(B) / s45, 1 / s45);
+        concurrency.push_back(
+            {{"streams", B},
+             {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
+             {"routing", routing},
+             {"context", contexts[0]},
+             {"aggregate_tok_s", double(B) / s45},
+             {"per_stream_tok_s", 1 / s45}});
       }
       for (size_t i = 0; i < contexts.size(); ++i) {
         const SliceRun &r4 = t[4][i], &r8 = t[8][i];
@@ -481,7 +525,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
          "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer; "
          "budgets: the 45-layer plan at the largest context, its first layers' homes on the slice"},
         {"bandwidth_gbps", {{"device_copy", bw.device_copy}, {"pcie_h2d", bw.pcie_h2d}, {"host", bw.host}}},
-        {"results", results}};
+        {"results", results},
+        {"concurrency", concurrency}};
     std::ofstream(path) << j.dump(2) << "\n";
   }
 }
