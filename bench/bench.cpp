@@ -2,7 +2,6 @@
 // projections for all-in-VRAM, hybrid and CPU-experts placements, and the physical floors. See docs/perf.md.
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fstream>
 
 #include "bench/bench.h"
 #include "util/error.h"
@@ -52,11 +51,9 @@ int main(int argc, char** argv) {
     o.measure_engine = !no_engine;
     if (o.model_dir.empty()) o.synthetic_config = tiny ? tiny_moe_config(layers) : glm5_config(layers, vocab);
     BenchResult r = run_bench(o);
-    std::fputs(r.markdown.c_str(), stdout);
+    r.write(json_out, md_out);
     if (show_plan && r.json.contains("hybrid_plan_summary"))
       std::printf("\n%s", r.json["hybrid_plan_summary"].get<std::string>().c_str());
-    if (!json_out.empty()) std::ofstream(json_out) << r.json.dump(2) << "\n";
-    if (!md_out.empty()) std::ofstream(md_out) << r.markdown;
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

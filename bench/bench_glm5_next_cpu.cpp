@@ -3,7 +3,6 @@
 // See docs/perf-cpu-glm5-next.md.
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fstream>
 
 #include "bench/bench.h"
 #include "util/error.h"
@@ -30,10 +29,7 @@ int main(int argc, char** argv) {
     o.self_check = !no_check;
     o.config = glm5_next_config(4, vocab);
     o.config["mlp_layer_types"] = {"dense", "sparse", "sparse", "sparse"};
-    BenchResult r = run_cpu_layer_bench(o);
-    std::fputs(r.markdown.c_str(), stdout);
-    if (!json_out.empty()) std::ofstream(json_out) << r.json.dump(2) << "\n";
-    if (!md_out.empty()) std::ofstream(md_out) << r.markdown;
+    run_cpu_layer_bench(o).write(json_out, md_out);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -38,6 +38,8 @@ struct BenchOptions {
 struct BenchResult {
   nlohmann::json json;
   std::string markdown;
+  // The markdown to stdout, and the JSON / markdown to these files when named (fails naming a file it cannot write).
+  void write(const std::string& json_path, const std::string& markdown_path) const;
 };
 
 BenchResult run_bench(const BenchOptions& opt);

@@ -2,7 +2,9 @@
 // the engine, projects the full model and reports; CUDA builds then measure the GPU engine on the same layers.
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "backend/cpu/cpu_engine.h"
 #include "bench/bench.h"
@@ -13,6 +15,17 @@
 #include "bench/report.h"
 
 namespace moesrv {
+
+void BenchResult::write(const std::string& json_path, const std::string& markdown_path) const {
+  std::fputs(markdown.c_str(), stdout);
+  auto save = [](const std::string& path, const std::string& text) {
+    if (path.empty()) return;
+    std::ofstream f(path);
+    if (!(f << text)) fail("bench: cannot write {}", path);
+  };
+  save(json_path, json.dump(2) + "\n");
+  save(markdown_path, markdown);
+}
 
 BenchResult run_bench(const BenchOptions& opt) {
   using namespace bench;
