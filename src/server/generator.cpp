@@ -56,7 +56,8 @@ GenerationResult generate_with_mtp(Engine& engine, PrefixCache* cache, const std
   std::unique_ptr<SpeculativeSequence> spec;
   if (cache) {
     auto hit = cache->acquire(prompt, r.prompt_tokens - 1);
-    if (auto* s = dynamic_cast<SpeculativeSequence*>(hit.state.get()); s && hit.reused > 0) {
+    auto* s = dynamic_cast<SpeculativeSequence*>(hit.state.get());
+    if (s && hit.reused > 0 && s->anchor(hit.reused)) {  // (resume points are anchors: always there)
       hit.state.release();
       spec.reset(s);
       r.cached_tokens = hit.reused;
