@@ -6,11 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "util/timing.h"
+
 namespace moesrv::bench {
 
 using Clock = std::chrono::steady_clock;
 
-inline double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+inline double since(Clock::time_point t0) { return seconds_since(t0); }
 
 // The fastest of `reps` runs of f, in seconds.
 template <typename F>

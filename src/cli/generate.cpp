@@ -10,6 +10,7 @@
 #include "serving/speculative.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
+#include "util/timing.h"
 
 namespace moesrv::cli {
 
@@ -61,7 +62,7 @@ void run_generate(const GenerateOptions& o) {
     SpeculativeStats stats;
     auto t0 = std::chrono::steady_clock::now();
     auto out = generate_speculative(*engine, prompt, o.max_tokens, sampler, k, &stats);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double s = seconds_since(t0);
     fmt::print("{}\n", fmt::join(out, ","));
     if (tok) fmt::print("{}\n", tok->decode(out));
     fmt::print(stderr,

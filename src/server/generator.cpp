@@ -4,13 +4,11 @@
 #include <chrono>
 
 #include "util/error.h"
+#include "util/timing.h"
 
 namespace moesrv {
 
 namespace {
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 bool client_gone(DecodeHooks& hooks) { return hooks.client_alive && !hooks.client_alive(); }
 
 // Prompt tokens per forward call: the configured count, else the engine's pass length.

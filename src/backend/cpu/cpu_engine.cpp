@@ -11,14 +11,9 @@
 #include "model/decoder.h"
 #include "model/state.h"
 #include "util/error.h"
+#include "util/timing.h"
 
 namespace moesrv {
-
-namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 CpuSequence::CpuSequence(const ModelSpec& c, const void* engine) : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
   for (const StateSpec& st : state_specs(c)) {

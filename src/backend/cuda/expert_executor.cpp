@@ -16,6 +16,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cuda/engine_internal.h"
 #include "backend/expert_pass.h"
+#include "util/timing.h"
 
 namespace moesrv {
 
@@ -142,7 +143,7 @@ void CudaEngine::Impl::measure_cold_rates() {
         for (int j = 0; j < 2; ++j) {
           const auto t0 = std::chrono::steady_clock::now();
           cpu::mlp_forward(w, x.data(), j ? 8 : 1, y.data());
-          t[j] = std::min(t[j], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          t[j] = std::min(t[j], seconds_since(t0));
         }
       cold_rates.cpu_first_s = t[0];
       cold_rates.cpu_token_s = std::max(0.0, (t[1] - t[0]) / 7);
@@ -293,7 +294,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   cpu::add_routed_experts(jobs, hh, D, out);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = seconds_since(t0);
   const int64_t experts = int64_t(cpu_experts.size());
   for (int64_t i = 0; i < experts; ++i)
     update_cpu_rate(std::max<int64_t>(1, (total + experts / 2) / experts), seconds / double(experts));
