@@ -62,6 +62,15 @@ __device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
   }
 }
 
+// MUL1's value before decode_state's fp16 rounding is affine in the byte sum bs: w = A (1024 + bs) + C, with A and C
+// decode_state's fp16 constants. mul1_raw2 packs fp16(1024 + bs) of two states (exact in fp16); a sum of products
+// over these raw values times A, plus C times the sum of the inputs, is the product with the unrounded values.
+constexpr float kMul1A = 0.00676727294921875f, kMul1C = -10.3828125f;  // fp16 0x1eee, 0xc931
+__device__ __forceinline__ uint32_t mul1_raw2(uint32_t s0, uint32_t s1) {
+  const uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
+  return __byte_perm(a, b, 0x5410);
+}
+
 // Where lane `lane`'s 8 states sit in a tile's 8K words. For K <= 4 the lane's 7K+16 bits fit one 64-bit
 // window (w[j0] : w[j1]); otherwise state i = bits >> sh[i] of (w[i0[i]] : w[i1[i]]).
 template <int K>
@@ -104,6 +113,20 @@ __device__ __forceinline__ uint32_t stream_bits16(const uint32_t (&b)[N], int r)
   if (o == 8) return __byte_perm(b[w], 0u, 0x4421);  // bytes 1, 2: one PRMT instead of a shift and a mask
   if (o <= 16) return (b[w] >> (16 - o)) & 0xFFFFu;
   return __funnelshift_l(b[w + 1 < N ? w + 1 : N - 1], b[w], o) >> 16;
+}
+
+// stream_bits16 with the state moved to offset 0, 8 or 16 of a word shifted by d (a funnel shift the compiler shares
+// between the states of one word that pick the same d): one shift and one extraction, or one extraction at offsets
+// 0, 8 and 16. At K = 4 a word's 8 states take 11 instructions instead of 13.
+template <int N>
+__device__ __forceinline__ uint32_t stream_bits16_shared(const uint32_t (&b)[N], int r) {
+  const int w = r >> 5, o = r & 31;
+  if (o == 0) return b[w] >> 16;
+  if (o == 8) return __byte_perm(b[w], 0u, 0x4421);
+  if (o == 16) return b[w] & 0xFFFFu;
+  const int d = o < 24 ? (o & 7) : o - 16, e = o - d;  // e: the state's offset in the shifted word, 0, 8 or 16
+  const uint32_t v = __funnelshift_l(b[w + 1 < N ? w + 1 : N - 1], b[w], d);
+  return e == 0 ? v >> 16 : e == 8 ? __byte_perm(v, 0u, 0x4421) : v & 0xFFFFu;
 }
 
 // ---- 128-point Hadamard: lane holds elements 4*lane..4*lane+3 of a block ----

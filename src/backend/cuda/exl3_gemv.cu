@@ -360,8 +360,9 @@ __device__ __forceinline__ void gemv1_tile(const uint32_t (&w)[Gemv1<K>::N], int
 // product), B is the k-tile's xh split in fp16 hi and lo parts, nonzero only in lane t's own k slots: column t (hi)
 // and t + 4 (lo). So D[g][n] + D[g][n + 4] is lane 4g+n's column sum (accurate to ~fp32: the weights are exact in
 // fp16 and hi + lo carries ~22 bits of xh), and the fp32 convert + FMA per weight are gone. xb: the k-tile's B words
-// of this lane (zeros on lanes that are not the diagonal ones).
-template <int K, int CB>
+// of this lane (zeros on lanes that are not the diagonal ones). V = 2: states by stream_bits16_shared (same values);
+// V = 3: also MUL1's raw values (mul1_raw2: the caller makes A times the sums plus C times the inputs' sum).
+template <int K, int CB, int V>
 __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const uint4 (&xb)[2],
                                                float (&d)[Gemv1<K>::C / 2][4]) {
   using G = Gemv1<K>;
@@ -374,9 +375,13 @@ __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N],
   for (int pp = 0; pp < G::P; ++pp) {
     uint32_t h[4];  // pairs i = 0, 2, 4, 6: (column even, rows r, r + 1), (even, r + 8), (odd, r), (odd, r + 8)
 #pragma unroll
-    for (int i = 0; i < 8; i += 2)
-      h[i / 2] =
-          decode_state2<CB>(stream_bits16(b, (8 * pp + i + 1) * K + 16), stream_bits16(b, (8 * pp + i + 2) * K + 16));
+    for (int i = 0; i < 8; i += 2) {
+      const int r0 = (8 * pp + i + 1) * K + 16, r1 = r0 + K;
+      if constexpr (V == 1) h[i / 2] = decode_state2<CB>(stream_bits16(b, r0), stream_bits16(b, r1));
+      else if constexpr (V == 3 && CB == 2)
+        h[i / 2] = mul1_raw2(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
+      else h[i / 2] = decode_state2<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
+    }
     const int p4 = pp & 3;
     mma_m16n8k16_f16(d[pp >> 2], h[0], h[2], h[1], h[3], xw[2 * p4], xw[2 * p4 + 1]);
   }
@@ -397,7 +402,8 @@ __device__ __forceinline__ void gemv1_mma_sums(const float (&d)[C / 2][4], int l
     }
 }
 
-template <int K, int CB, bool kMma>
+// kMma: V = 1, 2 or 3 as gemv1_tile_mma.
+template <int K, int CB, bool kMma, int V = 1>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
@@ -472,7 +478,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
         if constexpr (kMma) {
           const uint4* src = xsrc + (k + u) * xstep;
           const uint4 xb[2] = {src[0], src[1]};
-          gemv1_tile_mma<K, CB>(ring[u], prev_lane, xb, d);
+          gemv1_tile_mma<K, CB, V>(ring[u], prev_lane, xb, d);
         } else {
           gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
         }
@@ -483,6 +489,18 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
       }
   }
   if constexpr (kMma) gemv1_mma_sums<G::C>(d, lane, acc);
+  if constexpr (kMma && V == 3 && CB == 2) {  // raw MUL1 values: A times the sums plus C times this range's inputs
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs);  // 16 words (hi, lo halves) per k-tile
+    float sx = 0.f;
+    for (int i = lane; i < nkt * 16; i += 32) {
+      const float2 f = __half22float2(*reinterpret_cast<const half2*>(xw + i));
+      sx += f.x + f.y;
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) sx += __shfl_xor_sync(0xffffffffu, sx, m);
+#pragma unroll
+    for (int c = 0; c < G::C; ++c) acc[c] = fmaf(kMul1A, acc[c], kMul1C * sx);
+  }
 
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
     float* red = smem + wk * tpw * 16 + kGemv1ZeroWords;
@@ -549,10 +567,20 @@ using Gemv1Fn = void (*)(Gemv1Args);
     &fn<1, cb, mma>, &fn<2, cb, mma>, &fn<3, cb, mma>, &fn<4, cb, mma>, &fn<5, cb, mma>, &fn<6, cb, mma>, \
         &fn<7, cb, mma>, &fn<8, cb, mma>                                                                  \
   }
-const Gemv1Fn kGemv1[2][3][8] = {{EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
-                                  EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
-                                 {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
-                                  EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)}};
+#define EXL3_K_TABLE_V(fn, cb, v)                                                                            \
+  {                                                                                                          \
+    &fn<1, cb, true, v>, &fn<2, cb, true, v>, &fn<3, cb, true, v>, &fn<4, cb, true, v>, &fn<5, cb, true, v>, \
+        &fn<6, cb, true, v>, &fn<7, cb, true, v>, &fn<8, cb, true, v>                                        \
+  }
+// [fp32 FMAs, tensor cores V = 1, 2, 3][codebook][K - 1] (V = 3 differs from 2 for MUL1 only)
+const Gemv1Fn kGemv1[4][3][8] = {
+    {EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
+     EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
+    {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
+     EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)},
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 2)},
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 3)}};
+#undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
@@ -621,11 +649,13 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
 }
 
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
-// cores; MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
+// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3: its tensor-core loop's V (gemv1_tile_mma; default 1);
+// MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
   return on;
 }
+
 bool exl3_gemv_v1() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV_V1");
   return on;
@@ -655,8 +685,8 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
                     w,
                     src};
   const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-  launch(kGemv1[exl3_gemv1_fma() ? 0 : 1][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups),
-         kGemv1Warps * 32, smem, s, a);
+  launch(kGemv1[exl3_gemv1_fma() ? 0 : exl3_gemv1_variant()][w.cb][w.K - 1],
+         dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -679,6 +709,15 @@ int exl3_gemv_blocks_per_sm() {
     return b > 0 ? std::min(b, 64) : 8;
   }();
   return n;
+}
+
+int exl3_gemv1_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("MOESRV_EXL3_GEMV1_VARIANT");
+    const int n = e ? std::atoi(e) : 1;
+    return n >= 1 && n <= 3 ? n : 1;
+  }();
+  return v;
 }
 
 bool exl3_gemv_tc_single() {
