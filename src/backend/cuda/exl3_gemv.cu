@@ -649,7 +649,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
 }
 
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
-// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3: its tensor-core loop's V (gemv1_tile_mma; default 1);
+// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3: its tensor-core loop's V (gemv1_tile_mma; default 2);
 // MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
@@ -714,8 +714,8 @@ int exl3_gemv_blocks_per_sm() {
 int exl3_gemv1_variant() {
   static const int v = [] {
     const char* e = std::getenv("MOESRV_EXL3_GEMV1_VARIANT");
-    const int n = e ? std::atoi(e) : 1;
-    return n >= 1 && n <= 3 ? n : 1;
+    const int n = e ? std::atoi(e) : 2;
+    return n >= 1 && n <= 3 ? n : 2;
   }();
   return v;
 }

@@ -56,7 +56,7 @@ int exl3_gemv_blocks_per_sm();
 // MOESRV_EXL3_GEMV_TC=1 for tuning runs), read once.
 bool exl3_gemv_tc_single();
 
-// The one-row tensor-core GEMV's inner loop (MOESRV_EXL3_GEMV1_VARIANT, default 1), read once: 1 and 2 sum the fp16
+// The one-row tensor-core GEMV's inner loop (MOESRV_EXL3_GEMV1_VARIANT, default 2), read once: 1 and 2 sum the fp16
 // weights (bit-identical results; 2 extracts the states with fewer instructions), 3 sums MUL1 weights unrounded (A
 // times the byte-sum values plus C times the inputs' sum): each weight then differs from its fp16 value by at most
 // half an fp16 ulp (2^-11 relative), so the product moves up to ~5e-4 (relative, rms) from the fp16-weight one.
