@@ -39,12 +39,13 @@ struct PrefillDecodeTiming {
 };
 
 // Times a prefill of `prompt` (after a 64-token warm-up prefill when `warm_up`), then `warm` untimed and `steps`
-// timed greedy decode steps; `before_timed` runs just before the timed steps (e.g. to read counters). With
-// verify_k > 0, then the verify of MTP speculative decoding for k = 1 .. verify_k: a forward of k + 1 tokens with
-// every row's logits, cut back to the context after each (a checkpoint there), best of 3 after one untimed.
+// timed greedy decode steps; `before_timed` and `after_timed` run just before and after the timed steps (e.g. to read
+// counters). With verify_k > 0, then the verify of MTP speculative decoding for k = 1 .. verify_k: a forward of k + 1
+// tokens with every row's logits, cut back to the context after each (a checkpoint there), best of 3 after one
+// untimed.
 inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int32_t>& prompt, int warm, int steps,
                                                bool warm_up = true, const std::function<void()>& before_timed = {},
-                                               int verify_k = 0) {
+                                               int verify_k = 0, const std::function<void()>& after_timed = {}) {
   using Clock = std::chrono::steady_clock;
   auto secs = [](Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); };
   auto seq = e.new_sequence();
@@ -61,6 +62,7 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
   t0 = Clock::now();
   for (int i = 0; i < steps; ++i) l = e.forward(*seq, {greedy(l)});
   t.decode_s = steps > 0 ? secs(t0) / steps : 0;
+  if (after_timed) after_timed();
   if (verify_k > 0) {
     const int64_t len = seq->length();
     seq->checkpoint();

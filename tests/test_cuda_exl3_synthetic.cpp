@@ -255,13 +255,14 @@ constexpr int kMtpVerifyK = 3;  // verify of 2, 3 and 4 tokens after the timed d
 SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   SliceRun r;
   const CudaEngineStats before = e.stats();
-  CudaEngineStats a;  // after the prefill and 4 warm steps (graph capture)
+  CudaEngineStats a, b;  // after the prefill and 4 warm steps (graph capture); after the timed steps
+  // (b before the MTP verify passes: their tokens are not decode steps, and under a budget they fetch experts)
   const auto t = test::time_prefill_decode(
-      e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); }, kMtpVerifyK);
+      e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); }, kMtpVerifyK,
+      [&] { b = e.stats(); });
   r.prefill_s = t.prefill_s;
   r.decode_s = t.decode_s;
   r.verify_s = t.verify_s;
-  const CudaEngineStats b = e.stats();
   const double n = decode_tokens;
   r.selections = double(b.routed_selections - a.routed_selections) / n;
   r.vram_selections = double(b.vram_selections - a.vram_selections) / n;
