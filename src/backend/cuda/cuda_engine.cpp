@@ -59,7 +59,8 @@ class CudaSequence : public SequenceState {
   }
   ~CudaSequence() override {
     if (!fixed_state_) return;
-    graphs_->drop(id);
+    for (int64_t n = 1; n <= CudaEngine::Impl::kMaxGraphRows; ++n)
+      graphs_->drop(CudaEngine::Impl::rows_graph_key(id, n));
     graphs_->drop(id | CudaEngine::Impl::kStageGraph);
   }
   int64_t length() const override { return length_; }
@@ -313,7 +314,9 @@ class CudaBlocks final : public BlockExecutor {
 
 // Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
 void CudaEngine::Impl::run_layers(int64_t S) {
-  clock.begin(opt.time_phases && S > 1);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOESRV_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
+  clock.begin(opt.time_phases && S > 1 && capture == cudaStreamCaptureStatusNone);  // (its finish() synchronises)
   phase(CudaPhase::Residual);
   CudaBlocks blocks(*this, S);
   blocks.embed();
@@ -388,6 +391,14 @@ const UsageStats* CudaEngine::Impl::drain_usage() const {
   for (int64_t l = 0; l < L; ++l)
     if (tokens[size_t(l)]) usage->add_counts(l, counts.data() + l * E, double(tokens[size_t(l)]));
   return usage.get();
+}
+
+int64_t CudaEngine::Impl::graph_rows() const {
+  static const int64_t env = [] {
+    const char* v = std::getenv("MOESRV_CUDA_GRAPH_ROWS");
+    return v ? std::clamp<int64_t>(std::atoi(v), 1, kMaxGraphRows) : 1;
+  }();
+  return std::min(env, lm_rows);
 }
 
 bool CudaEngine::Impl::graph_ok() const {
@@ -483,16 +494,21 @@ std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vecto
     std::memcpy(m.h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
     MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
-    if (n == 1 && m.graph_ok()) {
-      // Kernels of fixed-size state take the sequence's pointers: such models keep one graph per sequence.
-      cudaGraphExec_t& graph = seq->has_fixed_state() ? m.sequence_graphs->get(seq->id) : m.graph;
+    if (n <= m.graph_rows() && m.graph_ok()) {
+      // Kernels of fixed-size state take the sequence's pointers: such models keep graphs per sequence (and per
+      // row count); the others one per row count.
+      cudaGraphExec_t& graph =
+          seq->has_fixed_state() ? m.sequence_graphs->get(Impl::rows_graph_key(seq->id, n)) : m.graphs[size_t(n - 1)];
       replay_graph(m, graph, [&] {
-        m.run_layers(1);
-        m.linear(m.lm_head, m.s.h.as<float>(), 1, m.s.logits.as<float>());
+        m.run_layers(n);
+        m.linear(m.lm_head, m.s.h.as<float>(), n, m.s.logits.as<float>());
       });
-      MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>(), size_t(V) * 4, cudaMemcpyDeviceToHost, m.stream));
+      const int64_t r0 = all_logits ? 0 : n - 1, rows = all_logits ? n : 1;  // the logits rows returned
+      MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>() + r0 * V, size_t(rows * V) * 4,
+                                     cudaMemcpyDeviceToHost, m.stream));
       MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
-      std::memcpy(logits.data() + (all_logits ? c0 * V : 0), m.h_logits.as<float>(), size_t(V) * 4);
+      if (all_logits || p.last)
+        std::memcpy(logits.data() + (all_logits ? c0 * V : 0), m.h_logits.as<float>(), size_t(rows * V) * 4);
     } else {
       m.run_layers(n);
       if (all_logits) m.lm_head_rows(0, n, logits.data() + c0 * V);

@@ -115,7 +115,8 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 CudaEngine::Impl::~Impl() {
   cudaSetDevice(opt.device);  // a pipeline's engines live on several devices
   if (stream) cudaStreamSynchronize(stream);
-  if (graph) cudaGraphExecDestroy(graph);
+  for (cudaGraphExec_t g : graphs)
+    if (g) cudaGraphExecDestroy(g);
   if (stage_graph) cudaGraphExecDestroy(stage_graph);
   sequence_graphs->clear();
   for (auto& L : layers)

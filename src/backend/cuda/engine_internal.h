@@ -393,9 +393,16 @@ struct CudaEngine::Impl {
   mutable std::unique_ptr<UsageStats> usage;
   const UsageStats* drain_usage() const;
 
-  // Decode graph (one token, all experts in VRAM); models with fixed-size state keep one per sequence (its
-  // pointers are baked in): sequence_graphs, shared with the sequences so one that outlives the engine is safe.
-  cudaGraphExec_t graph = nullptr;
+  // Decode graphs (all experts in VRAM), per row count 1 .. graph_rows(): forwards of that many tokens replay them
+  // (one token: decode; a few: an MTP verify). Models with fixed-size state keep them per sequence (its pointers are
+  // baked in): sequence_graphs, keyed rows_graph_key(id, n), shared with the sequences so one that outlives the
+  // engine is safe.
+  static constexpr int64_t kMaxGraphRows = 8;
+  std::array<cudaGraphExec_t, kMaxGraphRows> graphs{};
+  static uint64_t rows_graph_key(uint64_t id, int64_t n) { return id | (uint64_t(n - 1) << 56); }
+  // Forwards of up to this many tokens run as graphs: MOESRV_CUDA_GRAPH_ROWS (1 .. 8, default 1: decode only; at most
+  // the lm_head's rows), read once.
+  int64_t graph_rows() const;
   // A stage's decode graph (its layer range, no embedding or head); with fixed-size state per sequence, keyed
   // id | kStageGraph in sequence_graphs. h_stage / h_stage_sel: pinned staging of the hand-off (allocated on use).
   cudaGraphExec_t stage_graph = nullptr;
