@@ -229,11 +229,7 @@ const GemmFn kGemm[3][2][3][8] = {EXL3_GEMM_FORM(0), EXL3_GEMM_FORM(1), EXL3_GEM
 #undef EXL3_GEMM_K_TABLE
 // MOESRV_EXL3_GEMM_FORM=0|1|2: grouped_gemm_kernel's kForm (default 0; comparison runs), read once.
 int gemm_form() {
-  static const int f = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
-    const int n = v ? std::atoi(v) : 0;
-    return n >= 0 && n <= 2 ? n : 0;
-  }();
+  static const int f = env_choice("MOESRV_EXL3_GEMM_FORM", 0, 2, 0);
   return f;
 }
 

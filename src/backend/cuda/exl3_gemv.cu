@@ -712,11 +712,7 @@ int exl3_gemv_blocks_per_sm() {
 }
 
 int exl3_gemv1_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("MOESRV_EXL3_GEMV1_VARIANT");
-    const int n = e ? std::atoi(e) : 2;
-    return n >= 1 && n <= 3 ? n : 2;
-  }();
+  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 3, 2);
   return v;
 }
 

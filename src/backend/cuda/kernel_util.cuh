@@ -132,6 +132,13 @@ inline bool env_flag(const char* name) {
   return v && std::atoi(v) != 0;
 }
 
+// The comparison switch `name` as a number in [lo, hi]; `fallback` when unset or outside.
+inline int env_choice(const char* name, int lo, int hi, int fallback) {
+  const char* v = std::getenv(name);
+  const int n = v ? std::atoi(v) : fallback;
+  return n >= lo && n <= hi ? n : fallback;
+}
+
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 }  // namespace moesrv::cuda
