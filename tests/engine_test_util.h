@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "util/timing.h"
 
 namespace moesrv::test {
 
@@ -47,7 +48,6 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
                                                bool warm_up = true, const std::function<void()>& before_timed = {},
                                                int verify_k = 0, const std::function<void()>& after_timed = {}) {
   using Clock = std::chrono::steady_clock;
-  auto secs = [](Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); };
   auto seq = e.new_sequence();
   if (warm_up) {
     e.forward(*seq, std::vector<int32_t>(prompt.begin(), prompt.begin() + std::min<size_t>(64, prompt.size())));
@@ -56,12 +56,12 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
   PrefillDecodeTiming t;
   auto t0 = Clock::now();
   auto l = e.forward(*seq, prompt);
-  t.prefill_s = secs(t0);
+  t.prefill_s = seconds_since(t0);
   for (int i = 0; i < warm; ++i) l = e.forward(*seq, {greedy(l)});
   if (before_timed) before_timed();
   t0 = Clock::now();
   for (int i = 0; i < steps; ++i) l = e.forward(*seq, {greedy(l)});
-  t.decode_s = steps > 0 ? secs(t0) / steps : 0;
+  t.decode_s = steps > 0 ? seconds_since(t0) / steps : 0;
   if (after_timed) after_timed();
   if (verify_k > 0) {
     const int64_t len = seq->length();
@@ -72,7 +72,7 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
       for (int rep = 0; rep < 4; ++rep) {
         t0 = Clock::now();
         e.forward(*seq, tokens, true);
-        if (rep > 0) best = std::min(best, secs(t0));
+        if (rep > 0) best = std::min(best, seconds_since(t0));
         seq->truncate(len);
       }
       t.verify_s.push_back(best);

@@ -14,6 +14,7 @@
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
 #include "util/error.h"
+#include "util/timing.h"
 
 namespace moesrv {
 namespace {
@@ -471,7 +472,6 @@ TEST(CudaSyntheticGlm5, Throughput) {
   so.distinct_experts = 4;
   auto t0 = std::chrono::steady_clock::now();
   auto pkg = make_synthetic_model(cfg, so);
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
   for (int variant = 0; variant < 2; ++variant) {
     CudaEngineOptions opt;
     opt.max_ctx = 4096;
@@ -483,7 +483,7 @@ TEST(CudaSyntheticGlm5, Throughput) {
     }
     t0 = std::chrono::steady_clock::now();
     CudaEngine e(pkg, opt);
-    const double load = secs(t0);
+    const double load = seconds_since(t0);
     const auto timing = test::time_prefill_decode(e, test::bench_prompt(2048), 4, variant == 0 ? 64 : 16);
     const double prefill = timing.prefill_s, decode = timing.decode_s;
     std::printf("[ perf ] glm5-width 2 layers %s: load %.1f s, VRAM %.2f GiB, prefill 2048 tok %.1f ms (%.0f tok/s), "

@@ -23,6 +23,7 @@
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
 #include "runtime/placement.h"
+#include "util/timing.h"
 
 namespace moesrv {
 namespace {
@@ -123,14 +124,13 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
   SyntheticOptions so;
   so.distinct_experts = 4;
   auto bf = make_synthetic_model(cfg, so);
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
   for (int variant = 0; variant < 2; ++variant) {
     CudaEngineOptions opt;
     opt.max_ctx = 4096;
     opt.prefill_chunk = 2048;
     auto t0 = std::chrono::steady_clock::now();
     CudaEngine e(variant == 0 ? bf : synthetic_exl3(bf, 4), opt);
-    const double load = secs(t0);
+    const double load = seconds_since(t0);
     const auto timing = test::time_prefill_decode(e, test::bench_prompt(2048), 4, 64);
     const double prefill = timing.prefill_s, decode = timing.decode_s;
     const auto st = e.stats();
@@ -181,7 +181,6 @@ struct Bandwidths {
 };
 
 Bandwidths measure_bandwidths() {
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
   Bandwidths bw;
   const size_t n = size_t(1) << 30;
   void *a = nullptr, *b = nullptr, *h = nullptr;
@@ -195,11 +194,11 @@ Bandwidths measure_bandwidths() {
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 10; ++i) cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
   cudaDeviceSynchronize();
-  bw.device_copy = 2.0 * 10 * double(n) / secs(t0) / 1e9;  // read + write
+  bw.device_copy = 2.0 * 10 * double(n) / seconds_since(t0) / 1e9;  // read + write
   t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 5; ++i) cudaMemcpy(a, h, n, cudaMemcpyHostToDevice);
   cudaDeviceSynchronize();
-  bw.pcie_h2d = 5.0 * double(n) / secs(t0) / 1e9;
+  bw.pcie_h2d = 5.0 * double(n) / seconds_since(t0) / 1e9;
   cudaFree(a);
   cudaFree(b);
   cudaFreeHost(h);
@@ -214,7 +213,6 @@ struct CpuExpertRate {
 };
 
 CpuExpertRate measure_cpu_expert(const std::shared_ptr<ModelPackage>& pkg) {
-  auto secs = [](auto a) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(); };
   auto w = ModelWeights::load(pkg, load_linear);
   CpuExpertRate r;
   for (const auto& L : w->layers) {
@@ -230,7 +228,7 @@ CpuExpertRate measure_cpu_expert(const std::shared_ptr<ModelPackage>& pkg) {
       for (int i = 0; i < 3; ++i) {
         auto t0 = std::chrono::steady_clock::now();
         cpu::mlp_forward(m, x.data(), n, y.data());
-        best = std::min(best, secs(t0));
+        best = std::min(best, seconds_since(t0));
       }
       (n == 1 ? r.s1 : r.s64) = best;
     }

@@ -14,6 +14,7 @@
 #include "reference_util.h"
 #include "runtime/engine_factory.h"
 #include "runtime/pipeline_cuda_stage.h"
+#include "util/timing.h"
 
 namespace moesrv {
 namespace {
@@ -250,7 +251,6 @@ TEST(CudaPipelineFactory, BudgetPlanCountsTheEngineWorkspace) {
 TEST(CudaPipelineBench, HandOffOverheadPerToken) {
   SKIP_WITHOUT_CUDA();
   if (!std::getenv("MOESRV_CUDA_BENCH")) GTEST_SKIP() << "set MOESRV_CUDA_BENCH=1";
-  auto secs = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   for (const char* model : {"deepseek_v3", "glm4_moe", "glm_moe_dsa", "glm5_next"}) {
     auto pkg = ModelPackage::open(hf_tiny(model));
     const ModelSpec c = ModelSpec::from_json(pkg->config());
@@ -266,7 +266,7 @@ TEST(CudaPipelineBench, HandOffOverheadPerToken) {
       for (int i = 0; i < 8; ++i) l = e.forward(*seq, {argmax(l.data(), c.vocab_size)});  // warm-up, graph capture
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < steps; ++i) l = e.forward(*seq, {argmax(l.data(), c.vocab_size)});
-      return secs(t0) / steps * 1e3;
+      return seconds_since(t0) / steps * 1e3;
     };
     const double one = decode(single), two = decode(*pipe);
     std::printf(

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "backend/cuda/exl3_device.cuh"
 #include "backend/cuda/exl3_ops.h"
@@ -70,9 +69,10 @@ struct StageWords {
   }
 };
 
-// The warp's staged words into its scratch ws (for decode_tile).
-template <int K>
-__device__ __forceinline__ void stage_to_scratch(const StageWords<K>& w, uint32_t* ws, int lane) {
+// Decodes the warp's staged words (via its scratch ws) into the B fragments of its column tile: per k-tile, lane l's
+// uint4 holds (rows 2t, 2t+1 | 2t+8, 2t+9) of column l/4, then of column l/4 + 8 (t = l % 4), the m16n8k16 layout.
+template <int K, int CB>
+__device__ __forceinline__ void decode_stage(const StageWords<K>& w, uint32_t* ws, int lane, uint32_t* b, int ct) {
   constexpr int kChunks = StageWords<K>::kChunks;
 #pragma unroll
   for (int j = 0; j < StageWords<K>::kLoads; ++j) {
@@ -80,86 +80,53 @@ __device__ __forceinline__ void stage_to_scratch(const StageWords<K>& w, uint32_
     if (c < kStageTiles * kChunks) reinterpret_cast<uint4*>(ws)[c] = w.r[j];
   }
   __syncwarp();
-}
-// Decodes k-tile u of the scratch into the B fragments of column tile ct: lane l's uint4 holds (rows 2t, 2t+1 |
-// 2t+8, 2t+9) of column l/4, then of column l/4 + 8 (t = l % 4), the m16n8k16 layout.
-template <int K, int CB>
-__device__ __forceinline__ void decode_tile(const uint32_t* ws, const LanePos<K>& pos, int lane, uint32_t* b, int ct,
-                                            int u) {
-  uint32_t s[8];
-  pos.states(ws + u * 8 * K, s);
-  const uint4 f = make_uint4(decode_state2<CB>(s[0], s[1]), decode_state2<CB>(s[2], s[3]),
-                             decode_state2<CB>(s[4], s[5]), decode_state2<CB>(s[6], s[7]));
-  reinterpret_cast<uint4*>(b)[(u * 8 + ct) * 32 + lane] = f;
-}
-// Decodes the warp's staged words (via its scratch ws) into the B fragments of its column tile, every k-tile.
-template <int K, int CB>
-__device__ __forceinline__ void decode_stage(const StageWords<K>& w, uint32_t* ws, int lane, uint32_t* b, int ct) {
-  stage_to_scratch<K>(w, ws, lane);
   const LanePos<K> pos(lane);
 #pragma unroll
-  for (int u = 0; u < kStageTiles; ++u) decode_tile<K, CB>(ws, pos, lane, b, ct, u);
+  for (int u = 0; u < kStageTiles; ++u) {
+    uint32_t s[8];
+    pos.states(ws + u * 8 * K, s);
+    const uint4 f = make_uint4(decode_state2<CB>(s[0], s[1]), decode_state2<CB>(s[2], s[3]),
+                               decode_state2<CB>(s[4], s[5]), decode_state2<CB>(s[6], s[7]));
+    reinterpret_cast<uint4*>(b)[(u * 8 + ct) * 32 + lane] = f;
+  }
   __syncwarp();
 }
 
 // Grid (out_pad / 128, tiles), 8 warps: warp w decodes column tile w of the block; for the MMAs the warps form
 // WM = BM / 32 rows x WN = 8 / WM columns: warp (wm, wn) owns rows 32 wm .. + 31 and CT = 8 / WN column tiles from
 // CT wn (2 x 2 CT m16n8k16 products per k-tile).
-// kForm 0: x in two stages, each stage's trellis words loaded one stage ahead and decoded after the stage's products.
-// kForm 1 and 2: x in three stages (two ahead), the words two stages ahead in a register ring (their HBM latency
-// hidden behind two stages of products); 1 decodes the next stage's k-tile u right after the products of k-tile u
-// (decode and tensor-core work of one warp side by side), 2 after all of them.
-template <int K, int CB, int BM, int kForm>
+template <int K, int CB, int BM>
 __global__ __launch_bounds__(kWarps * 32) void grouped_gemm_kernel(GemmArgs g) {
-  constexpr int WM = BM / 32, WN = kWarps / WM, CT = 8 / WN, XS = kForm == 0 ? 2 : 3;  // XS: x stages
+  constexpr int WM = BM / 32, WN = kWarps / WM, CT = 8 / WN;
   pdl_enter();
   extern __shared__ __align__(16) uint32_t smem[];
-  half* as = reinterpret_cast<half*>(smem);          // [XS][kAStageHalves]
-  uint32_t* bs = smem + XS * kAStageHalves<BM> / 2;  // [2][kBStageWords]
-  uint32_t* wsc = bs + 2 * kBStageWords;             // [warps][kStageTiles * 8K] trellis scratch
+  half* as = reinterpret_cast<half*>(smem);  // [2][kAStageHalves]
+  uint32_t* bs = smem + kAStageHalves<BM>;   // [2][kBStageWords] (2 x kAStageHalves halves = kAStageHalves words)
+  uint32_t* wsc = bs + 2 * kBStageWords;     // [warps][kStageTiles * 8K] trellis scratch
   const Exl3GemmTile t = g.tiles[blockIdx.y];
   const Exl3Dev& w = g.tab[t.e];
   const uint4* trellis = static_cast<const uint4*>(w.trellis);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp / WN, wn = warp % WN;
   const int tiles_n = g.out_pad / 16, nt = blockIdx.x * 8 + warp, stages = g.in_pad / (kStageTiles * 16);
   uint32_t* ws = wsc + warp * kStageTiles * 8 * K;
-  const LanePos<K> pos(lane);
 
-  StageWords<K> words[2];  // kForm 0: [0] only; else stage s in [s % 2]
-  words[0].load(trellis, tiles_n, nt, 0, lane);
+  StageWords<K> words;
+  words.load(trellis, tiles_n, nt, 0, lane);
   load_x_stage<BM>(g, t, 0, as);
-  if constexpr (kForm != 0) {
-    if (stages > 1) words[1].load(trellis, tiles_n, nt, 1, lane);
-    if (stages > 1) load_x_stage<BM>(g, t, 1, as + kAStageHalves<BM>);
-    else asm volatile("cp.async.commit_group;\n" ::);
-  }
-  decode_stage<K, CB>(words[0], ws, lane, bs, warp);
-  if constexpr (kForm != 0) {
-    if (stages > 2) words[0].load(trellis, tiles_n, nt, 2, lane);
-    asm volatile("cp.async.wait_group 1;\n" ::);
-  } else {
-    asm volatile("cp.async.wait_all;\n" ::);
-  }
+  decode_stage<K, CB>(words, ws, lane, bs, warp);
+  asm volatile("cp.async.wait_all;\n" ::);
   __syncthreads();
 
   float acc[2][2 * CT][4] = {};
-  // One stage; P = st % 2 (compile time, so the register ring is indexed statically).
-  auto stage = [&](int st, auto P) {
-    constexpr int par = decltype(P)::value;
-    const int nxt = par ^ 1;
+  for (int st = 0; st < stages; ++st) {
+    const int cur = st & 1, nxt = cur ^ 1;
     const bool more = st + 1 < stages;
-    if constexpr (kForm == 0) {
-      if (more) {
-        words[0].load(trellis, tiles_n, nt, st + 1, lane);
-        load_x_stage<BM>(g, t, st + 1, as + nxt * kAStageHalves<BM>);
-      }
-    } else {
-      if (st + 2 < stages) load_x_stage<BM>(g, t, st + 2, as + ((st + 2) % 3) * kAStageHalves<BM>);
-      else asm volatile("cp.async.commit_group;\n" ::);
-      if (kForm == 1 && more) stage_to_scratch<K>(words[nxt], ws, lane);
+    if (more) {
+      words.load(trellis, tiles_n, nt, st + 1, lane);
+      load_x_stage<BM>(g, t, st + 1, as + nxt * kAStageHalves<BM>);
     }
-    const half* a = as + (kForm == 0 ? par : st % 3) * kAStageHalves<BM>;
-    const uint32_t* b = bs + par * kBStageWords;
+    const half* a = as + cur * kAStageHalves<BM>;
+    const uint32_t* b = bs + cur * kBStageWords;
 #pragma unroll
     for (int u = 0; u < kStageTiles; ++u) {
       uint32_t af[2][4];
@@ -177,22 +144,10 @@ __global__ __launch_bounds__(kWarps * 32) void grouped_gemm_kernel(GemmArgs g) {
           mma_m16n8k16_f16(acc[m][2 * q + 1], af[m][0], af[m][1], af[m][2], af[m][3], f.z, f.w);
         }
       }
-      if (kForm == 1 && more) decode_tile<K, CB>(ws, pos, lane, bs + nxt * kBStageWords, warp, u);
     }
-    if constexpr (kForm == 0) {
-      if (more) decode_stage<K, CB>(words[0], ws, lane, bs + nxt * kBStageWords, warp);
-      asm volatile("cp.async.wait_all;\n" ::);
-    } else {
-      if (kForm == 2 && more) decode_stage<K, CB>(words[nxt], ws, lane, bs + nxt * kBStageWords, warp);
-      if (kForm == 1 && more) __syncwarp();
-      if (st + 3 < stages) words[nxt].load(trellis, tiles_n, nt, st + 3, lane);  // its stage st + 1 is decoded
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    }
+    if (more) decode_stage<K, CB>(words, ws, lane, bs + nxt * kBStageWords, warp);
+    asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
-  };
-  for (int st = 0; st < stages; st += 2) {
-    stage(st, std::integral_constant<int, 0>{});
-    if (st + 1 < stages) stage(st + 1, std::integral_constant<int, 1>{});
   }
   // acc[m][n][0..1]: row 32 wm + 16 m + lane / 4, columns 2 (lane % 4) + {0, 1} of n8 block n; [2..3]: row + 8
   const int col0 = blockIdx.x * kCols + wn * CT * 16 + 2 * (lane & 3);
@@ -211,27 +166,15 @@ __global__ __launch_bounds__(kWarps * 32) void grouped_gemm_kernel(GemmArgs g) {
 }
 
 using GemmFn = void (*)(GemmArgs);
-#define EXL3_GEMM_K_TABLE(cb, bm, f)                                                                                \
-  {                                                                                                                 \
-    &grouped_gemm_kernel<1, cb, bm, f>, &grouped_gemm_kernel<2, cb, bm, f>, &grouped_gemm_kernel<3, cb, bm, f>,     \
-        &grouped_gemm_kernel<4, cb, bm, f>, &grouped_gemm_kernel<5, cb, bm, f>, &grouped_gemm_kernel<6, cb, bm, f>, \
-        &grouped_gemm_kernel<7, cb, bm, f>, &grouped_gemm_kernel<8, cb, bm, f>                                      \
+#define EXL3_GEMM_K_TABLE(cb, bm)                                                                          \
+  {                                                                                                        \
+    &grouped_gemm_kernel<1, cb, bm>, &grouped_gemm_kernel<2, cb, bm>, &grouped_gemm_kernel<3, cb, bm>,     \
+        &grouped_gemm_kernel<4, cb, bm>, &grouped_gemm_kernel<5, cb, bm>, &grouped_gemm_kernel<6, cb, bm>, \
+        &grouped_gemm_kernel<7, cb, bm>, &grouped_gemm_kernel<8, cb, bm>                                   \
   }
-#define EXL3_GEMM_FORM(f)                                                                      \
-  {                                                                                            \
-    {EXL3_GEMM_K_TABLE(0, 64, f), EXL3_GEMM_K_TABLE(1, 64, f), EXL3_GEMM_K_TABLE(2, 64, f)}, { \
-      EXL3_GEMM_K_TABLE(0, 128, f), EXL3_GEMM_K_TABLE(1, 128, f), EXL3_GEMM_K_TABLE(2, 128, f) \
-    }                                                                                          \
-  }
-// [form][128-row tiles][codebook][K - 1]
-const GemmFn kGemm[3][2][3][8] = {EXL3_GEMM_FORM(0), EXL3_GEMM_FORM(1), EXL3_GEMM_FORM(2)};
-#undef EXL3_GEMM_FORM
+const GemmFn kGemm[2][3][8] = {{EXL3_GEMM_K_TABLE(0, 64), EXL3_GEMM_K_TABLE(1, 64), EXL3_GEMM_K_TABLE(2, 64)},
+                               {EXL3_GEMM_K_TABLE(0, 128), EXL3_GEMM_K_TABLE(1, 128), EXL3_GEMM_K_TABLE(2, 128)}};
 #undef EXL3_GEMM_K_TABLE
-// MOESRV_EXL3_GEMM_FORM=0|1|2: grouped_gemm_kernel's kForm (default 0; comparison runs), read once.
-int gemm_form() {
-  static const int f = env_choice("MOESRV_EXL3_GEMM_FORM", 0, 2, 0);
-  return f;
-}
 
 }  // namespace
 
@@ -249,9 +192,8 @@ void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmT
       (tile_rows != 64 && tile_rows != 128))
     throw std::runtime_error("EXL3 grouped GEMM: unsupported shape, K, codebook or tile rows");
   if (n_tiles <= 0) return;
-  const int form = gemm_form();
-  const GemmFn fn = kGemm[form][tile_rows == 128][shape.cb][shape.K - 1];
-  const size_t a_words = (form == 0 ? 2 : 3) * size_t(tile_rows == 128 ? kAStageHalves<128> : kAStageHalves<64>) / 2;
+  const GemmFn fn = kGemm[tile_rows == 128][shape.cb][shape.K - 1];
+  const size_t a_words = tile_rows == 128 ? kAStageHalves<128> : kAStageHalves<64>;
   const size_t smem = (a_words + 2 * size_t(kBStageWords) + size_t(kWarps) * kStageTiles * 8 * shape.K) * 4;
   reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM");
   launch(fn, dim3(shape.out_pad / kCols, n_tiles), kWarps * 32, smem, static_cast<cudaStream_t>(stream),
