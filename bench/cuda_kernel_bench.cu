@@ -190,6 +190,8 @@ struct Weights {
   Exl3Dev expert_shape[3];
   const Exl3Dev* tab;           // device [3][E + 1]: entry E is the shared expert
   Pool<Exl3Dev> shared_sep[3];  // routed experts' weights as separate linears (the unfused shared-expert path)
+  const Exl3Dev* shared_gu;     // device [2]: the shared expert's gate, up (its DevLinear::parts)
+  Exl3Dev shared_down;
   Pool<Exl3Dev> lm_head;
 } W;
 
@@ -271,6 +273,8 @@ void setup(std::mt19937& rng) {
     for (int e = 0; e < kCalls; ++e) W.shared_sep[p].v.push_back(tab[size_t(p * (E + 1) + e)]);
   }
   W.tab = upload(tab);
+  W.shared_gu = upload(std::vector<Exl3Dev>{tab[size_t(E)], tab[size_t(2 * E + 1)]});
+  W.shared_down = tab[size_t(3 * E + 2)];
   W.lm_head = exl3_pool(VOCAB, D);
 
   B.x = randf(size_t(NS) * D, 1.0f), B.h = randf(D, 1.0f), B.y = randf(D, 1.0f);
@@ -446,11 +450,17 @@ void kpool_keys(int i) {  // Impl::kpool_indexer_keys
   bf16_linear(W.weights_proj[i], IH, D, B.h, B.ihw);
   layer_norm(B.ik, W.k_norm_w, W.k_norm_b, 1, ID, 1e-6f, B.ik, g_st);
 }
-void kpool_indexer(int i, const Ctx& c) {  // Impl::kpool_indexer (after kpool_keys)
+bool switch_on(const char* name) {  // as the engine's comparison switches: on unless set to 0
+  const char* v = std::getenv(name);
+  return !(v && std::atoi(v) == 0);
+}
+// Impl::kpool_indexer (after kpool_keys): the pools and the selection on the side stream, after the keys.
+void kpool_indexer(int i, const Ctx& c) {
   bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
-  join_side();
-  kpool_append(B.ik, B.ig, W.ape, 1, ID, KPOOL, c.pos0, c.pool_k[i], W.open, W.open + KPOOL * ID, g_st);
-  kpool_sel(i, c);
+  on_side([i, &c] {
+    kpool_append(B.ik, B.ig, W.ape, 1, ID, KPOOL, c.pos0, c.pool_k[i], W.open, W.open + KPOOL * ID, g_st);
+    kpool_sel(i, c);
+  });
 }
 void mla_query_call(int i) {
   g_bytes += double(MH) * DN * R * 2;
@@ -476,11 +486,14 @@ void mla(int i, const Ctx& c) {  // Impl::attention_mla (rope is a no-op at qk_r
     cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
     kpool_keys(i);
   });
+  static const bool kpool_early = switch_on("MOESRV_KPOOL_SIDE");  // 0: the indexer after q_b (as before)
   exl3_linear(W.q_a[i], B.h, B.q_lat, QL);
   rms_norm(B.q_lat, QL, W.q_a_norm, 1, QL, 1e-6f, B.q_lat, QL, g_st);
+  if (kpool_early) kpool_indexer(i, c);
   exl3_linear(W.q_b[i], B.q_lat, B.q, MH * DN);
-  kpool_indexer(i, c);
+  if (!kpool_early) kpool_indexer(i, c);
   mla_query_call(i);
+  join_side();
   mla_attend(i, c, true, B.sel);
   mla_output_call(i);
   exl3_linear(W.o_mla[i], B.attn_out, B.y, D);
@@ -491,16 +504,17 @@ void router(int i) {
   const float one = 1.0f, zero = 0.0f;
   CB(cublasSgemm(g_blas, CUBLAS_OP_T, CUBLAS_OP_N, E, 1, D, &one, W.router[i], D, B.h, D, &zero, B.logits_r, E));
 }
-RouterArgs router_args() {
+RouterArgs router_args(bool shared = true) {
   RouterArgs ra;
   ra.E = E, ra.groups = 1, ra.topk_groups = 1, ra.k = TOPK, ra.norm_topk = true, ra.softmax = false;
-  ra.scaling = ROUTED_SCALING, ra.shared_id = E, ra.counts = B.counts, ra.tokens = B.tokens;
+  ra.scaling = ROUTED_SCALING, ra.shared_id = shared ? E : -1, ra.counts = B.counts, ra.tokens = B.tokens;
   return ra;
 }
 void route_call() { route(B.logits_r, W.router_bias, 1, router_args(), B.ids, B.w, g_st); }
-void route_fused_call(int i) {  // Impl::moe for decode: the logits and the routing in one launch
+void route_fused_call(int i, bool shared = true) {  // Impl::moe for decode: the logits and the routing in one launch
   g_bytes += double(E) * D * 4;
-  route_fused(W.router[i], B.h, W.router_bias, 1, D, router_args(), B.route_part, B.route_ticket, B.ids, B.w, g_st);
+  route_fused(W.router[i], B.h, W.router_bias, 1, D, router_args(shared), B.route_part, B.route_ticket, B.ids, B.w,
+              g_st);
 }
 // One grouped projection over M entries (expert ids[r]; the tab holds E + 1 per projection). Down reads the SwiGLU
 // of the gate|up rows while rotating its input (Impl::moe_exl3_grouped).
@@ -522,8 +536,24 @@ void experts(const int32_t* ids, int M) {
   experts_gate_up(ids, M);
   experts_part(2, ids, M);
 }
-void moe(int i) {  // Impl::moe, all experts in VRAM, shared expert grouped with the routed ones
-  route_fused_call(i);
+// Impl::shared_expert_exl3: gate | up as one grouped call of the shared expert's two parts, then down over their
+// SwiGLU, into y. (Every call uses the same shared expert, entry E, as the grouped path's rows do.)
+void shared_expert() {
+  g_bytes += 3.0 * double(W.shared_down.bytes());
+  exl3_chain(W.expert_shape[0], Exl3Group{W.shared_gu, B.pair_ids}, Exl3Src{B.h, D, nullptr, 2}, 2, B.gu, I);
+  exl3_chain(W.shared_down, {}, Exl3Src{B.gu, 2 * I, nullptr, 1, true, LIMIT}, 1, B.y, D);
+}
+void moe(int i) {  // Impl::moe, all experts in VRAM
+  static const bool side = switch_on("MOESRV_SHARED_SIDE") && switch_on("MOESRV_PROJ_SIDE");
+  if (side) {  // the shared expert on the side stream beside the router and the routed experts
+    on_side([] { shared_expert(); });
+    route_fused_call(i, false);
+    experts(B.ids, TOPK);
+    join_side();
+    moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, TOPK, D, g_st);
+    return;
+  }
+  route_fused_call(i);  // MOESRV_SHARED_SIDE=0: the shared expert grouped with the routed ones
   experts(B.ids, KK);
   moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true);
 }

@@ -44,20 +44,27 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
     if (kpool) kpool_indexer_keys(*a.indexer, S);
   });
+  bool indexed = indexer != IndexerKind::Own;  // the selection in s.sel is the current one once this is set
   if (a.q_a.out) {
     linear(a.q_a, h, S, s.q_lat.as<float>());
     rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
              s.q_lat.as<float>(), c.q_lora_rank, stream);
+    static const bool kpool_early = switch_on("MOESRV_KPOOL_SIDE");  // 0: after q_b, as before (comparisons)
+    if (kpool && kpool_early) {  // its query reads q_lat: in decode the pools' scores and selection run beside q_b
+      phase(CudaPhase::Indexer);
+      kpool_indexer(*a.indexer, l, S);
+      phase(CudaPhase::AttnProj);
+      indexed = true;
+    }
     linear(a.q_b, s.q_lat.as<float>(), S, q);
   } else {
     linear(a.q, h, S, q);
   }
-  if (indexer == IndexerKind::Own) {  // the selection in s.sel is the current one from here on
+  if (!indexed) {
     phase(CudaPhase::Indexer);
-    if (kpool) kpool_indexer(*a.indexer, l, S);  // joins the side before it reads the keys
+    if (kpool) kpool_indexer(*a.indexer, l, S);
     else join_proj_side(), dsa_indexer(*a.indexer, l, S);
   }
-  join_proj_side();
   phase(CudaPhase::AttnCore);
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
@@ -96,6 +103,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     args.pos0 = pos;
     args.scale = float(c.softmax_scale);
     args.out = s.olat.as<float>();
+    join_proj_side();  // the latent row in the cache and the selection (decode: made beside the query)
     if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
     else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
       mla_prefill_attention(args, stream);

@@ -418,6 +418,7 @@ struct CudaEngine::Impl {
   // Without EXL3 side scratch, for S > 1 or with MOESRV_PROJ_SIDE=0, f runs on `stream`.
   template <class F>
   void on_proj_side(int64_t S, F&& f);
+  bool proj_side_ok(int64_t S) const;  // whether on_proj_side(S, f) runs f on the side stream
   void join_proj_side();
   bool proj_side_pending = false;
 
@@ -442,7 +443,8 @@ struct CudaEngine::Impl {
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
   void allocate_expert_lanes(size_t reserve_bytes);
-  void moe_exl3_grouped(cuda::DevMoe& m, int64_t S);  // all-VRAM EXL3 experts, S <= 8 tokens, graph safe
+  // All-VRAM EXL3 experts, S <= 8 tokens, graph safe; with_shared: the shared expert as entry 0 of each token's rows.
+  void moe_exl3_grouped(cuda::DevMoe& m, int64_t S, bool with_shared);
   // One expert over `cnt` sorted rows from row0: inputs h rows through sorted_tok[row0..], out s.ysorted rows from
   // buf0 (the row's place in the current wave).
   void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0, int64_t cnt);
@@ -454,7 +456,11 @@ struct CudaEngine::Impl {
     int64_t row0, cnt;
   };
   void moe_exl3_wave(cuda::DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces);
-  int64_t exl3_wave_rows(const cuda::DevMoe& m) const;  // rows such a wave may hold (the EXL3 scratch's height)
+  int64_t exl3_wave_rows(const cuda::DevMoe& m) const;
+  // Decode with shared_grouped: the shared expert of h into y on proj_side (expert_executor.cpp), unless
+  // MOESRV_SHARED_SIDE=0.
+  void shared_expert_exl3(const cuda::DevMoe& m, const float* h,
+                          float* y);  // rows such a wave may hold (the EXL3 scratch's height)
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
@@ -491,13 +497,20 @@ struct CudaEngine::Impl {
   }
 };
 
+// A comparison switch (environment variable): on unless set to 0.
+inline bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::atoi(v) == 0);
+}
+
+inline bool CudaEngine::Impl::proj_side_ok(int64_t S) const {
+  static const bool on = switch_on("MOESRV_PROJ_SIDE");  // 0: everything on `stream` (comparisons)
+  return on && S == 1 && proj_side.stream && !(s.x3_yr.bytes() && !s.x3_yr_side.bytes());
+}
+
 template <class F>
 void CudaEngine::Impl::on_proj_side(int64_t S, F&& f) {
-  static const bool off = [] {  // MOESRV_PROJ_SIDE=0: everything on `stream` (comparisons)
-    const char* v = std::getenv("MOESRV_PROJ_SIDE");
-    return v && std::atoi(v) == 0;
-  }();
-  if (off || S != 1 || !proj_side.stream || (s.x3_yr.bytes() && !s.x3_yr_side.bytes())) return f();
+  if (!proj_side_ok(S)) return f();
   MOESRV_CUDA_OK(cudaEventRecord(proj_side.fork, stream));
   MOESRV_CUDA_OK(cudaStreamWaitEvent(proj_side.stream, proj_side.fork, 0));
   struct Swap {  // the side's stream and scratch in place of the main ones for f's launches, also on a throw

@@ -128,9 +128,9 @@ void CudaEngine::Impl::exl3_group(const DevGroup& grp, const Exl3Dev& w, Exl3Src
 // Entry i = token i / kk with expert ids[i] (kk = k, or 1 + k with the shared expert first): gate and up into s.mgu
 // rows [gate | up] (one grouped call when their shapes match), then down over their SwiGLU (computed while rotating
 // its input) into s.ysorted. 4 launches (6 when gate and up differ in shape or bits).
-void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S) {
+void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) {
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
-  const int64_t kk = c.experts_per_token + (m.shared_grouped ? 1 : 0);
+  const int64_t kk = c.experts_per_token + (with_shared ? 1 : 0);
   const int M = int(S * kk);
   const Exl3Dev* tab = m.x3_tab.as<Exl3Dev>();
   const int32_t* ids = s.ids.as<int32_t>();

@@ -37,9 +37,14 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.scaling = float(c.routed_scaling_factor);
   ra.counts = d_usage.as<uint32_t>() + l * E;
   ra.tokens = d_usage_tokens.as<uint32_t>() + l;
+  static const bool shared_side_on = switch_on("MOESRV_SHARED_SIDE");
   const bool grouped = m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped);
-  // Shared and routed experts in the same grouped launches: routing rows [shared | k picks].
-  if (grouped && m.shared_grouped) ra.shared_id = int(E);
+  // Decode: the shared expert on proj_side, beside the router and the routed experts (it reads only h); else shared
+  // and routed experts in the same grouped launches: routing rows [shared | k picks].
+  const bool shared_side = grouped && m.shared_grouped && shared_side_on && proj_side_ok(S);
+  const bool shared_in_group = grouped && m.shared_grouped && !shared_side;
+  if (shared_in_group) ra.shared_id = int(E);
+  if (shared_side) on_proj_side(S, [&] { shared_expert_exl3(m, h, y); });
   // Router logits in fp32 (expert choice is sensitive to rounding); for decode, logits and routing in one launch.
   const float* router = m.router.as<float>();
   if (route_fused_supported(int(S), int(E), int(D), router, h)) {
@@ -51,10 +56,17 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
                                  int(D), &zero, s.logits_r.as<float>(), int(E)));
     route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
   }
-  if (grouped && m.shared_grouped) {  // the combine writes y (shared first, weight 1)
+  if (shared_in_group) {  // the combine writes y (shared first, weight 1)
     phase(CudaPhase::Experts);
-    moe_exl3_grouped(m, S);
+    moe_exl3_grouped(m, S, true);
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k + 1), int(D), stream, true);
+    return;
+  }
+  if (shared_side) {  // the combine adds the routed experts to the shared expert's y
+    phase(CudaPhase::Experts);
+    moe_exl3_grouped(m, S, false);
+    join_proj_side();
+    moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
     return;
   }
   phase(CudaPhase::Experts);
@@ -65,7 +77,7 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
   }
   if (grouped) {
-    if (m.exl3) moe_exl3_grouped(m, S);
+    if (m.exl3) moe_exl3_grouped(m, S, false);
     else
       moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
                m.down_ptrs.as<const uint16_t*>(), s.mgu.as<float>(), s.mact.as<float>(), s.ysorted.as<float>(), stream,
@@ -77,6 +89,20 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     phase(CudaPhase::Router);  // the routing copy and the host plan
     moe_hybrid(l, s0, std::min(moe_pass_rows, S - s0));
   }
+}
+
+// One token through the shared expert of a shared_grouped layer (its parts have the routed experts' shapes and
+// codes): gate | up as one grouped call into s.gu, then down over their clamped SwiGLU (read while rotating its
+// input) into y.
+void CudaEngine::Impl::shared_expert_exl3(const DevMoe& m, const float* h, float* y) {
+  const DevMlp& sh = *m.shared;
+  const int64_t I = c.moe_intermediate_size;
+  float* gu = s.gu.as<float>();
+  linear(sh.gate_up, h, 1, gu);
+  const Exl3Dev& down = sh.down.x3[0].w;
+  const int parts = exl3_gemv_in(down, {}, Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, 1, s.x3_xh.as<void>(),
+                                 s.x3_yr.as<float>(), s.x3_yr.bytes() / 4, stream);
+  exl3_rotate_out(down, {}, s.x3_yr.as<float>(), 1, y, c.hidden_size, nullptr, stream, parts);
 }
 
 const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {

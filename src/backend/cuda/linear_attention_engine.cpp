@@ -117,18 +117,22 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
   const int nh = int(c.index_n_heads), d = int(c.index_head_dim), kp = int(c.index_kpool);
   float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ig = s.ig.as<float>(), *ihw = s.ihw.as<float>();
   linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
-  join_proj_side();  // kpool_indexer_keys' outputs (run before, here or on the side)
-  const float head_scale = 1.0f / std::sqrt(float(nh));  // applied to the head weights inside kpool_select
-  kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
-               st.open + int64_t(kp) * d, stream);
-  const int W = int(sel_width());
-  for (int64_t s0 = 0; s0 < S; s0 += dsa_rows) {
-    const int n = int(std::min(dsa_rows, S - s0));
-    const int32_t* pos = slice_pos0(s0);
-    kpool_select(iq + s0 * nh * d, ihw + s0 * nh, st.pool_k, n, nh, d, kp, int(c.index_topk / kp), c.index_select_tail,
-                 pos, int(max_pools()), s.dsa_scores.as<float>(), s.dsa_scores.bytes() / 4,
-                 s.sel.as<int32_t>() + s0 * W, W, stream, head_scale);
-  }
+  // The pools and the selection read kpool_indexer_keys' outputs: in decode they run on proj_side after those (and
+  // the caller joins before the attention); otherwise here, after any pending side work.
+  if (!proj_side_ok(S)) join_proj_side();
+  on_proj_side(S, [&] {
+    const float head_scale = 1.0f / std::sqrt(float(nh));  // applied to the head weights inside kpool_select
+    kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
+                 st.open + int64_t(kp) * d, stream);
+    const int W = int(sel_width());
+    for (int64_t s0 = 0; s0 < S; s0 += dsa_rows) {
+      const int n = int(std::min(dsa_rows, S - s0));
+      const int32_t* pos = slice_pos0(s0);
+      kpool_select(iq + s0 * nh * d, ihw + s0 * nh, st.pool_k, n, nh, d, kp, int(c.index_topk / kp),
+                   c.index_select_tail, pos, int(max_pools()), s.dsa_scores.as<float>(), s.dsa_scores.bytes() / 4,
+                   s.sel.as<int32_t>() + s0 * W, W, stream, head_scale);
+    }
+  });
 }
 
 }  // namespace moesrv
