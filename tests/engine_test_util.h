@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <vector>
 
@@ -55,19 +56,26 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
   }
   PrefillDecodeTiming t;
   auto t0 = Clock::now();
-  auto l = e.forward(*seq, prompt);
+  int32_t tok = greedy(e.forward(*seq, prompt));
   t.prefill_s = seconds_since(t0);
-  for (int i = 0; i < warm; ++i) l = e.forward(*seq, {greedy(l)});
+  // Decode steps as the server's greedy loop runs them (Engine::forward_argmax); MOESRV_BENCH_HOST_ARGMAX=1: the
+  // logits row comes back and the argmax is taken here (the loop before forward_argmax existed).
+  static const bool host_argmax = [] {
+    const char* v = std::getenv("MOESRV_BENCH_HOST_ARGMAX");
+    return v && v[0] == '1';
+  }();
+  auto step = [&] { tok = host_argmax ? greedy(e.forward(*seq, {tok})) : e.forward_argmax(*seq, {tok}); };
+  for (int i = 0; i < warm; ++i) step();
   if (before_timed) before_timed();
   t0 = Clock::now();
-  for (int i = 0; i < steps; ++i) l = e.forward(*seq, {greedy(l)});
+  for (int i = 0; i < steps; ++i) step();
   t.decode_s = steps > 0 ? seconds_since(t0) / steps : 0;
   if (after_timed) after_timed();
   if (verify_k > 0) {
     const int64_t len = seq->length();
     seq->checkpoint();
     for (int k = 1; k <= verify_k; ++k) {
-      const std::vector<int32_t> tokens(size_t(k + 1), greedy(l));
+      const std::vector<int32_t> tokens(size_t(k + 1), tok);
       double best = 1e30;
       for (int rep = 0; rep < 4; ++rep) {
         t0 = Clock::now();

@@ -212,6 +212,32 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
   EXPECT_EQ(g->stats().graph_captures, 1);
 }
 
+// Greedy decoding's argmax on the device (forward_argmax): the id std::max_element picks from the row that
+// argmax_logits() then returns, on the prefill and on graph-replayed decode steps; those rows are the plain forward's
+// (another sequence of the same engine, same tokens: the same kernels, bit for bit or nearly).
+TEST_P(CudaVsCpu, DeviceArgmaxPicksTheRowsMaximum) {
+  SKIP_WITHOUT_CUDA();
+  auto g = gpu_engine(GetParam());
+  auto all = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40);
+  auto a = g->new_sequence(), b = g->new_sequence();
+  auto row = g->forward(*a, prompt);
+  int32_t id = g->forward_argmax(*b, prompt);
+  const int64_t replays = g->stats().graph_replays;
+  for (int step = 0; step <= 8; ++step) {
+    const auto got = g->argmax_logits();
+    ASSERT_EQ(got.size(), row.size());
+    EXPECT_EQ(id, int32_t(std::max_element(got.begin(), got.end()) - got.begin())) << "step " << step;
+    EXPECT_LE(rel_row_error(got.data(), row.data(), g->vocab_size()), 1e-5) << "step " << step;
+    if (step == 8) break;
+    const int32_t next = all[size_t(40 + step)];
+    row = g->forward(*a, {next});
+    id = g->forward_argmax(*b, {next});
+  }
+  EXPECT_GT(g->stats().graph_replays, replays);
+  EXPECT_EQ(b->length(), a->length());
+}
+
 // The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default
 // attention kernel, in the decode graph too, for every MLA model (selected keys or causal). The two sum in different
 // orders and round the attention output to bf16, so a row may move by one bf16 flip (H200: 1.6e-4 on one row of

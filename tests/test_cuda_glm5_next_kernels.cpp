@@ -1029,6 +1029,41 @@ TEST(CudaGlm5NextKernels, SiluMulClamped) {
   }
 }
 
+// ---------------------------------------------------------------- greedy argmax on the device
+
+// cuda::argmax vs std::max_element (what the host's greedy pick is): random rows of the real vocabulary and odd
+// lengths, ties (the lowest index wins), -inf everywhere, NaN values (skipped; a NaN first value is kept), the maximum
+// at either end; the same scratch over many calls (its counter resets itself).
+TEST(CudaGlm5NextKernels, ArgmaxMatchesMaxElement) {
+  SKIP_WITHOUT_DEVICE();
+  Dev<char> scratch(cuda::argmax_scratch_bytes());
+  Dev<int32_t> out(1);
+  std::vector<std::pair<std::string, std::vector<float>>> rows;
+  for (int n : {1, 7, 255, 257, 4097, 154880, 151552})
+    rows.push_back({"random " + std::to_string(n), uniform(size_t(n), -20, 20, uint32_t(n))});
+  std::vector<float> tie = uniform(154880, -1, 1, 5);
+  tie[100000] = tie[3] = tie[150000] = 7.0f;
+  rows.push_back({"ties", tie});
+  rows.push_back({"all -inf", std::vector<float>(1000, -INFINITY)});
+  std::vector<float> nan_mid = uniform(5000, -1, 1, 6);
+  nan_mid[10] = NAN, nan_mid[4000] = NAN, nan_mid[2500] = 3.0f;
+  rows.push_back({"NaN inside", nan_mid});
+  std::vector<float> nan_first = nan_mid;
+  nan_first[0] = NAN;
+  rows.push_back({"NaN first", nan_first});
+  rows.push_back({"all NaN", std::vector<float>(300, NAN)});
+  std::vector<float> last = uniform(154880, -1, 1, 7), first = last;
+  last.back() = 2.0f, first[0] = 2.0f;
+  rows.push_back({"max last", last});
+  rows.push_back({"max first", first});
+  for (int rep = 0; rep < 2; ++rep)
+    for (const auto& [what, x] : rows) {
+      Dev<float> dx(x);
+      cuda::argmax(dx.get(), int(x.size()), scratch.get(), out.get(), nullptr);
+      EXPECT_EQ(out.host()[0], int32_t(std::max_element(x.begin(), x.end()) - x.begin())) << what;
+    }
+}
+
 // ---------------------------------------------------------------- Qwen3-Next: softmax router, gates
 
 // cuda::route with softmax scores vs model/router.cpp's route_token: the same experts in the same order, the same

@@ -290,7 +290,11 @@ struct CollectHooks : DecodeHooks {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> mask;
   int64_t stop_after = 20;
+  bool logits = true;   // wants_logits()
+  int64_t no_rows = 0;  // on_sampled calls without the logits
   const std::vector<uint8_t>* allowed_tokens() override { return mask.empty() ? nullptr : &mask; }
+  bool wants_logits() const override { return logits; }
+  void on_sampled(std::span<const float> row, int32_t) override { no_rows += row.empty() ? 1 : 0; }
   bool on_token(int32_t id) override {
     tokens.push_back(id);
     return int64_t(tokens.size()) < stop_after;
@@ -319,6 +323,37 @@ TEST(MtpServerLoop, SameTokensAsThePlainLoopThroughTheHooks) {
       EXPECT_GT(r.speculative.steps, 0);
       EXPECT_EQ(r0.speculative.steps, 0);
     }
+  }
+}
+
+// Greedy decoding through Engine::forward_argmax (hooks that want no logits): the plain loop's tokens, also when the
+// mask forbids the engine's pick (the row is then fetched with argmax_logits and sampled under the mask).
+TEST(GreedyArgmaxLoop, SameTokensAsThePlainLoop) {
+  MtpModel m = open_with_mtp("glm5_next_clamp");
+  const auto prompt = prompt_of("glm5_next_clamp", 15);
+  const auto plain = plain_greedy(*m.engine, prompt, 6);
+  {  // forward_argmax picks what the logits' first maximum is, and argmax_logits returns that row
+    auto a = m.engine->new_sequence(), b = m.engine->new_sequence();
+    const auto row = m.engine->forward(*a, prompt);
+    EXPECT_EQ(m.engine->forward_argmax(*b, prompt), plain[0]);
+    EXPECT_EQ(m.engine->argmax_logits(), row);
+  }
+  for (bool masked : {false, true}) {
+    CollectHooks plain_hooks;
+    if (masked) plain_hooks.mask.assign(1024, 1), plain_hooks.mask[size_t(plain[4])] = 0;
+    Sampler s0 = greedy_sampler();
+    generate(*m.engine, nullptr, prompt, 32, s0, plain_hooks, {.prefill_chunk = 7});
+    CollectHooks hooks;
+    hooks.mask = plain_hooks.mask;
+    hooks.logits = false;
+    Sampler s = greedy_sampler();
+    auto r = generate(*m.engine, nullptr, prompt, 32, s, hooks, {.prefill_chunk = 7});
+    EXPECT_EQ(hooks.tokens, plain_hooks.tokens) << "masked " << masked;
+    EXPECT_EQ(r.completion_tokens, 20);
+    EXPECT_EQ(plain_hooks.no_rows, 0);
+    // every token after the first (picked from the prompt's logits) came without a row, but for the masked picks
+    if (masked) EXPECT_LT(hooks.no_rows, 19);
+    else EXPECT_EQ(hooks.no_rows, 19);
   }
 }
 

@@ -1,5 +1,6 @@
 // The inference interface the server, CLI and tools program against. Backends (CPU, CUDA, hybrid) implement it.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -68,6 +69,15 @@ class Engine {
   // Appends `tokens` to the sequence and returns logits: [vocab] for the last token, or [n, vocab] for all.
   virtual std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens,
                                      bool all_logits = false) = 0;
+  // Greedy decoding: appends `tokens` as forward() does and returns the id std::max_element picks from the last
+  // token's logits (the lowest id among equal maxima; 0 when the first is NaN), without handing the logits over;
+  // argmax_logits() returns those logits on demand (until the next call that appends tokens). An engine may pick the
+  // id where the logits are (the CUDA engine: on the device, 4 bytes back instead of the row).
+  virtual int32_t forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
+    argmax_logits_ = forward(seq, tokens);
+    return int32_t(std::max_element(argmax_logits_.begin(), argmax_logits_.end()) - argmax_logits_.begin());
+  }
+  virtual std::vector<float> argmax_logits() { return argmax_logits_; }
   // One decode step of several sequences: tokens[i] is appended to *seqs[i] (each at its own length) and result[i]
   // is its logits [vocab], exactly what forward(*seqs[i], {tokens[i]}) returns. The sequences must be distinct. This
   // default runs them one after another; an engine may run the rows together (the CPU engine batches the
@@ -84,6 +94,9 @@ class Engine {
   virtual const UsageStats* expert_usage() const { return nullptr; }
   // Speculative decoding with the MTP block (see MtpEngine); nullptr: not available.
   virtual MtpEngine* mtp() { return nullptr; }
+
+ private:
+  std::vector<float> argmax_logits_;  // the default forward_argmax's row
 };
 
 }  // namespace moesrv

@@ -107,6 +107,8 @@ void ChatTurnDecoder::on_sampled(std::span<const float> logits, int32_t id) {
   else last_logprob_ = nullptr;
 }
 
+bool ChatTurnDecoder::wants_logits() const { return req_.logprobs.enabled; }
+
 bool ChatTurnDecoder::on_token(int32_t id) {
   using Mode = OutputParser::Mode;
   ++generated_;

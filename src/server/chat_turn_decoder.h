@@ -40,6 +40,7 @@ class ChatTurnDecoder : public DecodeHooks {
   std::optional<int32_t> forced_token() override;
   const std::vector<uint8_t>* allowed_tokens() override;
   void on_sampled(std::span<const float> logits, int32_t id) override;
+  bool wants_logits() const override;
   bool on_token(int32_t id) override;
 
   void finish();  // flush the parser and stop matcher into a last delta

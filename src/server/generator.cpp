@@ -185,18 +185,37 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
 
   auto t1 = std::chrono::steady_clock::now();
   r.finish = GenerationResult::Finish::kLength;
+  // Greedy decoding whose hooks need no logits: the engine picks the argmax (on the device for the CUDA engine) and
+  // the row is fetched only when the mask rejects that pick; the choice is the same as sample()'s on the row (the
+  // unmasked argmax is the lowest id among the maxima, so when the mask allows it, it is the masked argmax too).
+  std::optional<int32_t> picked;  // the engine's argmax of the last step (logits not fetched)
   while (r.completion_tokens < max_new_tokens) {
     int32_t tok;
-    if (auto forced = hooks.forced_token()) tok = *forced;
-    else tok = sampler.sample(logits, hooks.allowed_tokens());
-    hooks.on_sampled(logits, tok);
+    if (auto forced = hooks.forced_token()) {
+      tok = *forced;
+    } else {
+      const std::vector<uint8_t>* mask = hooks.allowed_tokens();
+      const bool allowed = picked && (!mask || (size_t(*picked) < mask->size() && (*mask)[size_t(*picked)]));
+      if (picked && !allowed) logits = engine.argmax_logits(), picked.reset();
+      tok = picked ? *picked : sampler.sample(logits, mask);
+    }
+    hooks.on_sampled(picked ? std::span<const float>() : std::span<const float>(logits), tok);
     ++r.completion_tokens;
     if (!hooks.on_token(tok)) {
       r.finish = GenerationResult::Finish::kStopped;
       break;
     }
     if (r.completion_tokens == max_new_tokens || seq->length() + 1 >= engine.max_context()) break;
-    logits = forward({tok});
+    if (sampler.greedy() && !hooks.wants_logits()) {
+      state_valid = false;
+      picked = engine.forward_argmax(*seq, {tok});
+      state_valid = true;
+      seq_tokens.push_back(tok);
+      logits.clear();
+    } else {
+      picked.reset();
+      logits = forward({tok});
+    }
     if (hooks.client_alive && !hooks.client_alive()) {
       r.finish = GenerationResult::Finish::kCancelled;
       break;

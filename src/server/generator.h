@@ -21,8 +21,12 @@ class DecodeHooks {
   virtual std::optional<int32_t> forced_token() { return std::nullopt; }
   // Allowed-token mask for the next sample (nullptr: unconstrained).
   virtual const std::vector<uint8_t>* allowed_tokens() { return nullptr; }
-  // Called for each generated token (sampled or forced) with the logits it was chosen from, before on_token.
+  // Called for each generated token (sampled or forced) with the logits it was chosen from, before on_token. The
+  // span is empty when wants_logits() said false and the engine picked a greedy token itself.
   virtual void on_sampled(std::span<const float> logits, int32_t id) {}
+  // Whether on_sampled needs the logits (e.g. for logprobs); if not, greedy decoding lets the engine pick the argmax
+  // where the logits are (Engine::forward_argmax) and fetches them only when a mask rejects its pick.
+  virtual bool wants_logits() const { return true; }
   // Called for each generated token; return false to stop (end of turn, stop string, client gone).
   virtual bool on_token(int32_t id) = 0;
   // Called between prefill chunks; return false to abandon (client gone). Default: calls prefill_ping.

@@ -55,6 +55,7 @@ class TextDecoder : public DecodeHooks {
   const std::vector<uint8_t>* allowed_tokens() override { return allowed_; }
   void restrict_to(const std::vector<uint8_t>* allowed) { allowed_ = allowed; }
 
+  bool wants_logits() const override { return logprobs_ >= 0; }
   void on_sampled(std::span<const float> logits, int32_t id) override {
     if (logprobs_ < 0 || std::find(end_ids_.begin(), end_ids_.end(), id) != end_ids_.end()) return;
     TokenLogprobs lp = token_logprobs(tokenizer_logits(codec_, logits), id, logprobs_);

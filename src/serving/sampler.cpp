@@ -25,7 +25,7 @@ Sampler::Sampler(SamplingParams params) : params_(params), rng_(params.seed ? *p
 
 double Sampler::distribution(std::span<const float> logits, const std::vector<uint8_t>* allowed) {
   candidates_.clear();
-  if (params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1) return 0;
+  if (greedy()) return 0;
   for (size_t i = 0; i < logits.size(); ++i) {
     if (!ok(allowed, i)) continue;
     if (std::isfinite(logits[i])) candidates_.emplace_back(logits[i], int32_t(i));

@@ -29,6 +29,8 @@ class Sampler {
   // p. Greedy: the argmax (the draft exactly when it is the argmax).
   int32_t accept_draft(std::span<const float> logits, int32_t draft, const std::vector<uint8_t>* allowed = nullptr);
   const SamplingParams& params() const { return params_; }
+  // Whether sample() returns the (masked) argmax: temperature 0, top_p 0 or top_k 1.
+  bool greedy() const { return params_.temperature <= 0.0f || params_.top_p <= 0.0f || params_.top_k == 1; }
 
  private:
   // Fills candidates_ with (unnormalised probability, id) of the tokens sample() may draw; returns their total

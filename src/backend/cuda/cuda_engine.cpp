@@ -469,55 +469,97 @@ void replay_graph(CudaEngine::Impl& m, cudaGraphExec_t& graph, F&& body) {
 
 }  // namespace
 
-std::vector<float> CudaEngine::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens, bool all_logits) {
+std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) {
+  return impl_->forward(seq, tokens, all_logits, nullptr);
+}
+
+int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
+  int32_t best = 0;
+  impl_->forward(seq, tokens, false, &best);
+  return best;
+}
+
+std::vector<float> CudaEngine::argmax_logits() {
   Impl& m = *impl_;
+  if (!m.argmax_row) fail("argmax_logits: no forward_argmax since the last forward");
+  const int64_t V = m.c.vocab_size;
+  std::vector<float> logits(static_cast<size_t>(V));
+  MOESRV_CUDA_OK(
+      cudaMemcpyAsync(m.h_logits.as<float>(), m.argmax_row, size_t(V) * 4, cudaMemcpyDeviceToHost, m.stream));
+  MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+  std::memcpy(logits.data(), m.h_logits.as<float>(), size_t(V) * 4);
+  return logits;
+}
+
+std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens,
+                                             bool all_logits, int32_t* best) {
   auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
-  if (!seq || seq->owner != impl_.get()) fail("forward: sequence state was not created by this engine");
-  if (m.layer_begin != 0 || m.layer_end != m.c.num_layers)
+  if (!seq || seq->owner != this) fail("forward: sequence state was not created by this engine");
+  if (layer_begin != 0 || layer_end != c.num_layers)
     fail("forward: this engine holds layers [{}, {}) of {} (a pipeline stage: use embed / forward_layers / logits)",
-         m.layer_begin, m.layer_end, m.c.num_layers);
-  const int64_t S = int64_t(tokens.size()), V = m.c.vocab_size, pos0 = seq->length();
+         layer_begin, layer_end, c.num_layers);
+  const int64_t S = int64_t(tokens.size()), V = c.vocab_size, pos0 = seq->length();
   if (S == 0) fail("forward: no tokens");
-  if (pos0 + S > m.max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, m.max_ctx);
+  if (pos0 + S > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, max_ctx);
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
-  std::vector<float> logits(size_t((all_logits ? S : 1) * V));
-  m.cur_state.resize(seq->layers.size());
-  for (size_t l = 0; l < seq->layers.size(); ++l) m.cur_state[l] = seq->state(l);
-  std::memcpy(m.h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
-  MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
-                                 seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
-  for (const Pass& p : plan_passes(m.pass_policy(), pos0, S)) {
+  argmax_row = nullptr;
+  std::vector<float> logits(best ? 0 : size_t((all_logits ? S : 1) * V));
+  cur_state.resize(seq->layers.size());
+  for (size_t l = 0; l < seq->layers.size(); ++l) cur_state[l] = seq->state(l);
+  std::memcpy(h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(d_layer_cache.as<void>(), h_layer_cache.as<void>(),
+                                 seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, stream));
+  // Greedy (best): the last row's argmax on the device, 4 bytes back; the row stays in s.logits (argmax_logits).
+  auto pick = [&](const float* row) {
+    argmax(row, int(V), d_argmax.as<char>() + 16, d_argmax.as<int32_t>(), stream);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(h_argmax.as<void>(), d_argmax.as<void>(), 4, cudaMemcpyDeviceToHost, stream));
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+    *best = *h_argmax.as<int32_t>();
+    argmax_row = row;
+  };
+  for (const Pass& p : plan_passes(pass_policy(), pos0, S)) {
     const int64_t n = p.rows, c0 = p.offset;
-    MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
-    *m.h_pos0.as<int32_t>() = int32_t(p.pos0);
-    std::memcpy(m.h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
-    MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_pos0.as<void>(), m.h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, m.stream));
-    MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_tokens.as<void>(), m.h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, m.stream));
-    if (n <= m.graph_rows() && m.graph_ok()) {
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
+    *h_pos0.as<int32_t>() = int32_t(p.pos0);
+    std::memcpy(h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
+    MOESRV_CUDA_OK(cudaMemcpyAsync(d_pos0.as<void>(), h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, stream));
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(d_tokens.as<void>(), h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, stream));
+    if (n <= graph_rows() && graph_ok()) {
       // Kernels of fixed-size state take the sequence's pointers: such models keep graphs per sequence (and per
       // row count); the others one per row count.
       cudaGraphExec_t& graph =
-          seq->has_fixed_state() ? m.sequence_graphs->get(Impl::rows_graph_key(seq->id, n)) : m.graphs[size_t(n - 1)];
-      replay_graph(m, graph, [&] {
-        m.run_layers(n);
-        m.linear(m.lm_head, m.s.h.as<float>(), n, m.s.logits.as<float>());
+          seq->has_fixed_state() ? sequence_graphs->get(rows_graph_key(seq->id, n)) : graphs[size_t(n - 1)];
+      replay_graph(*this, graph, [&] {
+        run_layers(n);
+        linear(lm_head, s.h.as<float>(), n, s.logits.as<float>());
       });
       const int64_t r0 = all_logits ? 0 : n - 1, rows = all_logits ? n : 1;  // the logits rows returned
-      MOESRV_CUDA_OK(cudaMemcpyAsync(m.h_logits.as<float>(), m.s.logits.as<float>() + r0 * V, size_t(rows * V) * 4,
-                                     cudaMemcpyDeviceToHost, m.stream));
-      MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
-      if (all_logits || p.last)
-        std::memcpy(logits.data() + (all_logits ? c0 * V : 0), m.h_logits.as<float>(), size_t(rows * V) * 4);
+      if (best) {
+        if (p.last) pick(s.logits.as<float>() + r0 * V);
+      } else {
+        MOESRV_CUDA_OK(cudaMemcpyAsync(h_logits.as<float>(), s.logits.as<float>() + r0 * V, size_t(rows * V) * 4,
+                                       cudaMemcpyDeviceToHost, stream));
+        MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+        if (all_logits || p.last)
+          std::memcpy(logits.data() + (all_logits ? c0 * V : 0), h_logits.as<float>(), size_t(rows * V) * 4);
+      }
     } else {
-      m.run_layers(n);
-      if (all_logits) m.lm_head_rows(0, n, logits.data() + c0 * V);
-      else if (p.last) m.lm_head_rows(n - 1, 1, logits.data());
+      run_layers(n);
+      if (best && p.last) {
+        linear(lm_head, s.h.as<float>() + (n - 1) * c.hidden_size, 1, s.logits.as<float>());
+        pick(s.logits.as<float>());
+      } else if (all_logits) {
+        lm_head_rows(0, n, logits.data() + c0 * V);
+      } else if (p.last && !best) {
+        lm_head_rows(n - 1, 1, logits.data());
+      }
     }
     seq->length_ = p.pos0 + n;
     if (p.checkpoint) seq->checkpoint();
   }
-  MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
+  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   return logits;
 }
 

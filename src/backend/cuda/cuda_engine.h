@@ -128,6 +128,10 @@ class CudaEngine : public Engine {
   int64_t prefill_chunk() const override;  // CudaEngineOptions::prefill_chunk (at most the context)
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
+  // The argmax on the device (the decode graph's last kernel): 4 bytes come back; the row stays on the device until
+  // the next forward.
+  int32_t forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) override;
+  std::vector<float> argmax_logits() override;
 
   // Routed-expert selections counted on the device so far (for pinning hot experts at the next start).
   const UsageStats* expert_usage() const override;

@@ -589,6 +589,9 @@ void CudaEngine::Impl::allocate_scratch() {
     h_logits = PinnedBuffer(size_t(lm_rows * V) * 4);
   }
   d_pos0 = DeviceBuffer(budget, 4, "position");
+  d_argmax = DeviceBuffer(budget, 16 + argmax_scratch_bytes(), "argmax");
+  MOESRV_CUDA_OK(cudaMemsetAsync(d_argmax.as<void>(), 0, d_argmax.bytes(), stream));
+  h_argmax = PinnedBuffer(4);
   d_slice_pos = DeviceBuffer(budget, 4, "position");
   d_tokens = DeviceBuffer(budget, size_t(R) * 4, "tokens");
   d_layer_cache = DeviceBuffer(budget, size_t(c.num_layers) * sizeof(DeviceLayerCache), "cache table");

@@ -358,6 +358,14 @@ struct CudaEngine::Impl {
 
   // Per-pass device state: positions, tokens, the current sequence's cache table.
   cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache;
+  // forward_argmax: d_argmax = the id (4 bytes, then 12 free) + argmax's scratch; h_argmax its pinned copy;
+  // argmax_row: the device row it was picked from (s.logits), null after a plain forward.
+  cuda::DeviceBuffer d_argmax;
+  cuda::PinnedBuffer h_argmax;
+  const float* argmax_row = nullptr;
+  // CudaEngine::forward and forward_argmax: with best set, no logits come back (an empty vector), *best = the last
+  // row's argmax.
+  std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits, int32_t* best);
   cuda::PinnedBuffer h_pos0, h_tokens, h_layer_cache;
   // Scratch.
   struct Scratch {

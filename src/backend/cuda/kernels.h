@@ -51,6 +51,12 @@ void gather_rows_bf16(const float* x, const int32_t* rows, int n, int D, uint16_
 void cache_write(const float* src, int64_t src_stride, int S, int row_len, const DeviceLayerCache* lc,
                  CacheField field, bool q8, const int32_t* pos0, cudaStream_t st);
 
+// *out = the index of the largest of the n values x (NaN skipped, the lowest index among equal maxima; 0 when x[0] or
+// every value is NaN: what std::max_element returns). scratch: argmax_scratch_bytes(), zeroed once before the first
+// call (its counter is left zero after each).
+size_t argmax_scratch_bytes();
+void argmax(const float* x, int n, void* scratch, int32_t* out, cudaStream_t st);
+
 // MLA: qcat[s][h] = [W_uk[h]^T q_nope | q_rope] (the query in latent space), w_uk [H][dn][r].
 void mla_query(const float* q, const uint16_t* w_uk, int S, int H, int dn, int dr, int r, float* qcat, cudaStream_t st);
 // out[s][h*dv + i] = W_uv[h][i] . o_lat[s][h], w_uv [H][dv][r].
