@@ -347,9 +347,13 @@ void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 
 // through its own scratch; join_side() before their outputs are read.
 HyperSide g_pside;
 bool g_pside_pending = false;
+bool proj_side_off() {  // MOESRV_PROJ_SIDE=0, as the engine
+  const char* v = std::getenv("MOESRV_PROJ_SIDE");
+  return v && std::atoi(v) == 0;
+}
 template <class F>
 void on_side(F&& f) {
-  if (std::getenv("MOESRV_PROJ_SIDE") && std::atoi(std::getenv("MOESRV_PROJ_SIDE")) == 0) return f();
+  if (proj_side_off()) return f();
   CK(cudaEventRecord(g_pside.fork, g_st));
   CK(cudaStreamWaitEvent(g_pside.stream, g_pside.fork, 0));
   auto flip = [] {
@@ -450,17 +454,21 @@ void kpool_keys(int i) {  // Impl::kpool_indexer_keys
   bf16_linear(W.weights_proj[i], IH, D, B.h, B.ihw);
   layer_norm(B.ik, W.k_norm_w, W.k_norm_b, 1, ID, 1e-6f, B.ik, g_st);
 }
-bool switch_on(const char* name) {  // as the engine's comparison switches: on unless set to 0
+bool switch_set(const char* name) {  // as the engine's opt-in switches: on when set nonzero
   const char* v = std::getenv(name);
-  return !(v && std::atoi(v) == 0);
+  return v && std::atoi(v) != 0;
 }
-// Impl::kpool_indexer (after kpool_keys): the pools and the selection on the side stream, after the keys.
-void kpool_indexer(int i, const Ctx& c) {
+// Impl::kpool_indexer (after kpool_keys): the pools and the selection after the keys, on the side stream (beside)
+// or after joining it.
+void kpool_indexer(int i, const Ctx& c, bool beside) {
   bf16_linear(W.wq_b[i], IH * ID, QL, B.q_lat, B.iq);
-  on_side([i, &c] {
+  auto pools = [i, &c] {
     kpool_append(B.ik, B.ig, W.ape, 1, ID, KPOOL, c.pos0, c.pool_k[i], W.open, W.open + KPOOL * ID, g_st);
     kpool_sel(i, c);
-  });
+  };
+  if (beside) return on_side(pools);
+  join_side();
+  pools();
 }
 void mla_query_call(int i) {
   g_bytes += double(MH) * DN * R * 2;
@@ -486,12 +494,12 @@ void mla(int i, const Ctx& c) {  // Impl::attention_mla (rope is a no-op at qk_r
     cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
     kpool_keys(i);
   });
-  static const bool kpool_early = switch_on("MOESRV_KPOOL_SIDE");  // 0: the indexer after q_b (as before)
+  static const bool kpool_early = switch_set("MOESRV_KPOOL_SIDE");  // 1: the indexer before q_b, beside it
   exl3_linear(W.q_a[i], B.h, B.q_lat, QL);
   rms_norm(B.q_lat, QL, W.q_a_norm, 1, QL, 1e-6f, B.q_lat, QL, g_st);
-  if (kpool_early) kpool_indexer(i, c);
+  if (kpool_early) kpool_indexer(i, c, true);
   exl3_linear(W.q_b[i], B.q_lat, B.q, MH * DN);
-  if (!kpool_early) kpool_indexer(i, c);
+  if (!kpool_early) kpool_indexer(i, c, false);
   mla_query_call(i);
   join_side();
   mla_attend(i, c, true, B.sel);
@@ -544,7 +552,7 @@ void shared_expert() {
   exl3_chain(W.shared_down, {}, Exl3Src{B.gu, 2 * I, nullptr, 1, true, LIMIT}, 1, B.y, D);
 }
 void moe(int i) {  // Impl::moe, all experts in VRAM
-  static const bool side = switch_on("MOESRV_SHARED_SIDE") && switch_on("MOESRV_PROJ_SIDE");
+  static const bool side = switch_set("MOESRV_SHARED_SIDE") && !proj_side_off();
   if (side) {  // the shared expert on the side stream beside the router and the routed experts
     on_side([] { shared_expert(); });
     route_fused_call(i, false);
@@ -553,7 +561,7 @@ void moe(int i) {  // Impl::moe, all experts in VRAM
     moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, TOPK, D, g_st);
     return;
   }
-  route_fused_call(i);  // MOESRV_SHARED_SIDE=0: the shared expert grouped with the routed ones
+  route_fused_call(i);  // (default) the shared expert grouped with the routed ones
   experts(B.ids, KK);
   moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true);
 }

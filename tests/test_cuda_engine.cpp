@@ -217,7 +217,9 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
 // (another sequence of the same engine, same tokens: the same kernels, bit for bit or nearly).
 TEST_P(CudaVsCpu, DeviceArgmaxPicksTheRowsMaximum) {
   SKIP_WITHOUT_CUDA();
-  auto g = gpu_engine(GetParam());
+  CudaEngineOptions opt;
+  opt.device_argmax = true;
+  auto g = gpu_engine(GetParam(), opt);
   auto all = ids(GetParam(), "gen_ids");
   std::vector<int32_t> prompt(all.begin(), all.begin() + 40);
   auto a = g->new_sequence(), b = g->new_sequence();

@@ -44,15 +44,18 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
     if (kpool) kpool_indexer_keys(*a.indexer, S);
   });
+  // MOESRV_KPOOL_SIDE=1 (opt-in until measured on a GPU): the indexer's query reads q_lat, so it can go before q_b
+  // and, in decode, the pools' scores and selection run on proj_side beside q_b and the query absorption.
+  static const bool kpool_side = switch_set("MOESRV_KPOOL_SIDE");
+  const bool kpool_early = kpool && kpool_side && a.q_a.out;
   bool indexed = indexer != IndexerKind::Own;  // the selection in s.sel is the current one once this is set
   if (a.q_a.out) {
     linear(a.q_a, h, S, s.q_lat.as<float>());
     rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
              s.q_lat.as<float>(), c.q_lora_rank, stream);
-    static const bool kpool_early = switch_on("MOESRV_KPOOL_SIDE");  // 0: after q_b, as before (comparisons)
-    if (kpool && kpool_early) {  // its query reads q_lat: in decode the pools' scores and selection run beside q_b
+    if (kpool_early) {
       phase(CudaPhase::Indexer);
-      kpool_indexer(*a.indexer, l, S);
+      kpool_indexer(*a.indexer, l, S, true);
       phase(CudaPhase::AttnProj);
       indexed = true;
     }
@@ -62,9 +65,10 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   }
   if (!indexed) {
     phase(CudaPhase::Indexer);
-    if (kpool) kpool_indexer(*a.indexer, l, S);
+    if (kpool) kpool_indexer(*a.indexer, l, S, false);
     else join_proj_side(), dsa_indexer(*a.indexer, l, S);
   }
+  if (!kpool_early) join_proj_side();
   phase(CudaPhase::AttnCore);
   rope(q, int(S), H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
   for (int64_t s0 = 0; s0 < S; s0 += attn_rows) {
@@ -103,7 +107,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     args.pos0 = pos;
     args.scale = float(c.softmax_scale);
     args.out = s.olat.as<float>();
-    join_proj_side();  // the latent row in the cache and the selection (decode: made beside the query)
+    join_proj_side();  // kpool_early: the latent row in the cache and the selection, made beside the query
     if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
     else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
       mla_prefill_attention(args, stream);

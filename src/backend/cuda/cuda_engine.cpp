@@ -474,6 +474,11 @@ std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int
 }
 
 int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
+  static const bool env = [] {
+    const char* v = std::getenv("MOESRV_DEVICE_ARGMAX");
+    return v && v[0] == '1';
+  }();
+  if (!impl_->opt.device_argmax && !env) return Engine::forward_argmax(seq, tokens);
   int32_t best = 0;
   impl_->forward(seq, tokens, false, &best);
   return best;
@@ -481,7 +486,7 @@ int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t
 
 std::vector<float> CudaEngine::argmax_logits() {
   Impl& m = *impl_;
-  if (!m.argmax_row) fail("argmax_logits: no forward_argmax since the last forward");
+  if (!m.argmax_row) return Engine::argmax_logits();  // (the default forward_argmax's row)
   const int64_t V = m.c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   MOESRV_CUDA_OK(

@@ -68,6 +68,10 @@ struct CudaEngineOptions {
   // MLA of more tokens (prefill) on tensor cores (mla_prefill.cu: the 16 heads of a block share each staged key tile;
   // fp16 MMA inputs) where the shapes allow (bf16 cache, widths multiples of 8); false: attention().
   bool mla_tc_prefill = true;
+  // forward_argmax picks the id on the device (an argmax kernel; 4 bytes back, the row fetched only on demand);
+  // false: Engine's default (the row comes back, std::max_element on the host). Off until measured on a GPU;
+  // MOESRV_DEVICE_ARGMAX=1 turns it on.
+  bool device_argmax = false;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.
@@ -128,8 +132,8 @@ class CudaEngine : public Engine {
   int64_t prefill_chunk() const override;  // CudaEngineOptions::prefill_chunk (at most the context)
   std::unique_ptr<SequenceState> new_sequence() const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
-  // The argmax on the device (the decode graph's last kernel): 4 bytes come back; the row stays on the device until
-  // the next forward.
+  // With CudaEngineOptions::device_argmax: the argmax on the device after the decode graph, 4 bytes back, the row
+  // stays on the device until the next forward; else Engine's default.
   int32_t forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) override;
   std::vector<float> argmax_logits() override;
 

@@ -465,8 +465,8 @@ struct CudaEngine::Impl {
   };
   void moe_exl3_wave(cuda::DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces);
   int64_t exl3_wave_rows(const cuda::DevMoe& m) const;
-  // Decode with shared_grouped: the shared expert of h into y on proj_side (expert_executor.cpp), unless
-  // MOESRV_SHARED_SIDE=0.
+  // Decode with shared_grouped and MOESRV_SHARED_SIDE=1 (opt-in until measured on a GPU): the shared expert of h
+  // into y on proj_side (expert_executor.cpp), beside the router and the routed experts.
   void shared_expert_exl3(const cuda::DevMoe& m, const float* h,
                           float* y);  // rows such a wave may hold (the EXL3 scratch's height)
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
@@ -475,7 +475,8 @@ struct CudaEngine::Impl {
   // The k-pool indexer (linear_attention_engine.cpp): kpool_indexer_keys (wk, pool_gate, weights_proj from s.h, the
   // key norm) first, then kpool_indexer (wq_b from s.q_lat, the scale, the pools, the selection into s.sel).
   void kpool_indexer_keys(const cuda::DevIndexer& ix, int64_t S);
-  void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
+  // beside: in decode its pools and selection go to proj_side (the caller joins it before the attention).
+  void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S, bool beside);
   void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
   void gated_delta(int64_t l, int64_t S);                                // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
@@ -505,10 +506,14 @@ struct CudaEngine::Impl {
   }
 };
 
-// A comparison switch (environment variable): on unless set to 0.
+// Comparison switches (environment variables): switch_on is on unless set to 0, switch_set only when set nonzero.
 inline bool switch_on(const char* name) {
   const char* v = std::getenv(name);
   return !(v && std::atoi(v) == 0);
+}
+inline bool switch_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::atoi(v) != 0;
 }
 
 inline bool CudaEngine::Impl::proj_side_ok(int64_t S) const {

@@ -112,15 +112,16 @@ void CudaEngine::Impl::kpool_indexer_keys(const DevIndexer& ix, int64_t S) {
   layer_norm(ik, ix.k_norm.w.as<float>(), ix.k_norm.b.as<float>(), int(S), d, 1e-6f, ik, stream);
 }
 
-void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
+void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S, bool beside) {
   const LayerState& st = cur_state[size_t(l)];
   const int nh = int(c.index_n_heads), d = int(c.index_head_dim), kp = int(c.index_kpool);
   float *iq = s.iq.as<float>(), *ik = s.ik.as<float>(), *ig = s.ig.as<float>(), *ihw = s.ihw.as<float>();
   linear(ix.wq_b, s.q_lat.as<float>(), S, iq);
-  // The pools and the selection read kpool_indexer_keys' outputs: in decode they run on proj_side after those (and
-  // the caller joins before the attention); otherwise here, after any pending side work.
-  if (!proj_side_ok(S)) join_proj_side();
-  on_proj_side(S, [&] {
+  // The pools and the selection read kpool_indexer_keys' outputs: `beside`, in decode, they run on proj_side after
+  // those (the caller joins before the attention); otherwise here, after any pending side work.
+  beside = beside && proj_side_ok(S);
+  if (!beside) join_proj_side();
+  auto pools = [&] {
     const float head_scale = 1.0f / std::sqrt(float(nh));  // applied to the head weights inside kpool_select
     kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
                  st.open + int64_t(kp) * d, stream);
@@ -132,7 +133,9 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S)
                    c.index_select_tail, pos, int(max_pools()), s.dsa_scores.as<float>(), s.dsa_scores.bytes() / 4,
                    s.sel.as<int32_t>() + s0 * W, W, stream, head_scale);
     }
-  });
+  };
+  if (beside) on_proj_side(S, pools);
+  else pools();
 }
 
 }  // namespace moesrv
