@@ -11,6 +11,10 @@
 #   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072
 #   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s);
 #   MOESRV_BENCH_MLA_SPLIT=0 decodes MLA with the per-head kernel instead of the key-split default.
+#   OVERLAP_AB=1 scripts/gpu_suite.sh  + the opt-in decode changes against the default in one run (~6 min): the
+#                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
+#                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
+#                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -40,4 +44,20 @@ if [[ ${BENCH:-0} == 1 ]]; then
   summary "$OUT/bench.log"
   MOESRV_CUDA_BENCH=1 timeout 120 .gpu/test_cuda_pipeline --gtest_filter='CudaPipelineBench.*' >"$OUT/pipeline_bench.log" 2>&1
   summary "$OUT/pipeline_bench.log"
+fi
+if [[ ${OVERLAP_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
+  kb() {  # $1: name; rest: env
+    local name=$1; shift
+    env "$@" timeout 120 .gpu/cuda_kernel_bench --only "decode layer" >"$OUT/kb_$name.log" 2>/dev/null
+    echo "kernel bench $name rc=$?:"; grep -E "^decode layer" "$OUT/kb_$name.log"
+  }
+  kb default; kb kpool MOESRV_KPOOL_SIDE=1; kb shared MOESRV_SHARED_SIDE=1; kb both MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1
+  slice() {  # $1: name; rest: env
+    local name=$1; shift
+    env MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192,131072 MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
+      MOESRV_BENCH_STREAMS=0 "$@" timeout 200 .gpu/test_cuda_exl3_synthetic --gtest_filter='*Glm5Next*' \
+      >"$OUT/slice_$name.log" 2>&1
+    echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
+  }
+  slice default; slice overlaps MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1 MOESRV_DEVICE_ARGMAX=1; slice default2
 fi

@@ -240,6 +240,23 @@ TEST_P(CudaVsCpu, DeviceArgmaxPicksTheRowsMaximum) {
   EXPECT_EQ(b->length(), a->length());
 }
 
+// The k-pool indexer beside the query (CudaEngineOptions::kpool_beside_query, off by default until measured): the
+// same launches in another order on two streams, so the same rows (glm5_next; other models ignore the option).
+TEST_P(CudaVsCpu, KpoolBesideQueryMatchesTheDefaultOrder) {
+  SKIP_WITHOUT_CUDA();
+  CudaEngineOptions beside;
+  beside.kpool_beside_query = true;
+  auto all = ids(GetParam(), "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
+  auto base = gpu_engine(GetParam()), fast = gpu_engine(GetParam(), beside);
+  const auto ref = test::prefill_then_steps(*base, prompt, steps), out = test::prefill_then_steps(*fast, prompt, steps);
+  ASSERT_EQ(ref.size(), out.size());
+  const int64_t V = base->vocab_size();
+  for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
+    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-5) << "row " << r;
+  EXPECT_GT(fast->stats().graph_replays, 0);
+}
+
 // The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default
 // attention kernel, in the decode graph too, for every MLA model (selected keys or causal). The two sum in different
 // orders and round the attention output to bf16, so a row may move by one bf16 flip (H200: 1.6e-4 on one row of

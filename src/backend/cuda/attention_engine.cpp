@@ -44,10 +44,10 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
     cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
     if (kpool) kpool_indexer_keys(*a.indexer, S);
   });
-  // MOESRV_KPOOL_SIDE=1 (opt-in until measured on a GPU): the indexer's query reads q_lat, so it can go before q_b
-  // and, in decode, the pools' scores and selection run on proj_side beside q_b and the query absorption.
-  static const bool kpool_side = switch_set("MOESRV_KPOOL_SIDE");
-  const bool kpool_early = kpool && kpool_side && a.q_a.out;
+  // kpool_beside_query: the indexer's query reads q_lat, so it can go before q_b and, in decode, the pools' scores
+  // and selection run on proj_side beside q_b and the query absorption.
+  static const bool kpool_side_env = switch_set("MOESRV_KPOOL_SIDE");
+  const bool kpool_early = kpool && (opt.kpool_beside_query || kpool_side_env) && a.q_a.out;
   bool indexed = indexer != IndexerKind::Own;  // the selection in s.sel is the current one once this is set
   if (a.q_a.out) {
     linear(a.q_a, h, S, s.q_lat.as<float>());

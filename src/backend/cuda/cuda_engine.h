@@ -72,6 +72,11 @@ struct CudaEngineOptions {
   // false: Engine's default (the row comes back, std::max_element on the host). Off until measured on a GPU;
   // MOESRV_DEVICE_ARGMAX=1 turns it on.
   bool device_argmax = false;
+  // Decode overlaps, off until measured on a GPU (MOESRV_KPOOL_SIDE=1 / MOESRV_SHARED_SIDE=1 turn them on): the
+  // k-pool indexer's query right after the q_a norm and its pools and selection on the projection side stream beside
+  // q_b and the query absorption; the shared expert (when it has the routed experts' EXL3 shapes) on that side stream
+  // beside the router and the routed experts.
+  bool kpool_beside_query = false, shared_expert_beside_router = false;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.

@@ -465,8 +465,8 @@ struct CudaEngine::Impl {
   };
   void moe_exl3_wave(cuda::DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces);
   int64_t exl3_wave_rows(const cuda::DevMoe& m) const;
-  // Decode with shared_grouped and MOESRV_SHARED_SIDE=1 (opt-in until measured on a GPU): the shared expert of h
-  // into y on proj_side (expert_executor.cpp), beside the router and the routed experts.
+  // Decode with shared_grouped and CudaEngineOptions::shared_expert_beside_router: the shared expert of h into y on
+  // proj_side (expert_executor.cpp), beside the router and the routed experts.
   void shared_expert_exl3(const cuda::DevMoe& m, const float* h,
                           float* y);  // rows such a wave may hold (the EXL3 scratch's height)
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);

@@ -37,10 +37,11 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.scaling = float(c.routed_scaling_factor);
   ra.counts = d_usage.as<uint32_t>() + l * E;
   ra.tokens = d_usage_tokens.as<uint32_t>() + l;
-  static const bool shared_side_on = switch_set("MOESRV_SHARED_SIDE");
+  static const bool shared_side_env = switch_set("MOESRV_SHARED_SIDE");
+  const bool shared_side_on = opt.shared_expert_beside_router || shared_side_env;
   const bool grouped = m.all_vram && S <= 8 && (!m.exl3 || m.x3_grouped);
-  // Decode with MOESRV_SHARED_SIDE=1: the shared expert on proj_side, beside the router and the routed experts (it
-  // reads only h); else shared and routed experts in the same grouped launches: routing rows [shared | k picks].
+  // Decode with shared_expert_beside_router: the shared expert on proj_side, beside the router and the routed experts
+  // (it reads only h); else shared and routed experts in the same grouped launches: routing rows [shared | k picks].
   const bool shared_side = grouped && m.shared_grouped && shared_side_on && proj_side_ok(S);
   const bool shared_in_group = grouped && m.shared_grouped && !shared_side;
   if (shared_in_group) ra.shared_id = int(E);
