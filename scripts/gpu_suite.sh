@@ -11,6 +11,10 @@
 #   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072
 #   BENCH_TIMEOUT=540 BENCH=1 scripts/gpu_suite.sh   (split it over calls: one call runs for at most 600 s);
 #   MOESRV_BENCH_MLA_SPLIT=0 decodes MLA with the per-head kernel instead of the key-split default.
+#   INT8_GEMV=1 scripts/gpu_suite.sh   + the one-row GEMV's variant 4 (MUL1 on integer tensor cores) against the
+#                                   default variant 2 in one run (~4 min): exl3_cuda_bench's checks and the EXL3
+#                                   engine suite under it, the kernel bench's EXL3 / decode rows at K=3 and 4, the
+#                                   all-VRAM slice (8K).
 #   OVERLAP_AB=1 scripts/gpu_suite.sh  + the opt-in decode changes against the default in one run (~6 min): the
 #                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
 #                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
@@ -60,4 +64,25 @@ if [[ ${OVERLAP_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
     echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
   }
   slice default; slice overlaps MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1 MOESRV_DEVICE_ARGMAX=1; slice default2
+fi
+if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
+  MOESRV_EXL3_GEMV1_VARIANT=4 timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_v4.log" 2>&1
+  echo "exl3_cuda_bench variant 4 rc=$?:"; grep -E "FAIL|checks|one-row" "$OUT/exl3_bench_v4.log" | head -20
+  MOESRV_EXL3_GEMV1_VARIANT=4 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
+    >"$OUT/exl3_v4.log" 2>&1
+  echo "EXL3 suite variant 4:"; summary "$OUT/exl3_v4.log"
+  for bits in 3 4; do
+    for v in 2 4; do
+      MOESRV_EXL3_GEMV1_VARIANT=$v timeout 120 .gpu/cuda_kernel_bench --bits $bits --only "EXL3,decode layer,lm_head" \
+        >"$OUT/kb_k${bits}_v$v.log" 2>/dev/null
+      echo "kernel bench K=$bits variant $v rc=$?:"; grep -E "^(KDA EXL3 q|MoE EXL3 experts|head EXL3|decode layer)" \
+        "$OUT/kb_k${bits}_v$v.log"
+    done
+  done
+  for v in 2 4; do
+    MOESRV_EXL3_GEMV1_VARIANT=$v MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192 MOESRV_BENCH_ROUTING=skewed \
+      MOESRV_BENCH_BUDGETS=all MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic \
+      --gtest_filter='*Glm5Next*' >"$OUT/slice_v$v.log" 2>&1
+    echo "slice variant $v rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_v$v.log" | head -4
+  done
 fi

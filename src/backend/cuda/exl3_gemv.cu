@@ -387,6 +387,69 @@ __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N],
   }
 }
 
+// Variant 4 (MUL1, fused calls): MUL1's unrounded value is A (1024 + bs) + C in the byte sum bs of the state's
+// product s * 0x83DCD12D, so a weight times an int8 input is the dot product of the product's four bytes with the
+// input splat to four bytes: one m16n8k32 integer MMA takes the products themselves as its A fragments (a0 / a2: two
+// rows of the lane's even column, a1 / a3: of its odd column, as gemv1_tile_mma's h words) and the inputs as B, in
+// gemv1_tile_mma's diagonal-lane form (hi inputs in column t, lo in t + 4). The block's inputs are int8 hi + lo / 254
+// times one scale (gemv1_stage_int8); no byte sum, pairing, fp16 affine or HMMA per weight. xq: per row pair group
+// p4 the words of rows 2 p4, 2 p4 + 1, 2 p4 + 8, 2 p4 + 9 (hi or lo splats; zeros off the diagonal).
+template <int K>
+__device__ __forceinline__ void gemv1_tile_imma(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const uint4* xq,
+                                                int (&d)[Gemv1<K>::C / 2][4]) {
+  using G = Gemv1<K>;
+  uint32_t b[G::N + 1];
+  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
+#pragma unroll
+  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+#pragma unroll
+  for (int p4 = 0; p4 < 4; ++p4) {
+    const uint4 x = xq[p4];
+#pragma unroll
+    for (int pp = p4; pp < G::P; pp += 4) {
+      uint32_t p[8];  // states i: (even column; rows r, r + 1, r + 8, r + 9), then the odd column's (gemv1_tile)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) p[i] = stream_bits16_shared(b, (8 * pp + i + 1) * K + 16) * 0x83DCD12Du;
+      mma_m16n8k32_u8s8(d[pp >> 2], p[0], p[4], p[1], p[5], x.x, x.y);  // rows r, r + 1
+      mma_m16n8k32_u8s8(d[pp >> 2], p[2], p[6], p[3], p[7], x.z, x.w);  // rows r + 8, r + 9
+    }
+  }
+}
+
+// Variant 4's shared memory for T k-tiles (words): the rotated inputs [T * 16], the B words [T * 32] (per tile 16 hi
+// splats, then 16 lo, each in gemv1_tile_imma's xq order), zeros [16], the tiles' sums of the quantised inputs [T],
+// the block's scale [1].
+__host__ __device__ constexpr int gemv1_int8_words(int T) { return T * 49 + 17; }
+
+// Variant 4's staging: the block's rotated inputs (smem[0, T * 16), this thread's largest |value| in amax) as
+// int8 hi = round(v) and lo = round((v - hi) * 254) of v = x * 127 / max|x| (block-wide), so x = (hi + lo / 254) * u
+// with u = max|x| / 127 to ~2^-15 of the largest; their splat words, the tiles' sums of those values and u.
+__device__ void gemv1_stage_int8(float* smem, int T, int cap, float amax) {
+  __shared__ float wmax[kGemv1Warps];
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  if (lane == 0) wmax[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  const float top = fmaxf(fmaxf(wmax[0], wmax[1]), fmaxf(wmax[2], wmax[3]));
+  const float inv = top > 0.f ? 127.f / top : 0.f, u = top * (1.f / 127.f);
+  uint32_t* words = reinterpret_cast<uint32_t*>(smem + cap * 16);
+  float* tsum = smem + cap * 48 + 16;
+  for (int i = threadIdx.x; i < T * 16; i += blockDim.x) {  // T is whole 128-blocks: every thread takes each turn
+    const int t = i >> 4, row = i & 15;
+    const float v = smem[i] * inv, hi = rintf(v), lo = rintf((v - hi) * 254.f);
+    const int at = t * 32 + ((row & 7) >> 1) * 4 + (row >> 3) * 2 + (row & 1);  // xq order
+    words[at] = uint32_t(uint8_t(int8_t(int(hi)))) * 0x01010101u;
+    words[at + 16] = uint32_t(uint8_t(int8_t(int(lo)))) * 0x01010101u;
+    float q = hi + lo * (1.f / 254.f);
+#pragma unroll
+    for (int m = 8; m > 0; m >>= 1) q += __shfl_xor_sync(0xffffffffu, q, m);  // the tile's 16 rows: 16 lanes
+    if (row == 0) tsum[t] = q * u;
+  }
+  if (threadIdx.x == 0) tsum[cap] = u;
+  if (threadIdx.x < 16) reinterpret_cast<uint32_t*>(smem)[cap * 48 + threadIdx.x] = 0u;
+}
+
 // The lane's sums of its C columns from the tensor-core accumulators (see gemv1_tile_mma).
 template <int C>
 __device__ __forceinline__ void gemv1_mma_sums(const float (&d)[C / 2][4], int lane, float (&acc)[C]) {
@@ -402,10 +465,11 @@ __device__ __forceinline__ void gemv1_mma_sums(const float (&d)[C / 2][4], int l
     }
 }
 
-// kMma: V = 1, 2 or 3 as gemv1_tile_mma.
+// kMma: V = 1, 2 or 3 as gemv1_tile_mma; 4: gemv1_tile_imma (MUL1, fused calls only).
 template <int K, int CB, bool kMma, int V = 1>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
   using G = Gemv1<K>;
+  constexpr bool kInt8 = kMma && V == 4 && CB == 2;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // warps_k is 1, 2 or 4: shifts instead of divisions
@@ -433,10 +497,14 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 #pragma unroll 4
     for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) x4[i] = scaled_in4(a.w, a.src, r, kb0 * 16 + 4 * i);
     __syncthreads();
+    float amax = 0.f;  // (variant 4) this thread's largest |value|
     for (int b = warp; b < (kb1 - kb0) / 8; b += kGemv1Warps) {
       float4 h = x4[b * 32 + lane];
       hadamard128_lane(h, lane);
-      if constexpr (kMma) {  // lane's rows 4q..4q+3 of tile lane / 4: hi/lo words 4(q%2) + q/2 and 2 more
+      if constexpr (kInt8) {
+        x4[b * 32 + lane] = h;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h.x), fabsf(h.y)), fmaxf(fabsf(h.z), fabsf(h.w))));
+      } else if constexpr (kMma) {  // lane's rows 4q..4q+3 of tile lane / 4: hi/lo words 4(q%2) + q/2 and 2 more
         __syncwarp();        // (the tile's 4 lanes have read their floats)
         const int t = b * 8 + lane / 4, q = lane & 3, j = 4 * (q & 1) + (q >> 1);
         uint32_t* xw = reinterpret_cast<uint32_t*>(smem) + t * 16;
@@ -446,7 +514,12 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
         x4[b * 32 + lane] = h;
       }
     }
-  } else if constexpr (kMma) {  // per k-tile: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
+    if constexpr (kInt8) {
+      __syncthreads();  // every block's rotated values in place
+      gemv1_stage_int8(smem, kb1 - kb0, wk * tpw, amax);
+    }
+  } else if constexpr (kMma &&
+                       !kInt8) {  // per k-tile: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
     const float* xg = a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16;
     uint32_t* xw = reinterpret_cast<uint32_t*>(smem);
     for (int i = threadIdx.x; i < (kb1 - kb0) * 8; i += blockDim.x) {
@@ -458,7 +531,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     for (int i = threadIdx.x; i < (kb1 - kb0) * 4; i += blockDim.x) reinterpret_cast<float4*>(smem)[i] = xg[i];
   }
   float* zero = smem + wk * tpw * 16;  // kGemv1ZeroWords zeros: the B words of the lanes off the diagonal
-  if (kMma && threadIdx.x < kGemv1ZeroWords) zero[threadIdx.x] = 0.f;
+  if (kMma && !kInt8 && threadIdx.x < kGemv1ZeroWords) zero[threadIdx.x] = 0.f;
   __syncthreads();
 
   const int prev_lane = lane % G::L == 0 ? lane + G::L - 1 : lane - 1;
@@ -467,15 +540,23 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 #pragma unroll
   for (int c = 0; c < G::C; ++c) acc[c] = 0.f;
   float d[G::C / 2][4] = {};
+  int di[G::C / 2][4] = {};  // (variant 4)
   // tensor cores: lanes 0, 5, 10, 15 read the hi words, 16, 21, 26, 31 the lo words, the others hold zeros
   const int diag = (lane >> 2) == (lane & 3) ? 0 : (lane >> 2) == (lane & 3) + 4 ? 8 : -1;
   const uint4* xsrc = reinterpret_cast<const uint4*>(diag >= 0 ? xs + diag : zero);
   const int xstep = diag >= 0 ? 4 : 0;  // uint4 per k-tile
+  // variant 4: 32 words per k-tile (16 hi, 16 lo) after the rotated inputs, zeros after them
+  const int cap = wk * tpw;
+  const uint4* qsrc = reinterpret_cast<const uint4*>(diag >= 0 ? smem + cap * 16 + (kt0 - kb0) * 32 + (diag ? 16 : 0)
+                                                               : smem + cap * 48);
+  const int qstep = diag >= 0 ? 8 : 0;  // uint4 per k-tile
   for (int k = 0; k < nkt; k += G::D) {
 #pragma unroll
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
-        if constexpr (kMma) {
+        if constexpr (kInt8) {
+          gemv1_tile_imma<K>(ring[u], prev_lane, qsrc + (k + u) * qstep, di);
+        } else if constexpr (kMma) {
           const uint4* src = xsrc + (k + u) * xstep;
           const uint4 xb[2] = {src[0], src[1]};
           gemv1_tile_mma<K, CB, V>(ring[u], prev_lane, xb, d);
@@ -488,7 +569,24 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
         }
       }
   }
+  if constexpr (kInt8) {  // d = the int sums, lo columns (n >= 4: lanes t >= 2) / 254; then A (u D + 1024 Sx) + C Sx
+    const float lo = (lane & 3) >= 2 ? 1.f / 254.f : 1.f;
+#pragma unroll
+    for (int q = 0; q < G::C / 2; ++q)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) d[q][j] = float(di[q][j]) * lo;
+  }
   if constexpr (kMma) gemv1_mma_sums<G::C>(d, lane, acc);
+  if constexpr (kInt8) {
+    const float* tsum = smem + cap * 48 + 16;
+    float sx = 0.f;  // this warp's quantised inputs, summed
+    for (int i = lane; i < nkt; i += 32) sx += tsum[kt0 - kb0 + i];
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) sx += __shfl_xor_sync(0xffffffffu, sx, m);
+    const float scale = tsum[cap];
+#pragma unroll
+    for (int c = 0; c < G::C; ++c) acc[c] = kMul1A * fmaf(scale, acc[c], 1024.f * sx) + kMul1C * sx;
+  }
   if constexpr (kMma && V == 3 && CB == 2) {  // raw MUL1 values: A times the sums plus C times this range's inputs
     const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs);  // 16 words (hi, lo halves) per k-tile
     float sx = 0.f;
@@ -503,7 +601,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   }
 
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
-    float* red = smem + wk * tpw * 16 + kGemv1ZeroWords;
+    float* red = smem + (kInt8 ? gemv1_int8_words(cap) : wk * tpw * 16 + kGemv1ZeroWords);
 #pragma unroll
     for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
     __syncthreads();
@@ -572,14 +670,15 @@ using Gemv1Fn = void (*)(Gemv1Args);
     &fn<1, cb, true, v>, &fn<2, cb, true, v>, &fn<3, cb, true, v>, &fn<4, cb, true, v>, &fn<5, cb, true, v>, \
         &fn<6, cb, true, v>, &fn<7, cb, true, v>, &fn<8, cb, true, v>                                        \
   }
-// [fp32 FMAs, tensor cores V = 1, 2, 3][codebook][K - 1] (V = 3 differs from 2 for MUL1 only)
-const Gemv1Fn kGemv1[4][3][8] = {
+// [fp32 FMAs, tensor cores V = 1, 2, 3, 4][codebook][K - 1] (V = 3, 4 differ from 2 for MUL1 only)
+const Gemv1Fn kGemv1[5][3][8] = {
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)},
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 2)},
-    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 3)}};
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 3)},
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)}};
 #undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
@@ -649,7 +748,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
 }
 
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
-// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3: its tensor-core loop's V (gemv1_tile_mma; default 2);
+// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3|4: its tensor-core loop's V (gemv1_tile_mma, 4: gemv1_tile_imma; default 2);
 // MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
@@ -669,9 +768,13 @@ bool exl3_gemv_unfused() {
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
                   const Gemv1Split& sp, cudaStream_t s) {
   const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
-  const size_t smem = (size_t(sp.warps_k) * sp.tiles_per_warp * 16 + kGemv1ZeroWords +
-                       (sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0)) *
-                      sizeof(float);
+  const int cap = sp.warps_k * sp.tiles_per_warp;
+  const size_t red = sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0;
+  // variant 4 runs MUL1's fused calls whose staging fits the default 48 KB; the others take variant 2
+  int v = exl3_gemv1_fma() ? 0 : exl3_gemv1_variant();
+  if (v == 4 && (!src.x || w.cb != 2 || (size_t(gemv1_int8_words(cap)) + red) * sizeof(float) > 48 * 1024)) v = 2;
+  const size_t smem =
+      ((v == 4 ? size_t(gemv1_int8_words(cap)) : size_t(cap) * 16 + kGemv1ZeroWords) + red) * sizeof(float);
   const Gemv1Args a{static_cast<const uint4*>(w.trellis),
                     g,
                     xh,
@@ -685,8 +788,7 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
                     w,
                     src};
   const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-  launch(kGemv1[exl3_gemv1_fma() ? 0 : exl3_gemv1_variant()][w.cb][w.K - 1],
-         dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
+  launch(kGemv1[v][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -712,7 +814,7 @@ int exl3_gemv_blocks_per_sm() {
 }
 
 int exl3_gemv1_variant() {
-  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 3, 2);
+  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 4, 2);
   return v;
 }
 

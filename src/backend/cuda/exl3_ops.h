@@ -59,7 +59,10 @@ bool exl3_gemv_tc_single();
 // The one-row tensor-core GEMV's inner loop (MOESRV_EXL3_GEMV1_VARIANT, default 2), read once: 1 and 2 sum the fp16
 // weights (bit-identical results; 2 extracts the states with fewer instructions), 3 sums MUL1 weights unrounded (A
 // times the byte-sum values plus C times the inputs' sum): each weight then differs from its fp16 value by at most
-// half an fp16 ulp (2^-11 relative), so the product moves up to ~5e-4 (relative, rms) from the fp16-weight one.
+// half an fp16 ulp (2^-11 relative), so the product moves up to ~5e-4 (relative, rms) from the fp16-weight one;
+// 4 (MUL1 calls with a fused input rotation; others run 2) takes the inputs as int8 hi + lo / 254 of a block scale
+// and sums the unrounded MUL1 values on integer tensor cores: each weight's product bytes times the input (no byte
+// sum, pairing or fp16 affine per weight); the inputs move by ~2^-15 of the block's largest, the weights as 3's.
 int exl3_gemv1_variant();
 
 // Auto: Fp32 for one row per weight, TensorCore for 2..8. Fp32 at one row: the input split into fp16 hi + lo parts
