@@ -518,8 +518,8 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
       __syncthreads();  // every block's rotated values in place
       gemv1_stage_int8(smem, kb1 - kb0, wk * tpw, amax);
     }
-  } else if constexpr (kMma &&
-                       !kInt8) {  // per k-tile: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
+  } else if constexpr (kMma && !kInt8) {
+    // per k-tile: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
     const float* xg = a.xh + size_t(blockIdx.z) * a.in_pad + kb0 * 16;
     uint32_t* xw = reinterpret_cast<uint32_t*>(smem);
     for (int i = threadIdx.x; i < (kb1 - kb0) * 8; i += blockDim.x) {
