@@ -206,7 +206,8 @@ TEST_P(CudaExl3, GraphEagerAndChunkedAgree) {
 // The decode overlaps (CudaEngineOptions::kpool_beside_query, shared_expert_beside_router; off by default until
 // measured): the same rows as the default order on the prefill and on graph-replayed decode steps. The k-pool order
 // changes no arithmetic; the shared expert beside the router runs as its own GEMVs (another K split than the grouped
-// launch's), so rows may move by float rounding.
+// launch's), so rows may move by float rounding (~1e-6; 1e-3 leaves room for a k-pool near-tie that rounding flips,
+// while a wrong or missing shared expert moves rows by far more).
 TEST_P(CudaExl3, DecodeOverlapsMatchTheDefaultOrder) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
@@ -218,11 +219,11 @@ TEST_P(CudaExl3, DecodeOverlapsMatchTheDefaultOrder) {
   std::vector<int32_t> prompt(all.begin(), all.begin() + 24);
   auto a = g->new_sequence(), b = o->new_sequence();
   auto la = g->forward(*a, prompt), lb = o->forward(*b, prompt);
-  EXPECT_LE(rel_row_error(lb.data(), la.data(), V), 1e-4) << "prefill";
+  EXPECT_LE(rel_row_error(lb.data(), la.data(), V), 1e-3) << "prefill";
   for (int i = 24; i < 32; ++i) {
     la = g->forward(*a, {all[size_t(i)]});
     lb = o->forward(*b, {all[size_t(i)]});
-    EXPECT_LE(rel_row_error(lb.data(), la.data(), V), 1e-4) << "step " << i;
+    EXPECT_LE(rel_row_error(lb.data(), la.data(), V), 1e-3) << "step " << i;
   }
   EXPECT_GT(o->stats().graph_replays, 0);
 }
