@@ -326,15 +326,22 @@ __device__ __forceinline__ void gemv1_load(const uint32_t* p, uint32_t (&r)[Gemv
   }
 }
 
+// The lane's bit stream of one k-tile: the word before its chunk (the previous lane's last), then the chunk.
+template <int K>
+__device__ __forceinline__ void lane_stream(const uint32_t (&w)[Gemv1<K>::N], int prev_lane,
+                                            uint32_t (&b)[Gemv1<K>::N + 1]) {
+  b[0] = __shfl_sync(0xffffffffu, w[Gemv1<K>::N - 1], prev_lane);
+#pragma unroll
+  for (int j = 0; j < Gemv1<K>::N; ++j) b[j + 1] = w[j];
+}
+
 // One k-tile: acc[c] += the lane's 8P weights times xk[0..15] (column c: (P/4)*q + c/2 + 8*(c%2) of its tile).
 template <int K, int CB>
 __device__ __forceinline__ void gemv1_tile(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const float* xk,
                                            float (&acc)[Gemv1<K>::C]) {
   using G = Gemv1<K>;
-  uint32_t b[G::N + 1];  // the word before the chunk, then the chunk
-  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
-#pragma unroll
-  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+  uint32_t b[G::N + 1];
+  lane_stream<K>(w, prev_lane, b);
   float x[16];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -367,9 +374,7 @@ __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N],
                                                float (&d)[Gemv1<K>::C / 2][4]) {
   using G = Gemv1<K>;
   uint32_t b[G::N + 1];
-  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
-#pragma unroll
-  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+  lane_stream<K>(w, prev_lane, b);
   const uint32_t xw[8] = {xb[0].x, xb[0].y, xb[0].z, xb[0].w, xb[1].x, xb[1].y, xb[1].z, xb[1].w};
 #pragma unroll
   for (int pp = 0; pp < G::P; ++pp) {
@@ -399,9 +404,7 @@ __device__ __forceinline__ void gemv1_tile_imma(const uint32_t (&w)[Gemv1<K>::N]
                                                 int (&d)[Gemv1<K>::C / 2][4]) {
   using G = Gemv1<K>;
   uint32_t b[G::N + 1];
-  b[0] = __shfl_sync(0xffffffffu, w[G::N - 1], prev_lane);
-#pragma unroll
-  for (int j = 0; j < G::N; ++j) b[j + 1] = w[j];
+  lane_stream<K>(w, prev_lane, b);
 #pragma unroll
   for (int p4 = 0; p4 < 4; ++p4) {
     const uint4 x = xq[p4];
