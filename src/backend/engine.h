@@ -71,8 +71,9 @@ class Engine {
                                      bool all_logits = false) = 0;
   // Greedy decoding: appends `tokens` as forward() does and returns the id std::max_element picks from the last
   // token's logits (the lowest id among equal maxima; 0 when the first is NaN), without handing the logits over;
-  // argmax_logits() returns those logits on demand (until the next call that appends tokens). An engine may pick the
-  // id where the logits are (the CUDA engine: on the device, 4 bytes back instead of the row).
+  // argmax_logits() returns those logits on demand, called right after it (before any other call that appends
+  // tokens). An engine may pick the id where the logits are (the CUDA engine: on the device, 4 bytes back instead of
+  // the row).
   virtual int32_t forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
     argmax_logits_ = forward(seq, tokens);
     return int32_t(std::max_element(argmax_logits_.begin(), argmax_logits_.end()) - argmax_logits_.begin());

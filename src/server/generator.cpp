@@ -187,7 +187,8 @@ GenerationResult generate(Engine& engine, PrefixCache* cache, const std::vector<
   r.finish = GenerationResult::Finish::kLength;
   // Greedy decoding whose hooks need no logits: the engine picks the argmax (on the device for the CUDA engine) and
   // the row is fetched only when the mask rejects that pick; the choice is the same as sample()'s on the row (the
-  // unmasked argmax is the lowest id among the maxima, so when the mask allows it, it is the masked argmax too).
+  // unmasked argmax is the lowest id among the maxima, so when the mask allows it, it is the masked argmax too; a
+  // row with NaN logits, which no model here produces, could differ).
   std::optional<int32_t> picked;  // the engine's argmax of the last step (logits not fetched)
   while (r.completion_tokens < max_new_tokens) {
     int32_t tok;
