@@ -32,6 +32,7 @@
 
 #include "backend/cuda/exl3_ops.h"
 #include "backend/cuda/glm5_next_kernels.h"
+#include "backend/cuda/kernel_util.cuh"  // env_flag: the engine's opt-in switches
 #include "backend/cuda/kernels.h"
 
 using namespace moesrv::cuda;
@@ -454,10 +455,6 @@ void kpool_keys(int i) {  // Impl::kpool_indexer_keys
   bf16_linear(W.weights_proj[i], IH, D, B.h, B.ihw);
   layer_norm(B.ik, W.k_norm_w, W.k_norm_b, 1, ID, 1e-6f, B.ik, g_st);
 }
-bool switch_set(const char* name) {  // as the engine's opt-in switches: on when set nonzero
-  const char* v = std::getenv(name);
-  return v && std::atoi(v) != 0;
-}
 // Impl::kpool_indexer (after kpool_keys): the pools and the selection after the keys, on the side stream (beside)
 // or after joining it.
 void kpool_indexer(int i, const Ctx& c, bool beside) {
@@ -494,7 +491,7 @@ void mla(int i, const Ctx& c) {  // Impl::attention_mla (rope is a no-op at qk_r
     cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
     kpool_keys(i);
   });
-  static const bool kpool_early = switch_set("MOESRV_KPOOL_SIDE");  // 1: the indexer before q_b, beside it
+  static const bool kpool_early = env_flag("MOESRV_KPOOL_SIDE");  // 1: the indexer before q_b, beside it
   exl3_linear(W.q_a[i], B.h, B.q_lat, QL);
   rms_norm(B.q_lat, QL, W.q_a_norm, 1, QL, 1e-6f, B.q_lat, QL, g_st);
   if (kpool_early) kpool_indexer(i, c, true);
@@ -552,7 +549,7 @@ void shared_expert() {
   exl3_chain(W.shared_down, {}, Exl3Src{B.gu, 2 * I, nullptr, 1, true, LIMIT}, 1, B.y, D);
 }
 void moe(int i) {  // Impl::moe, all experts in VRAM
-  static const bool side = switch_set("MOESRV_SHARED_SIDE") && !proj_side_off();
+  static const bool side = env_flag("MOESRV_SHARED_SIDE") && !proj_side_off();
   if (side) {  // the shared expert on the side stream beside the router and the routed experts
     on_side([] { shared_expert(); });
     route_fused_call(i, false);

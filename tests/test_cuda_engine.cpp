@@ -147,6 +147,21 @@ double largest_sequence_bytes(CudaEngine& e, const std::string& model) {
   return double(seq->bytes());
 }
 
+// Two engines of `model` with options `base` and `other`: every row of a 40-token prefill and 8 decode steps
+// (graph-replayed) within `tol` of each other (rel_row_error).
+void expect_rows_alike(const std::string& model, const CudaEngineOptions& base, const CudaEngineOptions& other,
+                       double tol) {
+  auto all = ids(model, "gen_ids");
+  std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
+  auto a = gpu_engine(model, base), b = gpu_engine(model, other);
+  const auto ref = test::prefill_then_steps(*a, prompt, steps), out = test::prefill_then_steps(*b, prompt, steps);
+  ASSERT_EQ(ref.size(), out.size());
+  const int64_t V = a->vocab_size();
+  for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
+    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), tol) << "row " << r;
+  EXPECT_GT(b->stats().graph_replays, 0);
+}
+
 class CudaVsCpu : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaVsCpu, PrefillLogitsMatchCpu) {
@@ -246,15 +261,7 @@ TEST_P(CudaVsCpu, KpoolBesideQueryMatchesTheDefaultOrder) {
   SKIP_WITHOUT_CUDA();
   CudaEngineOptions beside;
   beside.kpool_beside_query = true;
-  auto all = ids(GetParam(), "gen_ids");
-  std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
-  auto base = gpu_engine(GetParam()), fast = gpu_engine(GetParam(), beside);
-  const auto ref = test::prefill_then_steps(*base, prompt, steps), out = test::prefill_then_steps(*fast, prompt, steps);
-  ASSERT_EQ(ref.size(), out.size());
-  const int64_t V = base->vocab_size();
-  for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
-    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-5) << "row " << r;
-  EXPECT_GT(fast->stats().graph_replays, 0);
+  expect_rows_alike(GetParam(), {}, beside, 1e-5);
 }
 
 // The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default
@@ -265,18 +272,10 @@ TEST_P(CudaVsCpu, SplitMlaDecodeMatchesDefaultKernel) {
   SKIP_WITHOUT_CUDA();
   const auto pkg = ModelPackage::open(tiny(GetParam()));
   if (ModelSpec::from_json(pkg->config()).attention != AttentionKind::MLA) GTEST_SKIP() << "not an MLA model";
-  auto all = ids(GetParam(), "gen_ids");
-  std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
   CudaEngineOptions split, per_head;
   split.mla_split_decode = true;
   per_head.mla_split_decode = false;
-  auto base = gpu_engine(GetParam(), per_head), fast = gpu_engine(GetParam(), split);
-  const auto ref = test::prefill_then_steps(*base, prompt, steps), out = test::prefill_then_steps(*fast, prompt, steps);
-  ASSERT_EQ(ref.size(), out.size());
-  const int64_t V = base->vocab_size();
-  for (size_t r = 0; r * size_t(V) < ref.size(); ++r)
-    EXPECT_LE(rel_row_error(out.data() + r * size_t(V), ref.data() + r * size_t(V), V), 1e-3) << "row " << r;
-  EXPECT_GT(fast->stats().graph_replays, 0);
+  expect_rows_alike(GetParam(), per_head, split, 1e-3);
 }
 
 TEST_P(CudaVsCpu, TruncateAndCloneReplay) {

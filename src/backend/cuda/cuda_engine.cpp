@@ -474,10 +474,7 @@ std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int
 }
 
 int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
-  static const bool env = [] {
-    const char* v = std::getenv("MOESRV_DEVICE_ARGMAX");
-    return v && v[0] == '1';
-  }();
+  static const bool env = switch_set("MOESRV_DEVICE_ARGMAX");
   if (!impl_->opt.device_argmax && !env) return Engine::forward_argmax(seq, tokens);
   int32_t best = 0;
   impl_->forward(seq, tokens, false, &best);

@@ -464,11 +464,10 @@ struct CudaEngine::Impl {
     int64_t row0, cnt;
   };
   void moe_exl3_wave(cuda::DevMoe& m, int64_t a, int64_t rows, const std::vector<ExpertPiece>& pieces);
-  int64_t exl3_wave_rows(const cuda::DevMoe& m) const;
+  int64_t exl3_wave_rows(const cuda::DevMoe& m) const;  // rows such a wave may hold (the EXL3 scratch's height)
   // Decode with shared_grouped and CudaEngineOptions::shared_expert_beside_router: the shared expert of h into y on
   // proj_side (expert_executor.cpp), beside the router and the routed experts.
-  void shared_expert_exl3(const cuda::DevMoe& m, const float* h,
-                          float* y);  // rows such a wave may hold (the EXL3 scratch's height)
+  void shared_expert_exl3(const cuda::DevMoe& m, const float* h, float* y);
   void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
