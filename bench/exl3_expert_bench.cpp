@@ -4,6 +4,7 @@
 //   old      mlp_forward per expert with the previous AVX-512 GEMV (path avx512) when the CPU has it
 //   new/exp  mlp_forward per expert with the best GEMV path
 //   batched  cpu::experts_forward: all experts' strips in shared parallel_fors, best path
+//   int8     the same with the opt-in integer-sum path (avx512-int8, MOESRV_EXL3_GEMV=avx512-int8) where the CPU has it
 // GB/s counts the stored trellis bytes of the experts. Each step reads the next experts of a pool of N MB, so
 // weights come from memory, not cache. Each thread count runs in a child process (MOESRV_THREADS sizes the pool).
 // --thp: each trellis in 2 MiB-aligned memory advised for transparent huge pages (a strip's tiles lie a page apart:
@@ -148,13 +149,22 @@ void child(size_t pool_bytes) {
       const double old_ms = best_ms(reps, per_expert);
       exl3_gemv_set_default_path(best);
       const double new_ms = best_ms(reps, per_expert), batch_ms = best_ms(reps, batched);
+      double int8_ms = 0;
+      if (exl3_gemv_path_supported(Exl3GemvPath::Avx512Int8)) {
+        exl3_gemv_set_default_path(Exl3GemvPath::Avx512Int8);
+        int8_ms = best_ms(reps, batched);
+        exl3_gemv_set_default_path(best);
+      }
       const double bytes = double(pool.trellis_bytes) * double(E);
       auto gbs = [&](double ms) { return bytes / ms / 1e6; };
       std::printf(
           "threads %2d  K=%d experts=%lld  old %7.3f ms %5.1f GB/s  new/exp %7.3f ms %5.1f GB/s  batched %7.3f ms "
-          "%5.1f GB/s = %.2f of floor\n",
+          "%5.1f GB/s = %.2f of floor",
           threads, K, (long long)E, old_ms, gbs(old_ms), new_ms, gbs(new_ms), batch_ms, gbs(batch_ms),
           gbs(batch_ms) / floor);
+      if (int8_ms > 0)
+        std::printf("  int8 %7.3f ms %5.1f GB/s = %.2f of floor", int8_ms, gbs(int8_ms), gbs(int8_ms) / floor);
+      std::printf("\n");
       std::fflush(stdout);
     }
   }

@@ -19,6 +19,9 @@
 #                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
 #                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
 #                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
+#   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~3 min, no GPU): every GEMV path
+#                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
+#                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column); docs/perf.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -85,4 +88,11 @@ if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
       --gtest_filter='*Glm5Next*' >"$OUT/slice_v$v.log" 2>&1
     echo "slice variant $v rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_v$v.log" | head -4
   done
+fi
+if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"
+  grep -o -E "avx512[a-z_0-9]*|amx[a-z_0-9]*|avx_vnni" /proc/cpuinfo | sort -u | tr '\n' ' ' >>"$OUT/cpu_experts.log"
+  timeout 120 .gpu/exl3_strip_bench >>"$OUT/cpu_experts.log" 2>&1
+  timeout 300 .gpu/exl3_expert_bench --pool-mb 4096 --threads 1,8,16 >>"$OUT/cpu_experts.log" 2>&1
+  echo "cpu experts rc=$?:"; cat "$OUT/cpu_experts.log"
 fi

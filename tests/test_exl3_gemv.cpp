@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "backend/cpu/exl3_gemv.h"
@@ -46,8 +47,8 @@ std::vector<float> reference(const Exl3Weights& w) {
 }
 
 std::vector<float> gemv(Exl3GemvPath p, const Exl3Weights& w, const std::vector<float>& x, int64_t n) {
-  std::vector<float> xs(size_t(n * w.in_pad * 2)), y(size_t(n * w.out_pad));
-  exl3_activations_in_state_order(x.data(), n, w.in_pad, 0, w.tiles_k(), xs.data());
+  std::vector<float> xs(size_t(n * exl3_activation_floats(p, w.in_pad))), y(size_t(n * w.out_pad));
+  exl3_prepare_activations(p, x.data(), n, w.in_pad, xs.data());
   for (int64_t nt = 0; nt < w.tiles_n(); ++nt) exl3_gemv_strip(p, w, xs.data(), n, nt, y.data(), w.out_pad);
   return y;
 }
@@ -126,6 +127,66 @@ TEST(Exl3Gemv, EveryPathMatchesDoubleSums) {
       }
     }
   }
+}
+
+// Avx512Int8 (opt-in) against double sums of the exact fp16 weights, within its stated error: each weight without
+// its fp16 rounding (<= 2^-11 relative, 2^-25 absolute below fp16's normal range), each input off by <= 1/64516 of
+// its 128-block's largest, and fp32 sums (1e-6 of the magnitudes, the constant term's included).
+TEST(Exl3Gemv, Int8PathStaysWithinItsBound) {
+  if (!exl3_gemv_path_supported(Exl3GemvPath::Avx512Int8)) GTEST_SKIP() << "no AVX-512 VBMI + VNNI here";
+  const double kConst = 3.46;  // |C| of Mul1's A * bs + C, the constant term's magnitude per unit input
+  double worst = 0;            // largest error over its bound
+  for (int K : {1, 2, 3, 4, 6, 8})
+    for (int64_t in : {128, 1024}) {
+      Matrix m = random_matrix(K, Exl3Codebook::Mul1, in, 64, uint32_t(K * 31 + in));
+      ASSERT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Int8, m.w), Exl3GemvPath::Avx512Int8);
+      const std::vector<float> ref = reference(m.w);
+      for (int64_t n : {1, 3, 8}) {
+        std::mt19937 rng{uint32_t(n * 7 + K)};
+        std::normal_distribution<float> nd;
+        std::vector<float> x(size_t(n * in));
+        for (auto& v : x) v = nd(rng);
+        x[size_t(in / 2)] = 40.0f;  // an outlier: its block's other inputs lose precision, within the bound
+        const std::vector<float> y = gemv(Exl3GemvPath::Avx512Int8, m.w, x, n);
+        for (int64_t r = 0; r < n; ++r) {
+          const float* xr = x.data() + r * in;
+          std::vector<double> block_max(size_t(in / 128), 0.0);
+          for (int64_t k = 0; k < in; ++k)
+            block_max[size_t(k / 128)] = std::max(block_max[size_t(k / 128)], double(std::abs(xr[k])));
+          for (int64_t c = 0; c < m.w.out_pad; ++c) {
+            double s = 0, bound = 0, mag = 0;
+            for (int64_t k = 0; k < in; ++k) {
+              const double wk = ref[size_t(k * m.w.out_pad + c)], xk = xr[k];
+              const double we = std::ldexp(std::abs(wk), -11) + std::ldexp(1.0, -25);
+              s += xk * wk;
+              bound += std::abs(xk) * we + block_max[size_t(k / 128)] / 64516.0 * (std::abs(wk) + we);
+              mag += std::abs(xk) * (std::abs(wk) + kConst);
+            }
+            bound += 1e-6 * mag;
+            const double err = std::abs(double(y[size_t(r * m.w.out_pad + c)]) - s);
+            worst = std::max(worst, err / bound);
+            ASSERT_LE(err, bound) << "K=" << K << " in " << in << " n=" << n << " r " << r << " c " << c;
+          }
+        }
+      }
+    }
+  printf("avx512-int8: largest error %.2f of its bound\n", worst);
+}
+
+TEST(Exl3Gemv, Int8PathGivesNanForNonFiniteInputs) {
+  if (!exl3_gemv_path_supported(Exl3GemvPath::Avx512Int8)) GTEST_SKIP() << "no AVX-512 VBMI + VNNI here";
+  Matrix m = random_matrix(4, Exl3Codebook::Mul1, 256, 32, 5);
+  std::vector<float> x(256, 0.5f);
+  x[200] = std::numeric_limits<float>::infinity();
+  for (float v : gemv(Exl3GemvPath::Avx512Int8, m.w, x, 1)) EXPECT_TRUE(std::isnan(v));
+}
+
+TEST(Exl3Gemv, Int8PathHandsOtherWeightsToVbmi) {
+  Matrix mcg = random_matrix(4, Exl3Codebook::Mcg, 128, 32, 1), odd = random_matrix(4, Exl3Codebook::Mul1, 144, 32, 2);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Int8, mcg.w), Exl3GemvPath::Avx512Vbmi);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Int8, odd.w), Exl3GemvPath::Avx512Vbmi);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Vbmi, mcg.w), Exl3GemvPath::Avx512Vbmi);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx2, mcg.w), Exl3GemvPath::Avx2);
 }
 
 TEST(Exl3Gemv, BestPathIsSupported) {

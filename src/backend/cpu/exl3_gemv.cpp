@@ -1,8 +1,12 @@
 #include "backend/cpu/exl3_gemv.h"
 
+#include <algorithm>
+#include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
 #include "format/exl3_tile.h"
@@ -33,6 +37,46 @@ void strip_scalar(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, 
   for (int64_t r = 0; r < n; ++r) std::memcpy(yr + r * ldy + nt * 16, acc[r], sizeof(acc[r]));
 }
 
+// Avx512Int8's activations of 128 inputs (8 k-tiles) of one row: input k is scale * (hi_k + lo_k / 254). A tile's
+// 16 state groups read one of two 16-lane activation sets (even groups states 0-15's rows, odd groups 16-31's);
+// a tile's 64 bytes hold, in 128-bit lane q, hi of lanes 4q..4q+3 of the even set, of the odd set, then lo of both,
+// which one in-lane byte shuffle each spreads to four bytes per lane (the layout VNNI multiplies by).
+struct Int8Block {
+  int8_t act[8][64];
+  float scale;  // NaN when an input is not finite: the outputs come out NaN
+  float sum;    // sum_k scale * (hi_k + lo_k / 254): the constant term of the codebook multiplies it
+  float pad[14];
+};
+static_assert(sizeof(Int8Block) % 64 == 0);
+constexpr int64_t kInt8BlockFloats = int64_t(sizeof(Int8Block) / sizeof(float));
+
+void prepare_int8_block(const float* v, Int8Block& out) {
+  float mx = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < kExl3ActivationBlock; ++k) {
+    finite = finite && std::isfinite(v[k]);
+    mx = std::max(mx, std::abs(v[k]));
+  }
+  const float inv = finite && mx > 0.0f ? 127.0f / mx : 0.0f;
+  int8_t hi[kExl3ActivationBlock], lo[kExl3ActivationBlock];
+  double sum = 0.0;
+  for (int64_t k = 0; k < kExl3ActivationBlock; ++k) {
+    const float q = v[k] * inv, h = std::clamp(std::nearbyint(q), -127.0f, 127.0f);
+    const float l = std::clamp(std::nearbyint((q - h) * 254.0f), -127.0f, 127.0f);
+    hi[k] = int8_t(h);
+    lo[k] = int8_t(l);
+    sum += double(h) + double(l) / 254.0;
+  }
+  out.scale = finite ? mx / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  out.sum = float(sum * double(out.scale));
+  for (int kt = 0; kt < 8; ++kt)
+    for (int t = 0; t < 32; ++t) {
+      const int k = 16 * kt + state_row(t), lane = t % 16, at = 16 * (lane / 4) + 4 * (t / 16) + lane % 4;
+      out.act[kt][at] = hi[k];
+      out.act[kt][at + 8] = lo[k];
+    }
+}
+
 }  // namespace
 
 #if defined(MOESRV_HAS_AVX512_PATH)
@@ -43,8 +87,9 @@ namespace {
 #define MOESRV_VBMI_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,f16c,fma")))
 
 // Tiles ahead of the current one that a strip prefetches: a strip's tiles lie out_pad * 2K bytes apart, a new page
-// each, which the hardware prefetchers do not follow.
-constexpr int64_t kPrefetchTiles = 6;
+// each, which the hardware prefetchers do not follow. 16 rather than 6: on the 2-core development VM, experts from
+// memory ran 10-40% faster at 16-32 (exl3_expert_bench, noisy), where one tile computes in ~20 ns.
+constexpr int64_t kPrefetchTiles = 16;
 
 inline void prefetch_tile(const uint16_t* tile, int K) {
   const char* p = reinterpret_cast<const char*>(tile);
@@ -52,11 +97,17 @@ inline void prefetch_tile(const uint16_t* tile, int K) {
   _mm_prefetch(p + 32 * K - 1, _MM_HINT_T0);
 }
 
+// The first tiles of strip nt, which the loop's prefetches (kPrefetchTiles ahead) do not reach.
+inline void prefetch_strip_start(const Exl3Weights& w, int64_t nt) {
+  for (int64_t kt = 0; kt < std::min(kPrefetchTiles, w.tiles_k()); ++kt) prefetch_tile(w.tile(kt, nt), w.K);
+}
+
 // Mul1: (1024 + byte sum) * k_inv + k_bias, exact in fp32, then one rounding to fp16. The byte sum is added to the
 // bits of 2^23 + 1024 (the float's integer part, no conversion); the fma takes the 2^23 * k_inv back out in its
 // constant, and its exact result is the same value (|v| < 4 on a 2^-18 grid), so no extra rounding.
 const float kMul1Inv = f16_to_f32(0x1eee);
 const float kMul1Offset = f16_to_f32(0xc931) - 8388608.0f * kMul1Inv;  // exact: a multiple of 2^-7 below 2^16
+const float kMul1Const = f16_to_f32(0xc931) + 1024.0f * kMul1Inv;      // the value at byte sum 0 (exact)
 constexpr int kMul1Bits = 0x4B000000 + 1024;                           // float bits of 2^23 + 1024
 
 constexpr uint32_t mcg_mult(Exl3Codebook cb) { return cb == Exl3Codebook::Mcg ? kExl3McgMult : kExl3Inst3Mult; }
@@ -118,6 +169,7 @@ MOESRV_AVX2_FN void strip_avx2(const Exl3Weights& w, const float* xs, int64_t nt
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
   alignas(32) uint32_t ext[exl3_simd::kExtWords] = {};
+  prefetch_strip_start(w, nt);
   for (int64_t kt = 0; kt < tk; ++kt) {
     const uint16_t* tile = w.tile(kt, nt);
     if (kt + kPrefetchTiles < tk) prefetch_tile(tile + kPrefetchTiles * stride, K);
@@ -135,6 +187,14 @@ MOESRV_AVX2_FN void strip_avx2(const Exl3Weights& w, const float* xs, int64_t nt
       yr[r * ldy + nt * 16 + j] = sum4(_mm256_castps256_ps128(acc[r][j]));
       yr[r * ldy + nt * 16 + j + 8] = sum4(_mm256_extractf128_ps(acc[r][j], 1));
     }
+}
+
+// Lanes 0-3 / 8-11 of acc[j] sum into column j, lanes 4-7 / 12-15 into column j + 8.
+MOESRV_AVX512_FN inline void store_columns(const __m512* acc, float* y) {
+  for (int j = 0; j < 8; ++j) {
+    y[j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[j]);
+    y[j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[j]);
+  }
 }
 
 // ---- AVX-512 F/BW/DQ/VL: the word-permute decoder (exl3_simd::decode16) ------------------------------------------
@@ -161,11 +221,7 @@ MOESRV_AVX512_FN void strip_avx512(const Exl3Weights& w, const float* xs, int64_
       }
     }
   }
-  for (int64_t r = 0; r < n; ++r)
-    for (int j = 0; j < 8; ++j) {
-      yr[r * ldy + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[r][j]);
-      yr[r * ldy + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[r][j]);
-    }
+  for (int64_t r = 0; r < n; ++r) store_columns(acc[r], yr + r * ldy + nt * 16);
 }
 
 // ---- AVX-512 VBMI + VNNI: byte permute + multishift ------------------------------------------------------------
@@ -233,48 +289,122 @@ MOESRV_VBMI_FN inline __m512 codebook16(__m512i st) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// The plan's patterns in registers, and a tile's 16 state groups from them.
+struct VbmiRegs {
+  __m512i idx0, ctrl0, idx_odd, ctrl_odd, idx_even, ctrl_even;
+};
+
+MOESRV_VBMI_FN inline VbmiRegs vbmi_regs(const VbmiPlan& p) {
+  return {_mm512_load_si512(p.idx[0]),  _mm512_load_si512(p.ctrl[0]), _mm512_load_si512(p.idx[1]),
+          _mm512_load_si512(p.ctrl[1]), _mm512_load_si512(p.idx[2]),  _mm512_load_si512(p.ctrl[2])};
+}
+
+// Tile (kt, nt) as bytes the group loads may read 64 at a time (copied into `safe` near the trellis' end), its next
+// tiles prefetched; src0 = group 0's source (the tile's last word in bytes 60-63).
+MOESRV_VBMI_FN inline const uint8_t* vbmi_tile(const Exl3Weights& w, int64_t kt, int64_t nt, uint8_t* safe,
+                                               __m512i& src0) {
+  const int K = w.K, tile_bytes = 32 * K;
+  const uint16_t* tile16 = w.tile(kt, nt);
+  if (kt + kPrefetchTiles < w.tiles_k()) prefetch_tile(tile16 + kPrefetchTiles * w.tiles_n() * 16 * K, K);
+  const uint8_t* tile = reinterpret_cast<const uint8_t*>(tile16);
+  if (tile + tile_bytes + 64 > reinterpret_cast<const uint8_t*>(w.trellis) + w.trellis_bytes()) {
+    std::memcpy(safe, tile, size_t(tile_bytes));
+    tile = safe;
+  }
+  uint32_t last;
+  std::memcpy(&last, tile + tile_bytes - 4, 4);
+  src0 = _mm512_mask_set1_epi32(_mm512_loadu_si512(tile), 0x8000, int(last));
+  return tile;
+}
+
+// The 16 states of group m of a tile, one per 32-bit lane.
+MOESRV_VBMI_FN inline __m512i vbmi_states(const VbmiRegs& g, const VbmiPlan& p, const uint8_t* tile, __m512i src0,
+                                          int m) {
+  constexpr __mmask64 kLow16 = 0x3333333333333333ull;  // bytes 0-1 of each 32-bit lane
+  const __m512i src = m == 0 ? src0 : _mm512_loadu_si512(tile + p.base[m]);
+  const __m512i idx = m == 0 ? g.idx0 : (m % 2 ? g.idx_odd : g.idx_even);
+  const __m512i ctrl = m == 0 ? g.ctrl0 : (m % 2 ? g.ctrl_odd : g.ctrl_even);
+  return _mm512_maskz_multishift_epi64_epi8(kLow16, ctrl, _mm512_permutexvar_epi8(idx, src));
+}
+
 template <Exl3Codebook CB, int NR>
 MOESRV_VBMI_FN void strip_vbmi(const Exl3Weights& w, const float* xs, int64_t nt, float* yr, int64_t ldy) {
-  const int K = w.K, tile_bytes = 32 * K;
-  const int64_t tk = w.tiles_k(), stride = w.tiles_n() * 16 * K;
-  const uint8_t* end = reinterpret_cast<const uint8_t*>(w.trellis) + w.trellis_bytes();
-  const VbmiPlan& p = vbmi_plan(K);
-  const __m512i idx0 = _mm512_load_si512(p.idx[0]), ctrl0 = _mm512_load_si512(p.ctrl[0]);
-  const __m512i idx_odd = _mm512_load_si512(p.idx[1]), ctrl_odd = _mm512_load_si512(p.ctrl[1]);
-  const __m512i idx_even = _mm512_load_si512(p.idx[2]), ctrl_even = _mm512_load_si512(p.ctrl[2]);
-  constexpr __mmask64 kLow16 = 0x3333333333333333ull;  // bytes 0-1 of each 32-bit lane
+  const int64_t tk = w.tiles_k();
+  const VbmiPlan& p = vbmi_plan(w.K);
+  const VbmiRegs g = vbmi_regs(p);
   __m512 acc[NR][8];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm512_setzero_ps();
   alignas(64) uint8_t safe[32 * kExl3MaxK + 64] = {};
+  prefetch_strip_start(w, nt);
   for (int64_t kt = 0; kt < tk; ++kt) {
-    const uint16_t* tile16 = w.tile(kt, nt);
-    if (kt + kPrefetchTiles < tk) prefetch_tile(tile16 + kPrefetchTiles * stride, K);
-    const uint8_t* tile = reinterpret_cast<const uint8_t*>(tile16);
-    if (tile + tile_bytes + 64 > end) {  // a 64-byte load would pass the array's end
-      std::memcpy(safe, tile, size_t(tile_bytes));
-      tile = safe;
-    }
-    uint32_t last;
-    std::memcpy(&last, tile + tile_bytes - 4, 4);
-    const __m512i src0 = _mm512_mask_set1_epi32(_mm512_loadu_si512(tile), 0x8000, int(last));
+    __m512i src0;
+    const uint8_t* tile = vbmi_tile(w, kt, nt, safe, src0);
     const float* x = xs + kt * 32;
 #pragma GCC unroll 16
     for (int m = 0; m < 16; ++m) {
-      const __m512i src = m == 0 ? src0 : _mm512_loadu_si512(tile + p.base[m]);
-      const __m512i idx = m == 0 ? idx0 : (m % 2 ? idx_odd : idx_even);
-      const __m512i ctrl = m == 0 ? ctrl0 : (m % 2 ? ctrl_odd : ctrl_even);
-      const __m512i st = _mm512_maskz_multishift_epi64_epi8(kLow16, ctrl, _mm512_permutexvar_epi8(idx, src));
-      const __m512 v = codebook16<CB>(st);
+      const __m512 v = codebook16<CB>(vbmi_states(g, p, tile, src0, m));
       for (int r = 0; r < NR; ++r)
         acc[r][m / 2] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + r * tk * 32 + 16 * (m % 2)), acc[r][m / 2]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 8; ++j) {
-      yr[r * ldy + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[r][j]);
-      yr[r * ldy + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[r][j]);
+  for (int r = 0; r < NR; ++r) store_columns(acc[r], yr + r * ldy + nt * 16);
+}
+
+// In-lane byte indices that spread Int8Block's bytes: lane L of set j (hi even, hi odd, lo even, lo odd) gets byte
+// 4 j + L % 4 of its 128-bit lane, four times.
+alignas(64) const auto kInt8Spread = [] {
+  std::array<std::array<uint8_t, 64>, 4> p{};
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 64; ++i) p[size_t(j)][size_t(i)] = uint8_t(4 * j + (i % 16) / 4);
+  return p;
+}();
+
+// Avx512Int8 (Mul1): per row, VNNI sums the product bytes of s * M times the int8 activations into 32-bit lanes,
+// hi and lo apart, for one 128-input block; then they join the fp32 sums at the block's scale. The output is
+// A * sum_k x_k bs_k + C * sum_k x_k with the codebook's A and C = 1024 A + B (its unrounded value A * bs + C).
+MOESRV_VBMI_FN void strip_int8(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr, int64_t ldy) {
+  const int64_t blocks = w.tiles_k() / 8;
+  const VbmiPlan& p = vbmi_plan(w.K);
+  const VbmiRegs g = vbmi_regs(p);
+  const __m512i mult = _mm512_set1_epi32(int(kExl3Mul1Mult));
+  alignas(64) uint8_t safe[32 * kExl3MaxK + 64] = {};
+  prefetch_strip_start(w, nt);
+  for (int64_t r = 0; r < n; ++r) {
+    const Int8Block* xb = reinterpret_cast<const Int8Block*>(xs + r * blocks * kInt8BlockFloats);
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    float xsum = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i hi[8], lo[8];
+      for (int j = 0; j < 8; ++j) hi[j] = lo[j] = _mm512_setzero_si512();
+      for (int64_t t = 0; t < 8; ++t) {
+        __m512i src0;
+        const uint8_t* tile = vbmi_tile(w, 8 * b + t, nt, safe, src0);
+        const __m512i a = _mm512_loadu_si512(xb[b].act[t]);
+        const __m512i hi_even = _mm512_shuffle_epi8(a, _mm512_load_si512(kInt8Spread[0].data()));
+        const __m512i hi_odd = _mm512_shuffle_epi8(a, _mm512_load_si512(kInt8Spread[1].data()));
+        const __m512i lo_even = _mm512_shuffle_epi8(a, _mm512_load_si512(kInt8Spread[2].data()));
+        const __m512i lo_odd = _mm512_shuffle_epi8(a, _mm512_load_si512(kInt8Spread[3].data()));
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; ++m) {
+          const __m512i prod = _mm512_mullo_epi32(vbmi_states(g, p, tile, src0, m), mult);
+          hi[m / 2] = _mm512_dpbusd_epi32(hi[m / 2], prod, m % 2 ? hi_odd : hi_even);
+          lo[m / 2] = _mm512_dpbusd_epi32(lo[m / 2], prod, m % 2 ? lo_odd : lo_even);
+        }
+      }
+      const __m512 scale = _mm512_set1_ps(xb[b].scale);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[j]), _mm512_set1_ps(1.0f / 254.0f),
+                                           _mm512_cvtepi32_ps(hi[j]));  // exact integers below 2^24 before
+        acc[j] = _mm512_fmadd_ps(sum, scale, acc[j]);
+      }
+      xsum += xb[b].sum;
     }
+    float* y = yr + r * ldy + nt * 16;
+    store_columns(acc, y);
+    for (int c = 0; c < 16; ++c) y[c] = kMul1Inv * y[c] + kMul1Const * xsum;
+  }
 }
 
 // Rows go through in groups whose accumulators fit the registers (2 rows: 16 zmm; 1 row: 8 ymm), each group
@@ -309,6 +439,7 @@ const char* exl3_gemv_path_name(Exl3GemvPath p) {
     case Exl3GemvPath::Avx2: return "avx2";
     case Exl3GemvPath::Avx512: return "avx512";
     case Exl3GemvPath::Avx512Vbmi: return "avx512-vbmi";
+    case Exl3GemvPath::Avx512Int8: return "avx512-int8";
   }
   return "?";
 }
@@ -321,6 +452,7 @@ bool exl3_gemv_path_supported(Exl3GemvPath p) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Exl3GemvPath::Avx512: return exl3_simd::cpu_has_avx512();
     case Exl3GemvPath::Avx512Vbmi:
+    case Exl3GemvPath::Avx512Int8:
       return exl3_simd::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi") &&
              __builtin_cpu_supports("avx512vnni");
   }
@@ -352,7 +484,8 @@ Exl3GemvPath exl3_gemv_default_path() {
   if (p >= 0) return Exl3GemvPath(p);
   Exl3GemvPath chosen = exl3_gemv_best_path();
   if (const char* env = std::getenv("MOESRV_EXL3_GEMV"))
-    for (auto q : {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi})
+    for (auto q : {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi,
+                   Exl3GemvPath::Avx512Int8})
       if (std::string_view(env) == exl3_gemv_path_name(q) && exl3_gemv_path_supported(q)) chosen = q;
   g_default_path.store(int(chosen), std::memory_order_relaxed);
   return chosen;
@@ -361,6 +494,32 @@ Exl3GemvPath exl3_gemv_default_path() {
 void exl3_gemv_set_default_path(Exl3GemvPath p) {
   MOESRV_CHECK(exl3_gemv_path_supported(p), "exl3 gemv: path {} is not supported on this CPU", exl3_gemv_path_name(p));
   g_default_path.store(int(p), std::memory_order_relaxed);
+}
+
+Exl3GemvPath exl3_gemv_path_for(Exl3GemvPath p, const Exl3Weights& w) {
+  if (p == Exl3GemvPath::Avx512Int8 && (w.codebook != Exl3Codebook::Mul1 || w.in_pad % kExl3ActivationBlock != 0))
+    return Exl3GemvPath::Avx512Vbmi;
+  return p;
+}
+
+int64_t exl3_activation_floats(Exl3GemvPath p, int64_t kp) {
+  return p == Exl3GemvPath::Avx512Int8 ? kp / kExl3ActivationBlock * kInt8BlockFloats : kp * 2;
+}
+
+void exl3_prepare_activation_block(Exl3GemvPath p, const float* v, int64_t b, float* row) {
+  constexpr int64_t tiles = kExl3ActivationBlock / 16;
+  if (p == Exl3GemvPath::Avx512Int8) return prepare_int8_block(v, reinterpret_cast<Int8Block*>(row)[b]);
+  exl3_activations_in_state_order(v, 1, kExl3ActivationBlock, 0, tiles, row + b * tiles * 32);
+}
+
+void exl3_prepare_activations(Exl3GemvPath p, const float* xr, int64_t n, int64_t kp, float* xs) {
+  if (p != Exl3GemvPath::Avx512Int8) return exl3_activations_in_state_order(xr, n, kp, 0, kp / 16, xs);
+  MOESRV_CHECK(kp % kExl3ActivationBlock == 0, "exl3 gemv: {} inputs are not whole blocks of {}", kp,
+               kExl3ActivationBlock);
+  const int64_t floats = exl3_activation_floats(p, kp);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < kp / kExl3ActivationBlock; ++b)
+      exl3_prepare_activation_block(p, xr + r * kp + b * kExl3ActivationBlock, b, xs + r * floats);
 }
 
 void exl3_activations_in_state_order(const float* xr, int64_t n, int64_t kp, int64_t kt0, int64_t kt1, float* xs) {
@@ -374,6 +533,11 @@ void exl3_gemv_strip(Exl3GemvPath path, const Exl3Weights& w, const float* xs, i
                      int64_t ldy) {
 #if defined(MOESRV_HAS_AVX512_PATH)
   if (path == Exl3GemvPath::Avx512) return strip_avx512(w, xs, n, nt, yr, ldy);
+  if (path == Exl3GemvPath::Avx512Int8) {
+    MOESRV_CHECK(exl3_gemv_path_for(path, w) == path, "exl3 gemv: avx512-int8 does not run {} weights with {} inputs",
+                 exl3_codebook_name(w.codebook), w.in_pad);
+    return strip_int8(w, xs, n, nt, yr, ldy);
+  }
   if (path == Exl3GemvPath::Avx2 || path == Exl3GemvPath::Avx512Vbmi) {
     switch (w.codebook) {
       case Exl3Codebook::Mul1: return strip_simd<Exl3Codebook::Mul1>(path, w, xs, n, nt, yr, ldy);

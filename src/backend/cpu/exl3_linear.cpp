@@ -76,10 +76,10 @@ size_t Exl3Linear::stored_bytes() const { return w_.trellis_bytes() + size_t(w_.
 
 void Exl3Linear::gemm_rotated(const float* xr, int64_t n, float* yr) const {
   const int64_t kp = w_.in_pad, np = w_.out_pad, strips = w_.tiles_n();
-  const Exl3GemvPath path = exl3_gemv_default_path();
+  const Exl3GemvPath path = exl3_gemv_path_for(exl3_gemv_default_path(), w_);
   if (n <= exl3_gemv_fast_rows(path)) {
-    std::vector<float> xs(size_t(n * kp * 2));
-    exl3_activations_in_state_order(xr, n, kp, 0, w_.tiles_k(), xs.data());
+    std::vector<float> xs(size_t(n * exl3_activation_floats(path, kp)));
+    exl3_prepare_activations(path, xr, n, kp, xs.data());
     ThreadPool::global().parallel_for(strips, [&](int64_t s0, int64_t s1) {
       for (int64_t nt = s0; nt < s1; ++nt) exl3_gemv_strip(path, w_, xs.data(), n, nt, yr, np);
     });

@@ -21,9 +21,14 @@ constexpr int64_t kBlock = 128;  // Hadamard block: rotations work block by bloc
 struct Exl3Mlp {
   const ExpertRows* job;
   const Exl3Linear *gate, *up, *down;
-  float *xs_gate, *xs_up, *xs_down;  // activations in tile state order, [n][in_pad * 2]
-  float *yr_gate, *yr_up, *yr_down;  // rotated-basis outputs, [n][out_pad]
+  Exl3GemvPath path_gate, path_up, path_down;  // exl3_gemv_path_for each linear
+  float *xs_gate, *xs_up, *xs_down;            // activations as the path reads them, [n][exl3_activation_floats]
+  float *yr_gate, *yr_up, *yr_down;            // rotated-basis outputs, [n][out_pad]
 };
+
+int64_t activation_floats(Exl3GemvPath path, const Exl3Linear& l) {
+  return exl3_activation_floats(path, l.weights().in_pad);
+}
 
 const Exl3Linear* as_exl3(const Linear* l) { return dynamic_cast<const Exl3Linear*>(l); }
 
@@ -51,8 +56,9 @@ void parallel_items(const std::vector<Exl3Mlp>& ms, Count count, Fn fn) {
   });
 }
 
-// Block b of row r of a linear's input: x ⊙ suh (zero past in_features), Hadamard, in state order (as forward()).
-void rotate_in_block(const Exl3Linear& l, const float* x, int64_t r, int64_t b, float* xs) {
+// Block b of row r of a linear's input: x ⊙ suh (zero past in_features), Hadamard, as the path reads it (as
+// forward()).
+void rotate_in_block(const Exl3Linear& l, Exl3GemvPath path, const float* x, int64_t r, int64_t b, float* xs) {
   const Exl3Weights& w = l.weights();
   float v[kBlock];
   for (int64_t i = 0; i < kBlock; ++i) {
@@ -60,7 +66,7 @@ void rotate_in_block(const Exl3Linear& l, const float* x, int64_t r, int64_t b, 
     v[i] = k < l.in_features() ? x[r * l.in_features() + k] * w.suh[size_t(k)] : 0.0f;
   }
   exl3_hadamard128(v, kBlock);
-  exl3_activations_in_state_order(v, 1, kBlock, 0, kBlock / 16, xs + (r * w.tiles_k() + b * kBlock / 16) * 32);
+  exl3_prepare_activation_block(path, v, b, xs + r * activation_floats(path, l));
 }
 
 // Block b of row r of a linear's output: Hadamard, ⊙ svh, + bias, for the outputs of the block below out_features.
@@ -99,7 +105,7 @@ void swiglu_block(const Exl3Mlp& m, int64_t r, int64_t b) {
     v[i] = k < in ? a[i] * w.suh[size_t(k)] : 0.0f;
   }
   exl3_hadamard128(v, kBlock);
-  exl3_activations_in_state_order(v, 1, kBlock, 0, kBlock / 16, m.xs_down + (r * w.tiles_k() + b * kBlock / 16) * 32);
+  exl3_prepare_activation_block(m.path_down, v, b, m.xs_down + r * activation_floats(m.path_down, *m.down));
 }
 
 }  // namespace
@@ -115,9 +121,13 @@ void experts_forward(const std::vector<ExpertRows>& jobs) {
       continue;
     }
     const MlpWeights& e = *j.expert;
-    Exl3Mlp m{&j, as_exl3(e.gate.get()), as_exl3(e.up.get()), as_exl3(e.down.get()), {}, {}, {}, {}, {}, {}};
-    const Exl3Weights &gw = m.gate->weights(), &dw = m.down->weights();
-    floats += size_t(j.n * (4 * gw.in_pad + 2 * gw.out_pad + 2 * dw.in_pad + dw.out_pad));
+    Exl3Mlp m{&j, as_exl3(e.gate.get()), as_exl3(e.up.get()), as_exl3(e.down.get())};
+    m.path_gate = exl3_gemv_path_for(path, m.gate->weights());
+    m.path_up = exl3_gemv_path_for(path, m.up->weights());
+    m.path_down = exl3_gemv_path_for(path, m.down->weights());
+    floats += size_t(j.n * (activation_floats(m.path_gate, *m.gate) + activation_floats(m.path_up, *m.up) +
+                            2 * m.gate->weights().out_pad + activation_floats(m.path_down, *m.down) +
+                            m.down->weights().out_pad));
     ms.push_back(m);
   }
   if (ms.empty()) return;
@@ -126,13 +136,12 @@ void experts_forward(const std::vector<ExpertRows>& jobs) {
   auto take = [&](int64_t count) { return std::exchange(p, p + count); };
   for (Exl3Mlp& m : ms) {
     const int64_t n = m.job->n;
-    const Exl3Weights &gw = m.gate->weights(), &dw = m.down->weights();
-    m.xs_gate = take(n * gw.in_pad * 2);
-    m.xs_up = take(n * gw.in_pad * 2);
-    m.yr_gate = take(n * gw.out_pad);
-    m.yr_up = take(n * gw.out_pad);
-    m.xs_down = take(n * dw.in_pad * 2);
-    m.yr_down = take(n * dw.out_pad);
+    m.xs_gate = take(n * activation_floats(m.path_gate, *m.gate));
+    m.xs_up = take(n * activation_floats(m.path_up, *m.up));
+    m.yr_gate = take(n * m.gate->weights().out_pad);
+    m.yr_up = take(n * m.up->weights().out_pad);
+    m.xs_down = take(n * activation_floats(m.path_down, *m.down));
+    m.yr_down = take(n * m.down->weights().out_pad);
   }
   // Inputs of gate and up, rotated: one item per (linear, row, block).
   parallel_items(
@@ -141,16 +150,18 @@ void experts_forward(const std::vector<ExpertRows>& jobs) {
         const int64_t per = m.job->n * m.gate->weights().in_pad / kBlock, blocks = m.gate->weights().in_pad / kBlock;
         const bool up = i >= per;
         const int64_t r = (i % per) / blocks, b = (i % per) % blocks;
-        rotate_in_block(up ? *m.up : *m.gate, m.job->x, r, b, up ? m.xs_up : m.xs_gate);
+        if (up) rotate_in_block(*m.up, m.path_up, m.job->x, r, b, m.xs_up);
+        else rotate_in_block(*m.gate, m.path_gate, m.job->x, r, b, m.xs_gate);
       });
   // Every gate and up strip of every expert.
   parallel_items(
       ms, [](const Exl3Mlp& m) { return 2 * m.gate->weights().tiles_n(); },
-      [path](const Exl3Mlp& m, int64_t i) {
+      [](const Exl3Mlp& m, int64_t i) {
         const int64_t strips = m.gate->weights().tiles_n();
         const bool up = i >= strips;
         const Exl3Weights& w = up ? m.up->weights() : m.gate->weights();
-        exl3_gemv_strip(path, w, up ? m.xs_up : m.xs_gate, m.job->n, i % strips, up ? m.yr_up : m.yr_gate, w.out_pad);
+        exl3_gemv_strip(up ? m.path_up : m.path_gate, w, up ? m.xs_up : m.xs_gate, m.job->n, i % strips,
+                        up ? m.yr_up : m.yr_gate, w.out_pad);
       });
   // Activation and down's rotated input: one item per (row, block).
   parallel_items(
@@ -162,9 +173,9 @@ void experts_forward(const std::vector<ExpertRows>& jobs) {
   // Every down strip.
   parallel_items(
       ms, [](const Exl3Mlp& m) { return m.down->weights().tiles_n(); },
-      [path](const Exl3Mlp& m, int64_t i) {
+      [](const Exl3Mlp& m, int64_t i) {
         const Exl3Weights& w = m.down->weights();
-        exl3_gemv_strip(path, w, m.xs_down, m.job->n, i, m.yr_down, w.out_pad);
+        exl3_gemv_strip(m.path_down, w, m.xs_down, m.job->n, i, m.yr_down, w.out_pad);
       });
   // Outputs: one item per (row, block).
   parallel_items(
