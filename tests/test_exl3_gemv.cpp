@@ -12,8 +12,8 @@ using namespace moesrv;
 
 namespace {
 
-constexpr Exl3GemvPath kPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx512,
-                                   Exl3GemvPath::Avx512Vbmi};
+constexpr Exl3GemvPath kPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni,
+                                   Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi};
 constexpr Exl3Codebook kCodebooks[] = {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1};
 
 struct Matrix {

@@ -115,29 +115,68 @@ constexpr uint32_t mcg_mult(Exl3Codebook cb) { return cb == Exl3Codebook::Mcg ? 
 // ---- AVX2: 8 states per step ----------------------------------------------------------------------------------
 // The one target string includes AVX-VNNI for both instantiations; the kVnni = false one emits no VNNI instruction.
 
+// A tile as a byte stream (stream byte j = bits 8j .. 8j + 7, MSB first): its last word's 4 bytes, the tile's
+// 32K bytes, its first word's 4 bytes, then zeros, so that state t's 16-bit window starts at stream bit
+// tK + K + 16. Tile words are little-endian uint32 with MSB-first bits, so each word is byte-swapped.
+constexpr int kStreamBytes = 32 * kExl3MaxK + 8 + 32;
+
+MOESRV_AVX2_FN inline void tile_stream(const uint16_t* tile, int K, uint8_t* sb) {
+  const __m256i bswap = _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4,
+                                         11, 10, 9, 8, 15, 14, 13, 12);
+  const uint8_t* t = reinterpret_cast<const uint8_t*>(tile);
+  for (int o = 0; o < 32 * K; o += 32)  // K <= 8: 32 K bytes, whole 32-byte loads
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sb + 4 + o),
+                        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + o)), bswap));
+  std::memcpy(sb, sb + 32 * K, 4);          // the last word before the first
+  std::memcpy(sb + 4 + 32 * K, sb + 4, 4);  // the first word after the last
+}
+
+// States 8g .. 8g + 7 span 7K + 16 bits from bit 8gK + K + 16, a whole number gK of bytes further each g: one
+// pattern per K. Lanes 0-3 read 16 bytes from byte gK + lo, lanes 4-7 from gK + hi; each lane's 4 bytes, big-endian,
+// hold its window at bit 16 - phase, which one variable shift brings down.
+struct Avx2Plan {
+  alignas(32) uint8_t shuffle[32];
+  alignas(32) int32_t shift[8];
+  int lo, hi;
+};
+
+Avx2Plan make_avx2_plan(int K) {
+  Avx2Plan p{};
+  p.lo = (K + 16) / 8;
+  p.hi = (5 * K + 16) / 8;
+  for (int i = 0; i < 8; ++i) {
+    const int bit = (i < 4 ? (K + 16) % 8 : (5 * K + 16) % 8) + (i % 4) * K;  // from the half's first byte
+    for (int k = 0; k < 4; ++k) p.shuffle[4 * i + k] = uint8_t(bit / 8 + 3 - k);
+    p.shift[i] = 16 - bit % 8;
+  }
+  return p;
+}
+
+const Avx2Plan& avx2_plan(int K) {
+  static const auto plans = [] {
+    std::vector<Avx2Plan> v;
+    for (int k = 1; k <= kExl3MaxK; ++k) v.push_back(make_avx2_plan(k));
+    return v;
+  }();
+  return plans[size_t(K - 1)];
+}
+
 template <Exl3Codebook CB, bool kVnni>
-MOESRV_AVX2_FN inline __m256 decode8(const uint32_t* ext, int K, __m256i laneK, int t0) {
-  const int s0 = t0 * K + K + 16;  // ext bit (MSB-first) where state t0's window starts
-  const __m256i s = _mm256_add_epi32(laneK, _mm256_set1_epi32(s0 & 31));
-  const __m256i wi = _mm256_srli_epi32(s, 5), sh = _mm256_and_si256(s, _mm256_set1_epi32(31));
-  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ext + (s0 >> 5)));
-  const __m256i a = _mm256_permutevar8x32_epi32(words, wi);
-  const __m256i b = _mm256_permutevar8x32_epi32(words, _mm256_add_epi32(wi, _mm256_set1_epi32(1)));
-  const __m256i hi32 =
-      _mm256_or_si256(_mm256_sllv_epi32(a, sh), _mm256_srlv_epi32(b, _mm256_sub_epi32(_mm256_set1_epi32(32), sh)));
-  const __m256i st = _mm256_srli_epi32(hi32, 16);
+MOESRV_AVX2_FN inline __m256 decode8(const uint8_t* sb, int K, const Avx2Plan& p, __m256i shuffle, __m256i shift,
+                                     int g) {
+  const __m256i bytes = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(sb + g * K + p.hi),
+                                            reinterpret_cast<const __m128i*>(sb + g * K + p.lo));
+  const __m256i st =
+      _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(bytes, shuffle), shift), _mm256_set1_epi32(0xFFFF));
   __m256 v;
   if constexpr (CB == Exl3Codebook::Mul1) {
     const __m256i x = _mm256_mullo_epi32(st, _mm256_set1_epi32(int(kExl3Mul1Mult)));
     __m256i bits;
     if constexpr (kVnni) {
       bits = _mm256_dpbusd_avx_epi32(_mm256_set1_epi32(kMul1Bits), x, _mm256_set1_epi32(0x01010101));
-    } else {
-      const __m256i m = _mm256_set1_epi32(0x00FF00FF);
-      const __m256i y = _mm256_add_epi32(_mm256_and_si256(x, m), _mm256_and_si256(_mm256_srli_epi32(x, 8), m));
-      bits =
-          _mm256_add_epi32(_mm256_add_epi32(_mm256_and_si256(y, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(y, 16)),
-                           _mm256_set1_epi32(kMul1Bits));
+    } else {  // byte pairs, then the pairs: 2 multiply-adds
+      const __m256i pairs = _mm256_maddubs_epi16(x, _mm256_set1_epi8(1));
+      bits = _mm256_add_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(kMul1Bits));
     }
     v = _mm256_fmadd_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Offset));
   } else {
@@ -164,20 +203,22 @@ template <Exl3Codebook CB, bool kVnni, int NR>
 MOESRV_AVX2_FN void strip_avx2(const Exl3Weights& w, const float* xs, int64_t nt, float* yr, int64_t ldy) {
   const int K = w.K;
   const int64_t tk = w.tiles_k(), stride = w.tiles_n() * 16 * K;
-  const __m256i laneK = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K));
+  const Avx2Plan& p = avx2_plan(K);
+  const __m256i shuffle = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.shuffle));
+  const __m256i shift = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.shift));
   __m256 acc[NR][8];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
-  alignas(32) uint32_t ext[exl3_simd::kExtWords] = {};
+  alignas(32) uint8_t sb[kStreamBytes] = {};
   prefetch_strip_start(w, nt);
   for (int64_t kt = 0; kt < tk; ++kt) {
     const uint16_t* tile = w.tile(kt, nt);
     if (kt + kPrefetchTiles < tk) prefetch_tile(tile + kPrefetchTiles * stride, K);
-    exl3_tile_words(tile, K, ext);
+    tile_stream(tile, K, sb);
     const float* x = xs + kt * 32;
 #pragma GCC unroll 32
     for (int g = 0; g < 32; ++g) {
-      const __m256 v = decode8<CB, kVnni>(ext, K, laneK, 8 * g);
+      const __m256 v = decode8<CB, kVnni>(sb, K, p, shuffle, shift, g);
       for (int r = 0; r < NR; ++r)
         acc[r][g / 4] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + r * tk * 32 + 8 * (g % 4)), acc[r][g / 4]);
     }
@@ -412,14 +453,13 @@ MOESRV_VBMI_FN void strip_int8(const Exl3Weights& w, const float* xs, int64_t n,
 template <Exl3Codebook CB>
 void strip_simd(Exl3GemvPath path, const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr,
                 int64_t ldy) {
-  static const bool avx_vnni = __builtin_cpu_supports("avxvnni");
   const bool vbmi = path == Exl3GemvPath::Avx512Vbmi;
   const int64_t group = vbmi ? 2 : 1, tk = w.tiles_k();
   for (int64_t r0 = 0; r0 < n; r0 += group) {
     const float* x = xs + r0 * tk * 32;
     float* y = yr + r0 * ldy;
     if (!vbmi) {
-      if (avx_vnni) strip_avx2<CB, true, 1>(w, x, nt, y, ldy);
+      if (path == Exl3GemvPath::Avx2Vnni) strip_avx2<CB, true, 1>(w, x, nt, y, ldy);
       else strip_avx2<CB, false, 1>(w, x, nt, y, ldy);
     } else if (n - r0 >= 2) {
       strip_vbmi<CB, 2>(w, x, nt, y, ldy);
@@ -437,6 +477,7 @@ const char* exl3_gemv_path_name(Exl3GemvPath p) {
   switch (p) {
     case Exl3GemvPath::Scalar: return "scalar";
     case Exl3GemvPath::Avx2: return "avx2";
+    case Exl3GemvPath::Avx2Vnni: return "avx2-vnni";
     case Exl3GemvPath::Avx512: return "avx512";
     case Exl3GemvPath::Avx512Vbmi: return "avx512-vbmi";
     case Exl3GemvPath::Avx512Int8: return "avx512-int8";
@@ -450,6 +491,8 @@ bool exl3_gemv_path_supported(Exl3GemvPath p) {
     case Exl3GemvPath::Scalar: return true;
     case Exl3GemvPath::Avx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Exl3GemvPath::Avx2Vnni:
+      return exl3_gemv_path_supported(Exl3GemvPath::Avx2) && __builtin_cpu_supports("avxvnni");
     case Exl3GemvPath::Avx512: return exl3_simd::cpu_has_avx512();
     case Exl3GemvPath::Avx512Vbmi:
     case Exl3GemvPath::Avx512Int8:
@@ -463,12 +506,13 @@ bool exl3_gemv_path_supported(Exl3GemvPath p) {
 }
 
 int64_t exl3_gemv_fast_rows(Exl3GemvPath p) {
-  return p == Exl3GemvPath::Scalar ? 0 : p == Exl3GemvPath::Avx2 ? 1 : kExl3GemvMaxRows;
+  if (p == Exl3GemvPath::Scalar) return 0;
+  return p == Exl3GemvPath::Avx2 || p == Exl3GemvPath::Avx2Vnni ? 1 : kExl3GemvMaxRows;
 }
 
 Exl3GemvPath exl3_gemv_best_path() {
   static const Exl3GemvPath best = [] {
-    for (auto p : {Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512, Exl3GemvPath::Avx2})
+    for (auto p : {Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx2})
       if (exl3_gemv_path_supported(p)) return p;
     return Exl3GemvPath::Scalar;
   }();
@@ -484,8 +528,8 @@ Exl3GemvPath exl3_gemv_default_path() {
   if (p >= 0) return Exl3GemvPath(p);
   Exl3GemvPath chosen = exl3_gemv_best_path();
   if (const char* env = std::getenv("MOESRV_EXL3_GEMV"))
-    for (auto q : {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi,
-                   Exl3GemvPath::Avx512Int8})
+    for (auto q : {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx512,
+                   Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Int8})
       if (std::string_view(env) == exl3_gemv_path_name(q) && exl3_gemv_path_supported(q)) chosen = q;
   g_default_path.store(int(chosen), std::memory_order_relaxed);
   return chosen;
@@ -538,7 +582,7 @@ void exl3_gemv_strip(Exl3GemvPath path, const Exl3Weights& w, const float* xs, i
                  exl3_codebook_name(w.codebook), w.in_pad);
     return strip_int8(w, xs, n, nt, yr, ldy);
   }
-  if (path == Exl3GemvPath::Avx2 || path == Exl3GemvPath::Avx512Vbmi) {
+  if (path == Exl3GemvPath::Avx2 || path == Exl3GemvPath::Avx2Vnni || path == Exl3GemvPath::Avx512Vbmi) {
     switch (w.codebook) {
       case Exl3Codebook::Mul1: return strip_simd<Exl3Codebook::Mul1>(path, w, xs, n, nt, yr, ldy);
       case Exl3Codebook::Mcg: return strip_simd<Exl3Codebook::Mcg>(path, w, xs, n, nt, yr, ldy);

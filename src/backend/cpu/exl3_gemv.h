@@ -10,7 +10,8 @@ namespace moesrv {
 
 enum class Exl3GemvPath {
   Scalar,      // table decode, scalar sums: any CPU
-  Avx2,        // 8 states per step (AVX2 + FMA + F16C; AVX-VNNI byte sums when present)
+  Avx2,        // 8 states per step: byte shuffle + variable shift window extraction (AVX2 + FMA + F16C)
+  Avx2Vnni,    // the same with AVX-VNNI byte sums
   Avx512,      // 16 states per step, word permutes and variable shifts (AVX-512 F/BW/DQ/VL)
   Avx512Vbmi,  // 16 states per step, byte permute + multishift window extraction, VNNI byte sums
   // Avx512Vbmi's state extraction with integer sums, MUL1 only (opt-in: MOESRV_EXL3_GEMV=avx512-int8). MUL1's value
@@ -29,8 +30,8 @@ const char* exl3_gemv_path_name(Exl3GemvPath p);
 bool exl3_gemv_path_supported(Exl3GemvPath p);
 Exl3GemvPath exl3_gemv_best_path();  // the fastest path this CPU runs (checked once)
 // The path Exl3Linear and the expert batch use: exl3_gemv_best_path(), unless the environment variable
-// MOESRV_EXL3_GEMV names a supported one (scalar, avx2, avx512, avx512-vbmi) or a bench set one. Scalar means the
-// decoded-tile GEMM, the same as for more than kExl3GemvMaxRows rows.
+// MOESRV_EXL3_GEMV names a supported one (scalar, avx2, avx2-vnni, avx512, avx512-vbmi, avx512-int8) or a bench set
+// one. Scalar means the decoded-tile GEMM, the same as for more than kExl3GemvMaxRows rows.
 Exl3GemvPath exl3_gemv_default_path();
 void exl3_gemv_set_default_path(Exl3GemvPath p);  // p must be supported
 
