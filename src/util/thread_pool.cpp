@@ -1,13 +1,49 @@
 #include "util/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 
 namespace moesrv {
 
-ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Polls `done` for up to `us` microseconds; true once it holds. After the first ~100 polls it yields between
+// polls: a thread it waits for may have been woken onto this core (the scheduler's wake-affine placement) and must
+// get to run.
+template <class Done>
+bool spin_until(Done&& done, int us) {
+  if (us <= 0) return done();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (int i = 1;; ++i) {
+    if (done()) return true;
+    if (i < 128) {
+      cpu_relax();
+      continue;
+    }
+    if (std::chrono::steady_clock::now() >= end) return done();
+    std::this_thread::yield();
+  }
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads, int spin_us) {
+  if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (spin_us < 0) {
+    const char* env = std::getenv("MOESRV_POOL_SPIN_US");
+    spin_us = env ? std::max(0, std::atoi(env)) : 200;
+  }
+  spin_us_ = spin_us;
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -27,51 +63,68 @@ ThreadPool& ThreadPool::global() {
   return pool;
 }
 
+void ThreadPool::run_chunks() {
+  for (;;) {
+    const int64_t b = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    if (b >= n_) return;
+    (*job_)(b, std::min(n_, b + chunk_));
+  }
+}
+
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t min_chunk) {
   if (n <= 0) return;
-  int64_t chunk = std::max<int64_t>(min_chunk, (n + size() * 4 - 1) / (size() * 4));
+  const int64_t chunk = std::max<int64_t>(min_chunk, (n + size() * 4 - 1) / (size() * 4));
   if (workers_.empty() || n <= chunk) {
     fn(0, n);
     return;
   }
   std::lock_guard run_lk(run_mu_);
-  std::unique_lock lk(mu_);
   job_ = &fn;
   n_ = n;
   chunk_ = chunk;
-  next_ = 0;
-  active_ = int(workers_.size());
-  ++generation_;
-  cv_.notify_all();
-  for (;;) {
-    int64_t b = next_;
-    if (b >= n_) break;
-    next_ = b + chunk_;
-    lk.unlock();
-    fn(b, std::min(n, b + chunk));
-    lk.lock();
+  next_.store(0, std::memory_order_relaxed);
+  active_.store(int(workers_.size()), std::memory_order_relaxed);
+  bool woke = false;  // some worker slept: it takes a wake-up, so this thread sleeps too instead of polling
+  {
+    // Under the lock: a worker going to sleep either sees the new generation in its wait predicate or is already
+    // waiting when the notify comes.
+    std::lock_guard lk(mu_);
+    generation_.fetch_add(1, std::memory_order_release);
+    woke = sleepers_ > 0;
   }
-  done_cv_.wait(lk, [&] { return active_ == 0; });
+  if (woke) cv_.notify_all();
+  run_chunks();
+  auto all_done = [&] { return active_.load(std::memory_order_acquire) == 0; };
+  if (!spin_until(all_done, woke ? 0 : spin_us_)) {
+    std::unique_lock lk(mu_);
+    done_cv_.wait(lk, all_done);
+  }
   job_ = nullptr;
 }
 
-void ThreadPool::worker_loop(int) {
+bool ThreadPool::wait_for_job(uint64_t& seen) {
+  auto moved = [&] {
+    return stop_.load(std::memory_order_relaxed) || generation_.load(std::memory_order_acquire) != seen;
+  };
+  if (!spin_until(moved, spin_us_)) {
+    std::unique_lock lk(mu_);
+    ++sleepers_;
+    cv_.wait(lk, moved);
+    --sleepers_;
+  }
+  if (stop_.load(std::memory_order_relaxed)) return false;
+  seen = generation_.load(std::memory_order_acquire);
+  return true;
+}
+
+void ThreadPool::worker_loop() {
   uint64_t seen = 0;
-  std::unique_lock lk(mu_);
-  for (;;) {
-    cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
-    if (stop_) return;
-    seen = generation_;
-    while (next_ < n_) {
-      int64_t b = next_;
-      next_ = b + chunk_;
-      int64_t e = std::min(n_, b + chunk_);
-      auto* job = job_;
-      lk.unlock();
-      (*job)(b, e);
-      lk.lock();
+  while (wait_for_job(seen)) {
+    run_chunks();
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard lk(mu_);  // the caller checks active_ under it before it sleeps
+      done_cv_.notify_one();
     }
-    if (--active_ == 0) done_cv_.notify_all();
   }
 }
 
