@@ -19,9 +19,10 @@
 #                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
 #                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
 #                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
-#   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~3 min, no GPU): every GEMV path
+#   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
-#                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column); docs/perf.md.
+#                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
+#                                   without the thread pool's polling; docs/perf.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -95,4 +96,7 @@ if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   timeout 120 .gpu/exl3_strip_bench >>"$OUT/cpu_experts.log" 2>&1
   timeout 300 .gpu/exl3_expert_bench --pool-mb 4096 --threads 1,8,16 >>"$OUT/cpu_experts.log" 2>&1
   echo "cpu experts rc=$?:"; cat "$OUT/cpu_experts.log"
+  echo "== the same at 16 threads without the pool's polling (MOESRV_POOL_SPIN_US=0)" >>"$OUT/cpu_experts.log"
+  MOESRV_POOL_SPIN_US=0 timeout 150 .gpu/exl3_expert_bench --pool-mb 4096 --threads 16 >>"$OUT/cpu_experts.log" 2>&1
+  tail -7 "$OUT/cpu_experts.log"
 fi

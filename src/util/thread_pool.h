@@ -1,6 +1,6 @@
-// A fixed pool of worker threads with a blocking parallel_for over index ranges. Workers spin for a short while
-// after each job before they sleep, so back-to-back calls (a decode step's many small ones) start in about a
-// microsecond instead of a futex wake-up each (~25 us per call on the 2-core development VM).
+// A fixed pool of worker threads with a blocking parallel_for over index ranges. Workers may poll for a short while
+// after each job before they sleep, so back-to-back calls (a decode step's many small ones) start in ~2 us instead
+// of a futex wake-up each (~25 us per call on the 2-core development VM).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -15,7 +15,7 @@ namespace moesrv {
 class ThreadPool {
  public:
   // threads: 0 = hardware concurrency. spin_us: how long an idle worker polls for the next job before it sleeps
-  // (< 0: MOESRV_POOL_SPIN_US, else 200).
+  // (< 0: MOESRV_POOL_SPIN_US, else 200 on machines with 8 or more hardware threads and 0 below).
   explicit ThreadPool(int threads = 0, int spin_us = -1);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
