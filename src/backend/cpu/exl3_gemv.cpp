@@ -152,14 +152,18 @@ Avx2Plan make_avx2_plan(int K) {
   return p;
 }
 
-const Avx2Plan& avx2_plan(int K) {
+// make(K) for every K = 1 .. kExl3MaxK, made once; the one for K.
+template <class Plan, Plan (*make)(int)>
+const Plan& plan_for(int K) {
   static const auto plans = [] {
-    std::vector<Avx2Plan> v;
-    for (int k = 1; k <= kExl3MaxK; ++k) v.push_back(make_avx2_plan(k));
+    std::vector<Plan> v;
+    for (int k = 1; k <= kExl3MaxK; ++k) v.push_back(make(k));
     return v;
   }();
   return plans[size_t(K - 1)];
 }
+
+const Avx2Plan& avx2_plan(int K) { return plan_for<Avx2Plan, make_avx2_plan>(K); }
 
 template <Exl3Codebook CB, bool kVnni>
 MOESRV_AVX2_FN inline __m256 decode8(const uint8_t* sb, int K, const Avx2Plan& p, __m256i shuffle, __m256i shift,
@@ -304,14 +308,7 @@ VbmiPlan make_vbmi_plan(int K) {
   return p;
 }
 
-const VbmiPlan& vbmi_plan(int K) {
-  static const auto plans = [] {
-    std::vector<VbmiPlan> v;
-    for (int k = 1; k <= kExl3MaxK; ++k) v.push_back(make_vbmi_plan(k));
-    return v;
-  }();
-  return plans[size_t(K - 1)];
-}
+const VbmiPlan& vbmi_plan(int K) { return plan_for<VbmiPlan, make_vbmi_plan>(K); }
 
 template <Exl3Codebook CB>
 MOESRV_VBMI_FN inline __m512 codebook16(__m512i st) {
