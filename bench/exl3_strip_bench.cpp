@@ -52,9 +52,8 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<Exl3GemvPath> paths;
-  for (auto p : {Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi,
-                 Exl3GemvPath::Avx512Int8})
-    if (exl3_gemv_path_supported(p)) paths.push_back(p);
+  for (auto p : kExl3GemvPaths)
+    if (p != Exl3GemvPath::Scalar && exl3_gemv_path_supported(p)) paths.push_back(p);
   std::printf("paths:");
   for (auto p : paths) std::printf(" %s", exl3_gemv_path_name(p));
   std::printf("\n");

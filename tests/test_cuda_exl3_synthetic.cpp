@@ -25,7 +25,6 @@
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
 #include "runtime/placement.h"
-#include "util/thread_pool.h"
 #include "util/timing.h"
 
 namespace moesrv {
@@ -186,11 +185,10 @@ struct Bandwidths {
   double host_and_pcie = 0;
 };
 
-// 5 H2D copies of n bytes from `pinned` on one thread while the pool copies host memory (measure_memcpy_gbps'
-// pattern) until they finish: the bytes of both per second.
+// 5 H2D copies of n bytes from `pinned` on one thread while the pool copies host memory (parallel_host_copy, as
+// measure_memcpy_gbps) until they finish: the bytes of both per second.
 double measure_host_and_pcie_gbps(void* dev, const void* pinned, size_t n) {
   constexpr size_t kHost = size_t(256) << 20;
-  constexpr int64_t kChunk = 1 << 20;
   std::vector<char> a(kHost, 1), b(kHost, 2);
   std::atomic<bool> done{false};
   const auto t0 = std::chrono::steady_clock::now();
@@ -200,9 +198,7 @@ double measure_host_and_pcie_gbps(void* dev, const void* pinned, size_t n) {
   });
   double host_bytes = 0;
   while (!done) {
-    ThreadPool::global().parallel_for(int64_t(kHost) / kChunk, [&](int64_t c0, int64_t c1) {
-      std::memcpy(b.data() + c0 * kChunk, a.data() + c0 * kChunk, size_t((c1 - c0) * kChunk));
-    });
+    parallel_host_copy(b.data(), a.data(), kHost);
     host_bytes += double(kHost);
   }
   copier.join();

@@ -100,9 +100,8 @@ TEST(ExpertBatch, MatchesMlpForwardPerExpertBitForBit) {
   }
   for (size_t e = 0; e < 6; ++e)
     jobs.push_back({&experts[e % 5], xs[e].data(), int64_t(xs[e].size()) / hidden, ys[e].data()});
-  for (Exl3GemvPath p : {Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi,
-                         Exl3GemvPath::Avx512Int8}) {
-    if (!exl3_gemv_path_supported(p)) continue;
+  for (Exl3GemvPath p : kExl3GemvPaths) {
+    if (p == Exl3GemvPath::Scalar || !exl3_gemv_path_supported(p)) continue;
     exl3_gemv_set_default_path(p);
     for (size_t e = 0; e < 6; ++e) {
       cpu::mlp_forward(experts[e % 5], xs[e].data(), int64_t(xs[e].size()) / hidden, want[e].data());

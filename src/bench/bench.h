@@ -65,5 +65,8 @@ BenchResult run_cpu_layer_bench(const CpuLayerBenchOptions& opt);
 
 // Host memcpy bandwidth (bytes copied per second / 1e9) over `bytes`-sized buffers.
 double measure_memcpy_gbps(size_t bytes = size_t(256) << 20, int reps = 5);
+// One copy of `bytes` (a multiple of 1 MiB) from src to dst, every core of the pool copying a share: the pattern
+// measure_memcpy_gbps times.
+void parallel_host_copy(char* dst, const char* src, size_t bytes);
 
 }  // namespace moesrv

@@ -525,8 +525,7 @@ Exl3GemvPath exl3_gemv_default_path() {
   if (p >= 0) return Exl3GemvPath(p);
   Exl3GemvPath chosen = exl3_gemv_best_path();
   if (const char* env = std::getenv("MOESRV_EXL3_GEMV"))
-    for (auto q : {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx512,
-                   Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Int8})
+    for (auto q : kExl3GemvPaths)
       if (std::string_view(env) == exl3_gemv_path_name(q) && exl3_gemv_path_supported(q)) chosen = q;
   g_default_path.store(int(chosen), std::memory_order_relaxed);
   return chosen;

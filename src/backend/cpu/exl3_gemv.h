@@ -22,6 +22,10 @@ enum class Exl3GemvPath {
   Avx512Int8,
 };
 
+// Every path, in the enum's order.
+constexpr Exl3GemvPath kExl3GemvPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2,       Exl3GemvPath::Avx2Vnni,
+                                           Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Int8};
+
 constexpr int64_t kExl3GemvMaxRows = 8;
 // Rows up to which the path beats the decoded-tile GEMM (AVX2 decodes the tiles again for each row).
 int64_t exl3_gemv_fast_rows(Exl3GemvPath p);
