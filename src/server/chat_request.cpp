@@ -93,7 +93,7 @@ std::string content_text(const json& content, size_t i) {
   for (auto& part : content) {
     if (part.is_string()) {
       out += part.get<std::string>();
-    } else if (part.is_object() && part.value("type", "") == "text" && part.contains("text") && part["text"].is_string()) {
+    } else if (part.is_object() && part.contains("type") && part["type"] == "text" && part.contains("text") && part["text"].is_string()) {
       out += part["text"].get<std::string>();
     } else {
       throw bad_request(fmt::format("messages[{}].content: only text parts are supported", i), "messages");
@@ -193,7 +193,7 @@ std::vector<ToolSpec> parse_tools(const json& tools) {
   for (size_t i = 0; i < tools.size(); ++i) {
     auto invalid = [&](const std::string& why) { return bad_request(fmt::format("tools[{}]: {}", i, why), "tools", "invalid_tool_schema"); };
     const json& t = tools[i];
-    if (!t.is_object() || t.value("type", "function") != "function") throw invalid("only function tools are supported");
+    if (!t.is_object() || (t.contains("type") && t["type"] != "function")) throw invalid("only function tools are supported");
     const json* fn = field(t, "function");
     if (!fn || !fn->is_object()) throw invalid("missing 'function' object");
     if (!fn->contains("name") || !(*fn)["name"].is_string() || (*fn)["name"].get<std::string>().empty())
