@@ -61,6 +61,7 @@ constexpr int IH = 32, ID = 128, KPOOL = 4, TOPK_KEYS = 2048;              // k-
 constexpr int BUDGET = TOPK_KEYS / KPOOL, SELW = TOPK_KEYS + KPOOL;        // pools kept, selection row width
 constexpr int E = 288, TOPK = 8, KK = TOPK + 1, I = 2048, VOCAB = 154880;  // MoE (KK: shared + routed), head
 constexpr size_t kYrFloats = size_t(kExl3MaxGemvParts) * VOCAB;            // EXL3 GEMV output, K parts included
+constexpr size_t kTickets = VOCAB / 128 + 1024;  // exl3_gemv_out's counters: the head's row or the grouped rows
 constexpr float LIMIT = 10.0f, MLA_SCALE = 1.0f / 16, ROUTED_SCALING = 2.5f;
 constexpr int kCalls = 32;                     // calls per graph
 constexpr size_t kRotate = size_t(256) << 20;  // rotating copies of a weight span >= this
@@ -207,6 +208,7 @@ struct Buffers {
   int32_t *ids, *pair_ids, *tri_ids,
       *rand_ids;  // rand_ids [kCalls][KK]: the shared expert E, then 8 distinct random experts
   uint32_t *counts, *tokens, *route_ticket;
+  unsigned *tickets, *tickets_side;  // exl3_gemv_out's counters (kTickets each, zero)
 } B;
 
 // One context length: latent caches (rotating copies), pooled keys, random selections, position ctx - 1.
@@ -285,6 +287,9 @@ void setup(std::mt19937& rng) {
   CK(cudaMemset(B.step_part, 0, hyper_step_scratch(NS) * 4));  // hyper_step's counters
   B.xh = dalloc<float>(size_t(16) * 16384), B.yr = dalloc<float>(kYrFloats);
   B.xh_side = dalloc<float>(size_t(16) * 16384), B.yr_side = dalloc<float>(kYrFloats);
+  B.tickets = dalloc<unsigned>(kTickets), B.tickets_side = dalloc<unsigned>(kTickets);
+  CK(cudaMemset(B.tickets, 0, kTickets * sizeof(unsigned)));
+  CK(cudaMemset(B.tickets_side, 0, kTickets * sizeof(unsigned)));
   B.xb = dalloc<uint16_t>(size_t(MH) * DV);
   B.lraw = randf(KC, 1.0f), B.lqkv = randf(KC, 0.1f), B.low = randf(2 * KD, 1.0f), B.g = randf(2 * KHD, 1.0f);
   B.beta = randf(KH, 1.0f), B.o = randf(KHD, 1.0f), B.gate = randf(KHD, 1.0f);
@@ -309,10 +314,9 @@ void setup(std::mt19937& rng) {
 }
 
 // ---- the engine's launch sequences (same order and arguments as its decode path)
-// The GEMV with its input rotation, then the output rotation (summing the GEMV's K parts).
+// The GEMV with its input rotation and the output rotation (summing the GEMV's K parts), fused where it can be.
 void exl3_chain(const Exl3Dev& shape, Exl3Group g, Exl3Src src, int n, float* y, int64_t y_ld) {
-  const int parts = exl3_gemv_in(shape, g, src, n, B.xh, B.yr, kYrFloats, g_st);
-  exl3_rotate_out(shape, g, B.yr, n, y, y_ld, nullptr, g_st, parts);
+  exl3_gemv_out(shape, g, src, n, B.xh, B.yr, kYrFloats, Exl3Tickets{B.tickets, kTickets}, y, y_ld, nullptr, g_st);
 }
 void exl3_linear(const Exl3Dev& w, const float* x, float* y, int64_t y_ld) {  // Impl::exl3_forward, n = 1
   g_bytes += double(w.bytes());
@@ -361,6 +365,7 @@ void on_side(F&& f) {
     std::swap(g_st, g_pside.stream);
     std::swap(B.xh, B.xh_side);
     std::swap(B.yr, B.yr_side);
+    std::swap(B.tickets, B.tickets_side);
   };
   flip();
   f();
@@ -636,6 +641,7 @@ bool selected(const std::string& name) {
   return false;
 }
 
+std::string g_suffix;    // appended to the row names (--split-sweep)
 bool g_profile = false;  // --profile: each selected entry once, as a one-call graph between cudaProfilerStart/Stop
 
 template <class Fn>
@@ -689,7 +695,7 @@ void bench(const std::string& name, Fn&& fn) {
   }
   std::sort(ms.begin(), ms.end());
   const double us = double(ms[ms.size() / 2]) * 1e3 / kCalls;
-  g_rows.push_back({name, us, double(nodes) / kCalls, bytes > 0 ? bytes / (us * 1e-6) / 1e9 : 0.0});
+  g_rows.push_back({name + g_suffix, us, double(nodes) / kCalls, bytes > 0 ? bytes / (us * 1e-6) / 1e9 : 0.0});
   std::fprintf(stderr, "  %-50s %10.2f us\n", name.c_str(), us);
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
@@ -825,6 +831,7 @@ void report(const char* device, const char* json_path) {
 
 int main(int argc, char** argv) {
   const char* json_path = nullptr;
+  std::string sweep;  // --split-sweep default,2x16,...: the selected rows again under each one-row GEMV split
   for (int a = 1; a < argc; ++a) {
     const bool arg = a + 1 < argc;
     if (!std::strcmp(argv[a], "--bits") && arg) g_bits = std::atoi(argv[++a]);
@@ -832,11 +839,13 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[a], "--quick")) g_reps = 5, g_warm = 1;
     else if (!std::strcmp(argv[a], "--only") && arg) g_only = argv[++a];
     else if (!std::strcmp(argv[a], "--profile")) g_profile = true;
+    else if (!std::strcmp(argv[a], "--split-sweep") && arg) sweep = argv[++a];
     else g_bits = 0;
   }
   if (g_bits < 1 || g_bits > 8) {
     std::fprintf(stderr,
-                 "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--profile] [--json PATH]\n",
+                 "usage: %s [--bits K (1..8, default 4)] [--quick] [--only NAME,...] [--profile] [--json PATH] "
+                 "[--split-sweep default,WKxTPW,...]\n",
                  argv[0]);
     return 2;
   }
@@ -877,7 +886,17 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     std::fprintf(stderr, "%.1f GiB of weights, caches and buffers ready; timing (stderr: progress)\n",
                  g_alloc_bytes / double(1 << 30));
-    run_all(ctxs);
+    if (sweep.empty()) run_all(ctxs);
+    for (size_t b = 0; b < sweep.size();) {  // MOESRV_EXL3_GEMV1_SPLIT per entry ("default": unset), rows suffixed
+      size_t e = sweep.find(',', b);
+      if (e == std::string::npos) e = sweep.size();
+      const std::string split = sweep.substr(b, e - b);
+      if (split == "default") unsetenv("MOESRV_EXL3_GEMV1_SPLIT");
+      else setenv("MOESRV_EXL3_GEMV1_SPLIT", split.c_str(), 1);
+      g_suffix = " [split " + split + "]";
+      run_all(ctxs);
+      b = e + 1;
+    }
     report(prop.name, json_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -278,8 +278,9 @@ TEST(Server, BadInputIsRejectedAndServerStaysUp) {
   expect_error(R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"properties":[1]}}}]})",
                400, "invalid_tool_schema");
   // a type that is not a string (fuzz finding: it escaped as a json type_error)
-  expect_error(R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":{"name":"f"},"function":{"name":"f"}}]})",
-               400, "invalid_tool_schema", "tools");
+  expect_error(
+      R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":{"name":"f"},"function":{"name":"f"}}]})", 400,
+      "invalid_tool_schema", "tools");
   expect_error(R"({"messages":[{"role":"user","content":[{"type":7,"text":"q"}]}]})", 400, "", "messages");
   expect_error(R"({"messages":[{"role":"user","content":"q"}],"tool_choice":{"type":"function","function":{"name":"nope"}},"tools":[]})", 400);
   expect_error(json({{"messages", {user(std::string(200, 'x'))}}}).dump(), 400, "context_length_exceeded");

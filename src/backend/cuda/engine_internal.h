@@ -389,7 +389,8 @@ struct CudaEngine::Impl {
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
     // fp16 W_hat slabs of the GEMM path.
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
-    cuda::DeviceBuffer x3_xh_side, x3_yr_side;  // the same for one-token calls on proj_side
+    cuda::DeviceBuffer x3_tickets;  // exl3_gemv_out's counters (zeroed once; each call leaves them zero)
+    cuda::DeviceBuffer x3_xh_side, x3_yr_side, x3_tickets_side;  // the same for one-token calls on proj_side
     // Holds the attention group (q_lat .. dsa_scores but sel) and the linear-attention group (lraw .. lgate) as
     // views: a layer runs one of the two (allocate_scratch).
     cuda::DeviceBuffer mixer_arena;
@@ -447,6 +448,7 @@ struct CudaEngine::Impl {
   // EXL3 (exl3_engine.cpp): y[n][w.out] (rows y_ld apart) = rows of src through w (+ bias): GEMV for <= 8 rows,
   // else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
+  cuda::Exl3Tickets x3_tickets() { return {s.x3_tickets.as<unsigned>(), s.x3_tickets.bytes() / 4}; }
   // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
@@ -533,6 +535,7 @@ void CudaEngine::Impl::on_proj_side(int64_t S, F&& f) {
       std::swap(m.stream, m.proj_side.stream);
       std::swap(m.s.x3_xh, m.s.x3_xh_side);
       std::swap(m.s.x3_yr, m.s.x3_yr_side);
+      std::swap(m.s.x3_tickets, m.s.x3_tickets_side);
     }
   } swap(*this);
   f();

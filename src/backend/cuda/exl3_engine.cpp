@@ -62,11 +62,20 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   const size_t w16 = std::max(std::min(kW16Elems, std::max(all.whole, head.whole)), size_t(in) * 16) * 2;
   s.x3_xh = DeviceBuffer(budget, xh, "EXL3 rotated input");
   s.x3_yr = DeviceBuffer(budget, yr, "EXL3 rotated output");
+  // exl3_gemv_out's counters (128 outputs each) for the largest one-row calls: grouped rows or one plain row
+  auto tickets = [&](int64_t count, const char* what) {
+    DeviceBuffer b(budget, size_t(count) * 4, what);
+    MOESRV_CUDA_OK(cudaMemset(b.as<void>(), 0, b.bytes()));
+    return b;
+  };
+  s.x3_tickets = tickets(std::max({out, 2 * grouped * moe.out, int64_t(kExl3MaxGemvRows) * all.out}) / 128,
+                         "EXL3 output rotation tickets");
   s.x3_w16 = DeviceBuffer(budget, w16, "EXL3 dequant slab");
   // one-token calls on proj_side (up to two grouped rows), with as many K parts as on the main stream
   if (all.in == 0) return;
   s.x3_xh_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvRows * all.in) * 4, "EXL3 side rotated input");
   s.x3_yr_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvParts * all.out) * 4, "EXL3 side rotated output");
+  s.x3_tickets_side = tickets(2 * kExl3MaxGemvRows * all.out / 128, "EXL3 side output rotation tickets");
 }
 
 void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
@@ -98,8 +107,7 @@ void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, fl
                                     const float* bias) {
   float* yr = s.x3_yr.as<float>();
   if (n <= kExl3MaxGemvRows) {
-    const int parts = exl3_gemv_in(w, {}, src, int(n), s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, stream);
-    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream, parts);
+    exl3_gemv_out(w, {}, src, int(n), s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, x3_tickets(), y, y_ld, bias, stream);
     return;
   }
   const int64_t blk = std::min(
@@ -121,8 +129,8 @@ void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, fl
 void CudaEngine::Impl::exl3_group(const DevGroup& grp, const Exl3Dev& w, Exl3Src src, float* y, int64_t y_ld) {
   const Exl3Group g{grp.tab.as<Exl3Dev>(), grp.ids.as<int32_t>()};
   float* yr = s.x3_yr.as<float>();
-  const int parts = exl3_gemv_in(w, g, src, grp.count, s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, stream);
-  exl3_rotate_out(w, g, yr, grp.count, y, y_ld, nullptr, stream, parts);
+  exl3_gemv_out(w, g, src, grp.count, s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, x3_tickets(), y, y_ld, nullptr,
+                stream);
 }
 
 // Entry i = token i / kk with expert ids[i] (kk = k, or 1 + k with the shared expert first): gate and up into s.mgu
@@ -141,9 +149,8 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
   if (paired) {
     // gate and up as the two parts of one grouped call (3 launches instead of 6): row r < M is gate, r >= M up
     const Exl3Group g{tab, ids, M, int(m.x3_stride), I};
-    const int parts =
-        exl3_gemv_in(gate, g, Exl3Src{s.h.as<float>(), D, nullptr, int(kk)}, 2 * M, xh, yr, yr_floats, stream);
-    exl3_rotate_out(gate, g, yr, 2 * M, gu, 2 * I, nullptr, stream, parts);
+    exl3_gemv_out(gate, g, Exl3Src{s.h.as<float>(), D, nullptr, int(kk)}, 2 * M, xh, yr, yr_floats, x3_tickets(), gu,
+                  2 * I, nullptr, stream);
   }
   for (int p = 0; p < 3; ++p) {
     if (p < 2 && paired) continue;
@@ -151,9 +158,8 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
     const Exl3Group g{tab + p * m.x3_stride, ids};
     const Exl3Src src =
         p < 2 ? Exl3Src{s.h.as<float>(), D, nullptr, int(kk)} : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};
-    const int parts = exl3_gemv_in(shape, g, src, M, xh, yr, yr_floats, stream);
-    if (p < 2) exl3_rotate_out(shape, g, yr, M, gu + p * I, 2 * I, nullptr, stream, parts);
-    else exl3_rotate_out(shape, g, yr, M, s.ysorted.as<float>(), D, nullptr, stream, parts);
+    if (p < 2) exl3_gemv_out(shape, g, src, M, xh, yr, yr_floats, x3_tickets(), gu + p * I, 2 * I, nullptr, stream);
+    else exl3_gemv_out(shape, g, src, M, xh, yr, yr_floats, x3_tickets(), s.ysorted.as<float>(), D, nullptr, stream);
   }
 }
 

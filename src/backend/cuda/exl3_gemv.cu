@@ -69,6 +69,32 @@ __device__ __forceinline__ float4 scaled_in4(const Exl3Dev& w, const Exl3Src& sr
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// y[row][o] (o < out, rows y_ld apart, grouped part rows as Exl3Group says) = (H(sum of the `parts` K parts of
+// yr[row] in part order) ⊙ svh)[o] (+ bias) over the 128 outputs of block `blk`, by one warp: rotate_out_kernel's
+// arithmetic, which calls it. Parts are read through L2 (`fresh`: other blocks of the running grid wrote them).
+template <bool kFresh>
+__device__ __forceinline__ void rotate_out_warp(const Exl3Dev& w, const Exl3Group& g, const float* yr, int rows,
+                                                int row, int parts, int blk, float* y0, int64_t y_ld, const float* bias,
+                                                int lane) {
+  const int dim = w.out_pad, e = blk * 128 + lane * 4;
+  const half* svh = reinterpret_cast<const half*>(g.ids ? group_entry(g, row).svh : w.svh);
+  auto load = [&](int p) {
+    const float4* q = reinterpret_cast<const float4*>(yr + (size_t(p) * rows + row) * dim + e);
+    return kFresh ? __ldcg(q) : *q;
+  };
+  float4 h = load(0);
+  for (int p = 1; p < parts; ++p) {  // the fused GEMV's K parts, in part order
+    const float4 q = load(p);
+    h.x += q.x, h.y += q.y, h.z += q.z, h.w += q.w;
+  }
+  hadamard128_lane(h, lane);
+  const float v[4] = {h.x, h.y, h.z, h.w};
+  float* y = y0 + (g.part_rows ? (row % g.part_rows) * y_ld + (row / g.part_rows) * g.part_out : size_t(row) * y_ld);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (e + i < w.out) y[e + i] = v[i] * __half2float(svh[e + i]) + (bias ? bias[e + i] : 0.f);
+}
+
 // out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
 template <bool kHalfOut>
 __global__ void rotate_in_kernel(RotArgs a) {
@@ -93,22 +119,9 @@ __global__ void rotate_in_kernel(RotArgs a) {
 // y[row][o] = (H(yr[row]) ⊙ svh)[o] (+ bias) for o < out.
 __global__ void rotate_out_kernel(RotArgs a) {
   pdl_enter();
-  const int dim = a.w.out_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
-  if (blk * 128 >= dim) return;
-  const half* svh = reinterpret_cast<const half*>(a.g.ids ? group_entry(a.g, row).svh : a.w.svh);
-  const int e = blk * 128 + lane * 4;
-  float4 h = *reinterpret_cast<const float4*>(a.yr + size_t(row) * dim + e);
-  for (int p = 1; p < a.parts; ++p) {  // the fused GEMV's K parts, in part order
-    const float4 q = *reinterpret_cast<const float4*>(a.yr + (size_t(p) * gridDim.y + row) * dim + e);
-    h.x += q.x, h.y += q.y, h.z += q.z, h.w += q.w;
-  }
-  hadamard128_lane(h, lane);
-  const float v[4] = {h.x, h.y, h.z, h.w};
-  float* y = a.y + (a.g.part_rows ? (row % a.g.part_rows) * a.y_ld + (row / a.g.part_rows) * a.g.part_out
-                                  : size_t(row) * a.y_ld);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (e + i < a.w.out) y[e + i] = v[i] * __half2float(svh[e + i]) + (a.bias ? a.bias[e + i] : 0.f);
+  const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (blk * 128 >= a.w.out_pad) return;
+  rotate_out_warp<false>(a.w, a.g, a.yr, gridDim.y, blockIdx.y, a.parts, blk, a.y, a.y_ld, a.bias, threadIdx.x & 31);
 }
 
 // ---- GEMV: yr[b][16*nt + c] += sum_k xh[b][k] * W_hat[k][16*nt + c] over the block's k-tiles ----
@@ -307,6 +320,11 @@ struct Gemv1Args {
   // and a K split stores part p of row z at yr[p][z] (rotate_out sums the parts) instead of adding atomically.
   Exl3Dev w;
   Exl3Src src;
+  // fused with tickets (exl3_gemv_out): y = rotate_out of the parts, made by the last block of each 128 outputs
+  unsigned* tickets;  // [groups][out_pad / 128], zero between calls
+  float* y;
+  int64_t y_ld;
+  const float* bias;
 };
 
 template <int K>
@@ -468,6 +486,29 @@ __device__ __forceinline__ void gemv1_mma_sums(const float (&d)[C / 2][4], int l
     }
 }
 
+// Fused calls with tickets: each block, once its outputs [c0, c0 + width) of row z are stored, draws a ticket for
+// every 128 outputs they touch; the last of the grid's blocks to draw one (all K parts, every x block over them)
+// sums those parts, rotates and scales them into y (rotate_out_warp, a warp per 128) and re-arms the ticket.
+__device__ void gemv1_rotate_out(const Gemv1Args& a, int width) {
+  __shared__ int last[kGemv1Warps];
+  const int z = blockIdx.z, c0 = blockIdx.x * width, c1 = min(a.out_pad, c0 + width);
+  const int g0 = c0 / 128, ng = (c1 - 1) / 128 - g0 + 1;  // <= 4: width <= 4 panels of 128
+  const unsigned arrivals = gridDim.y * unsigned(max(1, 128 / width));
+  __threadfence();  // this block's parts, before its tickets
+  __syncthreads();
+  if (threadIdx.x < ng) {
+    unsigned* t = a.tickets + size_t(z) * (a.out_pad / 128) + g0 + threadIdx.x;
+    const bool mine = atomicAdd(t, 1u) == arrivals - 1;
+    if (mine) *t = 0u;  // every arrival of this call has counted: ready for the next call
+    last[threadIdx.x] = mine;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5;
+  if (warp >= ng || !last[warp]) return;
+  __threadfence();  // the other blocks' parts, after their tickets
+  rotate_out_warp<true>(a.w, a.g, a.yr, gridDim.z, z, gridDim.y, g0 + warp, a.y, a.y_ld, a.bias, threadIdx.x & 31);
+}
+
 // kMma: V = 1, 2 or 3 as gemv1_tile_mma; 4: gemv1_tile_imma (MUL1, fused calls only).
 template <int K, int CB, bool kMma, int V = 1>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
@@ -603,12 +644,13 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     for (int c = 0; c < G::C; ++c) acc[c] = fmaf(kMul1A, acc[c], kMul1C * sx);
   }
 
+  bool store = panel < a.tiles_n / G::P;
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
     float* red = smem + (kInt8 ? gemv1_int8_words(cap) : wk * tpw * 16 + kGemv1ZeroWords);
 #pragma unroll
     for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
     __syncthreads();
-    if (ksub) return;
+    if (ksub) store = false;
 #pragma unroll
     for (int c = 0; c < G::C; ++c) {
       float v = acc[c];
@@ -616,15 +658,17 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
       acc[c] = v;
     }
   }
-  if (panel >= a.tiles_n / G::P) return;
-  float* y = a.yr + size_t(blockIdx.z) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
-  if (a.src.x) y += size_t(blockIdx.y) * gridDim.z * a.out_pad;  // fused: this K part's slice
+  if (store) {
+    float* y = a.yr + size_t(blockIdx.z) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
+    if (a.src.x) y += size_t(blockIdx.y) * gridDim.z * a.out_pad;  // fused: this K part's slice
 #pragma unroll
-  for (int c = 0; c < G::C; ++c) {
-    float* yc = y + (c >> 1) + 8 * (c & 1);
-    if (gridDim.y == 1 || a.src.x) *yc = acc[c];
-    else atomicAdd(yc, acc[c]);
+    for (int c = 0; c < G::C; ++c) {
+      float* yc = y + (c >> 1) + 8 * (c & 1);
+      if (gridDim.y == 1 || a.src.x) *yc = acc[c];
+      else atomicAdd(yc, acc[c]);
+    }
   }
+  if (a.tickets) gemv1_rotate_out(a, wp * G::P * 16);
 }
 
 // ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts]; one warp per tile ----
@@ -703,19 +747,20 @@ struct Gemv1Split {
   int warps_k, tiles_per_warp, kblocks;
 };
 // MOESRV_EXL3_GEMV1_SPLIT=<warps_k>x<tiles_per_warp> forces the shape (correctness runs: the checks' small weights
-// otherwise all take one), read once.
+// otherwise all take one; cuda_kernel_bench --split-sweep), read at each call (host side, once per captured launch).
+Gemv1Split forced_gemv1_split() {
+  const char* v = std::getenv("MOESRV_EXL3_GEMV1_SPLIT");
+  int wk = 0, tpw = 0;
+  if (v && std::sscanf(v, "%dx%d", &wk, &tpw) == 2 && (wk == 1 || wk == 2 || wk == 4) && tpw >= 1 &&
+      wk * tpw <= kGemv1MaxBlockTiles)
+    return Gemv1Split{wk, tpw, 0};
+  return Gemv1Split{0, 0, 0};
+}
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
 Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
   const bool aligned = max_parts > 0;
   const int K = w.K, P = gemv1_positions(K), tk = w.in_pad / 16, panels = w.out_pad / 16 / P;
-  static const Gemv1Split forced = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GEMV1_SPLIT");
-    int wk = 0, tpw = 0;
-    if (v && std::sscanf(v, "%dx%d", &wk, &tpw) == 2 && (wk == 1 || wk == 2 || wk == 4) && tpw >= 1 &&
-        wk * tpw <= kGemv1MaxBlockTiles)
-      return Gemv1Split{wk, tpw, 0};
-    return Gemv1Split{0, 0, 0};
-  }();
+  const Gemv1Split forced = forced_gemv1_split();
   // tiles per warp a multiple of `unit` keeps a block's range whole 128-blocks (8 k-tiles)
   auto unit = [&](int wk) { return aligned ? 8 / std::min(wk, 8) : 1; };
   if (forced.warps_k) {
@@ -767,9 +812,17 @@ bool exl3_gemv_unfused() {
   return on;
 }
 
+// The output rotation fused in where exl3_gemv_out has tickets: y, its rows' stride, the bias.
+struct Gemv1Out {
+  unsigned* tickets = nullptr;
+  float* y = nullptr;
+  int64_t y_ld = 0;
+  const float* bias = nullptr;
+};
+
 // Launches gemv1_kernel with split sp over `groups` rows (src.x set: the fused form, see Gemv1Args).
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
-                  const Gemv1Split& sp, cudaStream_t s) {
+                  const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}) {
   const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0;
@@ -789,7 +842,11 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
                     sp.tiles_per_warp,
                     sp.warps_k,
                     w,
-                    src};
+                    src,
+                    out.tickets,
+                    out.y,
+                    out.y_ld,
+                    out.bias};
   const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
   launch(kGemv1[v][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
@@ -873,6 +930,29 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   GemvArgs a{static_cast<const uint4*>(w.trellis), g, xh, yr, w.in_pad, w.out_pad, nb, tk, tn, tpb};
   launch((tc ? kGemvMma : kGemv)[w.cb][w.K - 1], dim3(tn, ksplit, groups), kGemvWarps * 32, smem, s, a);
   EXL3_CHECK(cudaGetLastError());
+}
+
+bool exl3_rotate_apart() {
+  static const bool on = env_flag("MOESRV_EXL3_ROTATE_APART");
+  return on;
+}
+
+void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                   Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream) {
+  check_shape(w);
+  if (n <= 0) return;
+  const bool grouped = g.ids != nullptr;
+  const bool fused = grouped || n == 1;  // exl3_gemv_in's one-launch form (below)
+  if (!fused || !tickets.p || size_t(n) * (w.out_pad / 128) > tickets.count || exl3_rotate_apart() ||
+      exl3_gemv_unfused() || exl3_gemv_v1() || exl3_gemv_tc_single()) {
+    const int parts = exl3_gemv_in(w, g, src, n, xh, yr, yr_floats, stream);
+    exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream, parts);
+    return;
+  }
+  const int max_parts = int(std::min<size_t>(kExl3MaxGemvParts, yr_floats / (size_t(n) * w.out_pad)));
+  if (max_parts < 1) throw std::runtime_error("EXL3 GEMV: output scratch smaller than its rows");
+  launch_gemv1(w, g, nullptr, src, yr, n, gemv1_split(w, n, max_parts), static_cast<cudaStream_t>(stream),
+               Gemv1Out{tickets.p, y, y_ld, bias});
 }
 
 int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,

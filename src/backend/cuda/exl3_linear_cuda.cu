@@ -46,6 +46,7 @@ struct Exl3CudaLinear::Impl {
   DeviceBuffer<uint4> trellis;
   DeviceBuffer<half> suh, svh;
   DeviceBuffer<float> xh, yr;    // GEMV workspaces
+  DeviceBuffer<unsigned> tickets;  // exl3_gemv_out's counters (zeroed when made)
   DeviceBuffer<half> xh16, w16;  // GEMM workspaces
   cublasHandle_t blas = nullptr;
   ~Impl() {
@@ -100,9 +101,13 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   m.xh.reserve(size_t(n) * m.w.in_pad);
   if (n == 1 && m.gemv_kernel != cuda::Exl3Gemv::TensorCore) {  // the engine's one-row path: rotation fused in
     m.yr.reserve(size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad);
-    const int parts = cuda::exl3_gemv_in(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, 1, m.xh.p, m.yr.p,
-                                         size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad, stream);
-    cuda::exl3_rotate_out(m.w, {}, m.yr.p, 1, d_y, m.w.out_pad, nullptr, stream, parts);
+    if (!m.tickets.p) {
+      m.tickets.reserve(size_t(m.w.out_pad / 128));
+      EXL3_CHECK(cudaMemset(m.tickets.p, 0, m.tickets.n * sizeof(unsigned)));
+    }
+    cuda::exl3_gemv_out(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, 1, m.xh.p, m.yr.p,
+                        size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad, {m.tickets.p, m.tickets.n}, d_y, m.w.out_pad,
+                        nullptr, stream);
     return;
   }
   m.yr.reserve(size_t(n) * m.w.out_pad);

@@ -85,6 +85,17 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
 constexpr int kExl3MaxGemvParts = 16;
 int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                  void* stream);
+// Counters of exl3_gemv_out's fused output rotation: n * out_pad / 128 of them per call, zero before the first call
+// (each call leaves them zero). Calls that may run at once need their own, as they need their own yr.
+struct Exl3Tickets {
+  unsigned* p = nullptr;
+  size_t count = 0;
+};
+// exl3_gemv_in, then exl3_rotate_out into y (rows y_ld apart, + bias): in one launch where the GEMV is the fused
+// one-row kernel and the tickets suffice (the last block to finish each 128 outputs of a row sums their K parts,
+// rotates and scales them; MOESRV_EXL3_ROTATE_APART=1 compares), else in two. Same arithmetic either way.
+void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                   Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
 // yr[n][out_pad] = xh16 · W_hat through fp16 slabs of W_hat (at most w16_elems in w16; cuBLAS, fp32 accumulate).

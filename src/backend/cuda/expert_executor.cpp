@@ -101,9 +101,8 @@ void CudaEngine::Impl::shared_expert_exl3(const DevMoe& m, const float* h, float
   float* gu = s.gu.as<float>();
   linear(sh.gate_up, h, 1, gu);
   const Exl3Dev& down = sh.down.x3[0].w;
-  const int parts = exl3_gemv_in(down, {}, Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, 1, s.x3_xh.as<void>(),
-                                 s.x3_yr.as<float>(), s.x3_yr.bytes() / 4, stream);
-  exl3_rotate_out(down, {}, s.x3_yr.as<float>(), 1, y, c.hidden_size, nullptr, stream, parts);
+  exl3_gemv_out(down, {}, Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, 1, s.x3_xh.as<void>(), s.x3_yr.as<float>(),
+                s.x3_yr.bytes() / 4, x3_tickets(), y, c.hidden_size, nullptr, stream);
 }
 
 const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
