@@ -650,12 +650,15 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 #pragma unroll
     for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
     __syncthreads();
-    if (ksub) store = false;
+    if (ksub) {
+      store = false;  // (warp is then past the red rows that the sum below reads)
+    } else {
 #pragma unroll
-    for (int c = 0; c < G::C; ++c) {
-      float v = acc[c];
-      for (int j = 1; j < wk; ++j) v += red[((j * wp + warp) * G::C + c) * 32 + lane];
-      acc[c] = v;
+      for (int c = 0; c < G::C; ++c) {
+        float v = acc[c];
+        for (int j = 1; j < wk; ++j) v += red[((j * wp + warp) * G::C + c) * 32 + lane];
+        acc[c] = v;
+      }
     }
   }
   if (store) {
