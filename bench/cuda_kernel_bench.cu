@@ -7,7 +7,9 @@
 // whole launch chain of one KDA+MoE and one MLA+MoE decode layer in the engine's order (cuda_engine.cpp
 // CudaBlocks / attention_mla, linear_attention_engine.cpp, expert_executor.cpp, exl3_engine.cpp).
 // Inputs and weights are random with a fixed seed (any trellis bits are valid EXL3 weights; MUL1 codebook).
-// Usage: .gpu/cuda_kernel_bench [--bits 4] [--quick] [--only NAME,...] [--json out.json]
+// Usage: .gpu/cuda_kernel_bench [--bits 4] [--quick] [--only NAME,...] [--json out.json] [--split-sweep
+// default,2x16,...]
+//   (--split-sweep: the selected rows again under each MOESRV_EXL3_GEMV1_SPLIT value, "default" = unset)
 // Per-node profile of one decode layer (each selected entry's call once, as a graph, inside cudaProfilerStart/Stop):
 //   ncu --profile-from-start off --graph-profiling node --clock-control none --metrics gpu__time_duration.sum \
 //       .gpu/cuda_kernel_bench --profile --only "decode layer (KDA+MoE)"

@@ -19,6 +19,11 @@
 #                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
 #                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
 #                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
+#   ROTATE_FUSED=1 scripts/gpu_suite.sh + the output rotation inside the one-row GEMV (MOESRV_EXL3_ROTATE_FUSED=1,
+#                                   opt-in until this passes; ~3 min): the EXL3 suite and exl3_cuda_bench's checks under
+#                                   it, the kernel bench's EXL3 / decode rows (K=3) and the all-VRAM slice both ways.
+#   SPLIT_SWEEP=1 scripts/gpu_suite.sh + the one-row GEMV's K split (MOESRV_EXL3_GEMV1_SPLIT) swept over the decode
+#                                   shapes at K=3 (cuda_kernel_bench --split-sweep, ~1 min)
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -89,6 +94,32 @@ if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
       --gtest_filter='*Glm5Next*' >"$OUT/slice_v$v.log" 2>&1
     echo "slice variant $v rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_v$v.log" | head -4
   done
+fi
+if [[ ${ROTATE_FUSED:-0} == 1 ]]; then  # docs/perf-cuda.md, "Ninth round"
+  MOESRV_EXL3_ROTATE_FUSED=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
+    >"$OUT/exl3_fused.log" 2>&1
+  echo "EXL3 suite, rotation fused:"; summary "$OUT/exl3_fused.log"
+  MOESRV_EXL3_ROTATE_FUSED=1 timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_fused.log" 2>&1
+  echo "exl3_cuda_bench, rotation fused rc=$?:"; grep -E "FAIL|checks" "$OUT/exl3_bench_fused.log" | head -20
+  for f in 0 1 0; do
+    MOESRV_EXL3_ROTATE_FUSED=$f timeout 120 .gpu/cuda_kernel_bench --bits 3 --only "EXL3,decode layer" \
+      >"$OUT/kb_fused$f.log" 2>/dev/null
+    echo "kernel bench K=3 fused=$f rc=$?:"; grep -E "^(KDA EXL3|MLA EXL3|MoE EXL3 experts 1|head EXL3|decode layer)" \
+      "$OUT/kb_fused$f.log"
+  done
+  for f in 0 1; do
+    MOESRV_EXL3_ROTATE_FUSED=$f MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192,131072 MOESRV_BENCH_ROUTING=skewed \
+      MOESRV_BENCH_BUDGETS=all MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic \
+      --gtest_filter='*Glm5Next*' >"$OUT/slice_fused$f.log" 2>&1
+    echo "slice fused=$f rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_fused$f.log" | head -4
+  done
+fi
+if [[ ${SPLIT_SWEEP:-0} == 1 ]]; then
+  timeout 120 .gpu/cuda_kernel_bench --bits 3 --quick \
+    --split-sweep default,1x32,2x8,2x12,2x16,2x20,2x24,2x32,4x4,4x8,4x16 \
+    --only "KDA EXL3 q|k|v grouped,KDA EXL3 o,MoE EXL3 experts gate|up,MoE EXL3 experts down,MLA EXL3 q_b,MLA EXL3 o" \
+    >"$OUT/split_sweep.log" 2>&1
+  echo "split sweep rc=$?:"; grep -E "split" "$OUT/split_sweep.log" | grep -v "^  "
 fi
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"

@@ -644,14 +644,17 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     for (int c = 0; c < G::C; ++c) acc[c] = fmaf(kMul1A, acc[c], kMul1C * sx);
   }
 
-  bool store = panel < a.tiles_n / G::P;
+  // Without tickets a warp with nothing to store leaves; with them every thread goes on to gemv1_rotate_out's
+  // barriers (one call site for the whole block).
+  bool live = true;
   if (wk > 1) {  // sum the block's k-ranges of each panel (red: [warps][C][32] after the xh range)
     float* red = smem + (kInt8 ? gemv1_int8_words(cap) : wk * tpw * 16 + kGemv1ZeroWords);
 #pragma unroll
     for (int c = 0; c < G::C; ++c) red[(warp * G::C + c) * 32 + lane] = acc[c];
     __syncthreads();
     if (ksub) {
-      store = false;  // (warp is then past the red rows that the sum below reads)
+      if (!a.tickets) return;
+      live = false;
     } else {
 #pragma unroll
       for (int c = 0; c < G::C; ++c) {
@@ -661,7 +664,11 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
       }
     }
   }
-  if (store) {
+  if (live && panel >= a.tiles_n / G::P) {
+    if (!a.tickets) return;
+    live = false;
+  }
+  if (live) {
     float* y = a.yr + size_t(blockIdx.z) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
     if (a.src.x) y += size_t(blockIdx.y) * gridDim.z * a.out_pad;  // fused: this K part's slice
 #pragma unroll
@@ -935,8 +942,10 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
   EXL3_CHECK(cudaGetLastError());
 }
 
-bool exl3_rotate_apart() {
-  static const bool on = env_flag("MOESRV_EXL3_ROTATE_APART");
+// MOESRV_EXL3_ROTATE_FUSED=1: exl3_gemv_out's one-launch form. Off by default until a GPU run has checked it (it was
+// written in a session whose device time ran out before its fixed build ran), read once.
+bool exl3_rotate_fused() {
+  static const bool on = env_flag("MOESRV_EXL3_ROTATE_FUSED");
   return on;
 }
 
@@ -946,7 +955,7 @@ void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, 
   if (n <= 0) return;
   const bool grouped = g.ids != nullptr;
   const bool fused = grouped || n == 1;  // exl3_gemv_in's one-launch form (below)
-  if (!fused || !tickets.p || size_t(n) * (w.out_pad / 128) > tickets.count || exl3_rotate_apart() ||
+  if (!fused || !tickets.p || size_t(n) * (w.out_pad / 128) > tickets.count || !exl3_rotate_fused() ||
       exl3_gemv_unfused() || exl3_gemv_v1() || exl3_gemv_tc_single()) {
     const int parts = exl3_gemv_in(w, g, src, n, xh, yr, yr_floats, stream);
     exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream, parts);

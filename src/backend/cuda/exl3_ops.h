@@ -91,9 +91,9 @@ struct Exl3Tickets {
   unsigned* p = nullptr;
   size_t count = 0;
 };
-// exl3_gemv_in, then exl3_rotate_out into y (rows y_ld apart, + bias): in one launch where the GEMV is the fused
-// one-row kernel and the tickets suffice (the last block to finish each 128 outputs of a row sums their K parts,
-// rotates and scales them; MOESRV_EXL3_ROTATE_APART=1 compares), else in two. Same arithmetic either way.
+// exl3_gemv_in, then exl3_rotate_out into y (rows y_ld apart, + bias). With MOESRV_EXL3_ROTATE_FUSED=1 (opt-in, not
+// yet checked on a GPU) in one launch where the GEMV is the fused one-row kernel and the tickets suffice: the last
+// block to finish each 128 outputs of a row sums their K parts, rotates and scales them. Same arithmetic either way.
 void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                    Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
