@@ -282,6 +282,9 @@ TEST(Server, BadInputIsRejectedAndServerStaysUp) {
       R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":{"name":"f"},"function":{"name":"f"}}]})", 400,
       "invalid_tool_schema", "tools");
   expect_error(R"({"messages":[{"role":"user","content":[{"type":7,"text":"q"}]}]})", 400, "", "messages");
+  expect_error(
+      R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f","description":5}}]})",
+      400, "invalid_tool_schema", "tools");
   expect_error(R"({"messages":[{"role":"user","content":"q"}],"tool_choice":{"type":"function","function":{"name":"nope"}},"tools":[]})", 400);
   expect_error(json({{"messages", {user(std::string(200, 'x'))}}}).dump(), 400, "context_length_exceeded");
   expect_error(R"({"prompt":"hi"})", 400);  // chat endpoint needs messages
@@ -291,7 +294,7 @@ TEST(Server, BadInputIsRejectedAndServerStaysUp) {
   auto ok = c.Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"q"}],"extra":{"x":1}})", "application/json");
   EXPECT_EQ(ok->status, 200);
   EXPECT_EQ(json::parse(ok->body)["choices"][0]["message"]["content"], "ok");
-  EXPECT_NE(c.Get("/metrics")->body.find("moesrv_request_errors_total 16"), std::string::npos);
+  EXPECT_NE(c.Get("/metrics")->body.find("moesrv_request_errors_total 17"), std::string::npos);
 }
 
 TEST(Server, CompletionsEndpoint) {

@@ -198,6 +198,8 @@ std::vector<ToolSpec> parse_tools(const json& tools) {
     if (!fn || !fn->is_object()) throw invalid("missing 'function' object");
     if (!fn->contains("name") || !(*fn)["name"].is_string() || (*fn)["name"].get<std::string>().empty())
       throw invalid("function.name must be a non-empty string");
+    if (const json* d = field(*fn, "description"); d && !d->is_string() && !d->is_null())
+      throw invalid("function.description must be a string");
     ToolSpec spec{(*fn)["name"].get<std::string>(), {}, {}, nullptr};
     for (auto& other : specs)
       if (other.name == spec.name) throw invalid(fmt::format("duplicate function name '{}'", spec.name));

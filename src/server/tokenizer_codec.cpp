@@ -72,7 +72,10 @@ std::string deepseek_tools_prompt(const nlohmann::ordered_json& tools) {
   std::string s = "## Tools\nYou have access to the following tools:\n";
   for (auto& t : tools) {
     const auto& fn = t.value("function", nlohmann::ordered_json::object());
-    s += "\n### " + fn.value("name", std::string()) + "\nDescription: " + fn.value("description", std::string()) +
+    auto text = [&](const char* key) {  // a string field, or "" (absent, null)
+      return fn.contains(key) && fn[key].is_string() ? fn[key].get<std::string>() : std::string();
+    };
+    s += "\n### " + text("name") + "\nDescription: " + text("description") +
          "\n\nParameters: " + fn.value("parameters", nlohmann::ordered_json::object()).dump() + "\n";
   }
   s += "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
