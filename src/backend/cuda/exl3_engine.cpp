@@ -65,7 +65,7 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   // exl3_gemv_out's counters (128 outputs each) for the largest one-row calls: grouped rows or one plain row
   auto tickets = [&](int64_t count, const char* what) {
     DeviceBuffer b(budget, size_t(count) * 4, what);
-    MOESRV_CUDA_OK(cudaMemset(b.as<void>(), 0, b.bytes()));
+    MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), stream));  // (the side forks from stream)
     return b;
   };
   s.x3_tickets = tickets(std::max({out, 2 * grouped * moe.out, int64_t(kExl3MaxGemvRows) * all.out}) / 128,

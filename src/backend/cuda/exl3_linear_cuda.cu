@@ -103,7 +103,7 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
     m.yr.reserve(size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad);
     if (!m.tickets.p) {
       m.tickets.reserve(size_t(m.w.out_pad / 128));
-      EXL3_CHECK(cudaMemset(m.tickets.p, 0, m.tickets.n * sizeof(unsigned)));
+      EXL3_CHECK(cudaMemsetAsync(m.tickets.p, 0, m.tickets.n * sizeof(unsigned), static_cast<cudaStream_t>(stream)));
     }
     cuda::exl3_gemv_out(m.w, {}, cuda::Exl3Src{d_x, m.w.in_pad}, 1, m.xh.p, m.yr.p,
                         size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad, {m.tickets.p, m.tickets.n}, d_y, m.w.out_pad,
