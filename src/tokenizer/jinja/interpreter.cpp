@@ -86,6 +86,21 @@ Interpreter::Interpreter(const Object& globals) {
   scopes_.emplace_back();  // template-level variables
 }
 
+Interpreter::~Interpreter() {
+  for (Value& c : mutated_) {
+    if (c.is_object()) c.object().items.clear();
+    else if (c.is_array()) c.array().clear();
+  }
+}
+
+void Interpreter::note_mutation(const Value& container, const Value& value) {
+  if (!value.is_object() && !value.is_array()) return;
+  const void* key = container.is_object()  ? static_cast<const void*>(&container.object())
+                    : container.is_array() ? static_cast<const void*>(&container.array())
+                                           : nullptr;
+  if (key && mutated_seen_.insert(key).second) mutated_.push_back(container);
+}
+
 std::string Interpreter::render(const Body& body) {
   std::string out;
   exec(body, out);
@@ -204,6 +219,7 @@ void Interpreter::exec_set(const Stmt& s) {
   if (s.set_attribute) {
     Value target = lookup(s.targets[0]);
     if (!target.is_object()) fail("jinja: cannot set attribute on '{}' (line {})", target.type_name(), s.line);
+    note_mutation(target, v);
     target.object().set(s.targets[1], std::move(v));
     return;
   }
@@ -332,6 +348,7 @@ Value Interpreter::eval(const Expr& e) {
         eval_args(e, 1, args, kwargs);
         if (member.is_function()) return call(member, args, kwargs);
         bool found = false;
+        for (const Value& a : args) note_mutation(self, a);  // (update, append, extend: a may now be inside self)
         Value r = call_method(self, callee.name, args, kwargs, found);
         if (!found) runtime_error(e, "'" + self.type_name() + "' has no method '" + callee.name + "'");
         return r;

@@ -2,6 +2,7 @@
 #pragma once
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tokenizer/jinja/ast.h"
@@ -11,6 +12,9 @@ namespace moesrv::jinja {
 class Interpreter {
  public:
   explicit Interpreter(const Object& globals);
+  ~Interpreter();  // empties the containers of note_mutation (reference cycles such as `set ns.x = ns`)
+  Interpreter(const Interpreter&) = delete;
+  Interpreter& operator=(const Interpreter&) = delete;
   std::string render(const Body& body);
 
   Value eval(const Expr& e);
@@ -31,8 +35,14 @@ class Interpreter {
   void assign(const std::string& name, Value v) { scopes_.back()[name] = std::move(v); }
   void eval_args(const Expr& e, size_t first, std::vector<Value>& args, KwArgs& kwargs);
 
+  // A container that was given a container value in this render (attribute set, update, append, extend): it may
+  // now hold a reference cycle, which shared ownership never frees, so the destructor empties it.
+  void note_mutation(const Value& container, const Value& value);
+
   std::vector<std::unordered_map<std::string, Value>> scopes_;
   int depth_ = 0;
+  std::vector<Value> mutated_;
+  std::unordered_set<const void*> mutated_seen_;
 };
 
 }  // namespace moesrv::jinja
