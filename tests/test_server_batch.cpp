@@ -59,8 +59,8 @@ struct Served {
       if (at == 0 || b[at - 1] == '\n') return std::stod(b.substr(at + name.size() + 1));
     return -1;
   }
-  // Polls `name` until it reads `value` (a streamed answer's slot is freed just after its last bytes), or 10 s.
-  // Waits (up to 10 s) until the metric reads `value` on 5 reads in a row, 5 ms apart, and returns its last read.
+  // Polls `name` until it reads `value` on 5 reads in a row, 5 ms apart (a streamed answer's slot is freed just
+  // after its last bytes), or 10 s; returns its last read.
   double settle(const std::string& name, double value) const {
     int in_a_row = 0;
     for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < 10s;) {

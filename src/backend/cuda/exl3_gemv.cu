@@ -949,28 +949,10 @@ bool exl3_rotate_fused() {
   return on;
 }
 
-void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
-                   Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream) {
-  check_shape(w);
-  if (n <= 0) return;
-  const bool grouped = g.ids != nullptr;
-  const bool fused = grouped || n == 1;  // exl3_gemv_in's one-launch form (below)
-  if (!fused || !tickets.p || size_t(n) * (w.out_pad / 128) > tickets.count || !exl3_rotate_fused() ||
-      exl3_gemv_unfused() || exl3_gemv_v1() || exl3_gemv_tc_single()) {
-    const int parts = exl3_gemv_in(w, g, src, n, xh, yr, yr_floats, stream);
-    exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream, parts);
-    return;
-  }
-  const int max_parts = int(std::min<size_t>(kExl3MaxGemvParts, yr_floats / (size_t(n) * w.out_pad)));
-  if (max_parts < 1) throw std::runtime_error("EXL3 GEMV: output scratch smaller than its rows");
-  launch_gemv1(w, g, nullptr, src, yr, n, gemv1_split(w, n, max_parts), static_cast<cudaStream_t>(stream),
-               Gemv1Out{tickets.p, y, y_ld, bias});
-}
-
-int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
-                 void* stream) {
-  check_shape(w);
-  if (n <= 0) return 1;
+// exl3_gemv_in's work (n >= 1, shape checked). With out.tickets the one-launch form also rotates into y: then it
+// returns 0; otherwise the K parts left in yr (the rotate-first form takes no tickets and leaves 1).
+static int gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                   cudaStream_t stream, const Gemv1Out& out) {
   const bool grouped = g.ids != nullptr;
   if ((!grouped && n > 1) || exl3_gemv_unfused() || exl3_gemv_v1() || exl3_gemv_tc_single()) {  // rotate, then GEMV
     exl3_rotate_in(w, g, src, n, xh, false, stream, yr);
@@ -980,8 +962,25 @@ int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, fl
   const int max_parts = int(std::min<size_t>(kExl3MaxGemvParts, yr_floats / (size_t(n) * w.out_pad)));
   if (max_parts < 1) throw std::runtime_error("EXL3 GEMV: output scratch smaller than its rows");
   const Gemv1Split sp = gemv1_split(w, n, max_parts);
-  launch_gemv1(w, g, nullptr, src, yr, n, sp, static_cast<cudaStream_t>(stream));
-  return sp.kblocks;
+  launch_gemv1(w, g, nullptr, src, yr, n, sp, stream, out);
+  return out.tickets ? 0 : sp.kblocks;
+}
+
+void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                   Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream) {
+  check_shape(w);
+  if (n <= 0) return;
+  const bool fused = exl3_rotate_fused() && tickets.p && size_t(n) * (w.out_pad / 128) <= tickets.count;
+  const int parts = gemv_in(w, g, src, n, xh, yr, yr_floats, static_cast<cudaStream_t>(stream),
+                            fused ? Gemv1Out{tickets.p, y, y_ld, bias} : Gemv1Out{});
+  if (parts > 0) exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream, parts);
+}
+
+int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
+                 void* stream) {
+  check_shape(w);
+  if (n <= 0) return 1;
+  return gemv_in(w, g, src, n, xh, yr, yr_floats, static_cast<cudaStream_t>(stream), Gemv1Out{});
 }
 
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream) {
