@@ -603,6 +603,60 @@ void prefill_cublas() {
                       P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
 }
 
+// ---- forwards of a few tokens (MTP verifies, batched steps): the engine's default batch path (rotate, the fp16-input
+// batch GEMV, rotate out; grouped experts one entry per token and pick) against CudaEngineOptions::row_gemv's (the
+// R-row GEMV; entries that share an expert merged). S tokens' inputs: RowsB::x.
+constexpr int kRowsMax = kExl3SetRows;
+constexpr size_t kRowsYr = size_t(kExl3MaxGemvParts) * 2 * kRowsMax * KK * I;
+struct RowsB {
+  float *x, *y, *xh, *yr, *mgu, *ys;
+  int32_t *ids_rand, *ids_half;  // [kRowsMax][KK]: shared, then 8 picks; random, or half of them token 0's
+  Exl3RowSet* sets;
+} V;
+void rows_setup(std::mt19937& rng) {
+  V.x = randf(size_t(kRowsMax) * 16384, 1.0f), V.y = dalloc<float>(size_t(kRowsMax) * 16384);
+  V.xh = dalloc<float>(size_t(2) * kRowsMax * KK * 16384), V.yr = dalloc<float>(kRowsYr);
+  V.mgu = randf(size_t(kRowsMax) * KK * 2 * I, 1.0f), V.ys = dalloc<float>(size_t(kRowsMax) * KK * D);
+  V.sets = dalloc<Exl3RowSet>(size_t(kRowsMax) * KK);
+  std::vector<int32_t> rnd(size_t(kRowsMax) * KK), half(rnd.size()), perm(E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int t = 0; t < kRowsMax; ++t) {
+    rnd[size_t(t) * KK] = half[size_t(t) * KK] = E;
+    for (int j = 0; j < TOPK; ++j) {
+      rnd[size_t(t) * KK + 1 + size_t(j)] = perm[size_t(t * TOPK + j)];
+      half[size_t(t) * KK + 1 + size_t(j)] = j < TOPK / 2 ? perm[size_t(j)] : perm[size_t(t * TOPK + j)];
+    }
+  }
+  V.ids_rand = upload(rnd), V.ids_half = upload(half);
+}
+void rows_linear(const Exl3Dev& w, int n, bool rows) {  // Impl::exl3_forward of n tokens
+  g_bytes += double(w.bytes());
+  if (!rows) {
+    exl3_gemv_out(w, {}, Exl3Src{V.x, w.in}, n, V.xh, V.yr, kRowsYr, Exl3Tickets{B.tickets, kTickets}, V.y, w.out,
+                  nullptr, g_st);
+    return;
+  }
+  exl3_rotate_in(w, {}, Exl3Src{V.x, w.in}, n, V.xh, false, g_st, V.yr);
+  exl3_gemv_rotated(w, {}, V.xh, n, V.yr, Exl3Gemv::Rows, g_st, true);
+  exl3_rotate_out(w, {}, V.yr, n, V.y, w.out, nullptr, g_st);
+}
+void rows_experts(const int32_t* ids, int S, bool merged) {  // Impl::moe_exl3_grouped of S tokens (shared in group)
+  const int M = S * KK;
+  const Exl3Dev &gu = W.expert_shape[0], &down = W.expert_shape[2];
+  const Exl3Group g_gu{W.tab, ids, M, E + 1, I}, g_down{W.tab + 2 * (E + 1), ids};
+  const Exl3Src in{V.x, D, nullptr, KK}, act{V.mgu, 2 * I, nullptr, 1, true, LIMIT};
+  if (!merged) {
+    exl3_gemv_out(gu, g_gu, in, 2 * M, V.xh, V.yr, kRowsYr, Exl3Tickets{B.tickets, kTickets}, V.mgu, 2 * I, nullptr,
+                  g_st);
+    exl3_gemv_out(down, g_down, act, M, V.xh, V.yr, kRowsYr, Exl3Tickets{B.tickets, kTickets}, V.ys, D, nullptr, g_st);
+    return;
+  }
+  exl3_row_sets(ids, M, V.sets, g_st);
+  exl3_gemv_sets_out(gu, g_gu, V.sets, S, in, 2 * M, V.xh, V.yr, V.mgu, 2 * I, nullptr, g_st);
+  exl3_gemv_sets_out(down, g_down, V.sets, S, act, M, V.xh, V.yr, V.ys, D, nullptr, g_st);
+}
+
 void shared_unfused(int i) {  // Impl::mlp over EXL3 gate|up (two parts), clamped SwiGLU, down
   exl3_linear(W.shared_sep[0][i], B.h, B.gu, 2 * I);
   exl3_linear(W.shared_sep[1][i], B.h, B.gu + I, 2 * I);
@@ -791,6 +845,19 @@ void run_all(const std::vector<Ctx>& ctxs) {
     rms_norm(B.h, D, W.final_norm, 1, D, RMS_EPS, B.h, D, g_st);
   });
   bench("head EXL3 lm_head 154880x4096", [](int i) { exl3_linear(W.lm_head[i], B.h, B.logits, VOCAB); });
+
+  if (selected("rows")) {  // few-token forwards: --only rows
+    static std::mt19937 rng(7);
+    rows_setup(rng);
+    for (int n : {2, 4})
+      for (bool rows : {false, true}) {
+        const std::string tag = "rows " + std::to_string(n) + (rows ? " R-row" : " batch");
+        bench(tag + " EXL3 o 4096x8192", [=](int i) { rows_linear(W.o_kda[i], n, rows); });
+        bench(tag + " EXL3 q_b 16384x2048", [=](int i) { rows_linear(W.q_b[i], n, rows); });
+        bench(tag + " EXL3 experts, random picks", [=](int) { rows_experts(V.ids_rand, n, rows); });
+        bench(tag + " EXL3 experts, half token 0's picks", [=](int) { rows_experts(V.ids_half, n, rows); });
+      }
+  }
 
   // One decoder layer as CudaBlocks runs it: the previous layer's last leave with the attention enter, the attention
   // block, its leave with the MoE enter, the MoE (its leave goes with the next layer's first enter).

@@ -156,6 +156,17 @@ void correctness(bool quick) {
                       e1, e3, e8);
         check(e1 < lim1 && e3 < lim && e8 < lim, buf);
       }
+      // the R-row kernel (MTP verifies, batched steps): fp16 hi + lo inputs as the one-row kernel, fp16 weights
+      g.set_gemv_kernel(Exl3CudaLinear::GemvKernel::Rows);
+      {
+        const double r1 = gpu_vs_cpu(g, h->w, 1, false), r2 = gpu_vs_cpu(g, h->w, 2, false),
+                     r3 = gpu_vs_cpu(g, h->w, 3, false), r4 = gpu_vs_cpu(g, h->w, 4, false);
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%s: GEMV rows n=1/2/3/4 rel err %.1e/%.1e/%.1e/%.1e", tag.c_str(), r1, r2, r3,
+                      r4);
+        check(std::max({r1, r2, r3, r4}) < 1e-5, buf);
+      }
+      g.set_gemv_kernel(Exl3CudaLinear::GemvKernel::Auto);
       double eg = gpu_vs_cpu(g, h->w, 37, true);
       check(eg < 3e-3, tag + ": GEMM (fp16 dequant + cuBLAS) n=37 rel err " + std::to_string(eg));
     }

@@ -390,6 +390,7 @@ struct CudaEngine::Impl {
     // fp16 W_hat slabs of the GEMM path.
     cuda::DeviceBuffer x3_xh, x3_yr, x3_w16;
     cuda::DeviceBuffer x3_tickets;  // exl3_gemv_out's counters (zeroed once; each call leaves them zero)
+    cuda::DeviceBuffer x3_sets;     // moe_exl3_grouped's row sets of a few tokens (Exl3RowSet)
     cuda::DeviceBuffer x3_xh_side, x3_yr_side, x3_tickets_side;  // the same for one-token calls on proj_side
     // Holds the attention group (q_lat .. dsa_scores but sel) and the linear-attention group (lraw .. lgate) as
     // views: a layer runs one of the two (allocate_scratch).
@@ -449,6 +450,7 @@ struct CudaEngine::Impl {
   // else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
   cuda::Exl3Tickets x3_tickets() { return {s.x3_tickets.as<unsigned>(), s.x3_tickets.bytes() / 4}; }
+  bool row_gemv_on() const { return opt.row_gemv || cuda::exl3_gemv_rows(); }
   // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();

@@ -35,7 +35,7 @@ class Exl3CudaLinear {
   // Fp32 (fp32-accurate activations: at one row, tensor-core products of the input split into fp16 hi + lo parts
   // with the input rotation in the same launch, ~1e-6 of the CPU; MOESRV_EXL3_GEMV1_FMA=1: fp32 FMAs, ~1e-7; more
   // rows: fp32 FMAs), or Auto (default: Fp32 for n == 1, TensorCore for n >= 2; see docs/perf-exl3.md).
-  enum class GemvKernel { Auto, TensorCore, Fp32 };
+  enum class GemvKernel { Auto, TensorCore, Fp32, Rows };  // Rows: 1..4 rows, the R-row kernel
   void set_gemv_kernel(GemvKernel k);
   // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.
   void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr) const;

@@ -71,6 +71,8 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   s.x3_tickets = tickets(std::max({out, 2 * grouped * moe.out, int64_t(kExl3MaxGemvRows) * all.out}) / 128,
                          "EXL3 output rotation tickets");
   s.x3_w16 = DeviceBuffer(budget, w16, "EXL3 dequant slab");
+  if (moe.in > 0)  // moe_exl3_grouped's entries of a few tokens that share an expert (exl3_row_sets)
+    s.x3_sets = DeviceBuffer(budget, size_t(grouped / 2) * sizeof(Exl3RowSet), "EXL3 expert row sets");
   // one-token calls on proj_side (up to two grouped rows), with as many K parts as on the main stream
   if (all.in == 0) return;
   s.x3_xh_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvRows * all.in) * 4, "EXL3 side rotated input");
@@ -106,6 +108,12 @@ void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,
                                     const float* bias) {
   float* yr = s.x3_yr.as<float>();
+  if (n >= 2 && n <= kExl3SetRows && row_gemv_on()) {  // the rows share each decoded weight
+    exl3_rotate_in(w, {}, src, int(n), s.x3_xh.as<void>(), false, stream, yr);
+    exl3_gemv_rotated(w, {}, s.x3_xh.as<float>(), int(n), yr, Exl3Gemv::Rows, stream, true);
+    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream);
+    return;
+  }
   if (n <= kExl3MaxGemvRows) {
     exl3_gemv_out(w, {}, src, int(n), s.x3_xh.as<void>(), yr, s.x3_yr.bytes() / 4, x3_tickets(), y, y_ld, bias, stream);
     return;
@@ -146,6 +154,24 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
   const size_t yr_floats = s.x3_yr.bytes() / 4;
   const Exl3Dev &gate = m.x3_off[0][0], &up = m.x3_off[0][1];
   const bool paired = gate.K == up.K && gate.cb == up.cb && gate.in_pad == up.in_pad && gate.out_pad == up.out_pad;
+  if (S >= 2 && S <= kExl3SetRows && row_gemv_on() && s.x3_sets.bytes() >= size_t(M) * sizeof(Exl3RowSet)) {
+    // a few tokens (an MTP verify): the entries that share an expert read it once (MOESRV_EXL3_GEMV_ROWS=1)
+    Exl3RowSet* sets = s.x3_sets.as<Exl3RowSet>();
+    exl3_row_sets(ids, M, sets, stream);
+    const Exl3Src in{s.h.as<float>(), D, nullptr, int(kk)};
+    if (paired) {
+      exl3_gemv_sets_out(gate, Exl3Group{tab, ids, M, int(m.x3_stride), I}, sets, int(S), in, 2 * M, xh, yr, gu, 2 * I,
+                         nullptr, stream);
+    } else {
+      for (int p = 0; p < 2; ++p)
+        exl3_gemv_sets_out(m.x3_off[0][size_t(p)], Exl3Group{tab + p * m.x3_stride, ids}, sets, int(S), in, M, xh, yr,
+                           gu + p * I, 2 * I, nullptr, stream);
+    }
+    exl3_gemv_sets_out(m.x3_off[0][2], Exl3Group{tab + 2 * m.x3_stride, ids}, sets, int(S),
+                       Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, M, xh, yr, s.ysorted.as<float>(), D, nullptr,
+                       stream);
+    return;
+  }
   if (paired) {
     // gate and up as the two parts of one grouped call (3 launches instead of 6): row r < M is gate, r >= M up
     const Exl3Group g{tab, ids, M, int(m.x3_stride), I};

@@ -681,6 +681,155 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   if (a.tickets) gemv1_rotate_out(a, wp * G::P * 16);
 }
 
+// ---- R-row GEMV (MTP verifies, batched decode steps: 2..4 rows per weight) ----
+// gemv1_kernel's tensor-core loop (variant 2, rotated fp32 input rows, a K split adds atomically), but the decoded A
+// fragments, ~5 of its 6 instructions per weight, serve R rows: one m16n8k16 product per row, each with that row's
+// diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
+// (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
+// (an entry another one leads) leaves at once.
+template <int R>
+__host__ __device__ constexpr int gemv1r_blocks() {  // resident blocks per SM the register bound allows
+  return R <= 2 ? 6 : 4;
+}
+constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
+
+template <int K, int CB, int R>
+__device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const uint2* xs, int xrow,
+                                            float (&d)[R][Gemv1<K>::C / 2][4]) {
+  using G = Gemv1<K>;
+  uint32_t b[G::N + 1];
+  lane_stream<K>(w, prev_lane, b);
+#pragma unroll
+  for (int p4 = 0; p4 < 4; ++p4) {  // the rows' B words of pair group p4 serve positions p4 and p4 + 4
+    uint2 x[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) x[r] = xs[r * xrow + p4];
+#pragma unroll
+    for (int pp = p4; pp < G::P; pp += 4) {
+      uint32_t h[4];  // gemv1_tile_mma's pairs
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const int r0 = (8 * pp + i + 1) * K + 16, r1 = r0 + K;
+        h[i / 2] = decode_state2<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) mma_m16n8k16_f16(d[r][pp >> 2], h[0], h[2], h[1], h[3], x[r].x, x[r].y);
+    }
+  }
+}
+
+template <int K, int CB, int R>
+__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_kernel(Gemv1Args a, int rows,
+                                                                                      const Exl3RowSet* sets) {
+  using G = Gemv1<K>;
+  extern __shared__ __align__(16) float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // a grouped call's table rows and sets come from routing (pdl.cuh); a plain call's weights may load before
+  if (a.g.ids) pdl_enter();
+  // this block's rows of xh / yr: 0 .. rows - 1, or its set's entries (in its part of a stacked call)
+  int n = rows, base = 0;
+  const int32_t* set_rows = nullptr;
+  if (sets) {
+    const int z = blockIdx.z, e = a.g.part_rows ? z % a.g.part_rows : z;
+    n = sets[e].count;
+    if (n <= 0) return;  // another entry leads this one's weights
+    set_rows = sets[e].rows, base = z - e;
+  }
+  auto row_of = [&](int r) { return set_rows ? base + set_rows[r] : r; };
+  const int wk = a.warps_k, wp_log = 2 - (wk >> 1), wp = 1 << wp_log, ksub = warp >> wp_log, tpw = a.tiles_per_warp;
+  const int panel = blockIdx.x * wp + (warp & (wp - 1));
+  const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
+  const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
+
+  const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
+                         (size_t(kt0) * a.tiles_n + size_t(panel) * G::P) * (8 * K) + lane * G::N;
+  const size_t step = size_t(a.tiles_n) * (8 * K);
+  uint32_t ring[G::D][G::N];
+#pragma unroll
+  for (int u = 0; u < G::D; ++u)
+    if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
+  const uint32_t* next = wsrc + G::D * step;
+  if (!a.g.ids) pdl_enter();
+
+  // per k-tile and row: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
+  uint32_t* xw = reinterpret_cast<uint32_t*>(smem);
+  for (int i = threadIdx.x; i < (kb1 - kb0) * 8 * R; i += blockDim.x) {
+    const int t = i / (8 * R), r = (i >> 3) % R, j = i & 7, e = (kb0 + t) * 16 + 2 * (j >> 1) + 8 * (j & 1);
+    uint32_t hi = 0u, lo = 0u;
+    if (r < n) {
+      const float* xg = a.xh + size_t(row_of(r)) * a.in_pad;
+      split_half2(xg[e], xg[e + 1], hi, lo);
+    }
+    xw[(t * R + r) * 16 + j] = hi;
+    xw[(t * R + r) * 16 + 8 + j] = lo;
+  }
+  const int cap = wk * tpw;
+  float* zero = smem + cap * R * 16;  // the B words of the lanes off the diagonal
+  if (threadIdx.x < kGemv1ZeroWords) zero[threadIdx.x] = 0.f;
+  __syncthreads();
+
+  const int prev_lane = lane % G::L == 0 ? lane + G::L - 1 : lane - 1;
+  float d[R][G::C / 2][4] = {};
+  const int diag = (lane >> 2) == (lane & 3) ? 0 : (lane >> 2) == (lane & 3) + 4 ? 8 : -1;
+  const uint2* xsrc = reinterpret_cast<const uint2*>(diag >= 0 ? smem + (kt0 - kb0) * R * 16 + diag : zero);
+  const int xrow = diag >= 0 ? 8 : 0, xstep = R * xrow;  // uint2 per row, per k-tile
+  for (int k = 0; k < nkt; k += G::D) {
+#pragma unroll
+    for (int u = 0; u < G::D; ++u)
+      if (k + u < nkt) {
+        gemv1r_tile<K, CB, R>(ring[u], prev_lane, xsrc + (k + u) * xstep, xrow, d);
+        if (k + u + G::D < nkt) {
+          gemv1_load<K>(next, ring[u]);
+          next += step;
+        }
+      }
+  }
+  float acc[R][G::C];
+#pragma unroll
+  for (int r = 0; r < R; ++r) gemv1_mma_sums<G::C>(d[r], lane, acc[r]);
+  if (wk > 1) {  // sum the block's k-ranges of each panel (red: [R][warps][C][32] after the staged rows and zeros)
+    float* red = smem + cap * R * 16 + kGemv1ZeroWords;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < G::C; ++c) red[((r * kGemv1Warps + warp) * G::C + c) * 32 + lane] = acc[r][c];
+    __syncthreads();
+    if (ksub) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < G::C; ++c)
+        for (int j = 1; j < wk; ++j) acc[r][c] += red[((r * kGemv1Warps + j * wp + warp) * G::C + c) * 32 + lane];
+  }
+  if (panel >= a.tiles_n / G::P) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= n) break;
+    float* y = a.yr + size_t(row_of(r)) * a.out_pad + (panel * G::P + lane / G::L) * 16 + (G::P / 4) * (lane % G::L);
+#pragma unroll
+    for (int c = 0; c < G::C; ++c) {
+      float* yc = y + (c >> 1) + 8 * (c & 1);
+      if (gridDim.y == 1) *yc = acc[r][c];
+      else atomicAdd(yc, acc[r][c]);
+    }
+  }
+}
+
+// exl3_row_sets: one block; entry i leads a set when the entries of its id ahead of it fill whole sets.
+__global__ void row_sets_kernel(const int32_t* ids, int m, Exl3RowSet* sets) {
+  pdl_enter();
+  for (int i = threadIdx.x; i < m; i += blockDim.x) {
+    const int id = ids[i];
+    int before = 0;  // entries of this id ahead of i: i leads the next set when they fill whole sets
+    for (int j = 0; j < i; ++j) before += ids[j] == id;
+    Exl3RowSet s{};
+    if (before % kExl3SetRows == 0)
+      for (int j = i; j < m && s.count < kExl3SetRows; ++j)
+        if (ids[j] == id) s.rows[s.count++] = j;
+    sets[i] = s;
+  }
+}
+
 // ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts]; one warp per tile ----
 template <int K, int CB>
 __global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, int nt0, int nts,
@@ -738,6 +887,16 @@ const Gemv1Fn kGemv1[5][3][8] = {
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)}};
 #undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
+using Gemv1rFn = void (*)(Gemv1Args, int, const Exl3RowSet*);
+#define EXL3_K_TABLE_R(cb, r)                                                                                  \
+  {                                                                                                            \
+    &gemv1r_kernel<1, cb, r>, &gemv1r_kernel<2, cb, r>, &gemv1r_kernel<3, cb, r>, &gemv1r_kernel<4, cb, r>,    \
+        &gemv1r_kernel<5, cb, r>, &gemv1r_kernel<6, cb, r>, &gemv1r_kernel<7, cb, r>, &gemv1r_kernel<8, cb, r> \
+  }
+// [R = 2, 4][codebook][K - 1]
+const Gemv1rFn kGemv1r[2][3][8] = {{EXL3_K_TABLE_R(0, 2), EXL3_K_TABLE_R(1, 2), EXL3_K_TABLE_R(2, 2)},
+                                   {EXL3_K_TABLE_R(0, 4), EXL3_K_TABLE_R(1, 4), EXL3_K_TABLE_R(2, 4)}};
+#undef EXL3_K_TABLE_R
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
 #undef EXL3_K_TABLE
@@ -767,17 +926,21 @@ Gemv1Split forced_gemv1_split() {
   return Gemv1Split{0, 0, 0};
 }
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
-Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
+// rows > 1: gemv1r_kernel's split (fewer resident blocks, smaller staging, a product per row per 256 weights).
+Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows = 1) {
   const bool aligned = max_parts > 0;
   const int K = w.K, P = gemv1_positions(K), tk = w.in_pad / 16, panels = w.out_pad / 16 / P;
+  const int max_tiles = rows > 1 ? kGemv1rMaxBlockTiles : kGemv1MaxBlockTiles;
   const Gemv1Split forced = forced_gemv1_split();
   // tiles per warp a multiple of `unit` keeps a block's range whole 128-blocks (8 k-tiles)
   auto unit = [&](int wk) { return aligned ? 8 / std::min(wk, 8) : 1; };
   if (forced.warps_k) {
     const int u = unit(forced.warps_k), tpw = (forced.tiles_per_warp + u - 1) / u * u, span = forced.warps_k * tpw;
-    if (!aligned || (tk + span - 1) / span <= max_parts) return {forced.warps_k, tpw, (tk + span - 1) / span};
+    if ((!aligned || (tk + span - 1) / span <= max_parts) && span <= max_tiles)
+      return {forced.warps_k, tpw, (tk + span - 1) / span};
   }
-  const long sms = exl3_sm_count(), res = exl3_gemv_blocks_per_sm();
+  const long sms = exl3_sm_count(),
+             res = rows > 1 ? (rows <= 2 ? gemv1r_blocks<2>() : gemv1r_blocks<4>()) : exl3_gemv_blocks_per_sm();
   if (aligned) {
     // Calls of a wave or more of blocks at 2 k-ranges of 16 tiles take that split: in the sweep of the decode shapes
     // (docs/perf-cuda.md) it beat the model's choice on each of them, by up to 11% (finer blocks fill the last wave,
@@ -785,7 +948,8 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
     const int kb = (tk + 31) / 32;
     if (kb <= max_parts && long((panels + 1) / 2) * kb * groups >= sms * res) return {2, 16, kb};
   }
-  const double lat = 1500, kt_issue = 256.0 * P * 7 / 128, hbm = double(tk) * panels * groups * P * 32 * K / 2000;
+  const double lat = 1500, kt_issue = 256.0 * P * (7 + (rows - 1) / 8.0) / 128,
+               hbm = double(tk) * panels * groups * P * 32 * K / 2000;
   Gemv1Split best{1, tk, 1};
   double best_cost = -1;
   for (int wk = 1; wk <= kGemv1Warps; wk *= 2) {
@@ -797,11 +961,13 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0) {
       const double b = double(std::min(per_sm, res)), issue = per_sm * 4.0 * (tpw + 1) * kt_issue * (b + 1.5) / b;
       const double cost = lat + std::max({issue, waves * tpw * lat / gemv1_depth(K), hbm}) +
                           (kb > 1 ? double(panels) * groups * P * 16 * kb / 256 : 0);
-      if (wk * tpw <= kGemv1MaxBlockTiles && (!aligned || kb <= max_parts) && (best_cost < 0 || cost < best_cost))
+      if (wk * tpw <= max_tiles && (!aligned || kb <= max_parts) && (best_cost < 0 || cost < best_cost))
         best = {wk, tpw, kb}, best_cost = cost;
       if (tpw <= unit(wk) || per_sm > 4 * res) break;
     }
   }
+  if (rows > 1 && best.warps_k * best.tiles_per_warp > max_tiles)  // (no candidate fit the row kernel's staging)
+    best = {1, max_tiles, (tk + max_tiles - 1) / max_tiles};
   return best;
 }
 
@@ -859,6 +1025,36 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
                     out.bias};
   const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
   launch(kGemv1[v][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
+  EXL3_CHECK(cudaGetLastError());
+}
+
+// Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set.
+void launch_gemv1r(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, int groups, int rows,
+                   const Exl3RowSet* sets, cudaStream_t s) {
+  const int R = rows <= 2 ? 2 : 4, tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
+  const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / 2) : groups, 0, R);
+  const int cap = sp.warps_k * sp.tiles_per_warp;
+  const size_t red = sp.warps_k > 1 ? size_t(R) * kGemv1Warps * gemv1_positions(w.K) / 2 * 32 : 0;
+  const size_t smem = (size_t(cap) * R * 16 + kGemv1ZeroWords + red) * sizeof(float);
+  const Gemv1Args a{static_cast<const uint4*>(w.trellis),
+                    g,
+                    xh,
+                    yr,
+                    w.in_pad,
+                    w.out_pad,
+                    tk,
+                    tn,
+                    sp.tiles_per_warp,
+                    sp.warps_k,
+                    w,
+                    Exl3Src{},
+                    nullptr,
+                    nullptr,
+                    0,
+                    nullptr};
+  const int ppb = kGemv1Warps / sp.warps_k;
+  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32,
+         smem, s, a, rows, sets);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -929,6 +1125,12 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
     launch_gemv1(w, g, xh, Exl3Src{}, yr, groups, sp, s);
     return;
   }
+  if (kind == Exl3Gemv::Rows) {
+    if (grouped || nb > kExl3SetRows) throw std::runtime_error("EXL3 GEMV: the row kernel takes 1..4 plain rows");
+    if (!yr_zeroed) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
+    launch_gemv1r(w, g, xh, yr, 1, nb, nullptr, s);
+    return;
+  }
   if (!yr_zeroed) EXL3_CHECK(cudaMemsetAsync(yr, 0, size_t(n) * w.out_pad * sizeof(float), s));
   // split K so that the grid has ~8 blocks per SM, each block covering at most kMaxTilesPerBlock k-tiles
   const int cols = tn * groups;
@@ -981,6 +1183,28 @@ int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, fl
   check_shape(w);
   if (n <= 0) return 1;
   return gemv_in(w, g, src, n, xh, yr, yr_floats, static_cast<cudaStream_t>(stream), Gemv1Out{});
+}
+
+bool exl3_gemv_rows() {
+  static const bool on = env_flag("MOESRV_EXL3_GEMV_ROWS");
+  return on;
+}
+
+void exl3_row_sets(const int32_t* ids, int m, Exl3RowSet* sets, void* stream) {
+  if (m <= 0) return;
+  launch(row_sets_kernel, dim3(1), dim3(128), 0, static_cast<cudaStream_t>(stream), ids, m, sets);
+  EXL3_CHECK(cudaGetLastError());
+}
+
+void exl3_gemv_sets_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
+                        float* xh, float* yr, float* y, int64_t y_ld, const float* bias, void* stream) {
+  check_shape(w);
+  if (n <= 0) return;
+  if (!g.ids || set_rows < 1 || set_rows > kExl3SetRows) throw std::runtime_error("EXL3 GEMV: bad row sets");
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  exl3_rotate_in(w, g, src, n, xh, false, stream, yr);
+  launch_gemv1r(w, g, xh, yr, n, set_rows, sets, s);
+  exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream);
 }
 
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream) {

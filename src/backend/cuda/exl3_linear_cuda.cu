@@ -87,6 +87,7 @@ size_t Exl3CudaLinear::trellis_bytes() const { return impl_->w.trellis_bytes(); 
 void Exl3CudaLinear::set_gemv_kernel(GemvKernel k) {
   impl_->gemv_kernel = k == GemvKernel::TensorCore ? cuda::Exl3Gemv::TensorCore
                        : k == GemvKernel::Fp32     ? cuda::Exl3Gemv::Fp32
+                       : k == GemvKernel::Rows     ? cuda::Exl3Gemv::Rows
                                                    : cuda::Exl3Gemv::Auto;
 }
 
@@ -99,7 +100,8 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
   Impl& m = *impl_;
   if (n < 1 || n > kMaxGemvBatch) throw std::runtime_error("Exl3CudaLinear::forward_gemv: batch must be 1..8");
   m.xh.reserve(size_t(n) * m.w.in_pad);
-  if (n == 1 && m.gemv_kernel != cuda::Exl3Gemv::TensorCore) {  // the engine's one-row path: rotation fused in
+  if (n == 1 && m.gemv_kernel != cuda::Exl3Gemv::TensorCore &&
+      m.gemv_kernel != cuda::Exl3Gemv::Rows) {  // the engine's one-row path: rotation fused in
     m.yr.reserve(size_t(cuda::kExl3MaxGemvParts) * m.w.out_pad);
     if (!m.tickets.p) {
       m.tickets.reserve(size_t(m.w.out_pad / 128));

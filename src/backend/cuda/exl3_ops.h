@@ -66,8 +66,9 @@ bool exl3_gemv_tc_single();
 int exl3_gemv1_variant();
 
 // Auto: Fp32 for one row per weight, TensorCore for 2..8. Fp32 at one row: the input split into fp16 hi + lo parts
-// on tensor cores (fp32-accurate; MOESRV_EXL3_GEMV1_FMA=1: fp32 FMAs instead).
-enum class Exl3Gemv { Auto, TensorCore, Fp32 };
+// on tensor cores (fp32-accurate; MOESRV_EXL3_GEMV1_FMA=1: fp32 FMAs instead). Rows: 1..4 plain rows through the
+// R-row kernel (exl3_gemv_rows below; fp32-accurate as the one-row kernel).
+enum class Exl3Gemv { Auto, TensorCore, Fp32, Rows };
 constexpr int kExl3MaxGemvRows = 8;
 
 // xh[n][in_pad] = H(x ⊙ suh), fp32 or (half_out) fp16 bits. zero_yr (optional): also zeroes n rows of out_pad
@@ -96,6 +97,24 @@ struct Exl3Tickets {
 // block to finish each 128 outputs of a row sums their K parts, rotates and scales them. Same arithmetic either way.
 void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                    Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
+// The R-row GEMV (2..4 rows per weight, as MTP verifies and batched decode steps send): the one-row kernel's
+// tensor-core loop with its decoded weights shared by the rows (one product per row, fp16 hi + lo inputs). The CUDA
+// engine takes it with CudaEngineOptions::row_gemv, which MOESRV_EXL3_GEMV_ROWS=1 (read once) turns on: forwards of
+// 2..4 tokens through Exl3Gemv::Rows instead of the fp16-input batch kernel, and their grouped MoE with the entries
+// that share an expert merged (exl3_row_sets, exl3_gemv_sets_out).
+bool exl3_gemv_rows();
+// Entries of a grouped call that share weights: set i lists up to kExl3SetRows entries j (i first) with
+// ids[j] == ids[i]; the first entry of each run of kExl3SetRows equal ids leads one, the others' sets are empty.
+constexpr int kExl3SetRows = 4;
+struct Exl3RowSet {
+  int32_t count, rows[kExl3SetRows];
+};
+void exl3_row_sets(const int32_t* ids, int m, Exl3RowSet* sets, void* stream);
+// A grouped linear whose entries share weights as `sets` say (no set longer than set_rows <= kExl3SetRows): each
+// set's weights are decoded once for its rows. xh: n rows of in_pad floats, yr: n rows of out_pad; then y as
+// exl3_gemv_out writes it (rotate in, GEMV, rotate out: 3 launches).
+void exl3_gemv_sets_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
+                        float* xh, float* yr, float* y, int64_t y_ld, const float* bias, void* stream);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
 // yr[n][out_pad] = xh16 · W_hat through fp16 slabs of W_hat (at most w16_elems in w16; cuBLAS, fp32 accumulate).
