@@ -24,9 +24,10 @@
 #                                   it, the kernel bench's EXL3 / decode rows (K=3) and the all-VRAM slice both ways.
 #   SPLIT_SWEEP=1 scripts/gpu_suite.sh + the one-row GEMV's K split (MOESRV_EXL3_GEMV1_SPLIT) swept over the decode
 #                                   shapes at K=3 (cuda_kernel_bench --split-sweep, ~1 min)
-#   ROWS=1 scripts/gpu_suite.sh     + the R-row GEMV (CudaEngineOptions::row_gemv, MOESRV_EXL3_GEMV_ROWS=1; opt-in
-#                                   until this passes; ~3 min): the EXL3 suite under it, the kernel bench's few-token
-#                                   rows (--only rows, K=3) and the all-VRAM slice's MTP verify rows both ways.
+#   ROWS=1 scripts/gpu_suite.sh     + few-token forwards (~4 min): the EXL3 suite with merged expert entries
+#                                   (MOESRV_EXL3_MERGE_ROWS=1), the kernel bench's few-token rows (--only rows, K=3),
+#                                   the all-VRAM slice's MTP verify rows with the batch kernel (MOESRV_EXL3_GEMV_ROWS=0),
+#                                   the R-row GEMV (default) and merged experts.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -125,16 +126,16 @@ if [[ ${SPLIT_SWEEP:-0} == 1 ]]; then
   echo "split sweep rc=$?:"; grep -E "split" "$OUT/split_sweep.log" | grep -v "^  "
 fi
 if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
-  MOESRV_EXL3_GEMV_ROWS=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
-    >"$OUT/exl3_rows.log" 2>&1
-  echo "EXL3 suite, row GEMV:"; summary "$OUT/exl3_rows.log"
+  MOESRV_EXL3_MERGE_ROWS=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
+    >"$OUT/exl3_merge.log" 2>&1
+  echo "EXL3 suite, merged expert entries:"; summary "$OUT/exl3_merge.log"
   timeout 120 .gpu/cuda_kernel_bench --bits 3 --only rows >"$OUT/kb_rows.log" 2>/dev/null
   echo "kernel bench rows rc=$?:"; grep -E "^rows" "$OUT/kb_rows.log"
-  for f in 0 1; do
-    MOESRV_EXL3_GEMV_ROWS=$f MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192 MOESRV_BENCH_ROUTING=skewed \
-      MOESRV_BENCH_BUDGETS=all MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic \
-      --gtest_filter='*Glm5Next*' >"$OUT/slice_rows$f.log" 2>&1
-    echo "slice rows=$f rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_rows$f.log" | head -8
+  for f in "MOESRV_EXL3_GEMV_ROWS=0" "MOESRV_EXL3_GEMV_ROWS=1" "MOESRV_EXL3_MERGE_ROWS=1"; do
+    env $f MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192 MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
+      MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic --gtest_filter='*Glm5Next*' \
+      >"$OUT/slice_$f.log" 2>&1
+    echo "slice $f rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$f.log" | head -4
   done
 fi
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"

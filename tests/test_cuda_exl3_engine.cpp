@@ -228,28 +228,33 @@ TEST_P(CudaExl3, DecodeOverlapsMatchTheDefaultOrder) {
   EXPECT_GT(o->stats().graph_replays, 0);
 }
 
-// CudaEngineOptions::row_gemv: chunks of 2..4 tokens take the R-row GEMV (fp32-accurate inputs) and merge the MoE
-// entries that share an expert, so their rows match one-token forwards (the one-row kernel) to float rounding, where
-// the default batch kernel's fp16 inputs move them by ~1e-3. 1e-3 with the 95% rule leaves room for a near-tied
-// expert or key choice that rounding flips; a wrong row, input or merged entry moves rows by far more.
+// CudaEngineOptions::row_gemv (default) / merge_expert_rows: chunks of 2..4 tokens take the R-row GEMV (fp32-accurate
+// inputs), with or without the MoE entries that share an expert merged, so their rows match one-token forwards (the
+// one-row kernel) to float rounding, where the batch kernel's fp16 inputs move them by ~1e-3 (measured on an H100:
+// <= 4.7e-6). 1e-3 with the 95% rule leaves room for a near-tied expert or key choice that rounding flips; a wrong
+// row, input or merged entry moves rows by far more.
 TEST_P(CudaExl3, RowGemvMatchesOneTokenForwards) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
   auto all = ids(GetParam().model, "gen_ids");
-  CudaEngineOptions one, rows;
+  CudaEngineOptions one;
   one.prefill_chunk = 1;
   auto g1 = gpu(dir, one);
   const int64_t V = g1->vocab_size();
   auto s1 = g1->new_sequence();
   const std::vector<float> ref = g1->forward(*s1, all, true);
-  for (int64_t chunk : {2, 3, 4}) {
-    rows.prefill_chunk = chunk;
-    rows.row_gemv = true;
-    auto gr = gpu(dir, rows);
-    auto sr = gr->new_sequence();
-    const std::string what = "EXL3 row GEMV, chunks of " + std::to_string(chunk) + " vs one token a pass";
-    expect_close(gr->forward(*sr, all, true), ref, V, 1e-3, what.c_str());
-  }
+  for (bool merge : {false, true})
+    for (int64_t chunk : {2, 3, 4}) {
+      CudaEngineOptions rows;
+      rows.prefill_chunk = chunk;
+      rows.row_gemv = true;
+      rows.merge_expert_rows = merge;
+      auto gr = gpu(dir, rows);
+      auto sr = gr->new_sequence();
+      const std::string what = std::string("EXL3 row GEMV") + (merge ? ", experts merged" : "") + ", chunks of " +
+                               std::to_string(chunk) + " vs one token a pass";
+      expect_close(gr->forward(*sr, all, true), ref, V, 1e-3, what.c_str());
+    }
 }
 
 // Device weight bytes: EXL3 linears exactly as stored, everything else as the bf16 engine uploads it.

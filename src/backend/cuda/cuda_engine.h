@@ -78,10 +78,13 @@ struct CudaEngineOptions {
   // beside the router and the routed experts.
   bool kpool_beside_query = false, shared_expert_beside_router = false;
   // Forwards of 2..4 tokens (MTP verifies, batched steps) with EXL3 weights: linears through the R-row GEMV (the
-  // decoded weights shared by the rows, fp32-accurate inputs) instead of the fp16-input batch kernel, and the grouped
-  // MoE's entries that pick the same expert read it once. Off until measured on a GPU; MOESRV_EXL3_GEMV_ROWS=1 turns
-  // it on.
-  bool row_gemv = false;
+  // decoded weights shared by the rows, fp32-accurate inputs; 2.2-2.4x faster than the fp16-input batch kernel on an
+  // H100, docs/perf-cuda.md "Tenth round"); false (or MOESRV_EXL3_GEMV_ROWS=0): the batch kernel.
+  bool row_gemv = true;
+  // Their grouped MoE with the entries that pick the same expert merged (each expert read once for its tokens). Off:
+  // slower than one entry per pick unless the tokens share many experts (same measurement); MOESRV_EXL3_MERGE_ROWS=1
+  // turns it on.
+  bool merge_expert_rows = false;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.

@@ -450,7 +450,14 @@ struct CudaEngine::Impl {
   // else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
   cuda::Exl3Tickets x3_tickets() { return {s.x3_tickets.as<unsigned>(), s.x3_tickets.bytes() / 4}; }
-  bool row_gemv_on() const { return opt.row_gemv || cuda::exl3_gemv_rows(); }
+  bool row_gemv_on() const {
+    static const char* env = std::getenv("MOESRV_EXL3_GEMV_ROWS");  // comparisons: 0 or 1 over the option
+    return env ? std::atoi(env) != 0 : opt.row_gemv;
+  }
+  bool merge_expert_rows_on() const {
+    static const char* env = std::getenv("MOESRV_EXL3_MERGE_ROWS");
+    return opt.merge_expert_rows || (env && std::atoi(env) != 0);
+  }
   // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();

@@ -154,8 +154,8 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
   const size_t yr_floats = s.x3_yr.bytes() / 4;
   const Exl3Dev &gate = m.x3_off[0][0], &up = m.x3_off[0][1];
   const bool paired = gate.K == up.K && gate.cb == up.cb && gate.in_pad == up.in_pad && gate.out_pad == up.out_pad;
-  if (S >= 2 && S <= kExl3SetRows && row_gemv_on() && s.x3_sets.bytes() >= size_t(M) * sizeof(Exl3RowSet)) {
-    // a few tokens (an MTP verify): the entries that share an expert read it once (MOESRV_EXL3_GEMV_ROWS=1)
+  if (S >= 2 && S <= kExl3SetRows && merge_expert_rows_on() && s.x3_sets.bytes() >= size_t(M) * sizeof(Exl3RowSet)) {
+    // a few tokens (an MTP verify): the entries that share an expert read it once (merge_expert_rows)
     Exl3RowSet* sets = s.x3_sets.as<Exl3RowSet>();
     exl3_row_sets(ids, M, sets, stream);
     const Exl3Src in{s.h.as<float>(), D, nullptr, int(kk)};

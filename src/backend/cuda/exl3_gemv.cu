@@ -1185,11 +1185,6 @@ int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, fl
   return gemv_in(w, g, src, n, xh, yr, yr_floats, static_cast<cudaStream_t>(stream), Gemv1Out{});
 }
 
-bool exl3_gemv_rows() {
-  static const bool on = env_flag("MOESRV_EXL3_GEMV_ROWS");
-  return on;
-}
-
 void exl3_row_sets(const int32_t* ids, int m, Exl3RowSet* sets, void* stream) {
   if (m <= 0) return;
   launch(row_sets_kernel, dim3(1), dim3(128), 0, static_cast<cudaStream_t>(stream), ids, m, sets);

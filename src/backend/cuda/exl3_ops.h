@@ -98,11 +98,9 @@ struct Exl3Tickets {
 void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                    Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
 // The R-row GEMV (2..4 rows per weight, as MTP verifies and batched decode steps send): the one-row kernel's
-// tensor-core loop with its decoded weights shared by the rows (one product per row, fp16 hi + lo inputs). The CUDA
-// engine takes it with CudaEngineOptions::row_gemv, which MOESRV_EXL3_GEMV_ROWS=1 (read once) turns on: forwards of
-// 2..4 tokens through Exl3Gemv::Rows instead of the fp16-input batch kernel, and their grouped MoE with the entries
-// that share an expert merged (exl3_row_sets, exl3_gemv_sets_out).
-bool exl3_gemv_rows();
+// tensor-core loop with its decoded weights shared by the rows (one product per row, fp16 hi + lo inputs): plain
+// rows through Exl3Gemv::Rows (CudaEngineOptions::row_gemv), grouped entries that share weights through
+// exl3_gemv_sets_out (CudaEngineOptions::merge_expert_rows).
 // Entries of a grouped call that share weights: set i lists up to kExl3SetRows entries j (i first) with
 // ids[j] == ids[i]; the first entry of each run of kExl3SetRows equal ids leads one, the others' sets are empty.
 constexpr int kExl3SetRows = 4;
