@@ -509,6 +509,43 @@ __device__ void gemv1_rotate_out(const Gemv1Args& a, int width) {
   rotate_out_warp<true>(a.w, a.g, a.yr, gridDim.z, z, gridDim.y, g0 + warp, a.y, a.y_ld, a.bias, threadIdx.x & 31);
 }
 
+// A warp's place in a launch of gemv1_kernel or gemv1r_kernel: a block holds warps_k k-ranges (wk) of tpw k-tiles
+// for each of its wp = 4 / wk panels; this warp (k-range ksub) takes k-tiles [kt0, kt0 + nkt) of the block's
+// [kb0, kb1) in its panel (nkt = 0 past the last panel).
+struct Gemv1Place {
+  int wk, wp, ksub, tpw, panel, kb0, kb1, kt0, nkt;
+  __device__ __forceinline__ Gemv1Place(const Gemv1Args& a, int warp, int P) {
+    const int wp_log = 2 - (a.warps_k >> 1);  // warps_k is 1, 2 or 4: shifts instead of divisions
+    wk = a.warps_k, wp = 1 << wp_log, ksub = warp >> wp_log, tpw = a.tiles_per_warp;
+    panel = blockIdx.x * wp + (warp & (wp - 1));
+    kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
+    kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / P ? min(kb1, kt0 + tpw) - kt0 : 0;
+  }
+};
+
+// The warp's weights: its first D k-tiles in the ring (loads in flight from the start), then k-tile u + D into
+// ring slot u % D as slot u is consumed (refill).
+template <int K>
+struct Gemv1Ring {
+  using G = Gemv1<K>;
+  uint32_t ring[G::D][G::N];
+  const uint32_t* next;
+  size_t step;
+  __device__ __forceinline__ Gemv1Ring(const Gemv1Args& a, const Gemv1Place& p, int lane) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
+                          (size_t(p.kt0) * a.tiles_n + size_t(p.panel) * G::P) * (8 * K) + lane * G::N;
+    step = size_t(a.tiles_n) * (8 * K);
+#pragma unroll
+    for (int u = 0; u < G::D; ++u)
+      if (u < p.nkt) gemv1_load<K>(src + u * step, ring[u]);
+    next = src + G::D * step;
+  }
+  __device__ __forceinline__ void refill(int u) {
+    gemv1_load<K>(next, ring[u]);
+    next += step;
+  }
+};
+
 // kMma: V = 1, 2 or 3 as gemv1_tile_mma; 4: gemv1_tile_imma (MUL1, fused calls only).
 template <int K, int CB, bool kMma, int V = 1>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
@@ -516,23 +553,14 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   constexpr bool kInt8 = kMma && V == 4 && CB == 2;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // warps_k is 1, 2 or 4: shifts instead of divisions
-  const int wk = a.warps_k, wp_log = 2 - (wk >> 1), wp = 1 << wp_log, ksub = warp >> wp_log, tpw = a.tiles_per_warp;
-  const int panel = blockIdx.x * wp + (warp & (wp - 1));
-  const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
-  const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
+  const Gemv1Place pl(a, warp, G::P);
+  const int wk = pl.wk, wp = pl.wp, ksub = pl.ksub, tpw = pl.tpw, panel = pl.panel, kb0 = pl.kb0, kb1 = pl.kb1,
+            kt0 = pl.kt0, nkt = pl.nkt;
 
   // first D k-tiles of weights in flight before xh is staged; a plain call's weights also before the previous
   // kernel finishes (pdl.cuh: nothing in the stream writes them), a grouped call's table rows come from routing
   if (a.g.ids) pdl_enter();
-  const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
-                         (size_t(kt0) * a.tiles_n + size_t(panel) * G::P) * (8 * K) + lane * G::N;
-  const size_t step = size_t(a.tiles_n) * (8 * K);
-  uint32_t ring[G::D][G::N];
-#pragma unroll
-  for (int u = 0; u < G::D; ++u)
-    if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
-  const uint32_t* next = wsrc + G::D * step;
+  Gemv1Ring<K> w(a, pl, lane);
   if (!a.g.ids) pdl_enter();
 
   if (a.src.x) {  // fused: x ⊙ suh over the range by all threads (loads in flight), then a warp per 128-block rotates
@@ -599,18 +627,15 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
         if constexpr (kInt8) {
-          gemv1_tile_imma<K>(ring[u], prev_lane, qsrc + (k + u) * qstep, di);
+          gemv1_tile_imma<K>(w.ring[u], prev_lane, qsrc + (k + u) * qstep, di);
         } else if constexpr (kMma) {
           const uint4* src = xsrc + (k + u) * xstep;
           const uint4 xb[2] = {src[0], src[1]};
-          gemv1_tile_mma<K, CB, V>(ring[u], prev_lane, xb, d);
+          gemv1_tile_mma<K, CB, V>(w.ring[u], prev_lane, xb, d);
         } else {
-          gemv1_tile<K, CB>(ring[u], prev_lane, xs + (k + u) * 16, acc);
+          gemv1_tile<K, CB>(w.ring[u], prev_lane, xs + (k + u) * 16, acc);
         }
-        if (k + u + G::D < nkt) {
-          gemv1_load<K>(next, ring[u]);
-          next += step;
-        }
+        if (k + u + G::D < nkt) w.refill(u);
       }
   }
   if constexpr (kInt8) {  // d = the int sums, lo columns (n >= 4: lanes t >= 2) / 254; then A (u D + 1024 Sx) + C Sx
@@ -736,19 +761,10 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_k
     set_rows = sets[e].rows, base = z - e;
   }
   auto row_of = [&](int r) { return set_rows ? base + set_rows[r] : r; };
-  const int wk = a.warps_k, wp_log = 2 - (wk >> 1), wp = 1 << wp_log, ksub = warp >> wp_log, tpw = a.tiles_per_warp;
-  const int panel = blockIdx.x * wp + (warp & (wp - 1));
-  const int kb0 = blockIdx.y * wk * tpw, kb1 = min(a.tiles_k, kb0 + wk * tpw);
-  const int kt0 = min(kb1, kb0 + ksub * tpw), nkt = panel < a.tiles_n / G::P ? min(kb1, kt0 + tpw) - kt0 : 0;
-
-  const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(gemv_weights(a)) +
-                         (size_t(kt0) * a.tiles_n + size_t(panel) * G::P) * (8 * K) + lane * G::N;
-  const size_t step = size_t(a.tiles_n) * (8 * K);
-  uint32_t ring[G::D][G::N];
-#pragma unroll
-  for (int u = 0; u < G::D; ++u)
-    if (u < nkt) gemv1_load<K>(wsrc + u * step, ring[u]);
-  const uint32_t* next = wsrc + G::D * step;
+  const Gemv1Place pl(a, warp, G::P);
+  const int wk = pl.wk, wp = pl.wp, ksub = pl.ksub, panel = pl.panel, kb0 = pl.kb0, kb1 = pl.kb1, kt0 = pl.kt0,
+            nkt = pl.nkt;
+  Gemv1Ring<K> w(a, pl, lane);
   if (!a.g.ids) pdl_enter();
 
   // per k-tile and row: 8 hi words (pairs of rows 2p, 2p + 1 and 2p + 8, 2p + 9), then 8 lo
@@ -763,7 +779,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_k
     xw[(t * R + r) * 16 + j] = hi;
     xw[(t * R + r) * 16 + 8 + j] = lo;
   }
-  const int cap = wk * tpw;
+  const int cap = wk * pl.tpw;
   float* zero = smem + cap * R * 16;  // the B words of the lanes off the diagonal
   if (threadIdx.x < kGemv1ZeroWords) zero[threadIdx.x] = 0.f;
   __syncthreads();
@@ -777,11 +793,8 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_k
 #pragma unroll
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
-        gemv1r_tile<K, CB, R>(ring[u], prev_lane, xsrc + (k + u) * xstep, xrow, d);
-        if (k + u + G::D < nkt) {
-          gemv1_load<K>(next, ring[u]);
-          next += step;
-        }
+        gemv1r_tile<K, CB, R>(w.ring[u], prev_lane, xsrc + (k + u) * xstep, xrow, d);
+        if (k + u + G::D < nkt) w.refill(u);
       }
   }
   float acc[R][G::C];
@@ -996,10 +1009,34 @@ struct Gemv1Out {
   const float* bias = nullptr;
 };
 
+// The one-row and R-row kernels' arguments and grid for split sp over `groups` block rows.
+Gemv1Args gemv1_args(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, const Gemv1Split& sp, Exl3Src src = {},
+                     const Gemv1Out& out = {}) {
+  return Gemv1Args{static_cast<const uint4*>(w.trellis),
+                   g,
+                   xh,
+                   yr,
+                   w.in_pad,
+                   w.out_pad,
+                   w.in_pad / 16,
+                   w.out_pad / 16,
+                   sp.tiles_per_warp,
+                   sp.warps_k,
+                   w,
+                   src,
+                   out.tickets,
+                   out.y,
+                   out.y_ld,
+                   out.bias};
+}
+dim3 gemv1_grid(const Exl3Dev& w, const Gemv1Split& sp, int groups) {
+  const int panels = w.out_pad / 16 / gemv1_positions(w.K), ppb = kGemv1Warps / sp.warps_k;  // panels per block
+  return dim3((panels + ppb - 1) / ppb, sp.kblocks, groups);
+}
+
 // Launches gemv1_kernel with split sp over `groups` rows (src.x set: the fused form, see Gemv1Args).
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
                   const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}) {
-  const int tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0;
   // variant 4 runs MUL1's fused calls whose staging fits the default 48 KB; the others take variant 2
@@ -1007,54 +1044,21 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
   if (v == 4 && (!src.x || w.cb != 2 || (size_t(gemv1_int8_words(cap)) + red) * sizeof(float) > 48 * 1024)) v = 2;
   const size_t smem =
       ((v == 4 ? size_t(gemv1_int8_words(cap)) : size_t(cap) * 16 + kGemv1ZeroWords) + red) * sizeof(float);
-  const Gemv1Args a{static_cast<const uint4*>(w.trellis),
-                    g,
-                    xh,
-                    yr,
-                    w.in_pad,
-                    w.out_pad,
-                    tk,
-                    tn,
-                    sp.tiles_per_warp,
-                    sp.warps_k,
-                    w,
-                    src,
-                    out.tickets,
-                    out.y,
-                    out.y_ld,
-                    out.bias};
-  const int ppb = kGemv1Warps / sp.warps_k;  // panels per block
-  launch(kGemv1[v][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32, smem, s, a);
+  launch(kGemv1[v][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
+         gemv1_args(w, g, xh, yr, sp, src, out));
   EXL3_CHECK(cudaGetLastError());
 }
 
 // Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set.
 void launch_gemv1r(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, int groups, int rows,
                    const Exl3RowSet* sets, cudaStream_t s) {
-  const int R = rows <= 2 ? 2 : 4, tk = w.in_pad / 16, tn = w.out_pad / 16, panels = tn / gemv1_positions(w.K);
+  const int R = rows <= 2 ? 2 : 4;
   const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / 2) : groups, 0, R);
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(R) * kGemv1Warps * gemv1_positions(w.K) / 2 * 32 : 0;
   const size_t smem = (size_t(cap) * R * 16 + kGemv1ZeroWords + red) * sizeof(float);
-  const Gemv1Args a{static_cast<const uint4*>(w.trellis),
-                    g,
-                    xh,
-                    yr,
-                    w.in_pad,
-                    w.out_pad,
-                    tk,
-                    tn,
-                    sp.tiles_per_warp,
-                    sp.warps_k,
-                    w,
-                    Exl3Src{},
-                    nullptr,
-                    nullptr,
-                    0,
-                    nullptr};
-  const int ppb = kGemv1Warps / sp.warps_k;
-  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], dim3((panels + ppb - 1) / ppb, sp.kblocks, groups), kGemv1Warps * 32,
-         smem, s, a, rows, sets);
+  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
+         gemv1_args(w, g, xh, yr, sp), rows, sets);
   EXL3_CHECK(cudaGetLastError());
 }
 
