@@ -720,7 +720,7 @@ constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 K
 
 template <int K, int CB, int R>
 __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], int prev_lane, const uint2* xs, int xrow,
-                                            float (&d)[R][Gemv1<K>::C / 2][4]) {
+                                            int n, float (&d)[R][Gemv1<K>::C / 2][4]) {
   using G = Gemv1<K>;
   uint32_t b[G::N + 1];
   lane_stream<K>(w, prev_lane, b);
@@ -738,7 +738,8 @@ __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], in
         h[i / 2] = decode_state2<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) mma_m16n8k16_f16(d[r][pp >> 2], h[0], h[2], h[1], h[3], x[r].x, x[r].y);
+      for (int r = 0; r < R; ++r)  // (rows past the block's n hold zeros: no product; n is the same in the block)
+        if (r < n) mma_m16n8k16_f16(d[r][pp >> 2], h[0], h[2], h[1], h[3], x[r].x, x[r].y);
     }
   }
 }
@@ -793,7 +794,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_k
 #pragma unroll
     for (int u = 0; u < G::D; ++u)
       if (k + u < nkt) {
-        gemv1r_tile<K, CB, R>(w.ring[u], prev_lane, xsrc + (k + u) * xstep, xrow, d);
+        gemv1r_tile<K, CB, R>(w.ring[u], prev_lane, xsrc + (k + u) * xstep, xrow, n, d);
         if (k + u + G::D < nkt) w.refill(u);
       }
   }
