@@ -74,6 +74,17 @@ TEST(Jinja, LoopsNamespacesAndScopes) {
   EXPECT_EQ(render("{% set ns = namespace(x=0) %}{% set ns.x = ns %}{% set a = [1] %}{% set _ = a.append(a) %}"
                    "{% set d = {} %}{% set _ = d.update({'d': d}) %}{{ a | length }}{{ ns.x.x is defined }}"),
             "2True");
+  // ... and print as Python prints them, compare with themselves by identity; tojson and comparisons of two such
+  // containers fail cleanly (a fuzz finding: printing one recursed until the stack overflowed).
+  const std::string cyclic =
+      "{% set a = [1] %}{% set _ = a.append(a) %}{% set d = {} %}{% set _ = d.update({'d': d}) %}"
+      "{% set b = [1] %}{% set _ = b.append(b) %}";
+  EXPECT_EQ(render(cyclic + "{{ a }}|{{ d }}|{{ a == a }}{{ d == d }}{{ a != [1] }}"),
+            "[1, [...]]|{'d': {...}}|TrueTrueTrue");
+  EXPECT_THROW(render(cyclic + "{{ a | tojson }}"), Error);
+  EXPECT_THROW(render(cyclic + "{{ d | tojson }}"), Error);
+  EXPECT_THROW(render(cyclic + "{{ a == b }}"), Error);
+  EXPECT_THROW(render(cyclic + "{{ a < b }}"), Error);
 }
 
 TEST(Jinja, MacrosFiltersTests) {

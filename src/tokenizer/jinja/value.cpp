@@ -82,6 +82,37 @@ bool Value::truthy() const {
 
 namespace {
 
+// Containers being written or compared on this thread: a template can make one hold itself ({% set ns.x = ns %},
+// a list appended to itself), which repr shows as Python does ([...] / {...}), tojson refuses as json.dumps does, and
+// comparisons answer by identity or refuse past kMaxNesting levels instead of recursing without end.
+thread_local std::vector<const void*> g_open;
+thread_local int g_nesting = 0;
+constexpr int kMaxNesting = 512;
+
+struct OpenContainer {  // marks a container open for the enclosing call; `cyclic`: it was already
+  bool cyclic;
+  explicit OpenContainer(const void* p) : cyclic(std::find(g_open.begin(), g_open.end(), p) != g_open.end()) {
+    if (!cyclic) g_open.push_back(p);
+  }
+  ~OpenContainer() {
+    if (!cyclic) g_open.pop_back();
+  }
+  OpenContainer(const OpenContainer&) = delete;
+  OpenContainer& operator=(const OpenContainer&) = delete;
+};
+
+struct NestingLevel {  // one level of a recursive comparison
+  NestingLevel() {
+    if (++g_nesting > kMaxNesting) {
+      --g_nesting;
+      fail("jinja: values nested more than {} levels deep (a container that holds itself?)", kMaxNesting);
+    }
+  }
+  ~NestingLevel() { --g_nesting; }
+  NestingLevel(const NestingLevel&) = delete;
+  NestingLevel& operator=(const NestingLevel&) = delete;
+};
+
 std::string python_float(double d) {
   if (std::isnan(d)) return "nan";
   if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
@@ -165,6 +196,8 @@ struct JsonWriter {
       case Value::Type::Function: fail("tojson: cannot serialize a function");
       case Value::Type::Array: {
         const Array& a = v.array();
+        const OpenContainer open(&a);
+        if (open.cyclic) fail("tojson: circular reference detected");
         if (a.empty()) {
           out += "[]";
           return;
@@ -180,6 +213,8 @@ struct JsonWriter {
         return;
       }
       case Value::Type::Object: {
+        const OpenContainer open(&v.object());
+        if (open.cyclic) fail("tojson: circular reference detected");
         auto items = v.object().items;
         if (items.empty()) {
           out += "{}";
@@ -224,11 +259,15 @@ std::string Value::repr() const {
   switch (type_) {
     case Type::String: return python_repr_string(*s_);
     case Type::Array: {
+      const OpenContainer open(arr_.get());
+      if (open.cyclic) return "[...]";
       std::string out = "[";
       for (size_t i = 0; i < arr_->size(); ++i) out += (i ? ", " : "") + (*arr_)[i].repr();
       return out + "]";
     }
     case Type::Object: {
+      const OpenContainer open(obj_.get());
+      if (open.cyclic) return "{...}";
       std::string out = "{";
       for (size_t i = 0; i < obj_->items.size(); ++i)
         out += (i ? ", " : "") + python_repr_string(obj_->items[i].first) + ": " + obj_->items[i].second.repr();
@@ -315,8 +354,14 @@ bool operator==(const Value& a, const Value& b) {
     case Value::Type::Undefined:
     case Value::Type::None: return true;
     case Value::Type::String: return a.str() == b.str();
-    case Value::Type::Array: return a.array() == b.array();
+    case Value::Type::Array: {
+      if (&a.array() == &b.array()) return true;  // (Python compares a container with itself by identity)
+      const NestingLevel level;
+      return a.array() == b.array();
+    }
     case Value::Type::Object: {
+      if (&a.object() == &b.object()) return true;
+      const NestingLevel level;
       const auto &x = a.object().items, &y = b.object().items;
       if (x.size() != y.size()) return false;
       for (const auto& [k, v] : x) {
@@ -337,6 +382,8 @@ int Value::compare(const Value& a, const Value& b) {
   if (a.is_string() && b.is_string()) return a.str().compare(b.str()) < 0 ? -1 : a.str() == b.str() ? 0 : 1;
   if (a.is_array() && b.is_array()) {
     const Array &x = a.array(), &y = b.array();
+    if (&x == &y) return 0;
+    const NestingLevel level;
     for (size_t i = 0; i < std::min(x.size(), y.size()); ++i)
       if (int c = compare(x[i], y[i])) return c;
     return x.size() < y.size() ? -1 : x.size() > y.size() ? 1 : 0;
