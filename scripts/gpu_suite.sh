@@ -20,8 +20,8 @@
 #                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
 #                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
 #   ROTATE_FUSED=1 scripts/gpu_suite.sh + the output rotation inside the one-row GEMV (MOESRV_EXL3_ROTATE_FUSED=1,
-#                                   opt-in until this passes; ~3 min): the EXL3 suite and exl3_cuda_bench's checks under
-#                                   it, the kernel bench's EXL3 / decode rows (K=3) and the all-VRAM slice both ways.
+#                                   opt-in: passes, no gain on an H100; ~3 min): the EXL3 suite and exl3_cuda_bench's
+#                                   checks under it, the kernel bench's EXL3 / decode rows (K=3), the slice both ways.
 #   SPLIT_SWEEP=1 scripts/gpu_suite.sh + the one-row GEMV's K split (MOESRV_EXL3_GEMV1_SPLIT) swept over the decode
 #                                   shapes at K=3 (cuda_kernel_bench --split-sweep, ~1 min)
 #   ROWS=1 scripts/gpu_suite.sh     + few-token forwards (~4 min): the EXL3 suite with merged expert entries

@@ -92,9 +92,10 @@ struct Exl3Tickets {
   unsigned* p = nullptr;
   size_t count = 0;
 };
-// exl3_gemv_in, then exl3_rotate_out into y (rows y_ld apart, + bias). With MOESRV_EXL3_ROTATE_FUSED=1 (opt-in, not
-// yet checked on a GPU) in one launch where the GEMV is the fused one-row kernel and the tickets suffice: the last
-// block to finish each 128 outputs of a row sums their K parts, rotates and scales them. Same arithmetic either way.
+// exl3_gemv_in, then exl3_rotate_out into y (rows y_ld apart, + bias). With MOESRV_EXL3_ROTATE_FUSED=1 (opt-in: it
+// passes every check but gained nothing on an H100, docs/perf-cuda.md "Tenth round") in one launch where the GEMV is
+// the fused one-row kernel and the tickets suffice: the last block to finish each 128 outputs of a row sums their K
+// parts, rotates and scales them. Same arithmetic either way.
 void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                    Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
 // The R-row GEMV (2..4 rows per weight, as MTP verifies and batched decode steps send): the one-row kernel's
