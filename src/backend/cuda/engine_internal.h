@@ -446,8 +446,8 @@ struct CudaEngine::Impl {
   void linear(const cuda::DevLinear& l, const float* x, int64_t n, float* y);
   void gemm_bf16(const uint16_t* w, int64_t out, int64_t in, const uint16_t* xb, int64_t n, float* y);
   void mlp(const cuda::DevMlp& m, const float* x, int64_t n, float* y);
-  // EXL3 (exl3_engine.cpp): y[n][w.out] (rows y_ld apart) = rows of src through w (+ bias): GEMV for <= 8 rows,
-  // else row blocks through fp16 W_hat slabs + cuBLAS.
+  // EXL3 (exl3_engine.cpp): y[n][w.out] (rows y_ld apart) = rows of src through w (+ bias): GEMV for <= 8 rows (2..4
+  // through the R-row kernel with row_gemv_on()), else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
   cuda::Exl3Tickets x3_tickets() { return {s.x3_tickets.as<unsigned>(), s.x3_tickets.bytes() / 4}; }
   bool row_gemv_on() const {
