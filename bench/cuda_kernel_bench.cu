@@ -637,9 +637,7 @@ void rows_linear(const Exl3Dev& w, int n, bool rows) {  // Impl::exl3_forward of
                   nullptr, g_st);
     return;
   }
-  exl3_rotate_in(w, {}, Exl3Src{V.x, w.in}, n, V.xh, false, g_st, V.yr);
-  exl3_gemv_rotated(w, {}, V.xh, n, V.yr, Exl3Gemv::Rows, g_st, true);
-  exl3_rotate_out(w, {}, V.yr, n, V.y, w.out, nullptr, g_st);
+  exl3_gemv_rows_out(w, {}, nullptr, n, Exl3Src{V.x, w.in}, n, V.xh, V.yr, V.y, w.out, nullptr, g_st);
 }
 void rows_experts(const int32_t* ids, int S, bool merged) {  // Impl::moe_exl3_grouped of S tokens (shared in group)
   const int M = S * KK;
@@ -653,8 +651,8 @@ void rows_experts(const int32_t* ids, int S, bool merged) {  // Impl::moe_exl3_g
     return;
   }
   exl3_row_sets(ids, M, V.sets, g_st);
-  exl3_gemv_sets_out(gu, g_gu, V.sets, S, in, 2 * M, V.xh, V.yr, V.mgu, 2 * I, nullptr, g_st);
-  exl3_gemv_sets_out(down, g_down, V.sets, S, act, M, V.xh, V.yr, V.ys, D, nullptr, g_st);
+  exl3_gemv_rows_out(gu, g_gu, V.sets, S, in, 2 * M, V.xh, V.yr, V.mgu, 2 * I, nullptr, g_st);
+  exl3_gemv_rows_out(down, g_down, V.sets, S, act, M, V.xh, V.yr, V.ys, D, nullptr, g_st);
 }
 
 void shared_unfused(int i) {  // Impl::mlp over EXL3 gate|up (two parts), clamped SwiGLU, down

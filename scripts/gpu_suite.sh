@@ -40,6 +40,15 @@ mkdir -p /work/shared && cp -r .gpu/testdata /work/shared/
 export LD_LIBRARY_PATH=$PWD/.gpu/lib
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 summary() { grep -E "FAILED|PASSED|tests ran|exception|Failure|perf" "$1" | grep -v "^\[       OK" | head -60; }
+# The glm5_next slice all in VRAM, skewed routing: slice NAME CONTEXTS TIMEOUT [VAR=value ...] ($OUT/slice_NAME.log)
+slice() {
+  local name=$1 contexts=$2 limit=$3
+  shift 3
+  env MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS="$contexts" MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
+    MOESRV_BENCH_STREAMS=0 "$@" timeout "$limit" .gpu/test_cuda_exl3_synthetic --gtest_filter='*Glm5Next*' \
+    >"$OUT/slice_$name.log" 2>&1
+  echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
+}
 timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
 timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
 timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
@@ -69,14 +78,9 @@ if [[ ${OVERLAP_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
     echo "kernel bench $name rc=$?:"; grep -E "^decode layer" "$OUT/kb_$name.log"
   }
   kb default; kb kpool MOESRV_KPOOL_SIDE=1; kb shared MOESRV_SHARED_SIDE=1; kb both MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1
-  slice() {  # $1: name; rest: env
-    local name=$1; shift
-    env MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192,131072 MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
-      MOESRV_BENCH_STREAMS=0 "$@" timeout 200 .gpu/test_cuda_exl3_synthetic --gtest_filter='*Glm5Next*' \
-      >"$OUT/slice_$name.log" 2>&1
-    echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
-  }
-  slice default; slice overlaps MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1 MOESRV_DEVICE_ARGMAX=1; slice default2
+  slice default 8192,131072 200
+  slice overlaps 8192,131072 200 MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1 MOESRV_DEVICE_ARGMAX=1
+  slice default2 8192,131072 200
 fi
 if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
   MOESRV_EXL3_GEMV1_VARIANT=4 timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_v4.log" 2>&1
@@ -92,12 +96,7 @@ if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
         "$OUT/kb_k${bits}_v$v.log"
     done
   done
-  for v in 2 4; do
-    MOESRV_EXL3_GEMV1_VARIANT=$v MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192 MOESRV_BENCH_ROUTING=skewed \
-      MOESRV_BENCH_BUDGETS=all MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic \
-      --gtest_filter='*Glm5Next*' >"$OUT/slice_v$v.log" 2>&1
-    echo "slice variant $v rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_v$v.log" | head -4
-  done
+  for v in 2 4; do slice "v$v" 8192 150 MOESRV_EXL3_GEMV1_VARIANT=$v; done
 fi
 if [[ ${ROTATE_FUSED:-0} == 1 ]]; then  # docs/perf-cuda.md, "Ninth round"
   MOESRV_EXL3_ROTATE_FUSED=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
@@ -111,12 +110,7 @@ if [[ ${ROTATE_FUSED:-0} == 1 ]]; then  # docs/perf-cuda.md, "Ninth round"
     echo "kernel bench K=3 fused=$f rc=$?:"; grep -E "^(KDA EXL3|MLA EXL3|MoE EXL3 experts 1|head EXL3|decode layer)" \
       "$OUT/kb_fused$f.log"
   done
-  for f in 0 1; do
-    MOESRV_EXL3_ROTATE_FUSED=$f MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192,131072 MOESRV_BENCH_ROUTING=skewed \
-      MOESRV_BENCH_BUDGETS=all MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic \
-      --gtest_filter='*Glm5Next*' >"$OUT/slice_fused$f.log" 2>&1
-    echo "slice fused=$f rc=$?:"; grep -E "perf \] glm5_next 45" "$OUT/slice_fused$f.log" | head -4
-  done
+  for f in 0 1; do slice "fused$f" 8192,131072 150 MOESRV_EXL3_ROTATE_FUSED=$f; done
 fi
 if [[ ${SPLIT_SWEEP:-0} == 1 ]]; then
   timeout 120 .gpu/cuda_kernel_bench --bits 3 --quick \
@@ -131,12 +125,7 @@ if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
   echo "EXL3 suite, merged expert entries:"; summary "$OUT/exl3_merge.log"
   timeout 120 .gpu/cuda_kernel_bench --bits 3 --only rows >"$OUT/kb_rows.log" 2>/dev/null
   echo "kernel bench rows rc=$?:"; grep -E "^rows" "$OUT/kb_rows.log"
-  for f in "MOESRV_EXL3_GEMV_ROWS=0" "MOESRV_EXL3_GEMV_ROWS=1" "MOESRV_EXL3_MERGE_ROWS=1"; do
-    env $f MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS=8192 MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
-      MOESRV_BENCH_STREAMS=0 timeout 150 .gpu/test_cuda_exl3_synthetic --gtest_filter='*Glm5Next*' \
-      >"$OUT/slice_$f.log" 2>&1
-    echo "slice $f rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$f.log" | head -4
-  done
+  for f in MOESRV_EXL3_GEMV_ROWS=0 MOESRV_EXL3_GEMV_ROWS=1 MOESRV_EXL3_MERGE_ROWS=1; do slice "$f" 8192 150 "$f"; done
 fi
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"

@@ -450,14 +450,8 @@ struct CudaEngine::Impl {
   // through the R-row kernel with row_gemv_on()), else row blocks through fp16 W_hat slabs + cuBLAS.
   void exl3_forward(const cuda::Exl3Dev& w, cuda::Exl3Src src, int64_t n, float* y, int64_t y_ld, const float* bias);
   cuda::Exl3Tickets x3_tickets() { return {s.x3_tickets.as<unsigned>(), s.x3_tickets.bytes() / 4}; }
-  bool row_gemv_on() const {
-    static const char* env = std::getenv("MOESRV_EXL3_GEMV_ROWS");  // comparisons: 0 or 1 over the option
-    return env ? std::atoi(env) != 0 : opt.row_gemv;
-  }
-  bool merge_expert_rows_on() const {
-    static const char* env = std::getenv("MOESRV_EXL3_MERGE_ROWS");
-    return opt.merge_expert_rows || (env && std::atoi(env) != 0);
-  }
+  bool row_gemv_on() const;           // opt.row_gemv, MOESRV_EXL3_GEMV_ROWS=0 / 1 over it (comparisons)
+  bool merge_expert_rows_on() const;  // opt.merge_expert_rows or MOESRV_EXL3_MERGE_ROWS=1
   // One token through a DevGroup: src row r through weight r into y + r * y_ld, r < g.count.
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
@@ -524,6 +518,15 @@ inline bool switch_on(const char* name) {
 inline bool switch_set(const char* name) {
   const char* v = std::getenv(name);
   return v && std::atoi(v) != 0;
+}
+
+inline bool CudaEngine::Impl::row_gemv_on() const {
+  static const bool off = !switch_on("MOESRV_EXL3_GEMV_ROWS"), on = switch_set("MOESRV_EXL3_GEMV_ROWS");
+  return opt.row_gemv ? !off : on;
+}
+inline bool CudaEngine::Impl::merge_expert_rows_on() const {
+  static const bool on = switch_set("MOESRV_EXL3_MERGE_ROWS");
+  return opt.merge_expert_rows || on;
 }
 
 inline bool CudaEngine::Impl::proj_side_ok(int64_t S) const {

@@ -109,9 +109,7 @@ void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, fl
                                     const float* bias) {
   float* yr = s.x3_yr.as<float>();
   if (n >= 2 && n <= kExl3SetRows && row_gemv_on()) {  // the rows share each decoded weight
-    exl3_rotate_in(w, {}, src, int(n), s.x3_xh.as<void>(), false, stream, yr);
-    exl3_gemv_rotated(w, {}, s.x3_xh.as<float>(), int(n), yr, Exl3Gemv::Rows, stream, true);
-    exl3_rotate_out(w, {}, yr, int(n), y, y_ld, bias, stream);
+    exl3_gemv_rows_out(w, {}, nullptr, int(n), src, int(n), s.x3_xh.as<float>(), yr, y, y_ld, bias, stream);
     return;
   }
   if (n <= kExl3MaxGemvRows) {
@@ -160,14 +158,14 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
     exl3_row_sets(ids, M, sets, stream);
     const Exl3Src in{s.h.as<float>(), D, nullptr, int(kk)};
     if (paired) {
-      exl3_gemv_sets_out(gate, Exl3Group{tab, ids, M, int(m.x3_stride), I}, sets, int(S), in, 2 * M, xh, yr, gu, 2 * I,
+      exl3_gemv_rows_out(gate, Exl3Group{tab, ids, M, int(m.x3_stride), I}, sets, int(S), in, 2 * M, xh, yr, gu, 2 * I,
                          nullptr, stream);
     } else {
       for (int p = 0; p < 2; ++p)
-        exl3_gemv_sets_out(m.x3_off[0][size_t(p)], Exl3Group{tab + p * m.x3_stride, ids}, sets, int(S), in, M, xh, yr,
+        exl3_gemv_rows_out(m.x3_off[0][size_t(p)], Exl3Group{tab + p * m.x3_stride, ids}, sets, int(S), in, M, xh, yr,
                            gu + p * I, 2 * I, nullptr, stream);
     }
-    exl3_gemv_sets_out(m.x3_off[0][2], Exl3Group{tab + 2 * m.x3_stride, ids}, sets, int(S),
+    exl3_gemv_rows_out(m.x3_off[0][2], Exl3Group{tab + 2 * m.x3_stride, ids}, sets, int(S),
                        Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, M, xh, yr, s.ysorted.as<float>(), D, nullptr,
                        stream);
     return;

@@ -1196,14 +1196,15 @@ void exl3_row_sets(const int32_t* ids, int m, Exl3RowSet* sets, void* stream) {
   EXL3_CHECK(cudaGetLastError());
 }
 
-void exl3_gemv_sets_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
+void exl3_gemv_rows_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
                         float* xh, float* yr, float* y, int64_t y_ld, const float* bias, void* stream) {
   check_shape(w);
   if (n <= 0) return;
-  if (!g.ids || set_rows < 1 || set_rows > kExl3SetRows) throw std::runtime_error("EXL3 GEMV: bad row sets");
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (sets ? !g.ids || set_rows < 1 || set_rows > kExl3SetRows : g.ids || n > kExl3SetRows)
+    throw std::runtime_error(sets ? "EXL3 GEMV: bad row sets" : "EXL3 GEMV: the row kernel takes 1..4 plain rows");
   exl3_rotate_in(w, g, src, n, xh, false, stream, yr);
-  launch_gemv1r(w, g, xh, yr, n, set_rows, sets, s);
+  if (sets) launch_gemv1r(w, g, xh, yr, n, set_rows, sets, static_cast<cudaStream_t>(stream));
+  else exl3_gemv_rotated(w, g, xh, n, yr, Exl3Gemv::Rows, stream, true);
   exl3_rotate_out(w, g, yr, n, y, y_ld, bias, stream);
 }
 

@@ -100,8 +100,8 @@ void exl3_gemv_out(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, 
                    Exl3Tickets tickets, float* y, int64_t y_ld, const float* bias, void* stream);
 // The R-row GEMV (2..4 rows per weight, as MTP verifies and batched decode steps send): the one-row kernel's
 // tensor-core loop with its decoded weights shared by the rows (one product per row, fp16 hi + lo inputs): plain
-// rows through Exl3Gemv::Rows (CudaEngineOptions::row_gemv), grouped entries that share weights through
-// exl3_gemv_sets_out (CudaEngineOptions::merge_expert_rows).
+// rows (CudaEngineOptions::row_gemv) and grouped entries that share weights (CudaEngineOptions::merge_expert_rows)
+// through exl3_gemv_rows_out; Exl3Gemv::Rows takes rows already rotated.
 // Entries of a grouped call that share weights: set i lists up to kExl3SetRows entries j (i first) with
 // ids[j] == ids[i]; the first entry of each run of kExl3SetRows equal ids leads one, the others' sets are empty.
 constexpr int kExl3SetRows = 4;
@@ -109,10 +109,11 @@ struct Exl3RowSet {
   int32_t count, rows[kExl3SetRows];
 };
 void exl3_row_sets(const int32_t* ids, int m, Exl3RowSet* sets, void* stream);
-// A grouped linear whose entries share weights as `sets` say (no set longer than set_rows <= kExl3SetRows): each
-// set's weights are decoded once for its rows. xh: n rows of in_pad floats, yr: n rows of out_pad; then y as
-// exl3_gemv_out writes it (rotate in, GEMV, rotate out: 3 launches).
-void exl3_gemv_sets_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
+// The R-row GEMV with its rotations into y, as exl3_gemv_out writes it (rotate in, GEMV, rotate out: 3 launches);
+// xh: n rows of in_pad floats, yr: n rows of out_pad. sets null: n <= kExl3SetRows plain rows share each weight.
+// Else a grouped linear of n entries that share weights as `sets` say (no set longer than set_rows <=
+// kExl3SetRows): each set's weights are decoded once for its rows.
+void exl3_gemv_rows_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, int set_rows, Exl3Src src, int n,
                         float* xh, float* yr, float* y, int64_t y_ld, const float* bias, void* stream);
 // W_hat columns [16*nt0, 16*(nt0+nts)) as fp16 bits, row-major [in_pad][16*nts].
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream);
