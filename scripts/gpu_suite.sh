@@ -28,6 +28,8 @@
 #                                   (MOESRV_EXL3_MERGE_ROWS=1), the kernel bench's few-token rows (--only rows, K=3),
 #                                   the all-VRAM slice's MTP verify rows with the batch kernel (MOESRV_EXL3_GEMV_ROWS=0),
 #                                   the R-row GEMV (default) and merged experts.
+#   MTP=1 scripts/gpu_suite.sh      + the all-VRAM slice at 8K (~2.5 min): decode and the MTP verify rows (forward_hidden
+#                                   with rollback points, graphs of up to 4 rows, then a cut back to the first token).
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -50,6 +52,7 @@ slice() {
   echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
 }
 timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
+timeout 200 .gpu/test_cuda_mtp >"$OUT/mtp.log" 2>&1; summary "$OUT/mtp.log"
 timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
 timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1
@@ -119,6 +122,7 @@ if [[ ${SPLIT_SWEEP:-0} == 1 ]]; then
     >"$OUT/split_sweep.log" 2>&1
   echo "split sweep rc=$?:"; grep -E "split" "$OUT/split_sweep.log" | grep -v "^  "
 fi
+if [[ ${MTP:-0} == 1 ]]; then slice mtp 8192 200; fi  # docs/perf-cuda.md, "Eleventh round"
 if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
   MOESRV_EXL3_MERGE_ROWS=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
     >"$OUT/exl3_merge.log" 2>&1

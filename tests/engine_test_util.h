@@ -43,8 +43,8 @@ struct PrefillDecodeTiming {
 // Times a prefill of `prompt` (after a 64-token warm-up prefill when `warm_up`), then `warm` untimed and `steps`
 // timed greedy decode steps; `before_timed` and `after_timed` run just before and after the timed steps (e.g. to read
 // counters). With verify_k > 0, then the verify of MTP speculative decoding for k = 1 .. verify_k: a forward of k + 1
-// tokens with every row's logits, cut back to the context after each (a checkpoint there), best of 3 after one
-// untimed.
+// tokens with every row's logits (an MtpEngine's forward_hidden with rollback points, cut back to the first token),
+// cut back to the context after each (a checkpoint there), best of 3 after one untimed.
 inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int32_t>& prompt, int warm, int steps,
                                                bool warm_up = true, const std::function<void()>& before_timed = {},
                                                int verify_k = 0, const std::function<void()>& after_timed = {}) {
@@ -74,12 +74,21 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
   if (verify_k > 0) {
     const int64_t len = seq->length();
     seq->checkpoint();
+    // An engine with the MTP interface verifies as speculative decoding does: rollback points kept, then cut back to
+    // the first token (a rejected draft; its state restore is timed too).
+    auto* mtp = dynamic_cast<MtpEngine*>(&e);
+    std::vector<float> hidden;
     for (int k = 1; k <= verify_k; ++k) {
       const std::vector<int32_t> tokens(size_t(k + 1), tok);
       double best = 1e30;
       for (int rep = 0; rep < 4; ++rep) {
         t0 = Clock::now();
-        e.forward(*seq, tokens, true);
+        if (mtp) {
+          mtp->forward_hidden(*seq, tokens, true, true, hidden);
+          seq->truncate(len + 1);
+        } else {
+          e.forward(*seq, tokens, true);
+        }
         if (rep > 0) best = std::min(best, seconds_since(t0));
         seq->truncate(len);
       }

@@ -529,8 +529,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         // MTP (issue 24): the verify projected to 45 layers as decode is; a draft costs one decode layer + the head
-        // (the MTP block is one decoder layer sharing the lm_head). The verify is a plain forward of k + 1 tokens
-        // (no rollback points: the CUDA engine has no MTP path yet) and runs outside the decode graph.
+        // (the MTP block is one decoder layer sharing the lm_head). The verify is the engine's forward_hidden with
+        // rollback points (a graph per row count when all experts are in VRAM), then a cut back to its first token.
         nlohmann::json mtp = nlohmann::json::array();
         std::string mtp_line;
         for (size_t k = 1; k <= r4.verify_s.size() && k <= r8.verify_s.size(); ++k) {

@@ -43,7 +43,9 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run_generate(const GenerateOptions& o) {
-  auto engine = open_engine(o.model, o.engine);
+  EngineOptions eo = o.engine;
+  eo.mtp = parse_speculative(o.speculative) > 0;
+  auto engine = open_engine(o.model, eo);
   std::optional<Tokenizer> tok;
   if (!o.tokenizer.empty()) tok = Tokenizer::load(o.tokenizer + "/tokenizer.json");
   std::vector<int32_t> prompt;
@@ -105,7 +107,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", opts->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", opts->seed, "Sampling seed");
   cmd->add_option("--speculative", opts->speculative,
-                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step (CPU engine)");
+                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step (CPU engine, "
+                  "one-GPU CUDA engine)");
   add_engine_options(cmd, opts->engine);
   cmd->callback([opts] { run_generate(*opts); });
 }

@@ -37,10 +37,11 @@ void run_serve(ServeArgs a) {
   fmt::print(stderr, "loading model from {}\n", a.model);
   a.engine.served_name = a.server.served_name;
   a.server.speculative = parse_speculative(a.speculative);
+  a.engine.mtp = a.server.speculative > 0;
   auto engine = open_engine(a.model, a.engine);
   if (a.server.speculative > 0 && !engine->mtp())
-    fail("--speculative {}: {} has no MTP block on this engine (the CPU engine runs it: --backend cpu)", a.speculative,
-         a.model);
+    fail("--speculative {}: {} has no MTP block on this engine (the CPU engine and the one-GPU CUDA engine run it)",
+         a.speculative, a.model);
   if (a.server.max_batch > 1 && (a.server.speculative > 0 || !engine->concurrent_sequence_ops())) {
     fmt::print(stderr, "{} runs one request at a time: --max-batch {} is ignored\n",
                a.server.speculative > 0 ? "--speculative" : "this engine (CPU only for now)", a.server.max_batch);

@@ -45,6 +45,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
   c.max_ctx = o.max_ctx;
   c.prefill_chunk = o.prefill_chunk;
   c.kv_q8 = o.kv_q8;
+  c.mtp = o.mtp;
   apply_cold_experts(o.cold_experts, c);
   c.spec = spec;
   if (c.vram_budget_gib > 0) {

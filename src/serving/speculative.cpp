@@ -12,7 +12,7 @@ MtpEngine& require_mtp(Engine& e) {
   if (!m)
     fail(
         "speculative decoding: {} has no MTP block on this engine (num_nextn_predict_layers and the layer's "
-        "tensors in the package; the CPU engine runs it)",
+        "tensors in the package; the CPU engine and the one-GPU CUDA engine run it)",
         e.name());
   return *m;
 }

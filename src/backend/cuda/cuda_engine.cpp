@@ -7,177 +7,12 @@
 #include <cstring>
 #include <iterator>
 
-#include "backend/checkpoint_list.h"
-#include "backend/cuda/engine_internal.h"
+#include "backend/cuda/cuda_sequence.h"
 #include "model/decoder.h"
 
 namespace moesrv {
 
 using namespace moesrv::cuda;
-
-namespace {
-
-// One sequence's state on the device, max_ctx tokens, allocated against the engine's budget: per softmax-attention
-// layer its KV (or latent) cache and indexer keys (per token, or pooled with the k-pool indexer and its open
-// pool), per linear-attention layer its conv and recurrent state. Fixed-size state cannot be rewound per token:
-// it is checkpointed (device copies) where the pass plan says (pass_plan.h), and truncate() goes back to those.
-class CudaSequence : public SequenceState {
- public:
-  explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
-    const DeviceGuard on(e.opt.device);
-    const ModelSpec& c = e.c;
-    const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
-    layers.resize(size_t(c.num_layers));
-    table.resize(size_t(c.num_layers));
-    for (int64_t l = e.layer_begin; l < e.layer_end; ++l) {  // a pipeline stage's layers only
-      const LayerSpec& spec = c.layers[size_t(l)];
-      auto& L = layers[size_t(l)];
-      if (spec.recurrent()) {
-        L.conv = fixed(e, size_t((c.linear.conv_kernel - 1) * c.linear.conv_channels()), "conv state");
-        L.recurrent = fixed(e, size_t(c.linear.state_floats()), "recurrent state");
-      } else {
-        L.kv = DeviceBuffer(e.budget, T * size_t(e.kv_row) * elem, "KV cache");
-        if (e.opt.kv_q8) L.kv_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
-        if (e.v_row) {
-          L.v = DeviceBuffer(e.budget, T * size_t(e.v_row) * elem, "KV cache");
-          if (e.opt.kv_q8) L.v_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
-        }
-      }
-      if (spec.indexer == IndexerKind::Own) {
-        if (c.index_kpool > 1) {
-          L.pool_k = DeviceBuffer(e.budget, size_t(e.max_pools() * c.index_head_dim) * 4, "indexer pooled keys");
-          L.open = fixed(e, size_t(2 * c.index_kpool * c.index_head_dim), "indexer open pool");
-        } else {
-          L.index_k = DeviceBuffer(e.budget, T * size_t(c.index_head_dim) * 2, "indexer key cache");
-        }
-      }
-      table[size_t(l)] = {L.kv.as<void>(), L.kv_scale.as<float>(), L.v.as<void>(), L.v_scale.as<float>(),
-                          L.index_k.as<uint16_t>()};
-      fixed_state_ |= bool(L.conv.bytes()) || bool(L.open.bytes());
-    }
-    MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
-  }
-  ~CudaSequence() override {
-    if (!fixed_state_) return;
-    for (int64_t n = 1; n <= CudaEngine::Impl::kMaxGraphRows; ++n)
-      graphs_->drop(CudaEngine::Impl::rows_graph_key(id, n));
-    graphs_->drop(id | CudaEngine::Impl::kStageGraph);
-  }
-  int64_t length() const override { return length_; }
-  int64_t resume_point(int64_t n) const override {
-    n = std::min(n, length_);
-    if (!fixed_state_ || n == length_) return n;
-    return checkpoints_.latest_at_or_before(n);
-  }
-  void truncate(int64_t n) override {
-    if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
-    if (n == length_) return;
-    if (fixed_state_) {
-      const DeviceGuard on(owner->opt.device);
-      if (resume_point(n) != n)
-        fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
-      const FixedState* cp = checkpoints_.at(n);
-      for (size_t l = 0; l < layers.size(); ++l)
-        for (auto [buf, i] : fixed_buffers(l)) {
-          if (!buf->bytes()) continue;
-          if (cp) copy((*cp)[l * 3 + i], *buf);
-          else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
-        }
-      checkpoints_.drop_after(n);
-    }
-    length_ = n;  // later positions are overwritten by the next forward
-  }
-  // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
-  void checkpoint() override {
-    if (!fixed_state_ || !checkpoints_.wants(length_)) return;
-    const DeviceGuard on(owner->opt.device);
-    checkpoints_.make_room();  // the oldest copy's memory is freed before the next is allocated
-    auto cp = std::make_shared<FixedState>(layers.size() * 3);
-    for (size_t l = 0; l < layers.size(); ++l)
-      for (auto [buf, i] : fixed_buffers(l)) {
-        if (!buf->bytes()) continue;
-        (*cp)[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
-        copy(*buf, (*cp)[l * 3 + i]);
-      }
-    checkpoints_.push(length_, std::move(cp));
-  }
-  std::unique_ptr<SequenceState> clone() const override {
-    const DeviceGuard on(owner->opt.device);
-    auto s = std::make_unique<CudaSequence>(*owner);
-    const size_t T = size_t(owner->max_ctx), n = size_t(length_);
-    auto rows = [&](const DeviceBuffer& from, DeviceBuffer& to) {  // per-token caches: the first n rows
-      if (from.bytes())
-        MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice,
-                                       owner->stream));
-    };
-    for (size_t l = 0; l < layers.size(); ++l) {
-      rows(layers[l].kv, s->layers[l].kv);
-      rows(layers[l].kv_scale, s->layers[l].kv_scale);
-      rows(layers[l].v, s->layers[l].v);
-      rows(layers[l].v_scale, s->layers[l].v_scale);
-      rows(layers[l].index_k, s->layers[l].index_k);
-      if (layers[l].pool_k.bytes()) copy(layers[l].pool_k, s->layers[l].pool_k);
-      for (auto [buf, i] : fixed_buffers(l)) copy(*buf, *s->fixed_buffers(l)[size_t(i)].first);
-    }
-    s->checkpoints_ = checkpoints_;  // immutable: shared with the clone
-    MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
-    s->length_ = length_;
-    return s;
-  }
-  size_t bytes() const override {
-    size_t b = 0;
-    for (const auto& L : layers)
-      b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes() + L.pool_k.bytes() +
-           L.open.bytes() + L.conv.bytes() + L.recurrent.bytes();
-    checkpoints_.for_each([&b](int64_t, const FixedState& cp) {
-      for (const auto& f : cp) b += f.bytes();
-    });
-    return b;
-  }
-  // Raw pointers of the fixed-size and pooled state for the engine's pass.
-  CudaEngine::Impl::LayerState state(size_t l) const {
-    const Layer& L = layers[l];
-    return {L.conv.as<float>(), L.recurrent.as<float>(), L.pool_k.as<float>(), L.open.as<float>()};
-  }
-  bool has_fixed_state() const override { return fixed_state_; }
-
-  struct Layer {
-    DeviceBuffer kv, kv_scale, v, v_scale, index_k;  // per token
-    DeviceBuffer pool_k;                             // per completed pool (fp32)
-    DeviceBuffer open, conv, recurrent;              // fixed size (fp32)
-  };
-  const CudaEngine::Impl* owner;
-  const uint64_t id;  // never reused: keys the sequence's decode graph
-  std::vector<Layer> layers;
-  std::vector<DeviceLayerCache> table;
-  int64_t length_ = 0;
-
- private:
-  static uint64_t next_id() {
-    static std::atomic<uint64_t> n{0};
-    return ++n;
-  }
-  using FixedState = std::vector<DeviceBuffer>;  // [layer * 3 + i]: open, conv, recurrent (empty where none)
-  static DeviceBuffer fixed(const CudaEngine::Impl& e, size_t floats, const char* what) {
-    DeviceBuffer b(e.budget, floats * 4, what);
-    MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), e.stream));
-    return b;
-  }
-  void copy(const DeviceBuffer& from, DeviceBuffer& to) const {
-    if (from.bytes())
-      MOESRV_CUDA_OK(
-          cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
-  }
-  std::array<std::pair<DeviceBuffer*, int>, 3> fixed_buffers(size_t l) const {
-    Layer& L = const_cast<Layer&>(layers[l]);
-    return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
-  }
-  std::shared_ptr<SequenceGraphs> graphs_;  // the engine's, kept alive by the sequence
-  bool fixed_state_ = false;
-  CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};
-};
-
-}  // namespace
 
 void CudaEngine::Impl::gemm_bf16(const uint16_t* w, int64_t out, int64_t in, const uint16_t* xb, int64_t n, float* y) {
   const float alpha = 1.0f, beta = 0.0f;
@@ -324,6 +159,12 @@ void CudaEngine::Impl::run_layers(int64_t S) {
   blocks.final_norm(final_norm);
   phase(CudaPhase::Residual);  // the last interval's end
   clock.finish(stats.phase_s);
+}
+
+void CudaEngine::Impl::run_block_layers(int64_t S) {
+  CudaBlocks blocks(*this, S);
+  run_decoder_layers(c, blocks, 0, c.num_layers);
+  blocks.final_norm(final_norm);
 }
 
 void CudaEngine::Impl::lm_head_rows(int64_t row0, int64_t n, float* host_out) {
@@ -494,9 +335,9 @@ std::vector<float> CudaEngine::argmax_logits() {
 }
 
 std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std::vector<int32_t>& tokens,
-                                             bool all_logits, int32_t* best) {
-  auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
-  if (!seq || seq->owner != this) fail("forward: sequence state was not created by this engine");
+                                             bool all_logits, int32_t* best, bool rollback,
+                                             std::vector<float>* hidden) {
+  CudaSequence* seq = &own_sequence(*this, seq_base, "forward");
   if (layer_begin != 0 || layer_end != c.num_layers)
     fail("forward: this engine holds layers [{}, {}) of {} (a pipeline stage: use embed / forward_layers / logits)",
          layer_begin, layer_end, c.num_layers);
@@ -505,13 +346,13 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   if (pos0 + S > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, max_ctx);
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
+  if (rollback && S > kMaxRollbackRows)
+    fail("forward: {} tokens with rollback points (at most {})", S, kMaxRollbackRows);
   argmax_row = nullptr;
   std::vector<float> logits(best ? 0 : size_t((all_logits ? S : 1) * V));
-  cur_state.resize(seq->layers.size());
-  for (size_t l = 0; l < seq->layers.size(); ++l) cur_state[l] = seq->state(l);
-  std::memcpy(h_layer_cache.as<void>(), seq->table.data(), seq->table.size() * sizeof(DeviceLayerCache));
-  MOESRV_CUDA_OK(cudaMemcpyAsync(d_layer_cache.as<void>(), h_layer_cache.as<void>(),
-                                 seq->table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, stream));
+  if (hidden) hidden->assign(size_t(S * c.hidden_size), 0.0f);
+  const bool steps = seq->begin_forward(rollback ? S : 0);
+  bind_sequence(*this, *seq, steps);
   // Greedy (best): the last row's argmax on the device, 4 bytes back; the row stays in s.logits (argmax_logits).
   auto pick = [&](const float* row) {
     argmax(row, int(V), d_argmax.as<char>() + 16, d_argmax.as<int32_t>(), stream);
@@ -520,7 +361,14 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
     *best = *h_argmax.as<int32_t>();
     argmax_row = row;
   };
-  for (const Pass& p : plan_passes(pass_policy(), pos0, S)) {
+  // The head inputs of a pass's rows, after its head (which leaves s.h as it is).
+  auto keep_hidden = [&](int64_t c0, int64_t n) {
+    if (!hidden) return;
+    MOESRV_CUDA_OK(cudaMemcpyAsync(hidden->data() + c0 * c.hidden_size, s.h.as<float>(), size_t(n * c.hidden_size) * 4,
+                                   cudaMemcpyDeviceToHost, stream));
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  };
+  for (const Pass& p : plan_passes(pass_policy(), pos0, S, rollback)) {
     const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
     *h_pos0.as<int32_t>() = int32_t(p.pos0);
@@ -528,16 +376,18 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
     MOESRV_CUDA_OK(cudaMemcpyAsync(d_pos0.as<void>(), h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, stream));
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(d_tokens.as<void>(), h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, stream));
-    if (n <= graph_rows() && graph_ok()) {
+    // A verify (rollback) replays graphs of its row count too.
+    if ((n <= graph_rows() || (rollback && n <= std::min(kMaxRollbackRows, lm_rows))) && graph_ok()) {
       // Kernels of fixed-size state take the sequence's pointers: such models keep graphs per sequence (and per
-      // row count); the others one per row count.
-      cudaGraphExec_t& graph =
-          seq->has_fixed_state() ? sequence_graphs->get(rows_graph_key(seq->id, n)) : graphs[size_t(n - 1)];
+      // row count, with or without rollback points); the others one per row count.
+      const uint64_t key = rows_graph_key(seq->id, n) | (steps ? kRollbackGraph : 0);
+      cudaGraphExec_t& graph = seq->has_fixed_state() ? sequence_graphs->get(key) : graphs[size_t(n - 1)];
       replay_graph(*this, graph, [&] {
         run_layers(n);
         linear(lm_head, s.h.as<float>(), n, s.logits.as<float>());
       });
       const int64_t r0 = all_logits ? 0 : n - 1, rows = all_logits ? n : 1;  // the logits rows returned
+      keep_hidden(c0, n);
       if (best) {
         if (p.last) pick(s.logits.as<float>() + r0 * V);
       } else {
@@ -549,6 +399,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
       }
     } else {
       run_layers(n);
+      keep_hidden(c0, n);
       if (best && p.last) {
         linear(lm_head, s.h.as<float>() + (n - 1) * c.hidden_size, 1, s.logits.as<float>());
         pick(s.logits.as<float>());
@@ -561,6 +412,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
     seq->length_ = p.pos0 + n;
     if (p.checkpoint) seq->checkpoint();
   }
+  seq->end_forward(pos0, S, steps);
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   return logits;
 }
@@ -571,15 +423,6 @@ int64_t CudaEngine::layer_end() const { return impl_->layer_end; }
 int64_t CudaEngine::stream_width() const { return impl_->c.stream_width(); }
 
 namespace {
-
-// The sequence's caches and state for the kernels of the next passes (as forward() binds them).
-void bind_sequence(CudaEngine::Impl& m, const CudaSequence& seq) {
-  m.cur_state.resize(seq.layers.size());
-  for (size_t l = 0; l < seq.layers.size(); ++l) m.cur_state[l] = seq.state(l);
-  std::memcpy(m.h_layer_cache.as<void>(), seq.table.data(), seq.table.size() * sizeof(DeviceLayerCache));
-  MOESRV_CUDA_OK(cudaMemcpyAsync(m.d_layer_cache.as<void>(), m.h_layer_cache.as<void>(),
-                                 seq.table.size() * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, m.stream));
-}
 
 // Layers [begin, end) for S tokens whose residual is in s.x; leaves the residual (pending output folded in) in s.x.
 void run_stage_layers(CudaEngine::Impl& m, int64_t S, int64_t begin, int64_t end) {
@@ -623,8 +466,7 @@ void CudaEngine::embed(const std::vector<int32_t>& tokens, StageActivations& a) 
 void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, int64_t begin, int64_t end) {
   Impl& m = *impl_;
   const DeviceGuard on(m.opt.device);
-  auto* seq = dynamic_cast<CudaSequence*>(&seq_base);
-  if (!seq || seq->owner != impl_.get()) fail("forward_layers: sequence state was not created by this engine");
+  CudaSequence* seq = &own_sequence(m, seq_base, "forward_layers");
   if (begin < m.layer_begin || end > m.layer_end || begin >= end)
     fail("forward_layers: layers [{}, {}) outside this engine's [{}, {})", begin, end, m.layer_begin, m.layer_end);
   const int64_t S = a.tokens, W = m.c.stream_width(), pos0 = a.pos0;
@@ -651,6 +493,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
   // A decode graph holds the engine's whole range.
   const bool whole_range = begin == m.layer_begin && end == m.layer_end;
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
+  seq->begin_forward(0);
   bind_sequence(m, *seq);
   for (const Pass& p : plan_passes(m.pass_policy(), pos0, S)) {
     const int64_t n = p.rows, c0 = p.offset;

@@ -89,6 +89,10 @@ struct CudaEngineOptions {
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head
   // only with the last layer. forward() needs the whole model; a stage runs through the entry points below.
   int64_t layer_begin = 0, layer_end = -1;
+  // Loads the checkpoint's MTP block (when it has one) for speculative decoding (CudaEngine::mtp(), --speculative):
+  // its layer's dense weights and scratch before the model's experts are placed, its experts after them (VRAM while
+  // the budget allows, else host memory).
+  bool mtp = false;
   // Device time per block kind of every pass of more than one token (events between the blocks, read back at the
   // end of the pass) into CudaEngineStats::phase_s: a measuring aid for prefill, off by default.
   bool time_phases = false;
@@ -134,7 +138,7 @@ struct CudaEngineStats {
   std::array<double, size_t(CudaPhase::Count)> phase_s{};  // seconds per block kind (options.time_phases)
 };
 
-class CudaEngine : public Engine {
+class CudaEngine : public Engine, public MtpEngine {
  public:
   CudaEngine(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& opt);
   ~CudaEngine() override;
@@ -152,6 +156,17 @@ class CudaEngine : public Engine {
 
   // Routed-expert selections counted on the device so far (for pinning hot experts at the next start).
   const UsageStats* expert_usage() const override;
+  // Speculative decoding with the MTP block (CudaEngineOptions::mtp): this engine, or null without the block. A
+  // verify (forward_hidden with rollback; it needs no MTP block) runs as one pass of at most 4 tokens, replayed from a
+  // graph per sequence and row count when all experts are in VRAM, and leaves the fixed-size state after each token
+  // on the device (truncate() puts one back).
+  MtpEngine* mtp() override;
+  int64_t hidden_size() const override;
+  std::vector<float> forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
+                                    bool rollback, std::vector<float>& hidden) override;
+  std::unique_ptr<SequenceState> new_mtp_sequence() const override;
+  std::vector<float> mtp_forward(SequenceState& mtp_seq, const std::vector<int32_t>& next,
+                                 const std::vector<float>& hidden, std::vector<float>& hidden_out) override;
   CudaEngineStats stats() const;
   void set_use_graph(bool on);
   // The placement in effect (after automatic planning).

@@ -74,6 +74,27 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   size_t limit = opt.vram_budget_gib > 0 ? size_t(opt.vram_budget_gib * double(1ull << 30)) : free_b - std::min<size_t>(free_b, 512ull << 20);
   budget = std::make_shared<DeviceBudget>(limit, opt.device);
   up.budget = budget;
+  open_device();
+  if (c.has_recurrent_layers() && !cuda_delta_rule_supports(c.linear.dk))
+    fail("CUDA engine: linear-attention key heads of {} values are not supported (32, 64, 96, 128, 192, 256)",
+         c.linear.dk);
+  set_geometry();
+
+  upload_weights();
+  allocate_scratch();
+  allocate_exl3_scratch();
+  // The MTP block's dense weights and scratch before the experts are placed (its caches are reserved with the
+  // model's), its experts after the model's.
+  if (opt.mtp && weights->mtp_block && layer_begin == 0 && layer_end == c.num_layers)
+    mtp = std::make_unique<Impl>(*this, MtpTag{});
+  const size_t reserve = (seq_bytes + (mtp ? mtp->seq_bytes : 0)) * size_t(std::max<int64_t>(0, opt.reserve_sequences));
+  plan_experts(reserve);
+  allocate_expert_lanes(reserve);
+  if (mtp) mtp->plan_experts(0);
+  stats.vram_budget = budget->limit();
+}
+
+void CudaEngine::Impl::open_device() {
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
   for (HyperSide* side : {&mhc_side, &proj_side}) open_side(*side);
@@ -81,10 +102,9 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
   cublas_workspace = DeviceBuffer(budget, 32ull << 20, "cuBLAS workspace");
   MOESRV_CUBLAS_OK(cublasSetWorkspace(cublas, cublas_workspace.as<void>(), cublas_workspace.bytes()));
+}
 
-  if (c.has_recurrent_layers() && !cuda_delta_rule_supports(c.linear.dk))
-    fail("CUDA engine: linear-attention key heads of {} values are not supported (32, 64, 96, 128, 192, 256)",
-         c.linear.dk);
+void CudaEngine::Impl::set_geometry() {
   layer_begin = opt.layer_begin;
   layer_end = opt.layer_end < 0 ? c.num_layers : opt.layer_end;
   if (layer_begin < 0 || layer_end > c.num_layers || layer_begin >= layer_end)
@@ -103,13 +123,6 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, layer_begin, layer_end, c.index_kpool > 1 ? 4 : 2));
   // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too.
   seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, layer_begin, layer_end, 4));
-
-  upload_weights();
-  allocate_scratch();
-  allocate_exl3_scratch();
-  plan_experts(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
-  allocate_expert_lanes(seq_bytes * size_t(std::max<int64_t>(0, opt.reserve_sequences)));
-  stats.vram_budget = budget->limit();
 }
 
 CudaEngine::Impl::~Impl() {
@@ -140,7 +153,9 @@ CudaEngine::Impl::~Impl() {
 
 void CudaEngine::Impl::upload_weights() {
   const ModelWeights& W = *weights;
-  if (layer_begin == 0) {  // the first stage's
+  if (model) {  // the MTP block's engine: the model's embedding
+    embed = DeviceBuffer::view(model->embed.as<void>(), model->embed.bytes());
+  } else if (layer_begin == 0) {  // the first stage's
     std::vector<float> tmp;
     std::vector<uint16_t> e;
     const int64_t D = c.hidden_size, block = 4096;
@@ -154,7 +169,9 @@ void CudaEngine::Impl::upload_weights() {
     embed = up.vec(e, "embedding");
   }
   // cos/sin per position with the attention factor, computed exactly like Rope::apply.
-  {
+  if (model) {
+    cos_sin = DeviceBuffer::view(model->cos_sin.as<void>(), model->cos_sin.bytes());
+  } else {
     const int64_t half = c.rope.dim / 2;
     const Rope table(c.rope);
     std::vector<float> cs(size_t(max_ctx * half * 2));
@@ -170,7 +187,8 @@ void CudaEngine::Impl::upload_weights() {
   }
   if (layer_end == c.num_layers) {  // the last stage's
     final_norm = up.norm(W.final_norm);
-    lm_head = up.linear({W.lm_head.get()}, "lm_head");
+    if (model && !W.lm_head) lm_head = view_of(model->lm_head);  // the MTP block without a head of its own
+    else lm_head = up.linear({W.lm_head.get()}, "lm_head");
   }
   layers.resize(size_t(c.num_layers));  // indexed by model layer; only [layer_begin, layer_end) uploaded
   for (int64_t l = layer_begin; l < layer_end; ++l) {
@@ -453,6 +471,7 @@ void CudaEngine::Impl::allocate_scratch() {
   int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
                              c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
                              c.shared_intermediate_size, la.v_heads * la.dv});
+  if (mtp_in) max_in = std::max(max_in, 2 * D);  // the MTP block's eh_proj
   s.x = f32(R * c.stream_width(), "residual streams");
   s.h = f32(R * D, "hidden");
   s.y = f32(R * D, "hidden");

@@ -121,6 +121,9 @@ uint16_t f32_to_bf16_host(float f);
 void append_bf16_rows(const Linear& l, std::vector<uint16_t>& out);
 // Exl3Dev with pointers that are offsets into a block, moved onto the block's device copy.
 Exl3Dev rebase(const Exl3Dev& off, const void* base);
+struct DevLinear;
+// A linear that uses another's device memory (views; that linear must outlive it).
+DevLinear view_of(const DevLinear& l);
 
 // An EXL3 part of a device linear: its output columns start at col0 of the linear's output rows.
 struct Exl3Part {
@@ -364,8 +367,10 @@ struct CudaEngine::Impl {
   cuda::PinnedBuffer h_argmax;
   const float* argmax_row = nullptr;
   // CudaEngine::forward and forward_argmax: with best set, no logits come back (an empty vector), *best = the last
-  // row's argmax.
-  std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits, int32_t* best);
+  // row's argmax. MtpEngine::forward_hidden: with `rollback`, the sequence keeps rollback points after each token (one
+  // pass of at most kMaxRollbackRows tokens); `hidden` (when given) receives every token's head input [S, D].
+  std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits, int32_t* best,
+                             bool rollback = false, std::vector<float>* hidden = nullptr);
   cuda::PinnedBuffer h_pos0, h_tokens, h_layer_cache;
   // Scratch.
   struct Scratch {
@@ -410,6 +415,7 @@ struct CudaEngine::Impl {
   static constexpr int64_t kMaxGraphRows = 8;
   std::array<cudaGraphExec_t, kMaxGraphRows> graphs{};
   static uint64_t rows_graph_key(uint64_t id, int64_t n) { return id | (uint64_t(n - 1) << 56); }
+  static constexpr uint64_t kRollbackGraph = uint64_t(1) << 62;  // | rows_graph_key: a rollback forward's graph
   // Forwards of up to this many tokens run as graphs: MOESRV_CUDA_GRAPH_ROWS (1 .. 8, default 1: decode only; at most
   // the lm_head's rows), read once.
   int64_t graph_rows() const;
@@ -434,6 +440,25 @@ struct CudaEngine::Impl {
 
   Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOptions& o);
   ~Impl();
+
+  // Speculative decoding (mtp_engine.cpp; CudaEngineOptions::mtp): the checkpoint's MTP block as an engine of its own
+  // over the model's one-layer MTP spec (plain residual), made by the model's engine before it places its experts.
+  // It shares the model's budget, embedding, rope table and (without a head of its own) lm_head.
+  struct MtpTag {};
+  Impl(Impl& model, MtpTag);
+  std::unique_ptr<Impl> mtp;    // the model's engine: its MTP block's
+  const Impl* model = nullptr;  // the MTP block's engine: the model's
+  struct MtpInput {             // x = eh_proj(concat(enorm(embed(t)), hnorm(h)))
+    cuda::DevNorm enorm, hnorm;
+    cuda::DevLinear eh_proj;
+    cuda::DeviceBuffer eh;  // [rows, 2 * hidden]
+  };
+  std::optional<MtpInput> mtp_in;  // the MTP block's engine
+  // MtpEngine::mtp_forward on the MTP block's engine.
+  std::vector<float> mtp_forward(SequenceState& seq, const std::vector<int32_t>& next, const std::vector<float>& hidden,
+                                 std::vector<float>& hidden_out);
+  void open_device();   // streams, cuBLAS, side streams (both constructors)
+  void set_geometry();  // layer range, context, pass rows, cache rows, sequence bytes (both constructors)
 
   // Setup (cuda_engine_setup.cpp).
   void upload_weights();
@@ -484,9 +509,14 @@ struct CudaEngine::Impl {
   void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
   void gated_delta(int64_t l, int64_t S);                                // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
+  // In a rollback forward (speculative verify of 2..kMaxRollbackRows tokens) also where the kernels leave the state
+  // after each token but the last: conv_steps [rows-1][K-1][C], rec_steps (delta_rule's steps), open_steps
+  // (kpool_open_steps'); null otherwise.
   struct LayerState {
     float *conv = nullptr, *recurrent = nullptr, *pool_k = nullptr, *open = nullptr;
+    float *conv_steps = nullptr, *rec_steps = nullptr, *open_steps = nullptr;
   };
+  static constexpr int64_t kMaxRollbackRows = 4;  // tokens of a rollback forward (MTP: k + 1 <= 4)
   std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
   void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
@@ -498,6 +528,7 @@ struct CudaEngine::Impl {
   const void* expert_weights(int64_t l, int e, int* slot);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
   void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
+  void run_block_layers(int64_t S);  // every layer from the residual in s.x, then the final norm (the MTP block)
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;
   // The device position of row s0 of the pass: d_pos0 itself, or d_pos0 + s0 written to d_slice_pos (stream order).

@@ -34,6 +34,7 @@ struct Exl3Extent {
 void CudaEngine::Impl::allocate_exl3_scratch() {
   Exl3Extent all, head, moe;
   head.see(lm_head);
+  if (mtp_in) all.see(mtp_in->eh_proj);
   for (const DevLayer& L : layers) {
     const DevAttention& a = L.attn;
     for (const DevLinear* l : {&a.q_a, &a.q_b, &a.q, &a.kv_a, &a.o, &a.gq, &a.gk, &a.gv}) all.see(*l);

@@ -49,8 +49,17 @@ struct DeltaRuleArgs {
   const float* beta = nullptr;  // [T, heads]
   float* state = nullptr;       // [heads, dk, dv]
   float* out = nullptr;         // [T, heads, dv], contiguous
+  // Rollback points (speculative verify, T <= 32): the state after each token t < T - 1 at steps + t * heads * dk *
+  // dv, transposed per head ([heads][dv][dk]: a column's dk values contiguous); state_from_step() puts one back.
+  float* steps = nullptr;
 };
 void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
+// state [H, dk, dv] = one of delta_rule's steps ([H, dv, dk]).
+void state_from_step(const float* step, int H, int dk, int dv, float* state, cudaStream_t st);
+// Rollback points of causal_conv1d_silu (call it before, while `state` is the state before x): steps [T-1][K-1][C],
+// step t = the conv state after input row t.
+void conv_state_steps(const float* x, int64_t x_stride, int T, int C, int K, const float* state, float* steps,
+                      cudaStream_t st);
 
 // KDA output: per (token, head) row of d values, o = rms_norm(o) * w * sigmoid(gate) (eps inside the sqrt, mean
 // over d). o, gate: [rows, d] (rows = S * H); o in place.
@@ -143,6 +152,12 @@ void hyper_collapse_mean(const float* x, int S, int n, int D, float* out, cudaSt
 // (g + ape[t]) weights their keys. The tokens of the pool left open are stored in open_k / open_g.
 void kpool_append(const float* k, const float* g, const float* ape, int S, int d, int kpool, const int32_t* pos0,
                   float* pool_k, float* open_k, float* open_g, cudaStream_t st);
+// Rollback points of kpool_append (call it before, while `open` = open_k | open_g [2][kpool][d] holds the open pool
+// before the batch): steps [S-1][2][kpool][d], step t = the open pool after token t as single-token appends leave it
+// (each token that does not close its pool in slot pos % kpool; a closed pool's key in pool_k is ignored by positions
+// before it, so a cut back needs only the open pool).
+void kpool_open_steps(const float* k, const float* g, int S, int d, int kpool, const int32_t* pos0, const float* open,
+                      float* steps, cudaStream_t st);
 
 // Selection for queries at positions p = *pos0 + s (s < S), after kpool_append of the same batch:
 // score(P) = sum_h hw[s,h] * relu(q[s,h] . pool_k[P] / sqrt(d)) over pools P < (p+1)/kpool; keeps the top `budget`

@@ -79,6 +79,25 @@ __global__ void kpool_open_kernel(const float* k, const float* g, int S, int d, 
   }
 }
 
+// Block t: step t = the open pool (open_k | open_g) with the batch's tokens 0..t that do not close their pool in
+// their slots, in token order.
+__global__ void kpool_open_steps_kernel(const float* k, const float* g, int d, int kpool, const int32_t* pos0,
+                                        const float* open, float* steps) {
+  pdl_enter();
+  const int t = blockIdx.x;
+  const int64_t p0 = *pos0, W = int64_t(kpool) * d;
+  float* out = steps + int64_t(t) * 2 * W;
+  for (int64_t i = threadIdx.x; i < 2 * W; i += blockDim.x) out[i] = open[i];
+  for (int i = 0; i <= t; ++i) {
+    __syncthreads();  // a later token may take an earlier one's slot
+    const int64_t pos = p0 + i;
+    if ((pos + 1) % kpool == 0) continue;
+    const int64_t slot = pos % kpool;
+    for (int c = threadIdx.x; c < d; c += blockDim.x)
+      out[slot * d + c] = k[int64_t(i) * d + c], out[W + slot * d + c] = g[int64_t(i) * d + c];
+  }
+}
+
 // scores[s][P] for the pools P < (p+1)/kpool of query s (p = pos0 + s). Block (x, s): pools
 // [x*kPoolsPerBlock, (x+1)*kPoolsPerBlock); one warp per pool at a time.
 __global__ void __launch_bounds__(kThreads)
@@ -391,6 +410,14 @@ void kpool_append(const float* k, const float* g, const float* ape, int S, int d
   launch(kpool_close_kernel, S / kpool + 1, threads, 0, st, k, g, ape, S, d, kpool, pos0, pool_k, open_k, open_g);
   MOESRV_CUDA_LAUNCH_CHECK();
   launch(kpool_open_kernel, S, threads, 0, st, k, g, S, d, kpool, pos0, open_k, open_g);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void kpool_open_steps(const float* k, const float* g, int S, int d, int kpool, const int32_t* pos0, const float* open,
+                      float* steps, cudaStream_t st) {
+  if (S <= 1) return;
+  if (kpool < 1) throw std::runtime_error("kpool_open_steps: kpool " + std::to_string(kpool));
+  launch(kpool_open_steps_kernel, S - 1, 256, 0, st, k, g, d, kpool, pos0, open, steps);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

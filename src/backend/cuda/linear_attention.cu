@@ -45,6 +45,29 @@ __global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int
   }
 }
 
+// Rollback points of the conv: step t [K-1][C] = the last K-1 inputs after row t (older ones from the state).
+__global__ void conv_steps_kernel(const float* x, int64_t x_stride, int T, int C, int K, const float* state,
+                                  float* steps) {
+  pdl_enter();
+  const int P = K - 1;
+  const int64_t n = int64_t(T - 1) * P * C;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(idx % C), r = int(idx / C % P), t = int(idx / (int64_t(P) * C));
+    const int i = t + 1 - P + r;  // input row; < 0: the state before x
+    steps[idx] = i < 0 ? state[int64_t(P + i) * C + c] : x[int64_t(i) * x_stride + c];
+  }
+}
+
+// state [H][dk][dv] from a delta-rule step [H][dv][dk].
+__global__ void state_from_step_kernel(const float* step, int H, int dk, int dv, float* state) {
+  pdl_enter();
+  const int64_t n = int64_t(H) * dk * dv;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = idx % dv, c = idx / dv % dk, h = idx / (int64_t(dk) * dv);
+    state[idx] = step[(h * dv + j) * dk + c];
+  }
+}
+
 // ---- l2norm: one warp per row.
 __global__ void l2norm_kernel(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale) {
   pdl_enter();
@@ -132,6 +155,11 @@ __global__ void __launch_bounds__(kDrWarps * 32) delta_rule_kernel(DeltaRuleArgs
       }
       o = warp_sum(o);
       if (lane == 0) a.out[ti * dv + j] = o;
+      if (a.steps && t0 + r < T - 1) {  // rollback point: column j's dk values, contiguous
+        float* st = a.steps + ((int64_t(t0 + r) * H + h) * dv + j) * dk;
+#pragma unroll
+        for (int i = 0; i < R; ++i) st[lane + 32 * i] = s[i];
+      }
     }
   }
 #pragma unroll
@@ -353,6 +381,20 @@ void causal_conv1d_silu(const float* x, int64_t x_stride, int T, int C, const fl
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
+void conv_state_steps(const float* x, int64_t x_stride, int T, int C, int K, const float* state, float* steps,
+                      cudaStream_t st) {
+  if (T <= 1 || C <= 0 || K <= 1) return;
+  launch(conv_steps_kernel, grid_1d(int64_t(T - 1) * (K - 1) * C, 256), 256, 0, st, x, x_stride, T, C, K, state, steps);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void state_from_step(const float* step, int H, int dk, int dv, float* state, cudaStream_t st) {
+  const int64_t n = int64_t(H) * dk * dv;
+  if (n == 0) return;
+  launch(state_from_step_kernel, grid_1d(n, 256), 256, 0, st, step, H, dk, dv, state);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
 void l2norm_rows(float* x, int tokens, int heads, int64_t token_stride, int n, float eps, float scale,
                  cudaStream_t st) {
   const int64_t rows = int64_t(tokens) * heads;
@@ -378,7 +420,8 @@ void delta_rule(const DeltaRuleArgs& args, cudaStream_t st) {
   if (a.qk_stride == 0) a.qk_stride = int64_t(a.heads / a.qk_group) * a.dk;
   if (a.v_stride == 0) a.v_stride = int64_t(a.heads) * a.dv;
   static const bool columns = env_flag("MOESRV_DELTA_RULE_COLUMNS");  // 1: the column-per-warp kernel always
-  if (a.T >= kDqMinTokens && (a.dk == 64 || a.dk == 128) && !columns) {
+  if (a.steps && a.T > kDqMinTokens) throw std::runtime_error("delta_rule: rollback points of more than 32 tokens");
+  if (a.T >= kDqMinTokens && (a.dk == 64 || a.dk == 128) && !columns && !a.steps) {
     if (a.dk == 64) launch_delta_rule_quad<64>(a, st);
     else launch_delta_rule_quad<128>(a, st);
     MOESRV_CUDA_LAUNCH_CHECK();

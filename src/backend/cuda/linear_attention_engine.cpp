@@ -50,6 +50,7 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
     return;
   }
   linear(w.qkv, h, S, s.lraw.as<float>());  // [S, q | k | v] before the conv
+  if (st.conv_steps) conv_state_steps(s.lraw.as<float>(), C, int(S), C, K, st.conv, st.conv_steps, stream);
   causal_conv1d_silu(s.lraw.as<float>(), C, int(S), C, w.conv.as<float>(), K, st.conv, qkv, stream);
   // q and k normalised in place inside the conv output rows; the delta rule reads all three operands from there.
   l2norm_rows(qkv, int(S), H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), stream);
@@ -63,7 +64,7 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   DeltaRuleArgs dr;
   dr.T = int(S), dr.heads = H, dr.dk = d, dr.dv = d, dr.per_channel_decay = true;
   dr.q = qkv, dr.k = qkv + Hd, dr.qk_stride = C, dr.v = qkv + 2 * Hd, dr.v_stride = C;
-  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o;
+  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o, dr.steps = st.rec_steps;
   phase(CudaPhase::LinearCore);
   delta_rule(dr, stream);
   phase(CudaPhase::LinearProj);
@@ -91,13 +92,14 @@ void CudaEngine::Impl::gated_delta(int64_t l, int64_t S) {
   gdn_split_qkvz(raw, int(S), Hk, r, dk, dv, mixed, z, stream);
   linear(w.ba, h, S, ba);
   gdn_gates(ba, w.dt_bias.as<float>(), w.a_log.as<float>(), int(S), Hk, r, g, beta, stream);
+  if (st.conv_steps) conv_state_steps(mixed, C, int(S), C, K, st.conv, st.conv_steps, stream);
   causal_conv1d_silu(mixed, C, int(S), C, w.conv.as<float>(), K, st.conv, raw, stream);  // qkvz is consumed
   l2norm_rows(raw, int(S), Hk, C, dk, 1e-6f, 1.0f / std::sqrt(float(dk)), stream);
   l2norm_rows(raw + QK, int(S), Hk, C, dk, 1e-6f, 1.0f, stream);
   DeltaRuleArgs dr;
   dr.T = int(S), dr.heads = Hv, dr.dk = dk, dr.dv = dv, dr.qk_group = r, dr.per_channel_decay = false;
   dr.q = raw, dr.k = raw + QK, dr.qk_stride = C, dr.v = raw + 2 * QK, dr.v_stride = C;
-  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o;
+  dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o, dr.steps = st.rec_steps;
   delta_rule(dr, stream);
   gdn_output_norm(o, z, w.norm.w.as<float>(), int(S) * Hv, dv, float(c.rms_eps), stream);
   linear(w.out, o, S, s.y.as<float>());
@@ -123,6 +125,7 @@ void CudaEngine::Impl::kpool_indexer(const DevIndexer& ix, int64_t l, int64_t S,
   if (!beside) join_proj_side();
   auto pools = [&] {
     const float head_scale = 1.0f / std::sqrt(float(nh));  // applied to the head weights inside kpool_select
+    if (st.open_steps) kpool_open_steps(ik, ig, int(S), d, kp, d_pos0.as<int32_t>(), st.open, st.open_steps, stream);
     kpool_append(ik, ig, ix.pool_ape.as<float>(), int(S), d, kp, d_pos0.as<int32_t>(), st.pool_k, st.open,
                  st.open + int64_t(kp) * d, stream);
     const int W = int(sel_width());
