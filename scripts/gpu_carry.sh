@@ -12,12 +12,13 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOESRV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DMOESRV_NATIVE=OFF -DCMAKE_CXX_FLAGS="-march=x86-64-v3 -Wno-psabi" >/dev/null
 cmake --build build-gpu -j"${JOBS:-$(nproc)}" --target moesrv test_cuda_engine test_cuda_exl3_engine test_cuda_exl3_synthetic \
-      test_cuda_glm5_next_kernels test_cuda_pipeline test_cuda_mtp bench exl3_cuda_bench cuda_kernel_bench exl3_strip_bench \
-      exl3_expert_bench
+      test_cuda_glm5_next_kernels test_cuda_pipeline test_cuda_mtp test_cuda_batch bench exl3_cuda_bench \
+      cuda_kernel_bench exl3_strip_bench exl3_expert_bench
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/testdata/hf-tiny
 mkdir -p .git/info && (grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude)
 cp build-gpu/moesrv build-gpu/test_cuda_engine build-gpu/test_cuda_exl3_engine build-gpu/test_cuda_exl3_synthetic \
-   build-gpu/test_cuda_glm5_next_kernels build-gpu/test_cuda_pipeline build-gpu/test_cuda_mtp build-gpu/bench build-gpu/exl3_cuda_bench \
+   build-gpu/test_cuda_glm5_next_kernels build-gpu/test_cuda_pipeline build-gpu/test_cuda_mtp build-gpu/test_cuda_batch \
+   build-gpu/bench build-gpu/exl3_cuda_bench \
    build-gpu/cuda_kernel_bench build-gpu/exl3_strip_bench build-gpu/exl3_expert_bench .gpu/
 ldd build-gpu/moesrv | awk '$3 ~ /^\// {print $3}' \
   | grep -vE '/(libc|libm|libgcc_s|libstdc\+\+|libdl|libpthread|librt|libresolv)\.so|/cuda' \

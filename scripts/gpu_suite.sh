@@ -53,6 +53,7 @@ slice() {
 }
 timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
 timeout 200 .gpu/test_cuda_mtp >"$OUT/mtp.log" 2>&1; summary "$OUT/mtp.log"
+timeout 200 .gpu/test_cuda_batch >"$OUT/batch.log" 2>&1; summary "$OUT/batch.log"
 timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
 timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1

@@ -44,7 +44,7 @@ void run_serve(ServeArgs a) {
          a.speculative, a.model);
   if (a.server.max_batch > 1 && (a.server.speculative > 0 || !engine->concurrent_sequence_ops())) {
     fmt::print(stderr, "{} runs one request at a time: --max-batch {} is ignored\n",
-               a.server.speculative > 0 ? "--speculative" : "this engine (CPU only for now)", a.server.max_batch);
+               a.server.speculative > 0 ? "--speculative" : "this engine (a multi-GPU pipeline)", a.server.max_batch);
     a.server.max_batch = 1;
   }
   TokenizerCodec codec(a.tokenizer.empty() ? a.model : a.tokenizer, a.model, parse_chat_format(a.chat_format));
@@ -85,7 +85,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--queue-timeout", a->server.queue_timeout_s, "Seconds a request may wait (then HTTP 503)")->capture_default_str();
   cmd->add_option("--max-batch", a->server.max_batch,
                   "Requests that generate at once, their decode steps batched and new prompts prefilled a chunk at a "
-                  "time in between (1: one request at a time; CPU engine only, forced to 1 with --speculative)")
+                  "time in between (1: one request at a time; the CPU engine batches the decode steps, the one-GPU "
+                  "CUDA engine runs them in turn; not with --gpus; forced to 1 with --speculative)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
   cmd->add_option("--state-memory-mb", a->server.state_memory_mb,

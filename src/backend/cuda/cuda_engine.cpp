@@ -259,7 +259,10 @@ int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
 int64_t CudaEngine::prefill_chunk() const { return impl_->rows; }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
 void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
-const UsageStats* CudaEngine::expert_usage() const { return impl_->drain_usage(); }
+const UsageStats* CudaEngine::expert_usage() const {
+  const Impl::DeviceLock lock(*impl_->device_mu);
+  return impl_->drain_usage();
+}
 const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const { return impl_->placement; }
 CudaEngineStats CudaEngine::stats() const {
   CudaEngineStats st = impl_->stats;
@@ -311,12 +314,14 @@ void replay_graph(CudaEngine::Impl& m, cudaGraphExec_t& graph, F&& body) {
 }  // namespace
 
 std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) {
+  const Impl::DeviceLock lock(*impl_->device_mu);
   return impl_->forward(seq, tokens, all_logits, nullptr);
 }
 
 int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
   static const bool env = switch_set("MOESRV_DEVICE_ARGMAX");
   if (!impl_->opt.device_argmax && !env) return Engine::forward_argmax(seq, tokens);
+  const Impl::DeviceLock lock(*impl_->device_mu);
   int32_t best = 0;
   impl_->forward(seq, tokens, false, &best);
   return best;
@@ -325,6 +330,7 @@ int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t
 std::vector<float> CudaEngine::argmax_logits() {
   Impl& m = *impl_;
   if (!m.argmax_row) return Engine::argmax_logits();  // (the default forward_argmax's row)
+  const Impl::DeviceLock lock(*m.device_mu);
   const int64_t V = m.c.vocab_size;
   std::vector<float> logits(static_cast<size_t>(V));
   MOESRV_CUDA_OK(
@@ -441,6 +447,7 @@ float* stage_staging(CudaEngine::Impl& m) {
 
 void CudaEngine::embed(const std::vector<int32_t>& tokens, StageActivations& a) {
   Impl& m = *impl_;
+  const Impl::DeviceLock lock(*m.device_mu);
   const DeviceGuard on(m.opt.device);
   if (m.layer_begin != 0)
     fail("embed: this engine holds layers [{}, {}); the embedding is the first stage's", m.layer_begin, m.layer_end);
@@ -465,6 +472,7 @@ void CudaEngine::embed(const std::vector<int32_t>& tokens, StageActivations& a) 
 
 void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, int64_t begin, int64_t end) {
   Impl& m = *impl_;
+  const Impl::DeviceLock lock(*m.device_mu);
   const DeviceGuard on(m.opt.device);
   CudaSequence* seq = &own_sequence(m, seq_base, "forward_layers");
   if (begin < m.layer_begin || end > m.layer_end || begin >= end)
@@ -530,6 +538,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
 
 std::vector<float> CudaEngine::logits(const StageActivations& a, int64_t rows) {
   Impl& m = *impl_;
+  const Impl::DeviceLock lock(*m.device_mu);
   const DeviceGuard on(m.opt.device);
   if (m.layer_end != m.c.num_layers)
     fail("logits: this engine holds layers [{}, {}); the final norm and lm_head are the last stage's", m.layer_begin,

@@ -148,6 +148,9 @@ class CudaEngine : public Engine, public MtpEngine {
   int64_t max_context() const override;
   int64_t prefill_chunk() const override;  // CudaEngineOptions::prefill_chunk (at most the context)
   std::unique_ptr<SequenceState> new_sequence() const override;
+  // Sequences may be created, cloned, truncated and freed on other threads while a forward runs (each of those waits
+  // until the forward is done; the server's --max-batch). Decode steps of several sequences run one after another.
+  bool concurrent_sequence_ops() const override { return true; }
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
   // With CudaEngineOptions::device_argmax: the argmax on the device after the decode graph, 4 bytes back, the row
   // stays on the device until the next forward; else Engine's default.

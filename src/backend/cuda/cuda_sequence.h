@@ -18,7 +18,9 @@ namespace moesrv::cuda {
 // it is checkpointed (device copies) where the pass plan says (pass_plan.h), and truncate() goes back to those.
 class CudaSequence : public SequenceState {
  public:
-  explicit CudaSequence(const CudaEngine::Impl& e) : owner(&e), id(next_id()), graphs_(e.sequence_graphs) {
+  explicit CudaSequence(const CudaEngine::Impl& e)
+      : owner(&e), id(next_id()), graphs_(e.sequence_graphs), mu_(e.device_mu) {
+    const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(e.opt.device);
     const ModelSpec& c = e.c;
     const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
@@ -53,6 +55,9 @@ class CudaSequence : public SequenceState {
     MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
   }
   ~CudaSequence() override {
+    const CudaEngine::Impl::DeviceLock lock(*mu_);
+    layers.clear();  // device memory freed under the lock
+    checkpoints_.drop_after(-1);
     if (!fixed_state_) return;
     for (int64_t n = 1; n <= CudaEngine::Impl::kMaxGraphRows; ++n) {
       graphs_->drop(CudaEngine::Impl::rows_graph_key(id, n));
@@ -69,6 +74,7 @@ class CudaSequence : public SequenceState {
   void truncate(int64_t n) override {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
     if (n == length_) return;
+    const CudaEngine::Impl::DeviceLock lock(*mu_);
     if (in_steps(n)) {  // back to a rollback point of the last forward
       const DeviceGuard on(owner->opt.device);
       restore_step(n - steps_from_ - 1);
@@ -96,6 +102,7 @@ class CudaSequence : public SequenceState {
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
     if (!fixed_state_ || !checkpoints_.wants(length_)) return;
+    const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(owner->opt.device);
     checkpoints_.make_room();  // the oldest copy's memory is freed before the next is allocated
     auto cp = std::make_shared<FixedState>(layers.size() * 3);
@@ -108,6 +115,7 @@ class CudaSequence : public SequenceState {
     checkpoints_.push(length_, std::move(cp));
   }
   std::unique_ptr<SequenceState> clone() const override {
+    const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(owner->opt.device);
     auto s = std::make_unique<CudaSequence>(*owner);
     const size_t T = size_t(owner->max_ctx), n = size_t(length_);
@@ -231,7 +239,8 @@ class CudaSequence : public SequenceState {
     Layer& L = const_cast<Layer&>(layers[l]);
     return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
   }
-  std::shared_ptr<SequenceGraphs> graphs_;  // the engine's, kept alive by the sequence
+  std::shared_ptr<SequenceGraphs> graphs_;    // the engine's, kept alive by the sequence
+  std::shared_ptr<std::recursive_mutex> mu_;  // the engine's device lock (CudaEngine::Impl::device_mu)
   bool fixed_state_ = false;
   int64_t steps_from_ = -1, steps_rows_ = 0;  // the last forward's rollback points (rows 0: none)
   CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};

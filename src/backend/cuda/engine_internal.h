@@ -425,6 +425,12 @@ struct CudaEngine::Impl {
   static constexpr uint64_t kStageGraph = uint64_t(1) << 63;
   cuda::PinnedBuffer h_stage, h_stage_sel;
   std::shared_ptr<cuda::SequenceGraphs> sequence_graphs = std::make_shared<cuda::SequenceGraphs>();
+  // Held by every call that queues device work or frees device memory (forwards, the pipeline entry points, sequence
+  // create / clone / truncate / checkpoint / free), so that sequence operations on other threads (the server's
+  // --max-batch: request threads and the prefix cache) never run inside a forward or its graph capture. Shared with
+  // the sequences (which may outlive the engine) and with the MTP block's engine.
+  std::shared_ptr<std::recursive_mutex> device_mu = std::make_shared<std::recursive_mutex>();
+  using DeviceLock = std::lock_guard<std::recursive_mutex>;
   bool use_graph = true;
   CudaEngineStats stats;
   PhaseClock clock;

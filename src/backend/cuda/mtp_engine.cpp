@@ -51,6 +51,7 @@ CudaEngine::Impl::Impl(Impl& m, MtpTag)
   opt.plan_placement = nullptr;
   opt.prefill_chunk = std::min<int64_t>(m.rows, 512);  // the block's share of a prompt: rows of 512 at most
   opt.mtp = false;
+  device_mu = m.device_mu;
   budget = m.budget;
   up.budget = budget;
   open_device();
@@ -118,6 +119,7 @@ int64_t CudaEngine::hidden_size() const { return impl_->c.hidden_size; }
 
 std::vector<float> CudaEngine::forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,
                                               bool rollback, std::vector<float>& hidden) {
+  const Impl::DeviceLock lock(*impl_->device_mu);
   const DeviceGuard on(impl_->opt.device);
   return impl_->forward(seq, tokens, all_logits, nullptr, rollback, &hidden);
 }
@@ -131,6 +133,7 @@ std::unique_ptr<SequenceState> CudaEngine::new_mtp_sequence() const {
 std::vector<float> CudaEngine::mtp_forward(SequenceState& mtp_seq, const std::vector<int32_t>& next,
                                            const std::vector<float>& hidden, std::vector<float>& hidden_out) {
   if (!impl_->mtp) fail("{}: the MTP block is not loaded (CudaEngineOptions::mtp)", impl_->name);
+  const Impl::DeviceLock lock(*impl_->device_mu);
   const DeviceGuard on(impl_->opt.device);
   return impl_->mtp->mtp_forward(mtp_seq, next, hidden, hidden_out);
 }
