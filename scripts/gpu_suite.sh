@@ -30,6 +30,8 @@
 #                                   the R-row GEMV (default) and merged experts.
 #   MTP=1 scripts/gpu_suite.sh      + the all-VRAM slice at 8K (~2.5 min): decode and the MTP verify rows (forward_hidden
 #                                   with rollback points, graphs of up to 4 rows, then a cut back to the first token).
+#   STREAMS=1 scripts/gpu_suite.sh  + the all-VRAM slice at 8K with 1, 2 and 4 streams, forward_batch as one pass and as one
+#                                   forward per stream (MOESRV_CUDA_BATCH=0), ~5 min.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -124,6 +126,12 @@ if [[ ${SPLIT_SWEEP:-0} == 1 ]]; then
   echo "split sweep rc=$?:"; grep -E "split" "$OUT/split_sweep.log" | grep -v "^  "
 fi
 if [[ ${MTP:-0} == 1 ]]; then slice mtp 8192 200; fi  # docs/perf-cuda.md, "Eleventh round"
+if [[ ${STREAMS:-0} == 1 ]]; then  # decode of 1, 2, 4 streams: one pass each step, then one forward per stream
+  for f in MOESRV_CUDA_BATCH=1 MOESRV_CUDA_BATCH=0; do
+    slice "$f" 8192 200 "$f" MOESRV_BENCH_STREAMS=1,2,4
+    grep -E "perf \] [0-9]+ streams" "$OUT/slice_$f.log"
+  done
+fi
 if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
   MOESRV_EXL3_MERGE_ROWS=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine \
     >"$OUT/exl3_merge.log" 2>&1

@@ -1,9 +1,11 @@
-// Several requests on one CUDA engine (the server's --max-batch: serving/batch_runner.h): members generating on their
-// own threads give exactly the tokens each gives alone, while other threads create, clone, truncate and free
-// sequences of the same engine (the prefix cache's work). Skipped without CUDA or a device.
+// Several sequences on one CUDA engine: forward_batch (one pass for up to 4 sequences' decode steps) against each
+// sequence alone, and the server's --max-batch (serving/batch_runner.h): members generating on their own threads give
+// exactly the tokens each gives alone, while other threads create, clone, truncate and free sequences of the same
+// engine (the prefix cache's work). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <thread>
 
 #include "backend/cuda/cuda_engine.h"
@@ -68,7 +70,58 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   EXPECT_GT(runner.stats().decode_steps, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, CudaBatch, ::testing::Values("glm5_next", "deepseek_v3", "qwen3_next"));
+// |a - b| / |b| (L2).
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    d += double(a[i] - b[i]) * (a[i] - b[i]), m += double(b[i]) * b[i];
+  return a.size() == b.size() ? std::sqrt(d / (m > 0 ? m : 1)) : 1.0;
+}
+
+// One decode step of B sequences at different lengths (B = 2..6: one pass of up to 4 rows, then the rest) gives each
+// sequence the logits its own forward gives, and leaves each state where that forward leaves it (the next steps
+// agree too); with graphs (per set of sequences) and without.
+TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
+  CudaEngineOptions opt;
+  opt.max_ctx = 256;
+  CudaEngine engine(ModelPackage::open(testing::hf_tiny(GetParam())), opt);
+  const auto ids = testing::load_reference(GetParam()).input_ids;
+  for (bool graphs : {true, false}) {
+    engine.set_use_graph(graphs);
+    for (size_t B : {2, 3, 4, 6}) {
+      std::vector<std::unique_ptr<SequenceState>> seqs, alone;
+      std::vector<int32_t> next;
+      for (size_t i = 0; i < B; ++i) {
+        seqs.push_back(engine.new_sequence());
+        engine.forward(*seqs.back(), std::vector<int32_t>(ids.begin() + long(i), ids.begin() + long(5 + 3 * i)));
+        alone.push_back(seqs.back()->clone());
+        next.push_back(int32_t((7 + 13 * i) % 200));
+      }
+      std::vector<SequenceState*> ptrs;
+      for (auto& q : seqs) ptrs.push_back(q.get());
+      for (int step = 0; step < 3; ++step) {
+        auto out = engine.forward_batch(ptrs, next);
+        ASSERT_EQ(out.size(), B);
+        for (size_t i = 0; i < B; ++i) {
+          auto ref = engine.forward(*alone[i], {next[i]});
+          EXPECT_LT(rel_diff(out[i], ref), 1e-4)
+              << "graphs " << graphs << " B " << B << " row " << i << " step " << step;
+          EXPECT_EQ(seqs[i]->length(), alone[i]->length());
+          next[i] = argmax(ref);
+        }
+      }
+    }
+  }
+  std::vector<std::unique_ptr<SequenceState>> two;
+  two.push_back(engine.new_sequence());
+  engine.forward(*two[0], {1, 2, 3});
+  EXPECT_THROW(engine.forward_batch({two[0].get(), two[0].get()}, {4, 5}), std::exception);  // the same sequence twice
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, CudaBatch,
+                         ::testing::Values("glm5_next", "glm5_next_clamp", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+                                           "qwen3_next"));
 
 #else
 

@@ -298,8 +298,9 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   return r;
 }
 
-// Decode of B concurrent streams (issue 23): B clones of one sequence prefilled to `ctx`, one forward_batch step for
-// all of them, seconds per step (after 2 untimed steps: graph captures), for each B in `streams`.
+// Decode of B concurrent streams (issue 23): B clones of one sequence prefilled to `ctx`, each fed its own token, one
+// forward_batch step for all of them, seconds per step (after 2 untimed steps: graph captures), for each B in
+// `streams`.
 std::map<int64_t, double> time_streams(CudaEngine& e, int64_t ctx, const std::vector<int64_t>& streams) {
   std::map<int64_t, double> out;
   auto base = e.new_sequence();
@@ -309,7 +310,8 @@ std::map<int64_t, double> time_streams(CudaEngine& e, int64_t ctx, const std::ve
     std::vector<std::unique_ptr<SequenceState>> own;
     std::vector<SequenceState*> seqs;
     for (int64_t b = 0; b < B; ++b) own.push_back(base->clone()), seqs.push_back(own.back().get());
-    std::vector<int32_t> tokens(size_t(B), first);
+    std::vector<int32_t> tokens;  // a different token per stream: the streams route apart from the first step
+    for (int64_t b = 0; b < B; ++b) tokens.push_back(int32_t((first + 97 * b) % e.vocab_size()));
     auto step = [&] {
       const auto l = e.forward_batch(seqs, tokens);
       for (size_t b = 0; b < l.size(); ++b) tokens[b] = test::greedy(l[b]);

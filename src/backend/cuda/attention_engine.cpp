@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "backend/cuda/engine_internal.h"
+#include "backend/cuda/cuda_blocks.h"
 
 namespace moesrv {
 
@@ -28,7 +28,7 @@ void CudaEngine::Impl::dsa_indexer(const DevIndexer& ix, int64_t l, int64_t S) {
              d_pos0.as<int32_t>(), max_ctx, s.dsa_scores.as<float>(), s.sel.as<int32_t>(), stream);
 }
 
-void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) {
+void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, const BatchRows* batch) {
   const DevAttention& a = layers[size_t(l)].attn;
   const int H = int(c.num_heads), dn = int(c.qk_nope_dim), dr = int(c.qk_rope_dim), r = int(c.kv_lora_rank);
   const int qk = dn + dr, dv = int(c.v_head_dim), lat = r + dr;
@@ -37,6 +37,45 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer) 
   phase(CudaPhase::AttnProj);
   if (indexer == IndexerKind::Own && !a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
   const bool kpool = indexer == IndexerKind::Own && c.index_kpool > 1;
+  if (batch) {  // S sequences' decode steps: the projections over all rows, then each row at its position
+    linear(a.kv_a, h, S, kv);
+    rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+    if (kpool) kpool_indexer_keys(*a.indexer, S);
+    if (a.q_a.out) {
+      linear(a.q_a, h, S, s.q_lat.as<float>());
+      rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
+               s.q_lat.as<float>(), c.q_lora_rank, stream);
+      linear(a.q_b, s.q_lat.as<float>(), S, q);
+    } else {
+      linear(a.q, h, S, q);
+    }
+    for (int64_t b = 0; b < S; ++b) {
+      const BatchRow row(*this, *batch, b);
+      float *kv_b = kv + b * lat, *q_b = q + b * H * qk;
+      rope(kv_b, 1, 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+      cache_write(kv_b, lat, 1, lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
+      if (indexer == IndexerKind::Own) {
+        if (kpool) kpool_indexer(*a.indexer, l, 1, false);
+        else dsa_indexer(*a.indexer, l, 1);
+      }
+      rope(q_b, 1, H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
+      mla_query(q_b, a.w_uk.as<uint16_t>(), 1, H, dn, dr, r, s.qcat.as<float>(), stream);
+      AttentionArgs args;
+      args.q = s.qcat.as<float>();
+      args.S = 1, args.H = H, args.q_dim = lat, args.v_dim = r;
+      args.mla = true, args.q8 = opt.kv_q8;
+      args.lc = layer_cache(l);
+      if (indexer != IndexerKind::None) args.selection = s.sel.as<int32_t>(), args.sel_k = int(sel_width());
+      args.pos0 = d_pos0.as<int32_t>();
+      args.scale = float(c.softmax_scale);
+      args.out = s.olat.as<float>();
+      if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
+      else attention(args, stream);
+      mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), 1, H, dv, r, s.attn_out.as<float>() + b * H * dv, stream);
+    }
+    linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
+    return;
+  }
   on_proj_side(S, [&] {  // decode: the latent key row (into the cache) and the k-pool's key projections beside q
     linear(a.kv_a, h, S, kv);
     rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);

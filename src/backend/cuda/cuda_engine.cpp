@@ -7,8 +7,8 @@
 #include <cstring>
 #include <iterator>
 
+#include "backend/cuda/cuda_blocks.h"
 #include "backend/cuda/cuda_sequence.h"
-#include "model/decoder.h"
 
 namespace moesrv {
 
@@ -45,107 +45,6 @@ void CudaEngine::Impl::mlp(const DevMlp& m, const float* x, int64_t n, float* y)
   silu_mul_clamped(s.gu.as<float>(), int(n), int(m.inter), m.limit, s.act.as<float>(), stream);
   linear(m.down, s.act.as<float>(), n, y);
 }
-
-namespace {
-
-// The CUDA engine's blocks for the decoder loop (model/decoder.h): activations stay on the device. A plain
-// residual's x += y is deferred into the next norm (one fused add_rms_norm); mHC mixes its streams at every site.
-class CudaBlocks final : public BlockExecutor {
- public:
-  CudaBlocks(CudaEngine::Impl& m, int64_t S)
-      : m_(m), S_(S), D_(int(m.c.hidden_size)), n_(int(m.c.residual.streams)), hyper_(m.c.residual.hyper) {}
-
-  void enter(int64_t l, Site site) override {
-    const DevLayer& L = m_.layers[size_t(l)];
-    const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
-    m_.phase(CudaPhase::Residual);
-    if (!hyper_) return add_pending_and_norm(norm);
-    const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
-    const ResidualSpec& r = m_.c.residual;
-    join_side();
-    if (step_) {  // the pending leave and this enter in one launch
-      side_pending_ =
-          hyper_step(x(), pending_ ? y() : nullptr, int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(),
-                     hc.base.as<float>(), norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(),
-                     m_.s.post.as<float>(), m_.s.comb.as<float>(), m_.s.hc_step.as<float>(), m_.stream, &m_.mhc_side);
-      pending_ = false;
-      return;
-    }
-    side_pending_ =
-        hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(),
-                    norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(),
-                    m_.s.comb.as<float>(), m_.s.hc_part.as<float>(), m_.stream, m_.cublas, &m_.mhc_side);
-  }
-  void leave(int64_t, Site) override {
-    m_.phase(CudaPhase::Residual);
-    if (!hyper_ || step_) return void(pending_ = true);  // (mHC decode: folded into the next enter)
-    leave_now();
-  }
-  void mla(int64_t l, IndexerKind indexer) override { m_.attention_mla(l, S_, indexer); }
-  void gqa(int64_t l) override {
-    m_.phase(CudaPhase::AttnCore);
-    m_.attention_gqa(l, S_);
-  }
-  void kda(int64_t l) override { m_.kda(l, S_); }
-  void gated_delta(int64_t l) override {
-    m_.phase(CudaPhase::LinearProj);
-    m_.gated_delta(l, S_);
-  }
-  void mlp(int64_t l) override {
-    m_.phase(CudaPhase::Mlp);
-    m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y());
-  }
-  void moe(int64_t l) override { m_.moe(l, S_); }
-
-  // Token embeddings (gathered on the device from d_tokens) into every residual stream.
-  void embed() {
-    embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, !hyper_ ? x() : h(), m_.stream);
-    if (hyper_) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
-  }
-  // A pipeline stage's end: the pending sub-layer output folded into x (any norm: s.h is scratch here).
-  void flush(const DevNorm& any_norm) {
-    if (pending_ && hyper_) leave_now();
-    else if (pending_) add_pending_and_norm(any_norm);
-  }
-  // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
-  void final_norm(const DevNorm& norm) {
-    if (!hyper_) return add_pending_and_norm(norm);
-    if (pending_) leave_now();
-    hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
-    rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
-  }
-
- private:
-  void join_side() {  // post and comb made on the side stream: before they are read or rewritten
-    if (side_pending_) MOESRV_CUDA_OK(cudaStreamWaitEvent(m_.stream, m_.mhc_side.join, 0));
-    side_pending_ = false;
-  }
-  void leave_now() {  // mHC: the sub-layer output y into the streams
-    join_side();
-    hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
-    pending_ = false;
-  }
-  // Plain residual: x += the pending sub-layer output (if any), then h = rms_norm(x) with `norm`.
-  void add_pending_and_norm(const DevNorm& norm) {
-    add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
-    pending_ = false;
-  }
-  float* x() const { return m_.s.x.as<float>(); }
-  float* h() const { return m_.s.h.as<float>(); }
-  float* y() const { return m_.s.y.as<float>(); }
-  float eps() const { return float(m_.c.rms_eps); }
-  CudaEngine::Impl& m_;
-  const int64_t S_;
-  const int D_, n_;
-  const bool hyper_;
-  // mHC decode: each leave folded into the next enter (hyper_step)
-  const bool step_ =
-      hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_step.bytes() >= hyper_step_scratch(n_) * 4;
-  bool pending_ = false;       // a sub-layer's output in y not yet in x (plain: the next norm adds it; mHC: leave)
-  bool side_pending_ = false;  // post and comb being made on m_.mhc_side: join it before they are read
-};
-
-}  // namespace
 
 // Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
 void CudaEngine::Impl::run_layers(int64_t S) {
@@ -202,8 +101,35 @@ cudaGraphExec_t& SequenceGraphs::get(uint64_t id) {
   return graphs[id];
 }
 
+cudaGraphExec_t& SequenceGraphs::batch(const std::vector<uint64_t>& key) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = batches.find(key);
+  if (it != batches.end()) {
+    batch_order.erase(std::find(batch_order.begin(), batch_order.end(), key));
+    batch_order.push_back(key);
+    return it->second;
+  }
+  if (batches.size() == kMax) {
+    auto old = batches.find(batch_order.front());
+    if (old->second) cudaGraphExecDestroy(old->second);
+    batches.erase(old);
+    batch_order.pop_front();
+  }
+  batch_order.push_back(key);
+  return batches[key];
+}
+
 void SequenceGraphs::drop(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu);
+  for (auto b = batches.begin(); b != batches.end();) {
+    if (b->first.size() > 2 && std::find(b->first.begin() + 2, b->first.end(), id) != b->first.end()) {
+      if (b->second) cudaGraphExecDestroy(b->second);
+      batch_order.erase(std::find(batch_order.begin(), batch_order.end(), b->first));
+      b = batches.erase(b);
+    } else {
+      ++b;
+    }
+  }
   auto it = graphs.find(id);
   if (it == graphs.end()) return;
   if (it->second) cudaGraphExecDestroy(it->second);
@@ -215,8 +141,12 @@ void SequenceGraphs::clear() {
   std::lock_guard<std::mutex> lock(mu);
   for (auto& [id, g] : graphs)
     if (g) cudaGraphExecDestroy(g);
+  for (auto& [key, g] : batches)
+    if (g) cudaGraphExecDestroy(g);
   graphs.clear();
   order.clear();
+  batches.clear();
+  batch_order.clear();
 }
 
 // Adds the device counters into `usage` and zeroes them (32-bit counters: drained at every read).
@@ -421,6 +351,85 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   seq->end_forward(pos0, S, steps);
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   return logits;
+}
+
+std::vector<std::vector<float>> CudaEngine::Impl::forward_rows(const std::vector<SequenceState*>& seqs,
+                                                               const std::vector<int32_t>& tokens) {
+  const int64_t B = int64_t(seqs.size()), V = c.vocab_size, L = c.num_layers;
+  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
+  BatchRows rows;
+  rows.d_pos = d_batch_pos.as<int32_t>();
+  rows.d_tables = d_batch_tables.as<DeviceLayerCache>();
+  std::vector<uint64_t> key{0, uint64_t(B)};  // + the ids when a row's state pointers are baked in
+  bool fixed = false;
+  for (int64_t b = 0; b < B; ++b) {
+    CudaSequence& seq = own_sequence(*this, *seqs[size_t(b)], "forward_batch");
+    seq.begin_forward(0);
+    h_batch_pos.as<int32_t>()[b] = int32_t(seq.length());
+    std::memcpy(h_batch_tables.as<DeviceLayerCache>() + b * L, seq.table.data(), size_t(L) * sizeof(DeviceLayerCache));
+    rows.states.emplace_back();
+    for (size_t l = 0; l < seq.layers.size(); ++l) rows.states.back().push_back(seq.state(l));
+    fixed |= seq.has_fixed_state();
+    key.push_back(seq.id);
+  }
+  if (!fixed) key.resize(2);
+  std::memcpy(h_tokens.as<int32_t>(), tokens.data(), size_t(B) * 4);
+  MOESRV_CUDA_OK(
+      cudaMemcpyAsync(d_tokens.as<void>(), h_tokens.as<void>(), size_t(B) * 4, cudaMemcpyHostToDevice, stream));
+  MOESRV_CUDA_OK(
+      cudaMemcpyAsync(d_batch_pos.as<void>(), h_batch_pos.as<void>(), size_t(B) * 4, cudaMemcpyHostToDevice, stream));
+  MOESRV_CUDA_OK(cudaMemcpyAsync(d_batch_tables.as<void>(), h_batch_tables.as<void>(),
+                                 size_t(B * L) * sizeof(DeviceLayerCache), cudaMemcpyHostToDevice, stream));
+  argmax_row = nullptr;
+  auto body = [&] {
+    CudaBlocks blocks(*this, B, &rows);
+    blocks.embed();
+    run_decoder_layers(c, blocks, 0, c.num_layers);
+    blocks.final_norm(final_norm);
+    linear(lm_head, s.h.as<float>(), B, s.logits.as<float>());
+  };
+  if (graph_ok()) replay_graph(*this, sequence_graphs->batch(key), body);
+  else body();
+  MOESRV_CUDA_OK(
+      cudaMemcpyAsync(h_logits.as<float>(), s.logits.as<float>(), size_t(B * V) * 4, cudaMemcpyDeviceToHost, stream));
+  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<std::vector<float>> out(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    out[size_t(b)].assign(h_logits.as<float>() + b * V, h_logits.as<float>() + (b + 1) * V);
+    dynamic_cast<CudaSequence&>(*seqs[size_t(b)]).length_ += 1;
+  }
+  return out;
+}
+
+std::vector<std::vector<float>> CudaEngine::forward_batch(const std::vector<SequenceState*>& seqs,
+                                                          const std::vector<int32_t>& tokens) {
+  Impl& m = *impl_;
+  static const bool on = switch_on("MOESRV_CUDA_BATCH");  // 0: one forward per sequence (comparisons)
+  MOESRV_CHECK(seqs.size() == tokens.size(), "forward_batch: {} sequences, {} tokens", seqs.size(), tokens.size());
+  if (!on || seqs.size() < 2 || m.layer_begin != 0 || m.layer_end != m.c.num_layers || m.kMaxBatchRows > m.lm_rows)
+    return Engine::forward_batch(seqs, tokens);
+  const Impl::DeviceLock lock(*m.device_mu);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const CudaSequence& seq = own_sequence(m, *seqs[i], "forward_batch");
+    if (seq.length() + 1 > m.max_ctx) fail("context length exceeded: {} + 1 tokens > {}", seq.length(), m.max_ctx);
+    if (tokens[i] < 0 || tokens[i] >= m.c.vocab_size)
+      fail("token id {} outside vocabulary [0, {})", tokens[i], m.c.vocab_size);
+    for (size_t j = 0; j < i; ++j)
+      if (seqs[j] == seqs[i]) fail("forward_batch: sequence {} given twice", i);
+  }
+  std::vector<std::vector<float>> out;
+  out.reserve(seqs.size());
+  for (size_t i = 0; i < seqs.size(); i += size_t(Impl::kMaxBatchRows)) {
+    const size_t n = std::min(seqs.size() - i, size_t(Impl::kMaxBatchRows));
+    if (n == 1) {
+      out.push_back(m.forward(*seqs[i], {tokens[i]}, false, nullptr));
+      continue;
+    }
+    auto part = m.forward_rows(std::vector<SequenceState*>(seqs.begin() + long(i), seqs.begin() + long(i + n)),
+                               std::vector<int32_t>(tokens.begin() + long(i), tokens.begin() + long(i + n)));
+    for (auto& row : part) out.push_back(std::move(row));
+  }
+  return out;
 }
 
 int64_t CudaEngine::num_layers() const { return impl_->c.num_layers; }

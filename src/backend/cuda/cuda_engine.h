@@ -156,6 +156,11 @@ class CudaEngine : public Engine, public MtpEngine {
   // stays on the device until the next forward; else Engine's default.
   int32_t forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) override;
   std::vector<float> argmax_logits() override;
+  // One decode step of several sequences: up to 4 at a time in one pass (the weights read once for their rows, the
+  // attention and recurrence per row; a graph per set of sequences when all experts are in VRAM); logits as each
+  // sequence's forward gives them, within the suites' tolerances. MOESRV_CUDA_BATCH=0: one forward per sequence.
+  std::vector<std::vector<float>> forward_batch(const std::vector<SequenceState*>& seqs,
+                                                const std::vector<int32_t>& tokens) override;
 
   // Routed-expert selections counted on the device so far (for pinning hot experts at the next start).
   const UsageStats* expert_usage() const override;

@@ -614,6 +614,11 @@ void CudaEngine::Impl::allocate_scratch() {
   d_slice_pos = DeviceBuffer(budget, 4, "position");
   d_tokens = DeviceBuffer(budget, size_t(R) * 4, "tokens");
   d_layer_cache = DeviceBuffer(budget, size_t(c.num_layers) * sizeof(DeviceLayerCache), "cache table");
+  d_batch_pos = DeviceBuffer(budget, size_t(kMaxBatchRows) * 4, "batch positions");
+  d_batch_tables =
+      DeviceBuffer(budget, size_t(kMaxBatchRows * c.num_layers) * sizeof(DeviceLayerCache), "cache tables");
+  h_batch_pos = PinnedBuffer(size_t(kMaxBatchRows) * 4);
+  h_batch_tables = PinnedBuffer(size_t(kMaxBatchRows * c.num_layers) * sizeof(DeviceLayerCache));
   h_pos0 = PinnedBuffer(4);
   h_tokens = PinnedBuffer(size_t(R) * 4);
   h_layer_cache = PinnedBuffer(size_t(c.num_layers) * sizeof(DeviceLayerCache));

@@ -32,6 +32,8 @@ class Exl3Linear;
 
 namespace moesrv::cuda {
 
+struct BatchRows;  // cuda_blocks.h
+
 #define MOESRV_CUDA_OK(expr)                                                                      \
   do {                                                                                            \
     cudaError_t err_ = (expr);                                                                    \
@@ -249,8 +251,13 @@ struct SequenceGraphs {
   std::map<uint64_t, cudaGraphExec_t> graphs;  // node references stay valid until that id is dropped or evicted
   std::deque<uint64_t> order;                  // least recently used first
   cudaGraphExec_t& get(uint64_t id);           // the entry (null until captured), created if missing
-  void drop(uint64_t id);                      // a sequence is gone
-  void clear();                                // the engine is gone
+  // Decode steps of several sequences (CudaEngine::Impl::forward_rows), keyed by their ids (or {0, rows} when no
+  // sequence has fixed-size state), the most recent kMax.
+  std::map<std::vector<uint64_t>, cudaGraphExec_t> batches;
+  std::deque<std::vector<uint64_t>> batch_order;
+  cudaGraphExec_t& batch(const std::vector<uint64_t>& key);
+  void drop(uint64_t id);  // a sequence is gone (with every batch graph it is in)
+  void clear();            // the engine is gone
 };
 
 struct DevLayer {
@@ -371,6 +378,15 @@ struct CudaEngine::Impl {
   // pass of at most kMaxRollbackRows tokens); `hidden` (when given) receives every token's head input [S, D].
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits, int32_t* best,
                              bool rollback = false, std::vector<float>* hidden = nullptr);
+  // Engine::forward_batch: one decode step of 2..kMaxBatchRows distinct sequences (one token each, validated by the
+  // caller) as one pass: embedding, mHC, feed-forward and head over all rows (the weights read once), the mixers
+  // row by row with each row's caches, position and state (cuda_blocks.h); a graph per set of sequences when every
+  // expert is in VRAM. Returns each row's logits.
+  static constexpr int64_t kMaxBatchRows = 4;
+  std::vector<std::vector<float>> forward_rows(const std::vector<SequenceState*>& seqs,
+                                               const std::vector<int32_t>& tokens);
+  cuda::DeviceBuffer d_batch_pos, d_batch_tables;  // [kMaxBatchRows], [kMaxBatchRows][layers]
+  cuda::PinnedBuffer h_batch_pos, h_batch_tables;
   cuda::PinnedBuffer h_pos0, h_tokens, h_layer_cache;
   // Scratch.
   struct Scratch {
@@ -504,7 +520,9 @@ struct CudaEngine::Impl {
   // Decode with shared_grouped and CudaEngineOptions::shared_expert_beside_router: the shared expert of h into y on
   // proj_side (expert_executor.cpp), beside the router and the routed experts.
   void shared_expert_exl3(const cuda::DevMoe& m, const float* h, float* y);
-  void attention_mla(int64_t l, int64_t S, IndexerKind indexer);
+  // With `batch` (a decode step of S sequences), the projections run over all rows and the position-dependent part
+  // (rope, cache write, indexer, attention) per row.
+  void attention_mla(int64_t l, int64_t S, IndexerKind indexer, const cuda::BatchRows* batch = nullptr);
   void attention_gqa(int64_t l, int64_t S);
   void dsa_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S);
   // The k-pool indexer (linear_attention_engine.cpp): kpool_indexer_keys (wk, pool_gate, weights_proj from s.h, the
@@ -512,7 +530,9 @@ struct CudaEngine::Impl {
   void kpool_indexer_keys(const cuda::DevIndexer& ix, int64_t S);
   // beside: in decode its pools and selection go to proj_side (the caller joins it before the attention).
   void kpool_indexer(const cuda::DevIndexer& ix, int64_t l, int64_t S, bool beside);
-  void kda(int64_t l, int64_t S);                                        // (linear_attention_engine.cpp)
+  // (linear_attention_engine.cpp) With `batch`, the S rows are a decode step of S sequences (cuda_blocks.h): the
+  // projections run over all rows, the fused decode kernel per row with that row's state.
+  void kda(int64_t l, int64_t S, const cuda::BatchRows* batch = nullptr);
   void gated_delta(int64_t l, int64_t S);                                // (linear_attention_engine.cpp)
   // The current sequence's fixed-size and pooled state of layer l (set by forward()).
   // In a rollback forward (speculative verify of 2..kMaxRollbackRows tokens) also where the kernels leave the state

@@ -4,13 +4,13 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <cmath>
 
-#include "backend/cuda/engine_internal.h"
+#include "backend/cuda/cuda_blocks.h"
 
 namespace moesrv {
 
 using namespace moesrv::cuda;
 
-void CudaEngine::Impl::kda(int64_t l, int64_t S) {
+void CudaEngine::Impl::kda(int64_t l, int64_t S, const BatchRows* batch) {
   const DevKda& w = *layers[size_t(l)].kda;
   const LayerState& st = cur_state[size_t(l)];
   const LinearAttnDims& la = c.linear;
@@ -20,6 +20,36 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
   float *low = s.lfa.as<float>(), *gate = s.lgate.as<float>();
   phase(CudaPhase::LinearProj);
 
+  auto decode_args = [&](const LayerState& state, int64_t row, const float* gate_row) {
+    KdaDecodeArgs a;
+    a.heads = H, a.dk = d, a.dv = d, a.conv_k = K;
+    a.qkv = s.lraw.as<float>() + row * C, a.conv_w = w.conv.as<float>(), a.conv_state = state.conv;
+    a.g = g + row * Hd, a.dt_bias = w.dt_bias.as<float>(), a.a_log = w.a_log.as<float>();
+    a.lower_bound_set = la.lower_bound_set, a.lower_bound = float(la.lower_bound);
+    a.beta = beta + row * H, a.state = state.recurrent, a.gate = gate_row, a.norm_w = w.o_norm.w.as<float>();
+    a.l2_eps = 1e-6f, a.q_scale = 1.0f / std::sqrt(float(d)), a.norm_eps = float(c.rms_eps);
+    a.out = o + row * Hd;
+    return a;
+  };
+  if (batch && !kda_decode_supported(d, d, K)) {  // S sequences' decode steps, each alone
+    for (int64_t b = 0; b < S; ++b) {
+      const BatchRow row(*this, *batch, b);
+      kda(l, 1);
+    }
+    return;
+  }
+  if (batch) {  // S sequences' decode steps: the projections over all rows, the recurrence per row
+    linear(w.b, h, S, beta);
+    linear(w.f_a, h, S, low);
+    linear(w.f_b, low, S, g);
+    linear(w.g_a, h, S, low);
+    linear(w.g_b, low, S, gate);
+    linear(w.qkv, h, S, s.lraw.as<float>());
+    for (int64_t b = 0; b < S; ++b)
+      kda_decode(decode_args(batch->states[size_t(b)][size_t(l)], b, gate + b * Hd), stream);
+    linear(w.o, o, S, s.y.as<float>());
+    return;
+  }
   if (S == 1 && kda_decode_supported(d, d, K)) {  // decode: everything between the linears in one launch
     const bool fg = w.fg_a && w.fg_b && rows >= 2;
     if (fg) gate = g + Hd;
@@ -37,15 +67,7 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S) {
     });
     linear(w.qkv, h, S, s.lraw.as<float>());
     join_proj_side();
-    KdaDecodeArgs a;
-    a.heads = H, a.dk = d, a.dv = d, a.conv_k = K;
-    a.qkv = s.lraw.as<float>(), a.conv_w = w.conv.as<float>(), a.conv_state = st.conv;
-    a.g = g, a.dt_bias = w.dt_bias.as<float>(), a.a_log = w.a_log.as<float>();
-    a.lower_bound_set = la.lower_bound_set, a.lower_bound = float(la.lower_bound);
-    a.beta = beta, a.state = st.recurrent, a.gate = gate, a.norm_w = w.o_norm.w.as<float>();
-    a.l2_eps = 1e-6f, a.q_scale = 1.0f / std::sqrt(float(d)), a.norm_eps = float(c.rms_eps);
-    a.out = o;
-    kda_decode(a, stream);
+    kda_decode(decode_args(st, 0, gate), stream);
     linear(w.o, o, S, s.y.as<float>());
     return;
   }

@@ -1,0 +1,185 @@
+// The CUDA engine's executor of the decoder loop's blocks (model/decoder.h), shared by its forwards: a pass of S
+// tokens of one sequence, the MTP block's layer, or a decode step of several sequences (one token each: a
+// BatchRows binding), whose mixers (attention, linear attention) run row by row with each row's caches, position and
+// state while everything else runs over all rows at once. CUDA builds only.
+#pragma once
+#include <vector>
+
+#include "backend/cuda/engine_internal.h"
+#include "model/decoder.h"
+
+namespace moesrv::cuda {
+
+// A decode step of several sequences: row b is sequence b's token at its own position d_pos[b], with its caches
+// d_tables[b * layers ..] and fixed-size state states[b] (CudaEngine::Impl::forward_rows).
+struct BatchRows {
+  std::vector<std::vector<CudaEngine::Impl::LayerState>> states;  // [row][layer]
+  int32_t* d_pos = nullptr;                                       // [rows], device
+  DeviceLayerCache* d_tables = nullptr;                           // [rows][layers], device
+};
+
+// While it lives, the engine's pass buffers a mixer reads and writes (s.h, s.y, the DSA selection, the MLA query
+// latent and the indexer's key projections) are row b's, and so are the position, cache table and state the kernels
+// take: the mixer (or its position-dependent part) runs as a pass of one token.
+class BatchRow {
+ public:
+  BatchRow(CudaEngine::Impl& m, const BatchRows& r, int64_t b) : m_(m) {
+    const ModelSpec& c = m.c;
+    const int64_t D = c.hidden_size, L = c.num_layers;
+    auto row = [&](DeviceBuffer& live, int64_t width, size_t elem) {
+      kept_.emplace_back(&live, DeviceBuffer());
+      if (live.bytes())
+        swap_in(live, kept_.back().second, live.as<char>() + size_t(b * width) * elem, size_t(width) * elem);
+    };
+    row(m.s.h, D, 4);
+    row(m.s.y, D, 4);
+    row(m.s.sel, m.sel_width(), 4);
+    row(m.s.q_lat, c.q_lora_rank, 4);
+    row(m.s.ik, c.index_head_dim, 4);
+    row(m.s.ig, c.index_head_dim, 4);
+    row(m.s.ihw, c.index_n_heads, 4);
+    kept_.emplace_back(&m.d_pos0, DeviceBuffer());
+    swap_in(m.d_pos0, kept_.back().second, r.d_pos + b, 4);
+    kept_.emplace_back(&m.d_layer_cache, DeviceBuffer());
+    swap_in(m.d_layer_cache, kept_.back().second, r.d_tables + b * L, size_t(L) * sizeof(DeviceLayerCache));
+    state_ = r.states[size_t(b)];
+    m.cur_state.swap(state_);
+  }
+  ~BatchRow() {
+    for (auto& [live, whole] : kept_)
+      if (whole.bytes()) *live = std::move(whole);
+    m_.cur_state.swap(state_);
+  }
+  BatchRow(const BatchRow&) = delete;
+  BatchRow& operator=(const BatchRow&) = delete;
+
+ private:
+  static void swap_in(DeviceBuffer& live, DeviceBuffer& keep, void* row, size_t bytes) {
+    keep = std::move(live);
+    live = DeviceBuffer::view(row, bytes);
+  }
+  CudaEngine::Impl& m_;
+  std::vector<std::pair<DeviceBuffer*, DeviceBuffer>> kept_;  // each buffer and (while its row stands in) the whole
+  std::vector<CudaEngine::Impl::LayerState> state_;
+};
+
+// The CUDA engine's blocks for the decoder loop (model/decoder.h): activations stay on the device. A plain
+// residual's x += y is deferred into the next norm (one fused add_rms_norm); mHC mixes its streams at every site.
+// With `batch`, the S rows are a decode step of S sequences (BatchRows): the mixers run row by row.
+class CudaBlocks final : public BlockExecutor {
+ public:
+  CudaBlocks(CudaEngine::Impl& m, int64_t S, const BatchRows* batch = nullptr)
+      : m_(m),
+        S_(S),
+        D_(int(m.c.hidden_size)),
+        n_(int(m.c.residual.streams)),
+        hyper_(m.c.residual.hyper),
+        batch_(batch) {}
+
+  void enter(int64_t l, Site site) override {
+    const DevLayer& L = m_.layers[size_t(l)];
+    const DevNorm& norm = site == Site::Attention ? L.input_norm : L.post_norm;
+    m_.phase(CudaPhase::Residual);
+    if (!hyper_) return add_pending_and_norm(norm);
+    const DevHyper& hc = site == Site::Attention ? L.attn_hc : L.ffn_hc;
+    const ResidualSpec& r = m_.c.residual;
+    join_side();
+    if (step_) {  // the pending leave and this enter in one launch
+      side_pending_ =
+          hyper_step(x(), pending_ ? y() : nullptr, int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(),
+                     hc.base.as<float>(), norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(),
+                     m_.s.post.as<float>(), m_.s.comb.as<float>(), m_.s.hc_step.as<float>(), m_.stream, &m_.mhc_side);
+      pending_ = false;
+      return;
+    }
+    side_pending_ =
+        hyper_enter(x(), int(S_), n_, D_, hc.fn.as<float>(), hc.scale.as<float>(), hc.base.as<float>(),
+                    norm.w.as<float>(), eps(), float(r.eps), int(r.sinkhorn_iters), h(), m_.s.post.as<float>(),
+                    m_.s.comb.as<float>(), m_.s.hc_part.as<float>(), m_.stream, m_.cublas, &m_.mhc_side);
+  }
+  void leave(int64_t, Site) override {
+    m_.phase(CudaPhase::Residual);
+    if (!hyper_ || step_) return void(pending_ = true);  // (mHC decode: folded into the next enter)
+    leave_now();
+  }
+  void mla(int64_t l, IndexerKind indexer) override {  // (a batch: the projections over all rows)
+    if (batch_) return m_.attention_mla(l, S_, indexer, batch_);
+    m_.attention_mla(l, S_, indexer);
+  }
+  void gqa(int64_t l) override {
+    m_.phase(CudaPhase::AttnCore);
+    mixer([&](int64_t S) { m_.attention_gqa(l, S); });
+  }
+  void kda(int64_t l) override {  // (a batch: the projections over all rows, the recurrence per row)
+    if (batch_) return m_.kda(l, S_, batch_);
+    m_.kda(l, S_);
+  }
+  void gated_delta(int64_t l) override {
+    m_.phase(CudaPhase::LinearProj);
+    mixer([&](int64_t S) { m_.gated_delta(l, S); });
+  }
+  void mlp(int64_t l) override {
+    m_.phase(CudaPhase::Mlp);
+    m_.mlp(*m_.layers[size_t(l)].mlp, h(), S_, y());
+  }
+  void moe(int64_t l) override { m_.moe(l, S_); }
+
+  // Token embeddings (gathered on the device from d_tokens) into every residual stream.
+  void embed() {
+    embed_gather(m_.embed.as<uint16_t>(), m_.d_tokens.as<int32_t>(), int(S_), D_, !hyper_ ? x() : h(), m_.stream);
+    if (hyper_) hyper_expand(h(), int(S_), n_, D_, x(), m_.stream);
+  }
+  // A pipeline stage's end: the pending sub-layer output folded into x (any norm: s.h is scratch here).
+  void flush(const DevNorm& any_norm) {
+    if (pending_ && hyper_) leave_now();
+    else if (pending_) add_pending_and_norm(any_norm);
+  }
+  // The residual after the last layer run (mean over the streams), normalised with `norm` into s.h.
+  void final_norm(const DevNorm& norm) {
+    if (!hyper_) return add_pending_and_norm(norm);
+    if (pending_) leave_now();
+    hyper_collapse_mean(x(), int(S_), n_, D_, h(), m_.stream);
+    rms_norm(h(), D_, norm.w.as<float>(), int(S_), D_, eps(), h(), D_, m_.stream);
+  }
+
+ private:
+  // A mixer over the pass's rows, or (a batch) over each row alone.
+  template <class F>
+  void mixer(F&& f) {
+    if (!batch_) return f(S_);
+    for (int64_t b = 0; b < S_; ++b) {
+      const BatchRow row(m_, *batch_, b);
+      f(1);
+    }
+  }
+  void join_side() {  // post and comb made on the side stream: before they are read or rewritten
+    if (side_pending_) MOESRV_CUDA_OK(cudaStreamWaitEvent(m_.stream, m_.mhc_side.join, 0));
+    side_pending_ = false;
+  }
+  void leave_now() {  // mHC: the sub-layer output y into the streams
+    join_side();
+    hyper_leave(x(), y(), m_.s.post.as<float>(), m_.s.comb.as<float>(), int(S_), n_, D_, m_.stream);
+    pending_ = false;
+  }
+  // Plain residual: x += the pending sub-layer output (if any), then h = rms_norm(x) with `norm`.
+  void add_pending_and_norm(const DevNorm& norm) {
+    add_rms_norm(x(), pending_ ? y() : nullptr, norm.w.as<float>(), int(S_), D_, eps(), h(), m_.stream);
+    pending_ = false;
+  }
+  float* x() const { return m_.s.x.as<float>(); }
+  float* h() const { return m_.s.h.as<float>(); }
+  float* y() const { return m_.s.y.as<float>(); }
+  float eps() const { return float(m_.c.rms_eps); }
+  CudaEngine::Impl& m_;
+  const int64_t S_;
+  const int D_, n_;
+  const bool hyper_;
+  const BatchRows* batch_;
+  // mHC decode: each leave folded into the next enter (hyper_step)
+  const bool step_ =
+      hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_step.bytes() >= hyper_step_scratch(n_) * 4;
+  bool pending_ = false;       // a sub-layer's output in y not yet in x (plain: the next norm adds it; mHC: leave)
+  bool side_pending_ = false;  // post and comb being made on m_.mhc_side: join it before they are read
+};
+
+}  // namespace moesrv::cuda
