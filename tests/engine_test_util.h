@@ -29,6 +29,18 @@ inline std::vector<float> prefill_then_steps(Engine& e, const std::vector<int32_
 }
 
 // A deterministic prompt over the first 150000 ids (every vocabulary the throughput tests build is larger).
+// n greedy tokens after the prompt, one forward per token.
+inline std::vector<int32_t> greedy_tokens(Engine& e, const std::vector<int32_t>& prompt, int64_t n) {
+  auto seq = e.new_sequence();
+  auto logits = e.forward(*seq, prompt);
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(greedy(logits));
+    if (i + 1 < n) logits = e.forward(*seq, {out.back()});
+  }
+  return out;
+}
+
 inline std::vector<int32_t> bench_prompt(size_t n) {
   std::vector<int32_t> p(n);
   for (size_t i = 0; i < n; ++i) p[i] = int32_t((i * 7919) % 150000);

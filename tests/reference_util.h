@@ -2,6 +2,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -35,6 +36,12 @@ inline Reference load_reference(const std::string& model) {
 }
 
 // max |a - b| over rows, relative to the reference row's L2 norm (the acceptance metric).
+// The first n (at most all) ids of the model's reference prompt.
+inline std::vector<int32_t> reference_prompt(const std::string& model, size_t n) {
+  auto ids = load_reference(model).input_ids;
+  return std::vector<int32_t>(ids.begin(), ids.begin() + long(std::min(n, ids.size())));
+}
+
 inline double max_rel_row_error(const float* a, const float* ref, int64_t rows, int64_t vocab) {
   double worst = 0;
   for (int64_t r = 0; r < rows; ++r) {

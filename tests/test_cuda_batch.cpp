@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "backend/cuda/cuda_engine.h"
+#include "engine_test_util.h"
 #include "reference_util.h"
 #include "serving/batch_runner.h"
 #include "serving/sampler.h"
@@ -17,17 +18,6 @@ namespace moesrv {
 namespace {
 
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
-
-std::vector<int32_t> greedy_run(Engine& e, const std::vector<int32_t>& prompt, int n) {
-  auto seq = e.new_sequence();
-  auto logits = e.forward(*seq, prompt);
-  std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    out.push_back(argmax(logits));
-    if (i + 1 < n) logits = e.forward(*seq, {out.back()});
-  }
-  return out;
-}
 
 class CudaBatch : public ::testing::TestWithParam<std::string> {};
 
@@ -42,7 +32,7 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   for (size_t i = 0; i < 4; ++i)
     prompts.emplace_back(ids.begin() + long(i), ids.begin() + long(std::min(ids.size(), 9 + 5 * i)));
   std::vector<std::vector<int32_t>> alone;
-  for (const auto& p : prompts) alone.push_back(greedy_run(engine, p, 14));
+  for (const auto& p : prompts) alone.push_back(test::greedy_tokens(engine, p, 14));
 
   BatchRunner runner(engine, 4, std::chrono::microseconds(2000));
   std::vector<std::vector<int32_t>> together(prompts.size());
@@ -61,7 +51,7 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   for (size_t i = 0; i < prompts.size(); ++i)
     members.emplace_back([&, i] {
       auto m = runner.join();
-      together[i] = greedy_run(*m, prompts[i], 14);
+      together[i] = test::greedy_tokens(*m, prompts[i], 14);
     });
   for (auto& t : members) t.join();
   stop = true;

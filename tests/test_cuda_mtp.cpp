@@ -9,6 +9,8 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "engine_test_util.h"
+#include "mtp_test_checks.h"
 #include "mtp_test_model.h"
 #include "reference_util.h"
 #include "server/generator.h"
@@ -42,24 +44,6 @@ MtpModels open_with_mtp(const std::string& model, bool cpu = false, bool with_he
   return m;
 }
 
-std::vector<int32_t> prompt_of(const std::string& model, size_t n) {
-  auto ids = testing::load_reference(model).input_ids;
-  return std::vector<int32_t>(ids.begin(), ids.begin() + long(std::min(n, ids.size())));
-}
-
-std::vector<int32_t> plain_greedy(Engine& e, const std::vector<int32_t>& prompt, int64_t n) {
-  auto seq = e.new_sequence();
-  auto logits = e.forward(*seq, prompt);
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < n; ++i) {
-    out.push_back(argmax(logits));
-    if (i + 1 < n) logits = e.forward(*seq, {out.back()});
-  }
-  return out;
-}
-
-Sampler greedy_sampler() { return Sampler(SamplingParams{.temperature = 0.0f}); }
-
 // |a - b| / |b| (L2; |b| = 0 counts as 1).
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
@@ -77,12 +61,12 @@ TEST_P(CudaMtpGreedy, SameTokensAsPlainDecodingForK1To3) {
   SKIP_WITHOUT_CUDA();
   MtpModels m = open_with_mtp(GetParam(), false, GetParam() == "deepseek_v3");
   ASSERT_NE(m.gpu->mtp(), nullptr);
-  const auto prompt = prompt_of(GetParam(), 19);
-  const auto plain = plain_greedy(*m.gpu, prompt, 24);
+  const auto prompt = testing::reference_prompt(GetParam(), 19);
+  const auto plain = test::greedy_tokens(*m.gpu, prompt, 24);
   for (bool graphs : {true, false}) {
     m.gpu->set_use_graph(graphs);
     for (int k = 1; k <= 3; ++k) {
-      Sampler s = greedy_sampler();
+      Sampler s(SamplingParams{.temperature = 0.0f});
       SpeculativeStats stats;
       EXPECT_EQ(generate_speculative(*m.gpu, prompt, 24, s, k, &stats), plain) << "k = " << k << " graphs " << graphs;
       EXPECT_GT(stats.steps, 0);
@@ -96,28 +80,9 @@ TEST_P(CudaMtpGreedy, SameTokensAsPlainDecodingForK1To3) {
 TEST_P(CudaMtpGreedy, ForcedAcceptanceCommitsSeveralTokensPerStep) {
   SKIP_WITHOUT_CUDA();
   MtpModels m = open_with_mtp(GetParam());
-  const auto prompt = prompt_of(GetParam(), 17);
-  const auto plain = plain_greedy(*m.gpu, prompt, 24);
-  std::vector<int32_t> full = prompt;
-  full.insert(full.end(), plain.begin(), plain.end());
-  for (bool corrupt : {false, true}) {
-    auto picker = [&](int64_t pos, std::span<const float>) {
-      const int32_t t = pos < int64_t(full.size()) ? full[size_t(pos)] : 0;
-      return corrupt && pos % 3 == 0 ? (t + 1) % 1024 : t;
-    };
-    for (int k = 1; k <= 3; ++k) {
-      Sampler s = greedy_sampler();
-      SpeculativeStats stats;
-      EXPECT_EQ(generate_speculative(*m.gpu, prompt, 24, s, k, &stats, picker), plain) << "k " << k;
-      if (!corrupt) {
-        EXPECT_EQ(stats.accepted, stats.drafted) << "k " << k;
-        EXPECT_EQ(stats.steps + stats.accepted, 23) << "k " << k;
-      } else {
-        EXPECT_LT(stats.accepted, stats.drafted) << "k " << k;
-        EXPECT_GT(stats.accepted, 0) << "k " << k;
-      }
-    }
-  }
+  const auto prompt = testing::reference_prompt(GetParam(), 17);
+  const auto plain = test::greedy_tokens(*m.gpu, prompt, 24);
+  testing::expect_forced_acceptance(*m.gpu, prompt, plain);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaMtpGreedy,
@@ -133,7 +98,7 @@ TEST(CudaMtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
     MtpModels m = open_with_mtp("glm5_next");
     m.gpu->set_use_graph(graphs);
     MtpEngine& mtp = *m.gpu->mtp();
-    const auto prompt = prompt_of("glm5_next", 18);
+    const auto prompt = testing::reference_prompt("glm5_next", 18);
     const std::vector<int32_t> window{5, 77, 300, 9};
     auto plain = m.gpu->new_sequence();
     std::vector<float> h;
@@ -184,7 +149,7 @@ TEST(CudaMtpForward, MatchesTheCpuEngine) {
   for (const char* model : {"glm5_next", "deepseek_v3", "glm4_moe"}) {
     MtpModels m = open_with_mtp(model, true, std::string(model) == "deepseek_v3");
     MtpEngine &g = *m.gpu->mtp(), &c = *m.cpu->mtp();
-    const auto prompt = prompt_of(model, 12);
+    const auto prompt = testing::reference_prompt(model, 12);
     const int64_t D = g.hidden_size(), n = int64_t(prompt.size()) - 1;
     auto cseq = m.cpu->new_sequence();
     std::vector<float> hidden;
@@ -212,7 +177,7 @@ TEST(CudaMtpForward, OnlyWhenAskedForAndPresent) {
   opt.mtp = true;
   CudaEngine absent(ModelPackage::open(hf_tiny("deepseek_v3")), opt);  // num_nextn_predict_layers 1, no tensors
   EXPECT_EQ(absent.mtp(), nullptr);
-  Sampler s = greedy_sampler();
+  Sampler s(SamplingParams{.temperature = 0.0f});
   EXPECT_THROW(generate_speculative(absent, {1, 2, 3}, 4, s, 2), std::exception);
 }
 

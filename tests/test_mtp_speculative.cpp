@@ -7,6 +7,8 @@
 #include <filesystem>
 
 #include "backend/cpu/cpu_engine.h"
+#include "engine_test_util.h"
+#include "mtp_test_checks.h"
 #include "mtp_test_model.h"
 #include "reference_util.h"
 #include "server/generator.h"
@@ -30,20 +32,9 @@ MtpModel open_with_mtp(const std::string& model, bool with_head = false) {
   return m;
 }
 
-std::vector<int32_t> prompt_of(const std::string& model, size_t n) {
-  auto ids = testing::load_reference(model).input_ids;
-  return std::vector<int32_t>(ids.begin(), ids.begin() + long(std::min(n, ids.size())));
-}
-
+std::vector<int32_t> prompt_of(const std::string& model, size_t n) { return testing::reference_prompt(model, n); }
 std::vector<int32_t> plain_greedy(Engine& e, const std::vector<int32_t>& prompt, int64_t n) {
-  auto seq = e.new_sequence();
-  auto logits = e.forward(*seq, prompt);
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < n; ++i) {
-    out.push_back(argmax(logits));
-    if (i + 1 < n) logits = e.forward(*seq, {out.back()});
-  }
-  return out;
+  return test::greedy_tokens(e, prompt, n);
 }
 
 Sampler greedy_sampler() { return Sampler(SamplingParams{.temperature = 0.0f}); }
@@ -70,27 +61,7 @@ TEST_P(MtpGreedy, ForcedAcceptanceCommitsSeveralTokensPerStep) {
   MtpModel m = open_with_mtp(GetParam());
   const auto prompt = prompt_of(GetParam(), 17);
   const auto plain = plain_greedy(*m.engine, prompt, 24);
-  std::vector<int32_t> full = prompt;
-  full.insert(full.end(), plain.begin(), plain.end());
-  for (bool corrupt : {false, true}) {
-    auto picker = [&](int64_t pos, std::span<const float>) {
-      const int32_t t = pos < int64_t(full.size()) ? full[size_t(pos)] : 0;
-      return corrupt && pos % 3 == 0 ? (t + 1) % 1024 : t;
-    };
-    for (int k = 1; k <= 3; ++k) {
-      Sampler s = greedy_sampler();
-      SpeculativeStats stats;
-      EXPECT_EQ(generate_speculative(*m.engine, prompt, 24, s, k, &stats, picker), plain) << "k " << k;
-      if (!corrupt) {
-        EXPECT_EQ(stats.accepted, stats.drafted) << "k " << k;
-        EXPECT_EQ(stats.steps + stats.accepted, 23) << "k " << k;  // 24 tokens: one from the prefill
-        EXPECT_GT(stats.tokens_per_step(), k == 1 ? 1.9 : 2.5) << "k " << k;
-      } else {
-        EXPECT_LT(stats.accepted, stats.drafted) << "k " << k;
-        EXPECT_GT(stats.accepted, 0) << "k " << k;
-      }
-    }
-  }
+  testing::expect_forced_acceptance(*m.engine, prompt, plain);
 }
 
 // glm4_moe (GQA, GLM-4.5's MTP layout) and glm_moe_dsa_h16 (MLA + per-token DSA indexer keys) as well.

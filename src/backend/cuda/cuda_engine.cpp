@@ -83,40 +83,37 @@ const int32_t* CudaEngine::Impl::slice_pos0(int64_t s0) {
   return d_slice_pos.as<int32_t>();
 }
 
-cudaGraphExec_t& SequenceGraphs::get(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = graphs.find(id);
+namespace {
+
+// The entry of `key` in an LRU of at most `max` graphs (null until captured), created if missing.
+template <class K>
+cudaGraphExec_t& lru_entry(std::map<K, cudaGraphExec_t>& graphs, std::deque<K>& order, const K& key, size_t max) {
+  auto it = graphs.find(key);
   if (it != graphs.end()) {
-    order.erase(std::find(order.begin(), order.end(), id));
-    order.push_back(id);
+    order.erase(std::find(order.begin(), order.end(), key));
+    order.push_back(key);
     return it->second;
   }
-  if (graphs.size() == kMax) {
+  if (graphs.size() == max) {
     auto old = graphs.find(order.front());
     if (old->second) cudaGraphExecDestroy(old->second);
     graphs.erase(old);
     order.pop_front();
   }
-  order.push_back(id);
-  return graphs[id];
+  order.push_back(key);
+  return graphs[key];
+}
+
+}  // namespace
+
+cudaGraphExec_t& SequenceGraphs::get(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu);
+  return lru_entry(graphs, order, id, kMax);
 }
 
 cudaGraphExec_t& SequenceGraphs::batch(const std::vector<uint64_t>& key) {
   std::lock_guard<std::mutex> lock(mu);
-  auto it = batches.find(key);
-  if (it != batches.end()) {
-    batch_order.erase(std::find(batch_order.begin(), batch_order.end(), key));
-    batch_order.push_back(key);
-    return it->second;
-  }
-  if (batches.size() == kMax) {
-    auto old = batches.find(batch_order.front());
-    if (old->second) cudaGraphExecDestroy(old->second);
-    batches.erase(old);
-    batch_order.pop_front();
-  }
-  batch_order.push_back(key);
-  return batches[key];
+  return lru_entry(batches, batch_order, key, kMax);
 }
 
 void SequenceGraphs::drop(uint64_t id) {
