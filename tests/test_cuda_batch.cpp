@@ -107,6 +107,7 @@ TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
   two.push_back(engine.new_sequence());
   engine.forward(*two[0], {1, 2, 3});
   EXPECT_THROW(engine.forward_batch({two[0].get(), two[0].get()}, {4, 5}), std::exception);  // the same sequence twice
+  EXPECT_GE(engine.sequence_bytes(1), two[0]->bytes());  // what admission reserves covers a sequence's device bytes
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaBatch,

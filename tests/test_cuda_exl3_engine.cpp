@@ -257,6 +257,49 @@ TEST_P(CudaExl3, RowGemvMatchesOneTokenForwards) {
     }
 }
 
+// forward_batch: 4 sequences at different lengths decode 3 steps as one pass each (R-row projections, grouped MoE of
+// the 4 tokens, per-row recurrence and attention) and match each sequence's own forwards; all in VRAM (a graph per
+// set of sequences) and with the experts mixed over VRAM, an LRU cache and the CPU (eager, host-planned MoE).
+TEST_P(CudaExl3, ForwardBatchMatchesEachSequenceAlone) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  auto in = ids(GetParam().model, "gen_ids");
+  for (int variant = 0; variant < 2; ++variant) {
+    CudaEngineOptions opt;
+    auto e = gpu(dir);
+    if (variant == 1) {
+      opt.cache_slots = 2;
+      opt.stream_cold = false;
+      opt.placement = e->placement();
+      for (auto& layer : opt.placement)
+        for (size_t x = 0; x < layer.size(); ++x) layer[x] = ExpertPlacement(x % 3);
+      e = gpu(dir, opt);
+    }
+    const int64_t V = e->vocab_size();
+    std::vector<std::unique_ptr<SequenceState>> seqs, alone;
+    std::vector<SequenceState*> ptrs;
+    std::vector<int32_t> next;
+    for (size_t i = 0; i < 4; ++i) {
+      seqs.push_back(e->new_sequence());
+      e->forward(*seqs.back(), std::vector<int32_t>(in.begin(), in.begin() + long(9 + 6 * i)));
+      alone.push_back(seqs.back()->clone());
+      ptrs.push_back(seqs.back().get());
+      next.push_back(in[9 + 6 * i]);
+    }
+    std::vector<float> got, ref;
+    for (int step = 0; step < 3; ++step) {
+      auto out = e->forward_batch(ptrs, next);
+      for (size_t i = 0; i < 4; ++i) {
+        auto r = e->forward(*alone[i], {next[i]});
+        got.insert(got.end(), out[i].begin(), out[i].end());
+        ref.insert(ref.end(), r.begin(), r.end());
+        next[i] = argmax(r.data(), V);
+      }
+    }
+    expect_close(got, ref, V, 1e-3, variant == 0 ? "EXL3 forward_batch vs alone" : "EXL3 forward_batch, mixed experts");
+  }
+}
+
 // Device weight bytes: EXL3 linears exactly as stored, everything else as the bf16 engine uploads it.
 TEST_P(CudaExl3, WeightBytesAreStoredBytes) {
   SKIP_WITHOUT_CUDA();

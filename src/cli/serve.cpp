@@ -85,8 +85,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--queue-timeout", a->server.queue_timeout_s, "Seconds a request may wait (then HTTP 503)")->capture_default_str();
   cmd->add_option("--max-batch", a->server.max_batch,
                   "Requests that generate at once, their decode steps batched and new prompts prefilled a chunk at a "
-                  "time in between (1: one request at a time; the CPU engine batches the decode steps, the one-GPU "
-                  "CUDA engine runs them in turn; not with --gpus; forced to 1 with --speculative)")
+                  "time in between (1: one request at a time; CPU and one-GPU CUDA engines, not --gpus; forced to 1 "
+                  "with --speculative)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
   cmd->add_option("--state-memory-mb", a->server.state_memory_mb,

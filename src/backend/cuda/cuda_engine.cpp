@@ -186,6 +186,9 @@ int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
 int64_t CudaEngine::prefill_chunk() const { return impl_->rows; }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
 void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
+uint64_t CudaEngine::sequence_bytes(int64_t) const {
+  return impl_->seq_bytes + (impl_->mtp ? impl_->mtp->seq_bytes : 0);
+}
 const UsageStats* CudaEngine::expert_usage() const {
   const Impl::DeviceLock lock(*impl_->device_mu);
   return impl_->drain_usage();

@@ -151,6 +151,9 @@ class CudaEngine : public Engine, public MtpEngine {
   // Sequences may be created, cloned, truncated and freed on other threads while a forward runs (each of those waits
   // until the forward is done; the server's --max-batch). Decode steps of several sequences run one after another.
   bool concurrent_sequence_ops() const override { return true; }
+  // Device bytes of one sequence whatever its length (its caches hold the whole context from the start), with its
+  // checkpoints, rollback points and (with the MTP block) the block's own sequence: what --state-memory-mb counts.
+  uint64_t sequence_bytes(int64_t tokens) const override;
   std::vector<float> forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits = false) override;
   // With CudaEngineOptions::device_argmax: the argmax on the device after the decode graph, 4 bytes back, the row
   // stays on the device until the next forward; else Engine's default.

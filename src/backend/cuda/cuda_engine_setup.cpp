@@ -121,8 +121,10 @@ void CudaEngine::Impl::set_geometry() {
   // model/state.h's formula: bf16 (or int8 with per-token fp32 scales) KV, bf16 DSA keys, fp32 pooled k-pool keys
   // and fixed state.
   seq_bytes = size_t(state_bytes(c, max_ctx, int(elem), 4, layer_begin, layer_end, c.index_kpool > 1 ? 4 : 2));
-  // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too.
-  seq_bytes += kMaxCheckpoints * size_t(state_bytes(c, 0, int(elem), 4, layer_begin, layer_end, 4));
+  // A sequence's checkpoints of its fixed-size state (the formula at 0 tokens) live in VRAM too, and with the MTP
+  // block loaded so do a verify's rollback points (CudaSequence::begin_forward).
+  const int64_t copies = kMaxCheckpoints + (opt.mtp ? kMaxRollbackRows - 1 : 0);
+  seq_bytes += size_t(copies) * size_t(state_bytes(c, 0, int(elem), 4, layer_begin, layer_end, 4));
 }
 
 CudaEngine::Impl::~Impl() {
