@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repo root, after `scripts/gpu_carry.sh` here and `tar -cJf .gpurun/gpu.tar.xz
 # .gpu` (carry .gpurun): the CUDA suites and, with BENCH=1, the real-width glm5_next slice whose JSON lands in
 # $OUT/glm5-next-h200.json (copy it to docs/perf/). Logs go to $OUT; a summary is printed.
-#   scripts/gpu_suite.sh            kernels + engine + pipeline + EXL3 suites (~15 s on an H200, before the pipeline)
+#   scripts/gpu_suite.sh            kernels + MTP + batch + engine + pipeline + EXL3 suites (~45 s on an H100)
 #   KBENCH=1 scripts/gpu_suite.sh   + the per-kernel decode bench (cuda_kernel_bench; $OUT/kernels.json);
 #                                   GEMV_SWEEP="8 16 16tc" also times the EXL3 rows at those GEMV blocks per SM (tc: tensor cores at 1 row)
 #   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 8-layer real-width slices), + the

@@ -282,8 +282,8 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   if (pos0 + S > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, max_ctx);
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
-  if (rollback && S > kMaxRollbackRows)
-    fail("forward: {} tokens with rollback points (at most {})", S, kMaxRollbackRows);
+  if (rollback && (S > kMaxRollbackRows || S > rows))  // (one pass: the multi-token kernels write the points)
+    fail("forward: {} tokens with rollback points (at most {} and the pass length {})", S, kMaxRollbackRows, rows);
   argmax_row = nullptr;
   std::vector<float> logits(best ? 0 : size_t((all_logits ? S : 1) * V));
   if (hidden) hidden->assign(size_t(S * c.hidden_size), 0.0f);
