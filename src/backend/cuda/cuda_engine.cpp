@@ -185,7 +185,10 @@ int64_t CudaEngine::vocab_size() const { return impl_->c.vocab_size; }
 int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
 int64_t CudaEngine::prefill_chunk() const { return impl_->rows; }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
-void CudaEngine::set_use_graph(bool on) { impl_->use_graph = on; }
+void CudaEngine::set_use_graph(bool on) {
+  impl_->use_graph = on;
+  if (impl_->mtp) impl_->mtp->use_graph = on;
+}
 uint64_t CudaEngine::sequence_bytes(int64_t) const {
   return impl_->seq_bytes + (impl_->mtp ? impl_->mtp->seq_bytes : 0);
 }
@@ -214,11 +217,8 @@ const char* cuda_phase_name(CudaPhase p) {
   return p >= CudaPhase::Residual && p < CudaPhase::Count ? names[int(p)] : "?";
 }
 
-namespace {
-
-// Replays `graph` on m.stream, first capturing `body` (the kernels it queues on m.stream) into it when empty.
-template <typename F>
-void replay_graph(CudaEngine::Impl& m, cudaGraphExec_t& graph, F&& body) {
+void CudaEngine::Impl::replay(cudaGraphExec_t& graph, const std::function<void()>& body) {
+  Impl& m = *this;
   if (!graph) {
     cudaGraph_t g = nullptr;
     MOESRV_CUDA_OK(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
@@ -240,8 +240,6 @@ void replay_graph(CudaEngine::Impl& m, cudaGraphExec_t& graph, F&& body) {
   MOESRV_CUDA_OK(cudaGraphLaunch(graph, m.stream));
   ++m.stats.graph_replays;
 }
-
-}  // namespace
 
 std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits) {
   const Impl::DeviceLock lock(*impl_->device_mu);
@@ -318,7 +316,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
       // row count, with or without rollback points); the others one per row count.
       const uint64_t key = rows_graph_key(seq->id, n) | (steps ? kRollbackGraph : 0);
       cudaGraphExec_t& graph = seq->has_fixed_state() ? sequence_graphs->get(key) : graphs[size_t(n - 1)];
-      replay_graph(*this, graph, [&] {
+      replay(graph, [&] {
         run_layers(n);
         linear(lm_head, s.h.as<float>(), n, s.logits.as<float>());
       });
@@ -388,7 +386,7 @@ std::vector<std::vector<float>> CudaEngine::Impl::forward_rows(const std::vector
     blocks.final_norm(final_norm);
     linear(lm_head, s.h.as<float>(), B, s.logits.as<float>());
   };
-  if (graph_ok()) replay_graph(*this, sequence_graphs->batch(key), body);
+  if (graph_ok()) replay(sequence_graphs->batch(key), body);
   else body();
   MOESRV_CUDA_OK(
       cudaMemcpyAsync(h_logits.as<float>(), s.logits.as<float>(), size_t(B * V) * 4, cudaMemcpyDeviceToHost, stream));
@@ -528,7 +526,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
       // As forward(): one graph of the stage's layers, per sequence for models with fixed-size state.
       cudaGraphExec_t& graph =
           seq->has_fixed_state() ? m.sequence_graphs->get(seq->id | Impl::kStageGraph) : m.stage_graph;
-      replay_graph(m, graph, [&] { run_stage_layers(m, 1, begin, end); });
+      m.replay(graph, [&] { run_stage_layers(m, 1, begin, end); });
     } else {
       run_stage_layers(m, n, begin, end);
     }

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -557,6 +558,8 @@ struct CudaEngine::Impl {
   void run_block_layers(int64_t S);  // every layer from the residual in s.x, then the final norm (the MTP block)
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;
+  // Replays `graph` on `stream`, first capturing `body` (the kernels it queues on `stream`) into it when empty.
+  void replay(cudaGraphExec_t& graph, const std::function<void()>& body);
   // The device position of row s0 of the pass: d_pos0 itself, or d_pos0 + s0 written to d_slice_pos (stream order).
   const int32_t* slice_pos0(int64_t s0);
   // Selection row width: index_topk positions, + the open pool's tail with a k-pool indexer.

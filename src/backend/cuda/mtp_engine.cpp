@@ -1,8 +1,8 @@
 // The CUDA engine's MTP block (speculative decoding): an engine of its own over the one-layer MTP spec, as
 // cpu/mtp_forward.cpp runs it: x = eh_proj(concat(enorm(embed(t_{p+1})), hnorm(h_p))) with the embedding zeroed at
 // position 0, the decoder layer (its own caches, plain residual), then shared_head.norm; that normed row is both
-// the head's input and the hidden state the next chained step reads. The model's forward_hidden and its rollback
-// points are in cuda_engine.cpp (Impl::forward).
+// the head's input and the hidden state the next chained step reads. A draft step (one position) replays a graph.
+// The model's forward_hidden and its rollback points are in cuda_engine.cpp (Impl::forward).
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cstring>
@@ -45,7 +45,12 @@ DevLinear view_of(const DevLinear& l) {
 }  // namespace cuda
 
 CudaEngine::Impl::Impl(Impl& m, MtpTag)
-    : opt(m.opt), weights(mtp_weights(*m.weights)), c(weights->config), name(m.name), use_graph(false), model(&m) {
+    : opt(m.opt),
+      weights(mtp_weights(*m.weights)),
+      c(weights->config),
+      name(m.name),
+      use_graph(m.use_graph),
+      model(&m) {
   opt.layer_begin = 0, opt.layer_end = -1;
   opt.placement.clear(), opt.cache_slots_per_layer.clear();
   opt.plan_placement = nullptr;
@@ -90,15 +95,20 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
     MOESRV_CUDA_OK(cudaMemcpyAsync(d_pos0.as<void>(), h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, stream));
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(d_tokens.as<void>(), h_tokens.as<void>(), size_t(m) * 4, cudaMemcpyHostToDevice, stream));
-    // enorm(embed(t)) | hnorm(h) per row, then eh_proj into the residual
-    embed_gather(embed.as<uint16_t>(), d_tokens.as<int32_t>(), int(m), int(D), s.y.as<float>(), stream);
-    if (pos0 + c0 == 0) MOESRV_CUDA_OK(cudaMemsetAsync(s.y.as<void>(), 0, size_t(D) * 4, stream));
-    rms_norm(s.y.as<float>(), D, mtp_in->enorm.w.as<float>(), int(m), int(D), eps, eh, 2 * D, stream);
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(s.h.as<void>(), hidden.data() + c0 * D, size_t(m * D) * 4, cudaMemcpyHostToDevice, stream));
-    rms_norm(s.h.as<float>(), D, mtp_in->hnorm.w.as<float>(), int(m), int(D), eps, eh + D, 2 * D, stream);
-    linear(mtp_in->eh_proj, eh, m, s.x.as<float>());
-    run_block_layers(m);
+    const bool first = pos0 + c0 == 0;
+    auto body = [&] {  // enorm(embed(t)) | hnorm(h) per row, then eh_proj into the residual, then the layer
+      embed_gather(embed.as<uint16_t>(), d_tokens.as<int32_t>(), int(m), int(D), s.y.as<float>(), stream);
+      if (first) MOESRV_CUDA_OK(cudaMemsetAsync(s.y.as<void>(), 0, size_t(D) * 4, stream));
+      rms_norm(s.y.as<float>(), D, mtp_in->enorm.w.as<float>(), int(m), int(D), eps, eh, 2 * D, stream);
+      rms_norm(s.h.as<float>(), D, mtp_in->hnorm.w.as<float>(), int(m), int(D), eps, eh + D, 2 * D, stream);
+      linear(mtp_in->eh_proj, eh, m, s.x.as<float>());
+      run_block_layers(m);
+    };
+    if (m == 1 && !first && graph_ok())  // a draft step: one graph per MTP sequence (or one, without fixed state)
+      replay(seq.has_fixed_state() ? sequence_graphs->get(rows_graph_key(seq.id, 1)) : graphs[0], body);
+    else body();
     seq.length_ = pos0 + c0 + m;
     last = m - 1;
   }
