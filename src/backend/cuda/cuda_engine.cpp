@@ -1,4 +1,5 @@
-// CUDA engine: sequences (device KV caches), the layer loop, chunked prefill and the decode CUDA graph.
+// CUDA engine: the layer loop, chunked prefill, decode graphs and decode steps of several sequences (their state:
+// cuda_sequence.h; the blocks: cuda_blocks.h; the MTP block: mtp_engine.cpp).
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include "backend/cuda/cuda_engine.h"
 
