@@ -35,13 +35,21 @@ inline Reference load_reference(const std::string& model) {
   return r;
 }
 
-// max |a - b| over rows, relative to the reference row's L2 norm (the acceptance metric).
 // The first n (at most all) ids of the model's reference prompt.
 inline std::vector<int32_t> reference_prompt(const std::string& model, size_t n) {
   auto ids = load_reference(model).input_ids;
   return std::vector<int32_t>(ids.begin(), ids.begin() + long(std::min(n, ids.size())));
 }
 
+// |a - ref| / |ref| in the L2 norm (|ref| = 0 counts as 1); vectors of different sizes: infinity.
+inline double rel_l2_diff(const std::vector<float>& a, const std::vector<float>& ref) {
+  if (a.size() != ref.size()) return INFINITY;
+  double d = 0, m = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += double(a[i] - ref[i]) * (a[i] - ref[i]), m += double(ref[i]) * ref[i];
+  return std::sqrt(d / (m > 0 ? m : 1));
+}
+
+// max |a - b| over rows, relative to the reference row's L2 norm (the acceptance metric).
 inline double max_rel_row_error(const float* a, const float* ref, int64_t rows, int64_t vocab) {
   double worst = 0;
   for (int64_t r = 0; r < rows; ++r) {

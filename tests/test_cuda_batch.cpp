@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <cmath>
 #include <thread>
 
 #include "backend/cuda/cuda_engine.h"
@@ -60,14 +59,6 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   EXPECT_GT(runner.stats().decode_steps, 0u);
 }
 
-// |a - b| / |b| (L2).
-double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    d += double(a[i] - b[i]) * (a[i] - b[i]), m += double(b[i]) * b[i];
-  return a.size() == b.size() ? std::sqrt(d / (m > 0 ? m : 1)) : 1.0;
-}
-
 // One decode step of B sequences at different lengths (B = 2..6: one pass of up to 4 rows, then the rest) gives each
 // sequence the logits its own forward gives, and leaves each state where that forward leaves it (the next steps
 // agree too); with graphs (per set of sequences) and without.
@@ -95,7 +86,7 @@ TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
         ASSERT_EQ(out.size(), B);
         for (size_t i = 0; i < B; ++i) {
           auto ref = engine.forward(*alone[i], {next[i]});
-          EXPECT_LT(rel_diff(out[i], ref), 1e-4)
+          EXPECT_LT(testing::rel_l2_diff(out[i], ref), 1e-4)
               << "graphs " << graphs << " B " << B << " row " << i << " step " << step;
           EXPECT_EQ(seqs[i]->length(), alone[i]->length());
           next[i] = argmax(ref);

@@ -4,7 +4,6 @@
 // CPU engine's (checked against vLLM's MTP code: tests/test_mtp_speculative.cpp). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <filesystem>
 
 #include "backend/cpu/cpu_engine.h"
@@ -44,14 +43,6 @@ MtpModels open_with_mtp(const std::string& model, bool cpu = false, bool with_he
   return m;
 }
 
-// |a - b| / |b| (L2; |b| = 0 counts as 1).
-double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double d = 0, m = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    d += double(a[i] - b[i]) * (a[i] - b[i]), m += double(b[i]) * b[i];
-  return std::sqrt(d / (m > 0 ? m : 1));
-}
 // CUDA against the CPU engine: test_cuda_engine's per-row tolerance (the GPU's multi-row GEMMs take bf16 inputs).
 constexpr double kCpuTolerance = 1e-2;
 
@@ -123,13 +114,15 @@ TEST(CudaMtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
       auto logits = mtp.forward_hidden(*seq, window, true, true, hidden);
       ASSERT_EQ(hidden.size(), size_t(4 * D));
       for (size_t j = 0; j < 4; ++j) {
-        EXPECT_LT(rel_diff(std::vector<float>(logits.begin() + long(j * V), logits.begin() + long((j + 1) * V)),
-                           step_logits[j]),
-                  1e-4)
+        EXPECT_LT(
+            testing::rel_l2_diff(std::vector<float>(logits.begin() + long(j * V), logits.begin() + long((j + 1) * V)),
+                                 step_logits[j]),
+            1e-4)
             << "graphs " << graphs << " row " << j;
-        EXPECT_LT(rel_diff(std::vector<float>(hidden.begin() + long(j) * D, hidden.begin() + long(j + 1) * D),
-                           step_hidden[j]),
-                  1e-4)
+        EXPECT_LT(
+            testing::rel_l2_diff(std::vector<float>(hidden.begin() + long(j) * D, hidden.begin() + long(j + 1) * D),
+                                 step_hidden[j]),
+            1e-4)
             << "graphs " << graphs << " row " << j;
       }
       const int64_t n = int64_t(prompt.size()) + keep;
@@ -137,7 +130,7 @@ TEST(CudaMtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
       EXPECT_EQ(seq->resume_point(n), n);
       seq->truncate(n);
       EXPECT_EQ(seq->length(), n);
-      EXPECT_LT(rel_diff(m.gpu->forward(*seq, {42}), next_logits[size_t(keep - 1)]), 1e-4)
+      EXPECT_LT(testing::rel_l2_diff(m.gpu->forward(*seq, {42}), next_logits[size_t(keep - 1)]), 1e-4)
           << "graphs " << graphs << " keep " << keep;
     }
   }
@@ -159,11 +152,14 @@ TEST(CudaMtpForward, MatchesTheCpuEngine) {
     const std::vector<float> rows(hidden.begin(), hidden.begin() + n * D);
     auto gs = g.new_mtp_sequence(), cs = c.new_mtp_sequence();
     std::vector<float> gh, ch;
-    EXPECT_LT(rel_diff(g.mtp_forward(*gs, next, rows, gh), c.mtp_forward(*cs, next, rows, ch)), kCpuTolerance) << model;
-    EXPECT_LT(rel_diff(gh, ch), kCpuTolerance) << model;
+    EXPECT_LT(testing::rel_l2_diff(g.mtp_forward(*gs, next, rows, gh), c.mtp_forward(*cs, next, rows, ch)),
+              kCpuTolerance)
+        << model;
+    EXPECT_LT(testing::rel_l2_diff(gh, ch), kCpuTolerance) << model;
     for (int32_t t : {7, 300, 12}) {  // chained steps, each fed its own block's hidden state back
       std::vector<float> gh2, ch2;
-      EXPECT_LT(rel_diff(g.mtp_forward(*gs, {t}, gh, gh2), c.mtp_forward(*cs, {t}, ch, ch2)), kCpuTolerance) << model;
+      EXPECT_LT(testing::rel_l2_diff(g.mtp_forward(*gs, {t}, gh, gh2), c.mtp_forward(*cs, {t}, ch, ch2)), kCpuTolerance)
+          << model;
       gh.swap(gh2), ch.swap(ch2);
     }
     EXPECT_EQ(gs->length(), cs->length());

@@ -37,14 +37,44 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
   phase(CudaPhase::AttnProj);
   if (indexer == IndexerKind::Own && !a.indexer) fail("layer {}: the DSA indexer's weights are missing", l);
   const bool kpool = indexer == IndexerKind::Own && c.index_kpool > 1;
-  if (batch) {  // S sequences' decode steps: the projections over all rows, then each row at its position
+  auto kv_latent = [&] {  // kv = rms_norm(kv_a h) over the latent part, the rope part as projected
     linear(a.kv_a, h, S, kv);
     rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+  };
+  auto q_latent = [&] {  // q_lat = rms_norm(q_a h)
+    linear(a.q_a, h, S, s.q_lat.as<float>());
+    rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
+             s.q_lat.as<float>(), c.q_lora_rank, stream);
+  };
+  // Attention of n query rows (absorbed, in s.qcat) at the positions from `pos`, with the selection at row s0 of
+  // s.sel, into s.olat.
+  auto attend = [&](int n, int64_t s0, const int32_t* pos) {
+    AttentionArgs args;
+    args.q = s.qcat.as<float>();
+    args.S = n;
+    args.H = H;
+    args.q_dim = lat;
+    args.v_dim = r;
+    args.mla = true;
+    args.q8 = opt.kv_q8;
+    args.lc = layer_cache(l);
+    if (indexer != IndexerKind::None) {
+      args.selection = s.sel.as<int32_t>() + s0 * sel_width();
+      args.sel_k = int(sel_width());
+    }
+    args.pos0 = pos;
+    args.scale = float(c.softmax_scale);
+    args.out = s.olat.as<float>();
+    if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
+    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
+      mla_prefill_attention(args, stream);
+    else attention(args, stream);
+  };
+  if (batch) {  // S sequences' decode steps: the projections over all rows, then each row at its position
+    kv_latent();
     if (kpool) kpool_indexer_keys(*a.indexer, S);
     if (a.q_a.out) {
-      linear(a.q_a, h, S, s.q_lat.as<float>());
-      rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
-               s.q_lat.as<float>(), c.q_lora_rank, stream);
+      q_latent();
       linear(a.q_b, s.q_lat.as<float>(), S, q);
     } else {
       linear(a.q, h, S, q);
@@ -60,25 +90,14 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
       }
       rope(q_b, 1, H, int64_t(H) * qk, qk, dn, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
       mla_query(q_b, a.w_uk.as<uint16_t>(), 1, H, dn, dr, r, s.qcat.as<float>(), stream);
-      AttentionArgs args;
-      args.q = s.qcat.as<float>();
-      args.S = 1, args.H = H, args.q_dim = lat, args.v_dim = r;
-      args.mla = true, args.q8 = opt.kv_q8;
-      args.lc = layer_cache(l);
-      if (indexer != IndexerKind::None) args.selection = s.sel.as<int32_t>(), args.sel_k = int(sel_width());
-      args.pos0 = d_pos0.as<int32_t>();
-      args.scale = float(c.softmax_scale);
-      args.out = s.olat.as<float>();
-      if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
-      else attention(args, stream);
+      attend(1, 0, d_pos0.as<int32_t>());  // (s.sel: the row's)
       mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), 1, H, dv, r, s.attn_out.as<float>() + b * H * dv, stream);
     }
     linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
     return;
   }
   on_proj_side(S, [&] {  // decode: the latent key row (into the cache) and the k-pool's key projections beside q
-    linear(a.kv_a, h, S, kv);
-    rms_norm(kv, lat, a.kv_a_norm.w.as<float>(), int(S), r, 1e-6f, kv, lat, stream);
+    kv_latent();
     rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
     cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);
     if (kpool) kpool_indexer_keys(*a.indexer, S);
@@ -89,9 +108,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
   const bool kpool_early = kpool && (opt.kpool_beside_query || kpool_side_env) && a.q_a.out;
   bool indexed = indexer != IndexerKind::Own;  // the selection in s.sel is the current one once this is set
   if (a.q_a.out) {
-    linear(a.q_a, h, S, s.q_lat.as<float>());
-    rms_norm(s.q_lat.as<float>(), c.q_lora_rank, a.q_a_norm.w.as<float>(), int(S), int(c.q_lora_rank), 1e-6f,
-             s.q_lat.as<float>(), c.q_lora_rank, stream);
+    q_latent();
     if (kpool_early) {
       phase(CudaPhase::Indexer);
       kpool_indexer(*a.indexer, l, S, true);
@@ -130,27 +147,8 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
       mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
     }
     phase(CudaPhase::AttnCore);
-    AttentionArgs args;
-    args.q = s.qcat.as<float>();
-    args.S = n;
-    args.H = H;
-    args.q_dim = lat;
-    args.v_dim = r;
-    args.mla = true;
-    args.q8 = opt.kv_q8;
-    args.lc = layer_cache(l);
-    if (indexer != IndexerKind::None) {
-      args.selection = s.sel.as<int32_t>() + s0 * sel_width();
-      args.sel_k = int(sel_width());
-    }
-    args.pos0 = pos;
-    args.scale = float(c.softmax_scale);
-    args.out = s.olat.as<float>();
     join_proj_side();  // kpool_early: the latent row in the cache and the selection, made beside the query
-    if (opt.mla_split_decode && mla_split_supported(args)) mla_split_attention(args, s.mla_part.as<float>(), stream);
-    else if (opt.mla_tc_prefill && n > kMlaSplitMaxTokens && mla_prefill_supported(args))
-      mla_prefill_attention(args, stream);
-    else attention(args, stream);
+    attend(n, s0, pos);
     phase(CudaPhase::AttnAbsorb);
     if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]
       from_bf16(a.w_uv.as<uint16_t>(), int64_t(H) * dv * r, wf, stream);

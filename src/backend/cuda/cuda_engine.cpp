@@ -170,6 +170,13 @@ int64_t CudaEngine::Impl::graph_rows() const {
   return std::min(env, lm_rows);
 }
 
+void CudaEngine::Impl::check_tokens(int64_t pos0, const int32_t* tokens, int64_t n) const {
+  if (pos0 + n > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, n, max_ctx);
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size)
+      fail("token id {} outside vocabulary [0, {})", tokens[i], c.vocab_size);
+}
+
 bool CudaEngine::Impl::graph_ok() const {
   if (!use_graph) return false;
   for (const auto& L : layers)
@@ -278,9 +285,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
          layer_begin, layer_end, c.num_layers);
   const int64_t S = int64_t(tokens.size()), V = c.vocab_size, pos0 = seq->length();
   if (S == 0) fail("forward: no tokens");
-  if (pos0 + S > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, max_ctx);
-  for (int32_t t : tokens)
-    if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
+  check_tokens(pos0, tokens.data(), S);
   if (rollback && (S > kMaxRollbackRows || S > rows))  // (one pass: the multi-token kernels write the points)
     fail("forward: {} tokens with rollback points (at most {} and the pass length {})", S, kMaxRollbackRows, rows);
   argmax_row = nullptr;
@@ -409,10 +414,7 @@ std::vector<std::vector<float>> CudaEngine::forward_batch(const std::vector<Sequ
     return Engine::forward_batch(seqs, tokens);
   const Impl::DeviceLock lock(*m.device_mu);
   for (size_t i = 0; i < seqs.size(); ++i) {
-    const CudaSequence& seq = own_sequence(m, *seqs[i], "forward_batch");
-    if (seq.length() + 1 > m.max_ctx) fail("context length exceeded: {} + 1 tokens > {}", seq.length(), m.max_ctx);
-    if (tokens[i] < 0 || tokens[i] >= m.c.vocab_size)
-      fail("token id {} outside vocabulary [0, {})", tokens[i], m.c.vocab_size);
+    m.check_tokens(own_sequence(m, *seqs[i], "forward_batch").length(), &tokens[i], 1);
     for (size_t j = 0; j < i; ++j)
       if (seqs[j] == seqs[i]) fail("forward_batch: sequence {} given twice", i);
   }

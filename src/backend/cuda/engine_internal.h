@@ -558,6 +558,8 @@ struct CudaEngine::Impl {
   void run_block_layers(int64_t S);  // every layer from the residual in s.x, then the final norm (the MTP block)
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;
+  // Fails naming the problem unless the n tokens fit after pos0 (the context) and are vocabulary ids.
+  void check_tokens(int64_t pos0, const int32_t* tokens, int64_t n) const;
   // Replays `graph` on `stream`, first capturing `body` (the kernels it queues on `stream`) into it when empty.
   void replay(cudaGraphExec_t& graph, const std::function<void()>& body);
   // The device position of row s0 of the pass: d_pos0 itself, or d_pos0 + s0 written to d_slice_pos (stream order).

@@ -78,9 +78,7 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
   const int64_t n = int64_t(next.size()), D = c.hidden_size, V = c.vocab_size, pos0 = seq.length();
   if (n == 0 || int64_t(hidden.size()) != n * D)
     fail("mtp_forward: {} tokens with {} hidden values (hidden size {})", n, hidden.size(), D);
-  if (pos0 + n > max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, n, max_ctx);
-  for (int32_t t : next)
-    if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
+  check_tokens(pos0, next.data(), n);
   const float eps = float(c.rms_eps);
   float* eh = mtp_in->eh.as<float>();
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
