@@ -603,6 +603,61 @@ void prefill_cublas() {
                       P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
 }
 
+// Prefill attention and indexer (issue 20): kPrefillQueries query rows ending at the context's last position, as the
+// engine's pass calls them (mla_prefill_attention; kpool_select's tensor-core scores and top-k), each query with its
+// own random selection of 512 visible pools.
+constexpr int kPrefillQueries = 512;
+struct PrefillCtx {
+  int32_t *pos0 = nullptr, *sel = nullptr, *sel_out = nullptr;
+  float* scores = nullptr;
+  size_t scratch = 0;
+};
+struct PrefillQ {
+  float *q = nullptr, *out = nullptr, *iq = nullptr, *ihw = nullptr;
+} PQ;
+const PrefillCtx& prefill_ctx(const Ctx& c) {
+  static std::vector<std::pair<int, PrefillCtx>> made;
+  for (const auto& [ctx, p] : made)
+    if (ctx == c.ctx) return p;
+  if (!PQ.q) {
+    PQ.q = randf(size_t(kPrefillQueries) * MH * R, 1.0f), PQ.out = dalloc<float>(size_t(kPrefillQueries) * MH * R);
+    PQ.iq = randf(size_t(kPrefillQueries) * IH * ID, 1.0f), PQ.ihw = randf(size_t(kPrefillQueries) * IH, 1.0f);
+  }
+  std::mt19937 rng(uint32_t(c.ctx));
+  PrefillCtx p;
+  const int first = c.ctx - kPrefillQueries;
+  p.pos0 = upload(std::vector<int32_t>{first});
+  std::vector<int32_t> sel(size_t(kPrefillQueries) * SELW, -1), pools;
+  for (int s = 0; s < kPrefillQueries; ++s) {
+    pools.resize(size_t((first + s + 1) / KPOOL));
+    std::iota(pools.begin(), pools.end(), 0);
+    for (size_t j = 0; j < size_t(BUDGET); ++j) std::swap(pools[j], pools[j + rng() % (pools.size() - j)]);
+    std::sort(pools.begin(), pools.begin() + BUDGET);
+    for (int j = 0; j < BUDGET; ++j)
+      for (int t = 0; t < KPOOL; ++t) sel[size_t(s) * SELW + size_t(j * KPOOL + t)] = pools[size_t(j)] * KPOOL + t;
+  }
+  p.sel = upload(sel), p.sel_out = dalloc<int32_t>(sel.size());
+  p.scratch = kpool_select_scratch(kPrefillQueries, c.max_pools, BUDGET);
+  p.scores = dalloc<float>(p.scratch);
+  made.emplace_back(c.ctx, p);
+  return made.back().second;
+}
+void prefill_mla(int i, const Ctx& c) {
+  const PrefillCtx& p = prefill_ctx(c);
+  AttentionArgs a;
+  a.q = PQ.q, a.S = kPrefillQueries, a.H = MH, a.q_dim = R, a.v_dim = R, a.mla = true;
+  a.lc = c.lc + i % c.ncache, a.selection = p.sel, a.sel_k = SELW, a.pos0 = p.pos0, a.scale = MLA_SCALE;
+  a.out = PQ.out;
+  g_bytes += double(kPrefillQueries) * TOPK_KEYS * R * 2;  // selected latent rows, once per query
+  mla_prefill_attention(a, g_st);
+}
+void prefill_kpool(int i, const Ctx& c) {
+  const PrefillCtx& p = prefill_ctx(c);
+  g_bytes += double(c.ctx / KPOOL) * ID * 4;  // the pooled keys, once
+  kpool_select(PQ.iq, PQ.ihw, c.pool_k[i], kPrefillQueries, IH, ID, KPOOL, BUDGET, true, p.pos0, c.max_pools, p.scores,
+               p.scratch, p.sel_out, SELW, g_st, 1.0f / std::sqrt(float(IH)));
+}
+
 // ---- forwards of a few tokens (MTP verifies, batched steps): the engine's default batch path (rotate, the fp16-input
 // batch GEMV, rotate out; grouped experts one entry per token and pick) against CudaEngineOptions::row_gemv's (the
 // R-row GEMV; entries that share an expert merged). S tokens' inputs: RowsB::x.
@@ -829,6 +884,10 @@ void run_all(const std::vector<Ctx>& ctxs) {
     prefill_setup();
     bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(); });
     bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
+    for (const Ctx& c : ctxs) {
+      bench("prefill MLA attention, 512 queries x 2048 keys, ctx " + c.label, [&](int i) { prefill_mla(i, c); });
+      bench("prefill IDX kpool_select, 512 queries, ctx " + c.label, [&](int i) { prefill_kpool(i, c); });
+    }
   }
   bench("MoE EXL3 experts gate|up, 2x 9x 2048x4096", [](int i) { experts_gate_up(B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts down, 9x 4096x2048 (SwiGLU in)",

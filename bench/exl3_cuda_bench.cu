@@ -145,6 +145,19 @@ void correctness(bool quick) {
       for (size_t i = 0; i < gw.size(); ++i) bad += f16_to_f32(gw[i]) != cpu[i];
       std::string tag = "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb));
       check(bad == 0, tag + ": fp16 dequant bit-exact vs CPU tiles");
+      {  // strips [3, 16): a slab of a GEMM whose scratch holds fewer columns than the weight (one partial group)
+        const int nt0 = 3, nts = 13;
+        std::vector<float> part(size_t(in) * nts * 16);
+        exl3_decode_rotated(h->w, 16 * nt0, 16 * (nt0 + nts), part.data());
+        CK(cudaMalloc(&d, part.size() * 2));
+        g.dequant_rotated_f16(d, nullptr, nt0, nts);
+        std::vector<uint16_t> gp(part.size());
+        CK(cudaMemcpy(gp.data(), d, gp.size() * 2, cudaMemcpyDeviceToHost));
+        CK(cudaFree(d));
+        int bad_part = 0;
+        for (size_t i = 0; i < gp.size(); ++i) bad_part += f16_to_f32(gp[i]) != part[i];
+        check(bad_part == 0, tag + ": fp16 dequant of strips 3..15 bit-exact vs CPU tiles");
+      }
       for (auto kind : {Exl3CudaLinear::GemvKernel::Fp32, Exl3CudaLinear::GemvKernel::TensorCore}) {
         g.set_gemv_kernel(kind);
         bool fp32 = kind == Exl3CudaLinear::GemvKernel::Fp32;

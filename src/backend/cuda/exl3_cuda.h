@@ -37,8 +37,9 @@ class Exl3CudaLinear {
   // rows: fp32 FMAs), or Auto (default: Fp32 for n == 1, TensorCore for n >= 2; see docs/perf-exl3.md).
   enum class GemvKernel { Auto, TensorCore, Fp32, Rows };  // Rows: 1..4 rows, the R-row kernel
   void set_gemv_kernel(GemvKernel k);
-  // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory.
-  void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr) const;
+  // W_hat (rotated basis) as fp16 bits, row-major [in_pad][out_pad], into device memory; with nts >= 0 only the
+  // columns of 16-column strips [nt0, nt0 + nts), row-major [in_pad][16 * nts].
+  void dequant_rotated_f16(uint16_t* d_out, void* stream = nullptr, int nt0 = 0, int nts = -1) const;
 
  private:
   friend std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>&,

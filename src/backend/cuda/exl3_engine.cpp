@@ -4,6 +4,7 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 
 #include "backend/cuda/engine_internal.h"
 
@@ -202,46 +203,51 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   uint16_t* xh = s.x3_xh.as<uint16_t>();
   float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
   const size_t w16 = s.x3_w16.bytes() / 2;
-  // MOESRV_EXL3_GROUPED_GEMM=1: one grouped GEMM per projection (the pieces as tiles of exl3_gemm_tile_rows() rows,
-  // copied once for the wave's three projections) instead of each piece's dequantization + cuBLAS. Opt-in: its first
-  // (64-row) version measured slower than cuBLAS in the slice (docs/perf-cuda.md, sixth round).
-  static const bool per_piece = [] {
-    const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
-    return !(v && v[0] == '1');
-  }();
+  // Each piece goes through its own dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads
+  // back) or, opt-in, the grouped GEMM (one launch per projection over every grouped piece's tiles of
+  // exl3_gemm_tile_rows() rows, the trellis decoded per tile). MOESRV_EXL3_GROUPED_GEMM=1: every piece grouped,
+  // =N > 1: pieces of at most N rows (the cold experts' few rows), unset or 0: none. Neither grouped form was faster
+  // in the slice (docs/perf-cuda.md, sixth and twelfth rounds).
   const int64_t tile_rows = exl3_gemm_tile_rows();
+  static const int64_t grouped_max = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
+    const long long n = v && v[0] ? std::atoll(v) : 0;
+    return n == 1 ? std::numeric_limits<int64_t>::max() : int64_t(std::max(0LL, n));
+  }();
+  auto grouped = [&](const ExpertPiece& pc) { return pc.cnt <= grouped_max; };
   int64_t n_tiles = 0;
-  for (const ExpertPiece& pc : pieces) n_tiles += (pc.cnt + tile_rows - 1) / tile_rows;
+  for (const ExpertPiece& pc : pieces)
+    if (grouped(pc)) n_tiles += (pc.cnt + tile_rows - 1) / tile_rows;
   const int64_t cap = int64_t(s.gemm_tiles.bytes() / sizeof(Exl3GemmTile));
-  const bool fused = !per_piece && gemm_tiles_used + n_tiles <= cap;
+  const bool fused = n_tiles > 0 && gemm_tiles_used + n_tiles <= cap;  // else every piece through cuBLAS
   Exl3GemmTile* d_tiles = s.gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used;
+  std::vector<const ExpertPiece*> apart;  // the pieces through dequantization + cuBLAS
   if (fused) {
     Exl3GemmTile* t = h_gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used;
     for (const ExpertPiece& pc : pieces)
-      for (int64_t r = 0; r < pc.cnt; r += tile_rows)
-        *t++ = {pc.e, int32_t(pc.row0 - a + r), int32_t(std::min(tile_rows, pc.cnt - r)), 0};
+      if (grouped(pc))
+        for (int64_t r = 0; r < pc.cnt; r += tile_rows)
+          *t++ = {pc.e, int32_t(pc.row0 - a + r), int32_t(std::min(tile_rows, pc.cnt - r)), 0};
     MOESRV_CUDA_OK(cudaMemcpyAsync(d_tiles, h_gemm_tiles.as<Exl3GemmTile>() + gemm_tiles_used,
                                    size_t(n_tiles) * sizeof(Exl3GemmTile), cudaMemcpyHostToDevice, stream));
     gemm_tiles_used += n_tiles;
   }
+  for (const ExpertPiece& pc : pieces)
+    if (!fused || !grouped(pc)) apart.push_back(&pc);
   for (int p = 0; p < 3; ++p) {
     const Exl3Dev& shape = m.x3_off[0][size_t(p)];
     const Exl3Group g{tab + p * m.x3_stride, ids};
     const Exl3Src src = p < 2 ? Exl3Src{s.h.as<float>(), D, s.sorted_tok.as<int32_t>() + a}
                               : Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit};  // SwiGLU of gate | up
     exl3_rotate_in(shape, g, src, int(rows), xh, true, stream);
-    if (fused) {
-      exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows));
-      if (p < 2) exl3_rotate_out(shape, g, yr, int(rows), gu + p * I, 2 * I, nullptr, stream);
-      else exl3_rotate_out(shape, g, yr, int(rows), s.ysorted.as<float>(), D, nullptr, stream);
-      continue;
-    }
-    // piece j on lane j % n (lane 0: the engine's stream), forked after the rotation, joined before rotate_out
-    const size_t n = std::min(pieces.size(), expert_lanes.size() + 1);
+    // apart piece j on lane j % n (lane 0: the engine's stream, after the grouped GEMM), forked after the rotation,
+    // joined before rotate_out
+    const size_t n = std::min(apart.size(), expert_lanes.size() + 1);
     if (n > 1) MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
     for (size_t l = 1; l < n; ++l) MOESRV_CUDA_OK(cudaStreamWaitEvent(expert_lanes[l - 1].stream, lanes_fork, 0));
-    for (size_t j = 0; j < pieces.size(); ++j) {
-      const ExpertPiece& pc = pieces[j];
+    if (fused) exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows));
+    for (size_t j = 0; j < apart.size(); ++j) {
+      const ExpertPiece& pc = *apart[j];
       const int64_t b0 = pc.row0 - a;
       const Exl3Dev w = rebase(m.x3_off[size_t(pc.e)][size_t(p)], m.vram[size_t(pc.e)].as<void>());
       ExpertLane* lane = j % n ? &expert_lanes[j % n - 1] : nullptr;

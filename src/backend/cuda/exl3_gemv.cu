@@ -844,35 +844,61 @@ __global__ void row_sets_kernel(const int32_t* ids, int m, Exl3RowSet* sets) {
   }
 }
 
-// ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts]; one warp per tile ----
+// ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts] ----
+// A warp takes one k-tile over kDequantTiles adjacent 16-column strips (their trellis words are contiguous: all the
+// loads in flight at once), decodes the lane's 8 states of each into a shared [16][16 * kDequantTiles] row block, and
+// writes each of its 16 rows as one contiguous run of 16-byte stores. (One warp per 16x16 tile spent ~30% more time
+// on load latency: issue 20, docs/perf-cuda.md.)
+constexpr int kDequantTiles = 8, kDequantWarps = 4;
+constexpr int kDequantRowHalves = 16 * kDequantTiles + 8;  // + 8: 16-byte rows whose stores hit distinct banks
 template <int K, int CB>
-__global__ void dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, int nt0, int nts,
-                               half* __restrict__ out) {
+__global__ void __launch_bounds__(kDequantWarps * 32)
+    dequant_kernel(const uint4* __restrict__ trellis, int tiles_n, int tiles_k, int nt0, int nts,
+                   half* __restrict__ out) {
   pdl_enter();
-  constexpr int kWords = 8 * K, kChunks = 2 * K;
-  __shared__ __align__(16) uint32_t ws[4][kWords];
-  __shared__ __align__(16) half tile[4][16][16];
+  constexpr int kWords = 8 * K, kChunks = 2 * K, T = kDequantTiles, kLoads = (T * kChunks + 31) / 32;
+  __shared__ __align__(16) uint32_t ws[kDequantWarps][T][kWords];
+  __shared__ __align__(16) half rows_s[kDequantWarps][16][kDequantRowHalves];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int j = blockIdx.x * 4 + warp, kt = blockIdx.y;
-  if (j >= nts) return;
-  if (lane < kChunks)
-    reinterpret_cast<uint4*>(ws[warp])[lane] = __ldg(trellis + (size_t(kt) * tiles_n + nt0 + j) * kChunks + lane);
+  const int kt = blockIdx.y * kDequantWarps + warp, j0 = blockIdx.x * T;
+  if (kt >= tiles_k) return;
+  const int nj = min(T, nts - j0);
+  const uint4* src = trellis + (size_t(kt) * tiles_n + nt0 + j0) * kChunks;  // the nj tiles, contiguous
+  uint4 r[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int c = lane + 32 * i;
+    r[i] = make_uint4(0, 0, 0, 0);
+    if (c < T * kChunks && c < nj * kChunks) r[i] = __ldg(src + c);
+  }
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int c = lane + 32 * i;
+    if (c < T * kChunks) reinterpret_cast<uint4*>(ws[warp])[c] = r[i];
+  }
   __syncwarp();
   const LanePos<K> pos(lane);
   const int r0 = (lane & 3) * 2, c0 = lane >> 2;
   const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
-  uint32_t st[8];
-  pos.states(ws[warp], st);
+#pragma unroll 2
+  for (int u = 0; u < T; ++u) {
+    if (u >= nj) break;
+    uint32_t st[8];
+    pos.states(ws[warp][u], st);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) tile[warp][rows[i & 3]][c0 + (i >= 4 ? 8 : 0)] = decode_state<CB>(st[i]);
+    for (int i = 0; i < 8; ++i) rows_s[warp][rows[i & 3]][16 * u + c0 + (i >= 4 ? 8 : 0)] = decode_state<CB>(st[i]);
+  }
   __syncwarp();
-  int r = lane >> 1, h = lane & 1;  // each lane stores 8 halves (16 bytes) of one row
-  *reinterpret_cast<uint4*>(out + size_t(kt * 16 + r) * (16 * nts) + j * 16 + h * 8) =
-      *reinterpret_cast<const uint4*>(&tile[warp][r][h * 8]);
+  const int runs = 2 * nj;  // 16-byte pieces of a row
+  for (int i = lane; i < 16 * runs; i += 32) {
+    const int rr = i / runs, q = i - rr * runs;
+    *reinterpret_cast<uint4*>(out + size_t(16 * kt + rr) * (16 * nts) + 16 * j0 + 8 * q) =
+        *reinterpret_cast<const uint4*>(&rows_s[warp][rr][8 * q]);
+  }
 }
 
 using GemvFn = void (*)(GemvArgs);
-using DequantFn = void (*)(const uint4*, int, int, int, half*);
+using DequantFn = void (*)(const uint4*, int, int, int, int, half*);
 
 #define EXL3_K_TABLE(fn, cb) \
   { &fn<1, cb>, &fn<2, cb>, &fn<3, cb>, &fn<4, cb>, &fn<5, cb>, &fn<6, cb>, &fn<7, cb>, &fn<8, cb> }
@@ -1210,8 +1236,11 @@ void exl3_gemv_rows_out(const Exl3Dev& w, Exl3Group g, const Exl3RowSet* sets, i
 
 void exl3_dequant_rotated(const Exl3Dev& w, int nt0, int nts, uint16_t* out, void* stream) {
   check_shape(w);
-  launch(kDequant[w.cb][w.K - 1], dim3((nts + 3) / 4, w.in_pad / 16), 128, 0, static_cast<cudaStream_t>(stream),
-         static_cast<const uint4*>(w.trellis), w.out_pad / 16, nt0, nts, reinterpret_cast<half*>(out));
+  const int tiles_k = w.in_pad / 16;
+  launch(kDequant[w.cb][w.K - 1],
+         dim3((nts + kDequantTiles - 1) / kDequantTiles, (tiles_k + kDequantWarps - 1) / kDequantWarps),
+         kDequantWarps * 32, 0, static_cast<cudaStream_t>(stream), static_cast<const uint4*>(w.trellis), w.out_pad / 16,
+         tiles_k, nt0, nts, reinterpret_cast<half*>(out));
   EXL3_CHECK(cudaGetLastError());
 }
 

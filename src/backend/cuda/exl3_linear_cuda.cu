@@ -151,8 +151,8 @@ std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear
   return y;
 }
 
-void Exl3CudaLinear::dequant_rotated_f16(uint16_t* d_out, void* stream) const {
-  cuda::exl3_dequant_rotated(impl_->w, 0, impl_->w.out_pad / 16, d_out, stream);
+void Exl3CudaLinear::dequant_rotated_f16(uint16_t* d_out, void* stream, int nt0, int nts) const {
+  cuda::exl3_dequant_rotated(impl_->w, nt0, nts < 0 ? impl_->w.out_pad / 16 - nt0 : nts, d_out, stream);
 }
 
 void Exl3CudaLinear::forward_gemm(const float* d_x, int n, float* d_y, void* stream) {

@@ -173,12 +173,20 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
 }
 
 // The same scores for a prefill batch on tensor cores: block (x, y) scores pools [128 x, 128 x + 128) for queries
-// [8 y, 8 y + 8); warp w owns 16 pools (the MMA's rows, their keys split into fp16 value + remainder and held in
-// registers for every head) and runs heads 0.. in order over the 8 queries (the MMA's columns, split the same way,
-// read from global memory): q . key as hi.hi + hi.lo + lo.hi products (~2^-21 relative), then ReLU, the head
-// weight and the sum over heads in fp32. d = 16 * kSteps (kpool_mma_dim).
+// [32 y, 32 y + 32); warp w owns 16 pools (the MMA's rows, their keys split into fp16 value + remainder and held in
+// registers for every head) and runs heads 0.. in order over the block's 4 groups of 8 queries (the MMA's columns,
+// split the same way once per block and head into shared memory, the next head's query rows loaded while this one
+// runs): q . key as hi.hi + hi.lo + lo.hi products (~2^-21 relative), then ReLU, the head weight and the sum over
+// heads in fp32. d = 16 * kSteps (kpool_mma_dim). (The first form gave each block 8 queries and had every warp load
+// and split them from global memory itself: bound by L1 traffic, 4x slower at 131K; issue 20.)
 constexpr int kMmaPools = 128, kMmaQueries = 8, kMmaWarps = kMmaPools / 16;
+constexpr int kMmaGroups = 4, kMmaBlockQueries = kMmaGroups * kMmaQueries;  // prefill: queries per block
 constexpr bool kpool_mma_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
+// Shared memory of the prefill kernel: two heads' B words ([group][step][lane] x {b0 hi, b1 hi, b0 lo, b1 lo}) and
+// head weights.
+constexpr size_t kpool_prefill_smem(int steps) {
+  return size_t(2) * (kMmaGroups * steps * 32 * 16 + kMmaBlockQueries * 4);
+}
 // The keys of pools P0 + g and P0 + g + 8 (zero from `pools` on) as the A fragments of kSteps m16n8k16 products over
 // dims 16 j .., split into fp16 value (a_hi) and remainder (a_lo). d = 16 kSteps.
 template <int kSteps>
@@ -195,56 +203,107 @@ __device__ __forceinline__ void load_pool_keys(const float* pool_k, int P0, int 
     }
   }
 }
-// c += A . B for one 16-dim step in ~fp32 precision: B's two pairs (v0 = rows 2t, 2t + 1; v1 = rows 2t + 8, 2t + 9)
-// split like A, then lo.hi + hi.lo + hi.hi on fp16 tensor cores (~2^-21 relative).
+// c += A . B for one 16-dim step in ~fp32 precision: B's words (b0: rows 2t, 2t + 1; b1: rows 2t + 8, 2t + 9) split
+// like A into hi and lo, then lo.hi + hi.lo + hi.hi on fp16 tensor cores (~2^-21 relative).
+__device__ __forceinline__ void mma_split3(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                           uint32_t b0h, uint32_t b1h, uint32_t b0l, uint32_t b1l) {
+  mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
+  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
+  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+}
 __device__ __forceinline__ void mma_split3(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float2 v0,
                                            float2 v1) {
   uint32_t b0h, b0l, b1h, b1l;
   split_half2(v0.x, v0.y, b0h, b0l);
   split_half2(v1.x, v1.y, b1h, b1l);
-  mma_m16n8k16_f16(c, al[0], al[1], al[2], al[3], b0h, b1h);
-  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0l, b1l);
-  mma_m16n8k16_f16(c, ah[0], ah[1], ah[2], ah[3], b0h, b1h);
+  mma_split3(c, ah, al, b0h, b1h, b0l, b1l);
 }
 
 template <int kSteps>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+__global__ void __launch_bounds__(kMmaWarps * 32, kSteps <= 8 ? 2 : 1)
     kpool_score_mma_kernel(const float* q, const float* hw, float hw_scale, const float* pool_k, int S, int nh,
                            int kpool, const int32_t* pos0, int max_pools, float* scores) {
   pdl_enter();
-  constexpr int d = 16 * kSteps;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int s0 = blockIdx.y * kMmaQueries, P0 = blockIdx.x * kMmaPools + warp * 16;
-  const int last = min(S, s0 + kMmaQueries) - 1;
+  constexpr int d = 16 * kSteps, kEntries = kMmaGroups * kSteps * 32, kThreads = kMmaWarps * 32;
+  constexpr int kPer = (kEntries + kThreads - 1) / kThreads;  // B entries (lane words of one step) a thread splits
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint4* bw = reinterpret_cast<uint4*>(smem_raw);            // [2][kEntries]
+  float* w_s = reinterpret_cast<float*>(bw + 2 * kEntries);  // [2][kMmaBlockQueries]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int s0 = blockIdx.y * kMmaBlockQueries, P0 = blockIdx.x * kMmaPools + warp * 16;
+  const int last = min(S, s0 + kMmaBlockQueries) - 1;
   const int pools = int(min((int64_t(*pos0) + last + 1) / kpool, int64_t(max_pools)));  // the most any query sees
-  if (P0 >= pools) return;                                                              // uniform over the warp
+  if (blockIdx.x * kMmaPools >= pools) return;                                          // uniform over the block
+  const bool active = P0 < pools;                                                       // uniform over the warp
   uint32_t a_hi[kSteps][4], a_lo[kSteps][4];  // keys of pools P0 + g (rows g) and P0 + g + 8, dims 16 j ..
-  load_pool_keys<kSteps>(pool_k, P0, pools, g, t, a_hi, a_lo);
-  const int sq = min(s0 + g, S - 1);  // the query of this lane's B columns (clamped rows are computed, not stored)
-  const float scale = 1.0f / sqrtf(float(d));
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int h = 0; h < nh; ++h) {
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float* qh = q + (int64_t(sq) * nh + h) * d + 2 * t;
+  if (active) load_pool_keys<kSteps>(pool_k, P0, pools, g, t, a_hi, a_lo);
+  // entry e = (group, step, lane): query s0 + 8 group + lane / 4 (clamped rows are computed, not stored), dims
+  // 16 step + 2 (lane % 4) + {0, 1, 8, 9}
+  float4 raw[kPer];
+  float w_raw = 0.0f;
+  auto load = [&](int h) {
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const float2 v0 = *reinterpret_cast<const float2*>(qh + 16 * j),
-                   v1 = *reinterpret_cast<const float2*>(qh + 16 * j + 8);
-      mma_split3(c, a_hi[j], a_lo[j], v0, v1);
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + kThreads * i, el = e & 31, j = (e >> 5) % kSteps, grp = (e >> 5) / kSteps;
+      if (e >= kEntries) break;
+      const int sq = min(s0 + 8 * grp + (el >> 2), S - 1);
+      const float* qh = q + (int64_t(sq) * nh + h) * d + 16 * j + 2 * (el & 3);
+      const float2 v0 = *reinterpret_cast<const float2*>(qh), v1 = *reinterpret_cast<const float2*>(qh + 8);
+      raw[i] = make_float4(v0.x, v0.y, v1.x, v1.y);
     }
-    // c: pools g / g + 8 (rows) x queries 2t / 2t + 1 (columns)
-    const int qa = min(s0 + 2 * t, S - 1), qb = min(s0 + 2 * t + 1, S - 1);
-    const float wa = hw[int64_t(qa) * nh + h] * hw_scale, wb = hw[int64_t(qb) * nh + h] * hw_scale;
-    acc[0] += wa * fmaxf(c[0] * scale, 0.0f);
-    acc[1] += wb * fmaxf(c[1] * scale, 0.0f);
-    acc[2] += wa * fmaxf(c[2] * scale, 0.0f);
-    acc[3] += wb * fmaxf(c[3] * scale, 0.0f);
-  }
+    if (tid < kMmaBlockQueries) w_raw = hw[int64_t(min(s0 + tid, S - 1)) * nh + h] * hw_scale;
+  };
+  auto stage = [&](int buf) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int sq_r = s0 + 2 * t + (r & 1), P = P0 + g + 8 * (r >> 1);
-    if (sq_r < S && P < max_pools) scores[int64_t(sq_r) * max_pools + P] = acc[r];
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + kThreads * i;
+      if (e >= kEntries) break;
+      uint32_t b0h, b0l, b1h, b1l;
+      split_half2(raw[i].x, raw[i].y, b0h, b0l);
+      split_half2(raw[i].z, raw[i].w, b1h, b1l);
+      bw[buf * kEntries + e] = make_uint4(b0h, b1h, b0l, b1l);
+    }
+    if (tid < kMmaBlockQueries) w_s[buf * kMmaBlockQueries + tid] = w_raw;
+  };
+  load(0);
+  stage(0);
+  __syncthreads();
+  const float scale = 1.0f / sqrtf(float(d));
+  float acc[kMmaGroups][4] = {};
+  for (int h = 0; h < nh; ++h) {
+    const int buf = h & 1;
+    if (h + 1 < nh) load(h + 1);  // in flight while this head runs
+    if (active) {
+      const uint4* b = bw + buf * kEntries + lane;
+      const float* w = w_s + buf * kMmaBlockQueries;
+      float c[kMmaGroups][4] = {};  // the groups' products as independent chains (each in step order)
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j)
+#pragma unroll
+        for (int grp = 0; grp < kMmaGroups; ++grp) {
+          const uint4 v = b[(grp * kSteps + j) * 32];
+          mma_split3(c[grp], a_hi[j], a_lo[j], v.x, v.y, v.z, v.w);
+        }
+#pragma unroll
+      for (int grp = 0; grp < kMmaGroups; ++grp) {  // c: pools g / g + 8 (rows) x queries 8 grp + 2t / + 1 (columns)
+        const float wa = w[8 * grp + 2 * t], wb = w[8 * grp + 2 * t + 1];
+        acc[grp][0] += wa * fmaxf(c[grp][0] * scale, 0.0f);
+        acc[grp][1] += wb * fmaxf(c[grp][1] * scale, 0.0f);
+        acc[grp][2] += wa * fmaxf(c[grp][2] * scale, 0.0f);
+        acc[grp][3] += wb * fmaxf(c[grp][3] * scale, 0.0f);
+      }
+    }
+    if (h + 1 < nh) stage(buf ^ 1);  // the other buffer: read by no warp since the barrier after head h - 1
+    __syncthreads();
   }
+  if (!active) return;
+#pragma unroll
+  for (int grp = 0; grp < kMmaGroups; ++grp)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int sq_r = s0 + 8 * grp + 2 * t + (r & 1), P = P0 + g + 8 * (r >> 1);
+      if (sq_r < S && P < max_pools) scores[int64_t(sq_r) * max_pools + P] = acc[grp][r];
+    }
 }
 
 // Decode scores (a few queries) on tensor cores with the heads as the MMA's columns: block (x, s) scores pools
@@ -451,13 +510,15 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
     throw std::runtime_error("kpool_select: indexer query of " + std::to_string(nh * d) +
                              " floats exceeds shared memory");
   if (max_pools > 0 && S > kMmaQueries && kpool_mma_dim(d)) {  // prefill: tensor cores
-    const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(ceil_div(S, kMmaQueries)));
+    const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(ceil_div(S, kMmaBlockQueries)));
     const auto kernel = d == 16    ? kpool_score_mma_kernel<1>
                         : d == 32  ? kpool_score_mma_kernel<2>
                         : d == 64  ? kpool_score_mma_kernel<4>
                         : d == 128 ? kpool_score_mma_kernel<8>
                                    : kpool_score_mma_kernel<16>;
-    launch(kernel, grid, kMmaWarps * 32, 0, st, q, hw, hw_scale, pool_k, S, nh, kpool, pos0, max_pools, scratch);
+    const size_t smem = kpool_prefill_smem(d / 16);
+    reserve_dynamic_smem(kernel, smem, "kpool_select");
+    launch(kernel, grid, kMmaWarps * 32, smem, st, q, hw, hw_scale, pool_k, S, nh, kpool, pos0, max_pools, scratch);
     MOESRV_CUDA_LAUNCH_CHECK();
   } else if (max_pools > 0 && S <= kSplitQueries && kpool_mma_dim(d) && d <= 128 && !kpool_lanes_forced()) {
     const dim3 grid(unsigned(ceil_div(max_pools, kMmaPools)), unsigned(S));

@@ -1,10 +1,14 @@
 // MLA attention of a prefill pass on tensor cores: each block takes one query token and 16 heads, stages a tile of
 // 64 of the token's keys (latent rows, bf16 cache) once as fp16 in shared memory, and runs both products as
-// m16n8k16 MMAs with fp32 accumulation: scores = q · K^T (8 warps, 8 keys each), then, after an online softmax per
-// head, O += P · V, the values being the first v_dim columns of the same latent rows (each warp owns v_dim / 8
-// value columns of the 16 heads). attention() reads every key row again per head on CUDA cores. q (times the
+// m16n8k16 MMAs with fp32 accumulation. Scores = q · K^T with the key width split over the 8 warps (warp w holds its
+// dims of the 16 heads' q as A fragments in registers for the whole pass and multiplies them with all 64 keys; the
+// 8 partial sums meet in shared memory, warps 4-7 adding into 0-3); then, after an online softmax per head, O += P · V,
+// the values being the first v_dim columns of the same latent rows (each warp owns v_dim / 8 value columns of the 16
+// heads, its B fragments by ldmatrix.trans). attention() reads every key row again per head on CUDA cores. q (times the
 // softmax scale) enters as two fp16 parts (value and remainder), so the scores are fp32-accurate products of the
 // bf16 keys; the probabilities enter the value MMA rounded to fp16 (2^-11 relative).
+// (The first form kept q in shared memory and gave each warp 8 keys over the whole width: every warp re-read all
+// of q per tile, and shared-memory traffic bound it; issue 20, docs/perf-cuda.md.)
 // Widths: q_dim and v_dim multiples of 8 (q_dim zero padded to 16), v_dim <= 512 and <= q_dim, q_dim <= 640.
 // With `part` (decode, mla_split_attention's tensor-core path) block z takes key range z of kMlaSplits and leaves
 // its unnormalised values, max and sum per head there (mla_split.cu merges the ranges).
@@ -21,30 +25,35 @@ namespace moesrv::cuda {
 namespace {
 
 constexpr int kHeads = 16, kKeys = 64, kWarps = 8, kThreads = kWarps * 32, kMaxQDim = 640;
-static_assert(kKeys == kWarps * 8, "QK: one n8 tile of keys per warp");
+constexpr int kKeyTiles = kKeys / 8;  // n8 tiles of keys in the score MMAs
+constexpr int kStageLoads = 4;        // 16-byte key loads a thread has in flight while staging a tile
+constexpr int kMaxWarpSteps = (kMaxQDim / 16 + kWarps - 1) / kWarps;  // 16-dim steps of q per warp (5)
+static_assert(kKeys == kWarps * 8, "softmax: each warp updates 2 of the 16 heads over 64 keys (2 per lane)");
 
-// fp16 rows of the staged q and keys: q_dim rounded up to 16 (zero padded) + 8 halves apart, so the 8 rows x 4 words
-// of a fragment load hit 32 banks.
+// fp16 key rows: q_dim rounded up to 16 (zero padded) + 8 halves apart, so 8 rows x 16 bytes hit 32 banks.
 __host__ __device__ constexpr int padded_dim(int q_dim) { return (q_dim + 15) / 16 * 16; }
 __host__ __device__ constexpr int row_halves(int q_dim) { return padded_dim(q_dim) + 8; }
 constexpr int kProbHalves = kKeys + 8;  // p rows
+constexpr int kPartRow = kKeys + 8;     // partial score rows (floats): conflict-free float2 stores
+constexpr int kParts = kWarps / 2;      // partial score slots: warps w and w + 4 share slot w
 
+constexpr size_t kStaticSmemBytes = 512;  // the kernel's __shared__ arrays (448 B), rounded up
 size_t prefill_smem_bytes(int q_dim) {
-  return size_t(2 * kHeads + kKeys) * row_halves(q_dim) * 2 + size_t(kHeads) * kProbHalves * 2 +
-         size_t(kHeads) * (kKeys + 1) * 4;
+  return size_t(kKeys) * row_halves(q_dim) * 2 + size_t(kHeads) * kProbHalves * 2 +
+         size_t(kParts) * kHeads * kPartRow * 4;
 }
 
-// VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8).
-template <int VN>
-__global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, float* part) {
+// VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8); WS: the most 16-dim steps of q a
+// warp holds (4: q_dim <= 512, registers for 2 blocks per SM without spills; 5: q_dim <= 640).
+template <int VN, int WS>
+__global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs a, float* part) {
   pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = a.q_dim, D16 = padded_dim(D), RH = row_halves(D), RW = RH / 2;  // RW: 32-bit words per row
   const int NT = a.v_dim / 8;
-  half* q_h = reinterpret_cast<half*>(smem_raw);                      // [2][kHeads][RH]: fp16(q), fp16(q - fp16(q))
-  half* kv_h = q_h + 2 * kHeads * RH;                                 // [kKeys][RH]
+  half* kv_h = reinterpret_cast<half*>(smem_raw);                     // [kKeys][RH]
   half* p_h = kv_h + kKeys * RH;                                      // [kHeads][kProbHalves]
-  float* s_f = reinterpret_cast<float*>(p_h + kHeads * kProbHalves);  // [kHeads][kKeys + 1]
+  float* red = reinterpret_cast<float*>(p_h + kHeads * kProbHalves);  // [kParts][kHeads][kPartRow]
   __shared__ int key_s[kKeys];
   __shared__ float corr_s[kHeads], l_s[kHeads], m_s[kHeads];
 
@@ -57,13 +66,22 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, 
   const int per = part ? (n_keys + kMlaSplits - 1) / kMlaSplits : n_keys;  // this block's keys [k0, k1)
   const int k0 = part ? int(blockIdx.z) * per : 0, k1 = min(n_keys, k0 + per);
 
-  for (int i = tid; i < kHeads * D16; i += kThreads) {
-    const int h = i / D16, d = i % D16;
-    const float v = h0 + h < a.H && d < D ? a.q[(int64_t(s) * a.H + h0 + h) * D + d] * a.scale : 0.0f;
-    const half hi = __float2half_rn(v);
-    q_h[h * RH + d] = hi;
-    q_h[(kHeads + h) * RH + d] = __float2half_rn(v - __half2float(hi));
-  }
+  // this warp's 16-dim steps [ks0, ks0 + nks) of q (x scale) as A fragments, fp16 value [0] and remainder [1]
+  const int steps = D16 / 16, wsteps = (steps + kWarps - 1) / kWarps, ks0 = min(steps, warp * wsteps);
+  const int nks = min(steps, ks0 + wsteps) - ks0;
+  uint32_t qa[WS][2][4];
+#pragma unroll
+  for (int i = 0; i < WS; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a0..a3: rows g, g + 8, g, g + 8; columns 2t, 2t, 2t + 8, 2t + 8 of the step
+      const int h = h0 + g + 8 * (r & 1), d = 16 * (ks0 + i) + 2 * t4 + 8 * (r >> 1);
+      float2 v = make_float2(0.0f, 0.0f);
+      if (i < nks && h < a.H && d < D) {  // d even, D a multiple of 8: d + 1 < D too
+        v = *reinterpret_cast<const float2*>(a.q + (int64_t(s) * a.H + h) * D + d);
+        v.x *= a.scale, v.y *= a.scale;
+      }
+      split_half2(v.x, v.y, qa[i][0][r], qa[i][1][r]);
+    }
   for (int i = tid; i < kKeys * (D16 - D); i += kThreads)  // the keys' padding columns, never gathered
     kv_h[(i / (D16 - D)) * RH + D + i % (D16 - D)] = __float2half_rn(0.0f);
   if (tid < kHeads) l_s[tid] = 0.0f, m_s[tid] = -INFINITY;     // read at the end even when every tile is padding
@@ -71,13 +89,12 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, 
   float o[VN][4];
 #pragma unroll
   for (int n = 0; n < VN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_h);
   const uint32_t* kw = reinterpret_cast<const uint32_t*>(kv_h);
   const uint32_t* pw = reinterpret_cast<const uint32_t*>(p_h);
   const int chunks = D / 8;  // 16-byte pieces of a cache row
 
   for (int base = k0; base < k1; base += kKeys) {
-    __syncthreads();  // the previous tile's kv_h / p_h are consumed (and q_h is written, first time)
+    __syncthreads();  // the previous tile's kv_h / p_h / red are consumed
     int t = -1;
     if (tid < kKeys) {
       const int idx = base + tid;
@@ -86,48 +103,80 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, 
       key_s[tid] = t;
     }
     if (!__syncthreads_or(t >= 0)) continue;  // a tile of padding only
-    for (int i = tid; i < kKeys * chunks; i += kThreads) {
-      const int r = i / chunks, c = i % chunks, kt = key_s[r];
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (kt >= 0) raw = __ldg(reinterpret_cast<const uint4*>(kv + int64_t(kt) * D) + c);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t hw[4];
+    for (int i0 = tid; i0 < kKeys * chunks; i0 += kStageLoads * kThreads) {  // kStageLoads loads in flight
+      uint4 raw[kStageLoads];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
-        hw[j] = pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)),
-                           __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
-      *reinterpret_cast<uint4*>(kv_h + r * RH + c * 8) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-    }
-    __syncthreads();
-
-    // scores of keys 8 * warp .. + 7 for the 16 heads
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint32_t* krow = kw + (8 * warp + g) * RW + t4;
-    for (int k0 = 0; k0 < D16; k0 += 16) {
-      const int kq = k0 / 2 + t4;
-      const uint32_t b0 = krow[k0 / 2], b1 = krow[k0 / 2 + 4];
+      for (int u = 0; u < kStageLoads; ++u) {
+        const int i = i0 + u * kThreads, r = i / chunks, c = i - r * chunks, kt = i < kKeys * chunks ? key_s[r] : -1;
+        raw[u] = kt >= 0 ? __ldg(reinterpret_cast<const uint4*>(kv + int64_t(kt) * D) + c) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-      for (int part = 0; part < 2; ++part) {  // q's fp16 value, then its remainder: ~fp32 scores
-        const uint32_t* qp = qw + part * kHeads * RW;
-        mma_m16n8k16_f16(sc, qp[g * RW + kq], qp[(g + 8) * RW + kq], qp[g * RW + kq + 4], qp[(g + 8) * RW + kq + 4], b0,
-                         b1);
+      for (int u = 0; u < kStageLoads; ++u) {
+        const int i = i0 + u * kThreads, r = i / chunks, c = i - r * chunks;
+        if (i >= kKeys * chunks) break;
+        const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+        uint32_t hw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
+          hw[j] = pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)),
+                             __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
+        *reinterpret_cast<uint4*>(kv_h + r * RH + c * 8) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
       }
     }
+    __syncthreads();
+
+    // this warp's part of the scores of all 64 keys for the 16 heads; warps 4-7 leave theirs in red[warp - 4], then
+    // warps 0-3 add theirs (red[w] = part w + part w + 4)
     {
-      const int key = 8 * warp + 2 * t4;
-      const bool v0 = key_s[key] >= 0, v1 = key_s[key + 1] >= 0;
-      s_f[g * (kKeys + 1) + key] = v0 ? sc[0] : -INFINITY;
-      s_f[g * (kKeys + 1) + key + 1] = v1 ? sc[1] : -INFINITY;
-      s_f[(g + 8) * (kKeys + 1) + key] = v0 ? sc[2] : -INFINITY;
-      s_f[(g + 8) * (kKeys + 1) + key + 1] = v1 ? sc[3] : -INFINITY;
+      float sc[kKeyTiles][4] = {};
+#pragma unroll
+      for (int i = 0; i < WS; ++i) {
+        if (i >= nks) break;
+        const int kq = 8 * (ks0 + i) + t4;  // word of dims 16 (ks0 + i) + 2t
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          const uint32_t* krow = kw + (8 * n + g) * RW + kq;
+          const uint32_t b0 = krow[0], b1 = krow[4];
+#pragma unroll
+          for (int hl = 0; hl < 2; ++hl)  // q's fp16 value, then its remainder: ~fp32 scores
+            mma_m16n8k16_f16(sc[n], qa[i][hl][0], qa[i][hl][1], qa[i][hl][2], qa[i][hl][3], b0, b1);
+        }
+      }
+      float* rw = red + (warp % kParts) * kHeads * kPartRow;
+      if (warp >= kParts) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          *reinterpret_cast<float2*>(rw + g * kPartRow + 8 * n + 2 * t4) = make_float2(sc[n][0], sc[n][1]);
+          *reinterpret_cast<float2*>(rw + (g + 8) * kPartRow + 8 * n + 2 * t4) = make_float2(sc[n][2], sc[n][3]);
+        }
+      }
+      __syncthreads();
+      if (warp < kParts) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          float2* lo = reinterpret_cast<float2*>(rw + g * kPartRow + 8 * n + 2 * t4);
+          float2* hi = reinterpret_cast<float2*>(rw + (g + 8) * kPartRow + 8 * n + 2 * t4);
+          const float2 l = *lo, h = *hi;
+          *lo = make_float2(sc[n][0] + l.x, sc[n][1] + l.y);
+          *hi = make_float2(sc[n][2] + h.x, sc[n][3] + h.y);
+        }
+      }
     }
     __syncthreads();
 
-    // online softmax: warp w updates heads 2w and 2w + 1 (lanes over keys lane, lane + 32)
+    // online softmax: warp w updates heads 2w and 2w + 1 (lanes over keys lane, lane + 32), their scores the warps'
+    // parts summed in warp order
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int hh = 2 * warp + j;
-      const float x0 = s_f[hh * (kKeys + 1) + lane], x1 = s_f[hh * (kKeys + 1) + lane + 32];
+      float x0 = 0.0f, x1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kParts; ++w) {
+        x0 += red[(w * kHeads + hh) * kPartRow + lane];
+        x1 += red[(w * kHeads + hh) * kPartRow + lane + 32];
+      }
+      if (key_s[lane] < 0) x0 = -INFINITY;
+      if (key_s[lane + 32] < 0) x1 = -INFINITY;
       const float m_new = fmaxf(m2[j], warp_max(fmaxf(x0, x1)));
       float p0 = 0.0f, p1 = 0.0f, corr = 1.0f;
       if (m_new != -INFINITY) {
@@ -143,24 +192,30 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, 
     }
     __syncthreads();
 
-    // O[16 heads][warp's columns] = O * corr + P . V
+    // O[16 heads][warp's columns] = O * corr + P . V; B fragments of two value tiles per ldmatrix (keys k0 + l % 8
+    // + 8 ((l / 8) % 2), columns of tile n + (l / 16))
     const float c_lo = corr_s[g], c_hi = corr_s[g + 8];
 #pragma unroll
     for (int n = 0; n < VN; ++n) o[n][0] *= c_lo, o[n][1] *= c_lo, o[n][2] *= c_hi, o[n][3] *= c_hi;
-    const unsigned short* kvs = reinterpret_cast<const unsigned short*>(kv_h);
+    const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lhalf = lane >> 4;
 #pragma unroll
-    for (int k0 = 0; k0 < kKeys; k0 += 16) {
-      const int kp = k0 / 2 + t4;
+    for (int kk = 0; kk < kKeys; kk += 16) {
+      const int kp = kk / 2 + t4;
       const uint32_t a0 = pw[g * (kProbHalves / 2) + kp], a1 = pw[(g + 8) * (kProbHalves / 2) + kp];
       const uint32_t a2 = pw[g * (kProbHalves / 2) + kp + 4], a3 = pw[(g + 8) * (kProbHalves / 2) + kp + 4];
-      const unsigned short* r0 = kvs + (k0 + 2 * t4) * RH;  // key rows k0 + 2t, +1, +8, +9
+      const half* vrow = kv_h + (kk + lrow) * RH;
 #pragma unroll
-      for (int n = 0; n < VN; ++n) {
+      for (int n = 0; n < VN; n += 2) {
         if (warp + 8 * n >= NT) break;
-        const int col = (warp + 8 * n) * 8 + g;
-        const uint32_t b0 = uint32_t(r0[col]) | (uint32_t(r0[RH + col]) << 16);
-        const uint32_t b1 = uint32_t(r0[8 * RH + col]) | (uint32_t(r0[9 * RH + col]) << 16);
-        mma_m16n8k16_f16(o[n], a0, a1, a2, a3, b0, b1);
+        uint32_t b[4];
+        if (n + 1 < VN && warp + 8 * (n + 1) < NT) {
+          ldmatrix_x4_trans(vrow + (warp + 8 * (n + lhalf)) * 8, b[0], b[1], b[2], b[3]);
+          mma_m16n8k16_f16(o[n], a0, a1, a2, a3, b[0], b[1]);
+          mma_m16n8k16_f16(o[n + 1], a0, a1, a2, a3, b[2], b[3]);
+        } else {
+          ldmatrix_x2_trans(vrow + (warp + 8 * n) * 8, b[0], b[1]);
+          mma_m16n8k16_f16(o[n], a0, a1, a2, a3, b[0], b[1]);
+        }
       }
     }
   }
@@ -191,33 +246,47 @@ __global__ void __launch_bounds__(kThreads) mla_prefill_kernel(AttentionArgs a, 
   }
 }
 
-template <int VN>
+template <int VN, int WS>
 void launch_prefill(const AttentionArgs& a, float* part, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
-  reserve_dynamic_smem(mla_prefill_kernel<VN>, smem, "mla_prefill_attention");
-  launch(mla_prefill_kernel<VN>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads)), part ? kMlaSplits : 1), kThreads,
-         smem, st, a, part);
+  reserve_dynamic_smem(mla_prefill_kernel<VN, WS>, smem, "mla_prefill_attention");
+  launch(mla_prefill_kernel<VN, WS>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads)), part ? kMlaSplits : 1),
+         kThreads, smem, st, a, part);
+}
+
+template <int WS>
+void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
+  switch ((a.v_dim / 8 + 7) / 8) {
+    case 1: launch_prefill<1, WS>(a, part, st); break;
+    case 2: launch_prefill<2, WS>(a, part, st); break;
+    case 3: launch_prefill<3, WS>(a, part, st); break;
+    case 4: launch_prefill<4, WS>(a, part, st); break;
+    case 5: launch_prefill<5, WS>(a, part, st); break;
+    case 6: launch_prefill<6, WS>(a, part, st); break;
+    case 7: launch_prefill<7, WS>(a, part, st); break;
+    default: launch_prefill<8, WS>(a, part, st); break;
+  }
 }
 
 void launch_any(const AttentionArgs& a, float* part, cudaStream_t st) {
-  switch ((a.v_dim / 8 + 7) / 8) {
-    case 1: launch_prefill<1>(a, part, st); break;
-    case 2: launch_prefill<2>(a, part, st); break;
-    case 3: launch_prefill<3>(a, part, st); break;
-    case 4: launch_prefill<4>(a, part, st); break;
-    case 5: launch_prefill<5>(a, part, st); break;
-    case 6: launch_prefill<6>(a, part, st); break;
-    case 7: launch_prefill<7>(a, part, st); break;
-    default: launch_prefill<8>(a, part, st); break;
-  }
+  static_assert(kMaxWarpSteps == 5, "launch_any picks 4 or 5 steps per warp");
+  if (padded_dim(a.q_dim) / 16 <= 4 * kWarps) launch_ws<4>(a, part, st);
+  else launch_ws<5>(a, part, st);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 bool mla_prefill_supported(const AttentionArgs& a) {
-  return a.mla && !a.q8 && a.q_dim % 8 == 0 && a.q_dim <= kMaxQDim && a.v_dim % 8 == 0 && a.v_dim <= 512 &&
-         a.v_dim <= a.q_dim;
+  if (!(a.mla && !a.q8 && a.q_dim % 8 == 0 && a.q_dim <= kMaxQDim && a.v_dim % 8 == 0 && a.v_dim <= 512 &&
+        a.v_dim <= a.q_dim))
+    return false;
+  // the block's shared memory within the device's (99 KB per block on an RTX 3090 / 4090: q_dim <= 576 fits)
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return prefill_smem_bytes(a.q_dim) + kStaticSmemBytes <= size_t(optin);
 }
 
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
