@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(32 * kHeadGroups)
 // split the same way once per block and head into shared memory, the next head's query rows loaded while this one
 // runs): q . key as hi.hi + hi.lo + lo.hi products (~2^-21 relative), then ReLU, the head weight and the sum over
 // heads in fp32. d = 16 * kSteps (kpool_mma_dim). (The first form gave each block 8 queries and had every warp load
-// and split them from global memory itself: bound by L1 traffic, 4x slower at 131K; issue 20.)
+// and split them from global memory itself: bound by L1 traffic, 2.1x slower at 131K; issue 20.)
 constexpr int kMmaPools = 128, kMmaQueries = 8, kMmaWarps = kMmaPools / 16;
 constexpr int kMmaGroups = 4, kMmaBlockQueries = kMmaGroups * kMmaQueries;  // prefill: queries per block
 constexpr bool kpool_mma_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
