@@ -286,8 +286,10 @@ bool mla_prefill_supported(const AttentionArgs& a) {
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return false;
-  return prefill_smem_bytes(a.q_dim) + kStaticSmemBytes <= size_t(optin);
+  return mla_prefill_block_smem(a.q_dim) <= size_t(optin);
 }
+
+size_t mla_prefill_block_smem(int q_dim) { return prefill_smem_bytes(q_dim) + kStaticSmemBytes; }
 
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
   if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_attention: unsupported shape");
