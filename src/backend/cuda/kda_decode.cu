@@ -142,7 +142,7 @@ void launch_decode(const KdaDecodeArgs& a, cudaStream_t st) {
 
 bool kda_decode_supported(int dk, int dv, int conv_k) {
   return (dk == 32 || dk == 64 || dk == 128) && dv >= 4 && dv % 4 == 0 && conv_k >= 1 &&
-         smem_floats(dk, dv) * sizeof(float) <= size_t(200) << 10;
+         smem_floats(dk, dv) * sizeof(float) <= device_block_smem_limit();  // dk = dv = 128: 69 KB
 }
 
 void kda_decode(const KdaDecodeArgs& a, cudaStream_t st) {

@@ -543,10 +543,8 @@ void kpool_select(const float* q, const float* hw, const float* pool_k, int S, i
   // Few queries over long rows: the top-k split over kTopkSplit blocks per query, when the candidates fit the
   // scratch after the S score rows and one chunk fits shared memory.
   // (shared memory: at most the device's opt-in bound, 99 KB on an RTX 3090 / 4090, 227 KB on an H100 / H200)
-  int dev = 0, optin = 48 * 1024;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    throw std::runtime_error("kpool_select: cannot read the device's shared memory size");
+  const size_t optin = device_block_smem_limit();
+  if (!optin) throw std::runtime_error("kpool_select: cannot read the device's shared memory size");
   // (the top-k kernels' static shared memory, the selection's bins and lists, comes out of the same bound)
   cudaFuncAttributes fa_split{}, fa_topk{};
   if (cudaFuncGetAttributes(&fa_split, kpool_topk_split_kernel) != cudaSuccess ||

@@ -282,11 +282,7 @@ bool mla_prefill_supported(const AttentionArgs& a) {
         a.v_dim <= a.q_dim))
     return false;
   // the block's shared memory within the device's (99 KB per block on an RTX 3090 / 4090: q_dim <= 576 fits)
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
-  return mla_prefill_block_smem(a.q_dim) <= size_t(optin);
+  return mla_prefill_block_smem(a.q_dim) <= device_block_smem_limit();
 }
 
 size_t mla_prefill_block_smem(int q_dim) { return prefill_smem_bytes(q_dim) + kStaticSmemBytes; }
