@@ -164,8 +164,8 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
     }
     __syncthreads();
 
-    // online softmax: warp w updates heads 2w and 2w + 1 (lanes over keys lane, lane + 32), their scores the warps'
-    // parts summed in warp order
+    // online softmax: warp w updates heads 2w and 2w + 1 (lanes over keys lane, lane + 32), their scores the 4
+    // slots summed in slot order
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int hh = 2 * warp + j;
