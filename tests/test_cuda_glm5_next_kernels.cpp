@@ -1200,17 +1200,17 @@ TEST(CudaMlaKernels, SplitDecodeMatchesAttention) {
           }
 }
 
-// The tensor-core MLA prefill kernel against attention() on the same bf16 cache: DSA selections with -1 padding, a
-// whole tile of padding and positions past the token (all ignored) and plain causal attention, 64 heads and a count
-// that is not a multiple of the kernel's 16, GLM-5 (r 512 + rope 64), NoPE (512) and hf-tiny (32 + 8) keys. The
-// probabilities enter an fp16 MMA (2^-11 = 4.9e-4 relative each; measured <= 2.2e-4 of the largest output): the bar
-// is 5e-4 of the largest output.
 // The tensor-core MLA kernel (prefill, and decode's key ranges) must launch on the home GPUs: an RTX 3090 / 4090
 // gives a block at most 99 KB of shared memory (GLM-5.3-Flash: latent 512; DeepSeek-V3: 512 + 64 rope). Host only.
 TEST(CudaMlaKernels, TensorCoreBlockFitsA24GBCard) {
   for (int q_dim : {512, 576}) EXPECT_LE(cuda::mla_prefill_block_smem(q_dim), size_t(99) * 1024) << q_dim;
 }
 
+// The tensor-core MLA prefill kernel against attention() on the same bf16 cache: DSA selections with -1 padding, a
+// whole tile of padding and positions past the token (all ignored) and plain causal attention, 64 heads and a count
+// that is not a multiple of the kernel's 16, GLM-5 (r 512 + rope 64), NoPE (512) and hf-tiny (32 + 8) keys. The
+// probabilities enter an fp16 MMA (2^-11 = 4.9e-4 relative each; measured <= 2.2e-4 of the largest output): the bar
+// is 5e-4 of the largest output.
 TEST(CudaMlaKernels, TensorCorePrefillMatchesAttention) {
   SKIP_WITHOUT_DEVICE();
   const int T = 1400, S = 37, pos0 = 1300;

@@ -847,8 +847,9 @@ __global__ void row_sets_kernel(const int32_t* ids, int m, Exl3RowSet* sets) {
 // ---- dequant: W_hat columns of tiles [nt0, nt0 + nts) as fp16, row-major [in_pad][16 * nts] ----
 // A warp takes one k-tile over kDequantTiles adjacent 16-column strips (their trellis words are contiguous: all the
 // loads in flight at once), decodes the lane's 8 states of each into a shared [16][16 * kDequantTiles] row block, and
-// writes each of its 16 rows as one contiguous run of 16-byte stores. (One warp per 16x16 tile spent ~30% more time
-// on load latency: issue 20, docs/perf-cuda.md.)
+// writes each of its 16 rows as one contiguous run of 16-byte stores. (The form with one warp per 16x16 tile waited on
+// each tile's loads alone: 12.3 us per 2048x4096 expert on an H100, this form 7.8 us on an H200; docs/perf-cuda.md,
+// twelfth round.)
 constexpr int kDequantTiles = 8, kDequantWarps = 4;
 constexpr int kDequantRowHalves = 16 * kDequantTiles + 8;  // + 8: 16-byte rows whose stores hit distinct banks
 template <int K, int CB>
