@@ -288,13 +288,15 @@ bool mla_prefill_supported(const AttentionArgs& a) {
 size_t mla_prefill_block_smem(int q_dim) { return prefill_smem_bytes(q_dim) + kStaticSmemBytes; }
 
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
-  if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_attention: unsupported shape");
+  if (!mla_prefill_supported(a))
+    throw std::runtime_error("mla_prefill_attention: unsupported shape, or its shared memory exceeds the device's");
   if (a.S <= 0) return;
   launch_any(a, nullptr, st);
 }
 
 void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st) {
-  if (!mla_prefill_supported(a)) throw std::runtime_error("mla_prefill_split_ranges: unsupported shape");
+  if (!mla_prefill_supported(a))
+    throw std::runtime_error("mla_prefill_split_ranges: unsupported shape, or its shared memory exceeds the device's");
   if (a.S > 0) launch_any(a, part, st);
 }
 
