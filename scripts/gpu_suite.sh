@@ -32,6 +32,9 @@
 #                                   with rollback points, graphs of up to 4 rows, then a cut back to the first token).
 #   STREAMS=1 scripts/gpu_suite.sh  + the all-VRAM slice at 8K with 1, 2 and 4 streams, forward_batch as one pass and as one
 #                                   forward per stream (MOESRV_CUDA_BATCH=0), ~5 min.
+#   PGROUPS="8192x1 8192x4" scripts/gpu_suite.sh + the slice at 131K under 22 GiB (PGROUP_CONTEXTS,
+#                                   PGROUP_BUDGETS override) per prefill pass x prefill group (MOESRV_BENCH_PREFILL_CHUNK,
+#                                   MOESRV_PREFILL_GROUP), one JSON each ($OUT/group_PASSxGROUP.json); ~1.5 min each.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -140,6 +143,11 @@ if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
   echo "kernel bench rows rc=$?:"; grep -E "^rows" "$OUT/kb_rows.log"
   for f in MOESRV_EXL3_GEMV_ROWS=0 MOESRV_EXL3_GEMV_ROWS=1 MOESRV_EXL3_MERGE_ROWS=1; do slice "$f" 8192 150 "$f"; done
 fi
+for g in ${PGROUPS:-}; do  # docs/perf-cuda.md, "Thirteenth round"
+  slice "group_$g" "${PGROUP_CONTEXTS:-131072}" "${PGROUP_TIMEOUT:-240}" MOESRV_BENCH_BUDGETS="${PGROUP_BUDGETS:-22}" \
+    MOESRV_BENCH_PREFILL_CHUNK="${g%x*}" MOESRV_PREFILL_GROUP="${g#*x}" MOESRV_BENCH_JSON="$OUT/group_$g.json"
+  grep -E "perf \] (plan|glm5_next 8 layers|prefill device)" "$OUT/slice_group_$g.log" | head -8
+done
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"
   grep -o -E "avx512[a-z_0-9]*|amx[a-z_0-9]*|avx_vnni" /proc/cpuinfo | sort -u | tr '\n' ' ' >>"$OUT/cpu_experts.log"

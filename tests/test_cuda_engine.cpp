@@ -397,6 +397,52 @@ TEST_P(CudaVsCpu, MoeWavesMatchOneWave) {
   }
 }
 
+// Prefill groups (CudaEngineOptions::prefill_group): passes of 9 tokens run layer by layer in groups of 3 (the
+// mixers pass by pass, the MoE over the group's rows at once) give the pass-by-pass logits up to the rounding of
+// other GEMM heights (the bar of MoeWavesMatchOneWave), all in VRAM and with experts in VRAM, cache slots and on the
+// CPU; decoding goes on alike; a group's end is a checkpoint the sequence resumes at exactly.
+TEST_P(CudaVsCpu, PrefillGroupsMatchPassByPass) {
+  SKIP_WITHOUT_CUDA();
+  auto probe = gpu_engine(GetParam());
+  std::vector<std::vector<ExpertPlacement>> mixed = probe->placement();
+  const bool moe = !std::all_of(mixed.begin(), mixed.end(), [](const auto& l) { return l.empty(); });
+  probe.reset();
+  for (auto& layer : mixed)
+    for (size_t e = 0; e < layer.size(); ++e) layer[e] = ExpertPlacement(e % 3);
+  const auto all = ids(GetParam(), "gen_ids");
+  const std::vector<int32_t> prompt(all.begin(), all.begin() + 40), steps(all.begin() + 40, all.begin() + 48);
+  for (bool hybrid : {false, true}) {
+    if (hybrid && !moe) continue;
+    const char* what = hybrid ? "mixed placement" : "all VRAM";
+    CudaEngineOptions one;
+    one.prefill_chunk = 9;
+    one.stream_cold = false;
+    if (hybrid) one.placement = mixed, one.cache_slots = 2;
+    CudaEngineOptions grouped = one;
+    grouped.prefill_group = 3;
+    auto a = gpu_engine(GetParam(), one), b = gpu_engine(GetParam(), grouped);
+    EXPECT_EQ(b->prefill_chunk(), 27);
+    const int64_t V = a->vocab_size();
+    auto sa = a->new_sequence(), sb = b->new_sequence();
+    std::vector<float> la = a->forward(*sa, prompt, true), lb = b->forward(*sb, prompt, true);
+    for (int32_t t : steps) {  // decode after the groups
+      const auto da = a->forward(*sa, {t}), db = b->forward(*sb, {t});
+      la.insert(la.end(), da.begin(), da.end());
+      lb.insert(lb.end(), db.begin(), db.end());
+    }
+    expect_close(GetParam(), lb, la, V, kBf16Tolerance, what);
+    // Passes [0, 27) were one group: the state at 27 is a checkpoint; the rest again from there, exactly as before.
+    auto sc = b->new_sequence();
+    const auto first = b->forward(*sc, prompt, true);
+    ASSERT_EQ(sc->resume_point(27), 27) << what;
+    sc->truncate(27);
+    const auto again = b->forward(*sc, std::vector<int32_t>(prompt.begin() + 27, prompt.end()), true);
+    for (size_t r = 27; r < prompt.size(); ++r)
+      EXPECT_LE(rel_row_error(again.data() + (r - 27) * size_t(V), first.data() + r * size_t(V), V), 1e-5)
+          << what << ", row " << r;
+  }
+}
+
 TEST_P(CudaVsCpu, VramBudgetIsEnforcedAndPlanned) {
   SKIP_WITHOUT_CUDA();
   CudaEngineOptions tiny_budget;

@@ -20,6 +20,7 @@ struct EngineOptions {
   int gpus = 0;                  // --gpus N: split layers over N GPUs (0: one GPU, no pipeline)
   int64_t max_ctx = 0;           // CUDA: KV cache tokens per sequence (0: engine default)
   int64_t prefill_chunk = 8192;  // CUDA: tokens per prefill pass (--prefill-pass)
+  int64_t prefill_group = 1;     // CUDA: passes per prefill group (--prefill-group)
   bool kv_q8 = false;
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu (see apply_cold_experts)
   bool mtp = false;  // CUDA: load the checkpoint's MTP block (speculative decoding); the CPU engine always maps it
@@ -31,8 +32,8 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 // expert homes come from the planner.
 std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
                                                const EngineOptions& options);
-// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefill-pass to a command (and --max-ctx when
-// `with_ctx`).
+// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefill-pass, --prefill-group to a command (and
+// --max-ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 
 }  // namespace moesrv

@@ -18,6 +18,29 @@ struct BatchRows {
   DeviceLayerCache* d_tables = nullptr;                           // [rows][layers], device
 };
 
+// Views standing in for whole engine buffers while this object lives (each whole buffer restored on destruction).
+class BufferViews {
+ public:
+  BufferViews() = default;
+  BufferViews(const BufferViews&) = delete;
+  BufferViews& operator=(const BufferViews&) = delete;
+  ~BufferViews() {
+    for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) *it->first = std::move(it->second);
+  }
+  // `live` becomes its bytes [offset, offset + bytes) (an empty buffer stays empty).
+  void view(DeviceBuffer& live, size_t offset, size_t bytes) {
+    if (live.bytes()) replace(live, live.as<char>() + offset, bytes);
+  }
+  // `live` becomes a view of `bytes` at p.
+  void replace(DeviceBuffer& live, void* p, size_t bytes) {
+    kept_.emplace_back(&live, std::move(live));
+    live = DeviceBuffer::view(p, bytes);
+  }
+
+ private:
+  std::vector<std::pair<DeviceBuffer*, DeviceBuffer>> kept_;  // each replaced buffer and its whole
+};
+
 // While it lives, the engine's pass buffers a mixer reads and writes (s.h, s.y, the DSA selection, the MLA query
 // latent and the indexer's key projections) are row b's, and so are the position, cache table and state the kernels
 // take: the mixer (or its position-dependent part) runs as a pass of one token.
@@ -26,41 +49,51 @@ class BatchRow {
   BatchRow(CudaEngine::Impl& m, const BatchRows& r, int64_t b) : m_(m) {
     const ModelSpec& c = m.c;
     const int64_t D = c.hidden_size, L = c.num_layers;
-    auto row = [&](DeviceBuffer& live, int64_t width, size_t elem) {
-      kept_.emplace_back(&live, DeviceBuffer());
-      if (live.bytes())
-        swap_in(live, kept_.back().second, live.as<char>() + size_t(b * width) * elem, size_t(width) * elem);
-    };
-    row(m.s.h, D, 4);
-    row(m.s.y, D, 4);
-    row(m.s.sel, m.sel_width(), 4);
-    row(m.s.q_lat, c.q_lora_rank, 4);
-    row(m.s.ik, c.index_head_dim, 4);
-    row(m.s.ig, c.index_head_dim, 4);
-    row(m.s.ihw, c.index_n_heads, 4);
-    kept_.emplace_back(&m.d_pos0, DeviceBuffer());
-    swap_in(m.d_pos0, kept_.back().second, r.d_pos + b, 4);
-    kept_.emplace_back(&m.d_layer_cache, DeviceBuffer());
-    swap_in(m.d_layer_cache, kept_.back().second, r.d_tables + b * L, size_t(L) * sizeof(DeviceLayerCache));
+    auto row = [&](DeviceBuffer& live, int64_t width) { views_.view(live, size_t(b * width) * 4, size_t(width) * 4); };
+    row(m.s.h, D);
+    row(m.s.y, D);
+    row(m.s.sel, m.sel_width());
+    row(m.s.q_lat, c.q_lora_rank);
+    row(m.s.ik, c.index_head_dim);
+    row(m.s.ig, c.index_head_dim);
+    row(m.s.ihw, c.index_n_heads);
+    views_.replace(m.d_pos0, r.d_pos + b, 4);
+    views_.replace(m.d_layer_cache, r.d_tables + b * L, size_t(L) * sizeof(DeviceLayerCache));
     state_ = r.states[size_t(b)];
     m.cur_state.swap(state_);
   }
-  ~BatchRow() {
-    for (auto& [live, whole] : kept_)
-      if (whole.bytes()) *live = std::move(whole);
-    m_.cur_state.swap(state_);
-  }
+  ~BatchRow() { m_.cur_state.swap(state_); }
   BatchRow(const BatchRow&) = delete;
   BatchRow& operator=(const BatchRow&) = delete;
 
  private:
-  static void swap_in(DeviceBuffer& live, DeviceBuffer& keep, void* row, size_t bytes) {
-    keep = std::move(live);
-    live = DeviceBuffer::view(row, bytes);
-  }
   CudaEngine::Impl& m_;
-  std::vector<std::pair<DeviceBuffer*, DeviceBuffer>> kept_;  // each buffer and (while its row stands in) the whole
+  BufferViews views_;
   std::vector<CudaEngine::Impl::LayerState> state_;
+};
+
+// A prefill group (CudaEngine::Impl::forward): consecutive passes of one sequence run layer by layer; pass i holds
+// the group's rows [parts[i].first, + parts[i].second) at the device position d_pos[i].
+struct GroupPasses {
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  int32_t* d_pos = nullptr;
+};
+
+// While it lives, s.h, s.y and the DSA selection are pass i's rows of the group and d_pos0 its position: a mixer
+// runs as that pass alone, in its turn (its caches and state see the group's passes in order).
+class GroupPass {
+ public:
+  GroupPass(CudaEngine::Impl& m, const GroupPasses& g, size_t i) {
+    const auto [r0, n] = g.parts[i];
+    const int64_t D = m.c.hidden_size, W = m.sel_width();
+    views_.view(m.s.h, size_t(r0 * D) * 4, size_t(n * D) * 4);
+    views_.view(m.s.y, size_t(r0 * D) * 4, size_t(n * D) * 4);
+    views_.view(m.s.sel, size_t(r0 * W) * 4, size_t(n * W) * 4);
+    views_.replace(m.d_pos0, g.d_pos + i, 4);
+  }
+
+ private:
+  BufferViews views_;
 };
 
 // The CUDA engine's blocks for the decoder loop (model/decoder.h): activations stay on the device. A plain
@@ -68,13 +101,14 @@ class BatchRow {
 // With `batch`, the S rows are a decode step of S sequences (BatchRows): the mixers run row by row.
 class CudaBlocks final : public BlockExecutor {
  public:
-  CudaBlocks(CudaEngine::Impl& m, int64_t S, const BatchRows* batch = nullptr)
+  CudaBlocks(CudaEngine::Impl& m, int64_t S, const BatchRows* batch = nullptr, const GroupPasses* group = nullptr)
       : m_(m),
         S_(S),
         D_(int(m.c.hidden_size)),
         n_(int(m.c.residual.streams)),
         hyper_(m.c.residual.hyper),
-        batch_(batch) {}
+        batch_(batch),
+        group_(group) {}
 
   void enter(int64_t l, Site site) override {
     const DevLayer& L = m_.layers[size_t(l)];
@@ -104,7 +138,7 @@ class CudaBlocks final : public BlockExecutor {
   }
   void mla(int64_t l, IndexerKind indexer) override {  // (a batch: the projections over all rows)
     if (batch_) return m_.attention_mla(l, S_, indexer, batch_);
-    m_.attention_mla(l, S_, indexer);
+    mixer([&](int64_t S) { m_.attention_mla(l, S, indexer); });
   }
   void gqa(int64_t l) override {
     m_.phase(CudaPhase::AttnCore);
@@ -112,7 +146,7 @@ class CudaBlocks final : public BlockExecutor {
   }
   void kda(int64_t l) override {  // (a batch: the projections over all rows, the recurrence per row)
     if (batch_) return m_.kda(l, S_, batch_);
-    m_.kda(l, S_);
+    mixer([&](int64_t S) { m_.kda(l, S); });
   }
   void gated_delta(int64_t l) override {
     m_.phase(CudaPhase::LinearProj);
@@ -143,9 +177,16 @@ class CudaBlocks final : public BlockExecutor {
   }
 
  private:
-  // A mixer over the pass's rows, or (a batch) over each row alone.
+  // A mixer over the pass's rows, or over each pass of a group in turn, or (a batch) over each row alone.
   template <class F>
   void mixer(F&& f) {
+    if (group_) {
+      for (size_t i = 0; i < group_->parts.size(); ++i) {
+        const GroupPass pass(m_, *group_, i);
+        f(group_->parts[i].second);
+      }
+      return;
+    }
     if (!batch_) return f(S_);
     for (int64_t b = 0; b < S_; ++b) {
       const BatchRow row(m_, *batch_, b);
@@ -175,6 +216,7 @@ class CudaBlocks final : public BlockExecutor {
   const int D_, n_;
   const bool hyper_;
   const BatchRows* batch_;
+  const GroupPasses* group_;  // a prefill group: the mixers pass by pass, the rest over all S_ rows
   // mHC decode: each leave folded into the next enter (hyper_step)
   const bool step_ =
       hyper_ && hyper_step_supported(int(S_), n_, D_) && m_.s.hc_step.bytes() >= hyper_step_scratch(n_) * 4;

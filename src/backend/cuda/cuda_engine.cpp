@@ -42,18 +42,21 @@ void CudaEngine::Impl::linear(const DevLinear& l, const float* x, int64_t n, flo
 }
 
 void CudaEngine::Impl::mlp(const DevMlp& m, const float* x, int64_t n, float* y) {
-  linear(m.gate_up, x, n, s.gu.as<float>());
-  silu_mul_clamped(s.gu.as<float>(), int(n), int(m.inter), m.limit, s.act.as<float>(), stream);
-  linear(m.down, s.act.as<float>(), n, y);
+  for (int64_t r0 = 0; r0 < n; r0 += rows) {  // s.gu / s.act hold a pass's rows (a prefill group has more)
+    const int64_t cnt = std::min(rows, n - r0);
+    linear(m.gate_up, x + r0 * m.gate_up.in, cnt, s.gu.as<float>());
+    silu_mul_clamped(s.gu.as<float>(), int(cnt), int(m.inter), m.limit, s.act.as<float>(), stream);
+    linear(m.down, s.act.as<float>(), cnt, y + r0 * m.down.out);
+  }
 }
 
 // Embedding, the decoder loop, the final norm for S tokens at device positions; leaves normalised rows in s.h.
-void CudaEngine::Impl::run_layers(int64_t S) {
+void CudaEngine::Impl::run_layers(int64_t S, const GroupPasses* group) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOESRV_CUDA_OK(cudaStreamIsCapturing(stream, &capture));
   clock.begin(opt.time_phases && S > 1 && capture == cudaStreamCaptureStatusNone);  // (its finish() synchronises)
   phase(CudaPhase::Residual);
-  CudaBlocks blocks(*this, S);
+  CudaBlocks blocks(*this, S, nullptr, group);
   blocks.embed();
   run_decoder_layers(c, blocks, 0, c.num_layers);
   blocks.final_norm(final_norm);
@@ -191,7 +194,7 @@ CudaEngine::~CudaEngine() = default;
 std::string CudaEngine::name() const { return impl_->name; }
 int64_t CudaEngine::vocab_size() const { return impl_->c.vocab_size; }
 int64_t CudaEngine::max_context() const { return impl_->max_ctx; }
-int64_t CudaEngine::prefill_chunk() const { return impl_->rows; }
+int64_t CudaEngine::prefill_chunk() const { return impl_->group_rows(); }
 std::unique_ptr<SequenceState> CudaEngine::new_sequence() const { return std::make_unique<CudaSequence>(*impl_); }
 void CudaEngine::set_use_graph(bool on) {
   impl_->use_graph = on;
@@ -308,16 +311,32 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
                                    cudaMemcpyDeviceToHost, stream));
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   };
-  for (const Pass& p : plan_passes(pass_policy(), pos0, S, rollback)) {
+  // With prefill groups the plan's passes are groups (of group_rows(), checkpointed as the policy says), each run
+  // layer by layer as passes of `rows`.
+  PassPolicy policy = pass_policy();
+  if (group_passes > 1 && !rollback) policy.max_rows = policy.checkpoint_interval = group_rows();
+  for (const Pass& p : plan_passes(policy, pos0, S, rollback)) {
     const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
-    *h_pos0.as<int32_t>() = int32_t(p.pos0);
+    GroupPasses group;
+    group.d_pos = d_group_pos.as<int32_t>();
+    if (n > rows) {  // a group: its passes' positions
+      for (int64_t r0 = 0; r0 < n; r0 += rows) {
+        h_group_pos.as<int32_t>()[group.parts.size()] = int32_t(p.pos0 + r0);
+        group.parts.emplace_back(r0, std::min(rows, n - r0));
+      }
+      MOESRV_CUDA_OK(cudaMemcpyAsync(d_group_pos.as<void>(), h_group_pos.as<void>(), group.parts.size() * 4,
+                                     cudaMemcpyHostToDevice, stream));
+    } else {
+      *h_pos0.as<int32_t>() = int32_t(p.pos0);
+      MOESRV_CUDA_OK(cudaMemcpyAsync(d_pos0.as<void>(), h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, stream));
+    }
     std::memcpy(h_tokens.as<int32_t>(), tokens.data() + c0, size_t(n) * 4);
-    MOESRV_CUDA_OK(cudaMemcpyAsync(d_pos0.as<void>(), h_pos0.as<void>(), 4, cudaMemcpyHostToDevice, stream));
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(d_tokens.as<void>(), h_tokens.as<void>(), size_t(n) * 4, cudaMemcpyHostToDevice, stream));
     // A verify (rollback) replays graphs of its row count too.
-    if ((n <= graph_rows() || (rollback && n <= std::min(kMaxRollbackRows, lm_rows))) && graph_ok()) {
+    if (group.parts.empty() && (n <= graph_rows() || (rollback && n <= std::min(kMaxRollbackRows, lm_rows))) &&
+        graph_ok()) {
       // Kernels of fixed-size state take the sequence's pointers: such models keep graphs per sequence (and per
       // row count, with or without rollback points); the others one per row count.
       const uint64_t key = rows_graph_key(seq->id, n) | (steps ? kRollbackGraph : 0);
@@ -338,7 +357,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
           std::memcpy(logits.data() + (all_logits ? c0 * V : 0), h_logits.as<float>(), size_t(rows * V) * 4);
       }
     } else {
-      run_layers(n);
+      run_layers(n, group.parts.empty() ? nullptr : &group);
       keep_hidden(c0, n);
       if (best && p.last) {
         linear(lm_head, s.h.as<float>() + (n - 1) * c.hidden_size, 1, s.logits.as<float>());

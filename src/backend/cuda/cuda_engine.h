@@ -41,6 +41,11 @@ struct CudaEngineOptions {
   int device = 0;
   int64_t max_ctx = 0;           // tokens per sequence the KV cache holds; 0: min(max_position, 32768)
   int64_t prefill_chunk = 8192;  // tokens per prefill pass
+  // Passes per prefill group: a prompt's passes run layer by layer in groups of this many (the mixers pass by pass,
+  // everything per token over the whole group, so the MoE reads, dequantizes or streams each expert once per group
+  // instead of once per pass). Costs the group's residual streams and MoE rows in VRAM (GLM-5.3-Flash: ~105 KB per
+  // token). 1: off. MOESRV_PREFILL_GROUP=N overrides.
+  int64_t prefill_group = 1;
   bool use_graph = true;         // replay single-token decode from one CUDA graph
   bool kv_q8 = false;            // attention cache as int8 with a per-token scale (else bf16)
   double vram_budget_gib = 0;    // 0: the device's free memory; every allocation is accounted against it
@@ -146,7 +151,8 @@ class CudaEngine : public Engine, public MtpEngine {
   std::string name() const override;
   int64_t vocab_size() const override;
   int64_t max_context() const override;
-  int64_t prefill_chunk() const override;  // CudaEngineOptions::prefill_chunk (at most the context)
+  // Tokens per forward call a prompt should come in: a prefill group's, prefill_chunk x prefill_group.
+  int64_t prefill_chunk() const override;
   std::unique_ptr<SequenceState> new_sequence() const override;
   // Sequences may be created, cloned, truncated and freed on other threads while a forward runs (each of those waits
   // until the forward is done; the server's --max-batch). Decode steps of several sequences run one after another.

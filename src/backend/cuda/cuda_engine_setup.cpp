@@ -111,6 +111,13 @@ void CudaEngine::Impl::set_geometry() {
     fail("CUDA engine: layer range [{}, {}) outside the model's {} layers", layer_begin, layer_end, c.num_layers);
   max_ctx = opt.max_ctx > 0 ? std::min(opt.max_ctx, c.max_position) : std::min<int64_t>(c.max_position, 32768);
   rows = std::max<int64_t>(1, std::min(opt.prefill_chunk, max_ctx));
+  // Prefill groups: whole-model engines only (a pipeline stage's forward_layers and the MTP block run pass by pass).
+  group_passes = opt.prefill_group;
+  if (const char* v = std::getenv("MOESRV_PREFILL_GROUP"); v && !model) group_passes = std::atoll(v);
+  if (model || layer_begin != 0 || layer_end != c.num_layers) group_passes = 1;
+  // At most the context, and rows that per-token kernels can put in a grid's y or z dimension (65535).
+  group_passes = std::clamp<int64_t>(
+      group_passes, 1, std::max<int64_t>(1, std::min((max_ctx + rows - 1) / rows, int64_t(65535) / rows)));
   const int64_t elem = opt.kv_q8 ? 1 : 2;
   if (c.attention == AttentionKind::MLA) {
     kv_row = c.kv_lora_rank + c.qk_rope_dim;
@@ -467,16 +474,17 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
 }
 
 void CudaEngine::Impl::allocate_scratch() {
-  const int64_t R = rows, D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
+  // R: a pass's rows (the mixers' buffers); RG: a prefill group's (residual streams, MoE rows, the DSA selection).
+  const int64_t R = rows, RG = group_rows(), D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
   const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
   const LinearAttnDims& la = c.linear;
   int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
                              c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
                              c.shared_intermediate_size, la.v_heads * la.dv});
   if (mtp_in) max_in = std::max(max_in, 2 * D);  // the MTP block's eh_proj
-  s.x = f32(R * c.stream_width(), "residual streams");
-  s.h = f32(R * D, "hidden");
-  s.y = f32(R * D, "hidden");
+  s.x = f32(RG * c.stream_width(), "residual streams");
+  s.h = f32(RG * D, "hidden");
+  s.y = f32(RG * D, "hidden");
   s.xb = DeviceBuffer(budget, size_t(R * max_in) * 2, "bf16 input");
   // A layer runs its attention (MLA / GQA, with the indexer's scratch) or its linear attention (KDA / Gated
   // DeltaNet), never both, so the two groups of pass buffers are views into one arena of the larger group's size
@@ -513,7 +521,7 @@ void CudaEngine::Impl::allocate_scratch() {
       attn.add(s.ik, R * c.index_head_dim);
       attn.add(s.ihw, R * c.index_n_heads);
       if (c.index_kpool > 1) attn.add(s.ig, R * c.index_head_dim);
-      s.sel = DeviceBuffer(budget, size_t(R * sel_width()) * 4, "dsa selection");
+      s.sel = DeviceBuffer(budget, size_t(RG * sel_width()) * 4, "dsa selection");
       // + what a decode row's split top-k needs besides its scores (kpool_select)
       const int64_t split = c.index_kpool > 1 ? int64_t(kpool_select_scratch(1, 0, int(c.index_topk / c.index_kpool))) *
                                                     std::min<int64_t>(R, 8)
@@ -529,8 +537,8 @@ void CudaEngine::Impl::allocate_scratch() {
     if (c.attn_output_gate) attn.add(s.qgate, R * H * 2 * c.head_dim);
   }
   if (c.residual.hyper) {
-    s.post = f32(R * c.residual.streams, "mHC post");
-    s.comb = f32(R * c.residual.streams * c.residual.streams, "mHC comb");
+    s.post = f32(RG * c.residual.streams, "mHC post");
+    s.comb = f32(RG * c.residual.streams * c.residual.streams, "mHC comb");
     const int n = int(c.residual.streams);
     const size_t part = hyper_enter_scratch(int(std::min<int64_t>(R, 16)), n);
     if (part) s.hc_part = f32(int64_t(part), "mHC partial sums");
@@ -569,14 +577,14 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
     moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
-    moe_pass_rows = R;
-    if (const char* v = std::getenv("MOESRV_MOE_PASS_ROWS")) moe_pass_rows = std::clamp<int64_t>(std::atoll(v), 1, R);
+    moe_pass_rows = RG;
+    if (const char* v = std::getenv("MOESRV_MOE_PASS_ROWS")) moe_pass_rows = std::clamp<int64_t>(std::atoll(v), 1, RG);
     // Rows of expert work: moe_rows tokens x k, or (grouped decode with the shared expert) 8 tokens x (1 + k).
-    const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1)), P = std::max(R * k, M);
+    const int64_t M = std::max(moe_rows * k, int64_t(kExl3MaxGemvRows) * (k + 1)), P = std::max(RG * k, M);
     moe_wave_rows = opt.moe_wave_rows > 0 ? std::min(opt.moe_wave_rows, M) : M;
     // router logits; decode (route_fused): the per-slice partial logits
     s.logits_r =
-        f32(std::max(R * E, int64_t(route_fused_floats(kRouteFusedMaxTokens, int(E), int(D)))), "router logits");
+        f32(std::max(RG * E, int64_t(route_fused_floats(kRouteFusedMaxTokens, int(E), int(D)))), "router logits");
     s.route_ticket = DeviceBuffer(budget, 4, "router ticket");
     MOESRV_CUDA_OK(cudaMemsetAsync(s.route_ticket.as<void>(), 0, 4, stream));
     s.ids = DeviceBuffer(budget, size_t(P) * 4, "expert ids");
@@ -614,7 +622,9 @@ void CudaEngine::Impl::allocate_scratch() {
   MOESRV_CUDA_OK(cudaMemsetAsync(d_argmax.as<void>(), 0, d_argmax.bytes(), stream));
   h_argmax = PinnedBuffer(4);
   d_slice_pos = DeviceBuffer(budget, 4, "position");
-  d_tokens = DeviceBuffer(budget, size_t(R) * 4, "tokens");
+  d_tokens = DeviceBuffer(budget, size_t(RG) * 4, "tokens");
+  d_group_pos = DeviceBuffer(budget, size_t(group_passes) * 4, "group positions");
+  h_group_pos = PinnedBuffer(size_t(group_passes) * 4);
   d_layer_cache = DeviceBuffer(budget, size_t(c.num_layers) * sizeof(DeviceLayerCache), "cache table");
   d_batch_pos = DeviceBuffer(budget, size_t(kMaxBatchRows) * 4, "batch positions");
   d_batch_tables =
@@ -622,7 +632,7 @@ void CudaEngine::Impl::allocate_scratch() {
   h_batch_pos = PinnedBuffer(size_t(kMaxBatchRows) * 4);
   h_batch_tables = PinnedBuffer(size_t(kMaxBatchRows * c.num_layers) * sizeof(DeviceLayerCache));
   h_pos0 = PinnedBuffer(4);
-  h_tokens = PinnedBuffer(size_t(R) * 4);
+  h_tokens = PinnedBuffer(size_t(RG) * 4);
   h_layer_cache = PinnedBuffer(size_t(c.num_layers) * sizeof(DeviceLayerCache));
 }
 

@@ -33,7 +33,8 @@ class Exl3Linear;
 
 namespace moesrv::cuda {
 
-struct BatchRows;  // cuda_blocks.h
+struct BatchRows;    // cuda_blocks.h
+struct GroupPasses;  // cuda_blocks.h
 
 #define MOESRV_CUDA_OK(expr)                                                                      \
   do {                                                                                            \
@@ -352,6 +353,10 @@ struct CudaEngine::Impl {
 
   // Geometry.
   int64_t max_ctx = 0, rows = 0;        // rows: tokens per pass (prefill chunk)
+  // Passes per prefill group (CudaEngineOptions::prefill_group; 1 for pipeline stages and the MTP block): the
+  // group's rows share the residual streams, s.h / s.y, the DSA selection and the MoE's host-planned pass.
+  int64_t group_passes = 1;
+  int64_t group_rows() const { return rows * group_passes; }
   int64_t attn_rows = 0, moe_rows = 0, dsa_rows = 0, lm_rows = 0;
   // Host-planned MoE: tokens per planned pass (the whole pass; MOESRV_MOE_PASS_ROWS sets fewer, for comparisons),
   // sorted rows per wave through the expert buffers (their height).
@@ -367,8 +372,9 @@ struct CudaEngine::Impl {
   // Passes of a forward (pass_plan.h): `rows` each; recurrent models cut and checkpoint at multiples of `rows`.
   PassPolicy pass_policy() const { return {rows, rows, int64_t(kMaxCheckpoints), c.has_recurrent_layers()}; }
 
-  // Per-pass device state: positions, tokens, the current sequence's cache table.
-  cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache;
+  // Per-pass device state: positions, tokens, the current sequence's cache table; a prefill group's pass positions.
+  cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache, d_group_pos;
+  cuda::PinnedBuffer h_group_pos;
   // forward_argmax: d_argmax = the id (4 bytes, then 12 free) + argmax's scratch; h_argmax its pinned copy;
   // argmax_row: the device row it was picked from (s.logits), null after a plain forward.
   cuda::DeviceBuffer d_argmax;
@@ -554,7 +560,8 @@ struct CudaEngine::Impl {
   // Expert e's block of layer l in VRAM or a cache slot (loaded on a miss; *slot = -1 for a VRAM expert).
   const void* expert_weights(int64_t l, int e, int* slot);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
-  void run_layers(int64_t S);                         // embedding .. final norm, device-only when all VRAM
+  // Embedding .. final norm over S rows, device-only when all VRAM; with `group`, the passes of a prefill group.
+  void run_layers(int64_t S, const cuda::GroupPasses* group = nullptr);
   void run_block_layers(int64_t S);  // every layer from the residual in s.x, then the final norm (the MTP block)
   void lm_head_rows(int64_t row0, int64_t n, float* host_out);
   bool graph_ok() const;

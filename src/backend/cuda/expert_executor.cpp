@@ -205,7 +205,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_w.as<void>(), d_w, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   if (any_cpu) {
-    if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(rows * D) * 4);  // on first use
+    if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(group_rows() * D) * 4);  // on first use
     MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
   }
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
@@ -297,7 +297,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   stream_window = 0;
   // CPU experts while the GPU works through the queue above; their sum joins s.y in slices of moe_rows tokens.
   if (cpu_experts.empty()) return;
-  if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(rows * D) * 4);
+  if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(group_rows() * D) * 4);
   float* out = h_extra.as<float>();
   std::fill(out, out + n * D, 0.0f);
   const float* hh = h_h.as<float>();

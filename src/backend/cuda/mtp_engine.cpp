@@ -55,6 +55,7 @@ CudaEngine::Impl::Impl(Impl& m, MtpTag)
   opt.placement.clear(), opt.cache_slots_per_layer.clear();
   opt.plan_placement = nullptr;
   opt.prefill_chunk = std::min<int64_t>(m.rows, 512);  // the block's share of a prompt: rows of 512 at most
+  opt.prefill_group = 1;
   opt.mtp = false;
   device_mu = m.device_mu;
   budget = m.budget;
