@@ -409,6 +409,42 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   EXPECT_LE(e->stats().vram_used, e->stats().vram_budget);
 }
 
+// Zero copy (CudaEngineOptions::zero_copy_cold): decode reads the experts that are not in VRAM in place from the
+// page-locked host weights (unaligned trellises from an aligned pinned copy) inside the grouped GEMVs, replayed from
+// graphs, so it computes what the all-VRAM engine computes; prefill keeps the host-planned path. Every expert in host
+// memory, and a mixed placement (VRAM, cache, CPU with host copies).
+TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  auto ref_engine = gpu(dir);
+  const int64_t V = ref_engine->vocab_size();
+  auto in = ids(GetParam().model, "gen_ids");
+  std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
+  const auto ref = test::prefill_then_steps(*ref_engine, prompt, steps);
+  int64_t moe_layers = 0;
+  for (const auto& l : ref_engine->placement()) moe_layers += !l.empty();
+  for (int variant = 0; variant < 2; ++variant) {
+    CudaEngineOptions opt;
+    opt.zero_copy_cold = true;
+    opt.cache_slots = 2;
+    opt.placement = ref_engine->placement();
+    for (auto& layer : opt.placement)
+      for (size_t e = 0; e < layer.size(); ++e)
+        layer[e] = variant == 0 ? ExpertPlacement::Cache : ExpertPlacement(e % 3);
+    const char* what = variant == 0 ? "EXL3 zero copy, all in host memory" : "EXL3 zero copy, mixed";
+    auto e = gpu(dir, opt);
+    const auto out = test::prefill_then_steps(*e, prompt, steps);
+    const CudaEngineStats st = e->stats();
+    std::printf("[ info ] %s %s: %ld of %ld MoE layers read in place, %ld selections (%.2f MiB), graph replays %ld\n",
+                GetParam().model, what, long(st.zero_copy_layers), long(moe_layers), long(st.zero_copy_selections),
+                st.zero_copy_bytes / double(1 << 20), long(st.graph_replays));
+    EXPECT_EQ(st.zero_copy_layers, moe_layers) << what;
+    EXPECT_GT(st.zero_copy_selections, 0) << what;
+    EXPECT_GT(st.graph_replays, 0) << what;  // decode as one graph per step
+    expect_close(out, ref, V, 1e-2, what);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaExl3, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant>& i) { return std::string(i.param.model); });
 

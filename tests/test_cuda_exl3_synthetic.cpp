@@ -268,6 +268,8 @@ struct SliceRun {
   double prefill_s = 0, decode_s = 0;          // whole prompt, per token
   double selections = 0, vram_selections = 0;  // per decode token (host-planned passes only)
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
+  double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
+  int64_t zc_layers = 0;
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
   bool hybrid = false;
@@ -292,6 +294,9 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.vram_selections = double(b.vram_selections - a.vram_selections) / n;
   r.fetched_bytes = (b.fetched_bytes - a.fetched_bytes) / n;
   r.cpu_bytes = (b.cpu_expert_bytes - a.cpu_expert_bytes) / n;
+  r.zc_selections = double(b.zero_copy_selections - a.zero_copy_selections) / n;
+  r.zc_bytes = (b.zero_copy_bytes - a.zero_copy_bytes) / n;
+  r.zc_layers = b.zero_copy_layers;
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
@@ -479,16 +484,18 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                               ctx / double(c4.index_kpool) * double(c4.index_head_dim) * 4;
         const double per_layer_expert = double(fp4.expert_bytes[0]);
         // Expert traffic of the 8-layer slice per layer: measured on host-planned passes, else all in VRAM.
-        const double vram_sel = r8.hybrid ? r8.vram_selections / 8 : double(K);
+        // (Zero copy: decode takes the grouped path, host experts read in place over PCIe, counted on the device.)
+        const double vram_sel = r8.hybrid ? r8.vram_selections / 8 : double(K) - r8.zc_selections / 8;
         const double hbm =
             double(fp4.head_bytes) + kFull / 4.0 * (dense4 + state4) + kFull * vram_sel * per_layer_expert;
-        const double pcie = kFull * r8.fetched_bytes / 8, host = kFull * r8.cpu_bytes / 8;
+        const double pcie = kFull * (r8.fetched_bytes + r8.zc_bytes) / 8, host = kFull * r8.cpu_bytes / 8;
         // Cold experts' bytes (fetched or read by the CPU) at the rate of both paths together: the floor of any
         // split between them (issue 21); "as split" keeps each path's bytes of this run at its own rate.
         const double floor_s = std::max(hbm / (bw.device_copy * 1e9), (pcie + host) / (bw.host_and_pcie * 1e9));
         const double split_floor_s =
             std::max({hbm / (bw.device_copy * 1e9), pcie / (bw.pcie_h2d * 1e9), host / (bw.host * 1e9)});
-        const double hit = r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0;
+        const double hit =
+            r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0 - r8.zc_selections / (8.0 * double(K));
         const double nodes_per_layer = double(r8.graph_nodes - r4.graph_nodes) / 4;
         std::printf(
             "[ perf ] decode per layer %.1f us, head + embedding %.1f us, graph nodes per layer %.1f (%ld in "
@@ -530,6 +537,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"graph_nodes_per_layer", nodes_per_layer},
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
+        if (r8.zc_layers) row["zero_copy_layers_of_8"] = r8.zc_layers;
         // MTP (issue 24): the verify projected to 45 layers as decode is; a draft costs one decode layer + the head
         // (the MTP block is one decoder layer sharing the lm_head). The verify is the engine's forward_hidden with
         // rollback points (a graph per row count when all experts are in VRAM), then a cut back to its first token.

@@ -46,6 +46,20 @@ TEST(PassPlan, RowLimitAndRollback) {
   EXPECT_EQ(cuts({4, 4, 16, true}, 3, 6, true), (std::vector<Cut>{{0, 4, false}, {4, 2, false}}));
 }
 
+// Prefill groups of 3 passes of 9 rows: groups cut and checkpointed at multiples of 27, each cut into passes of 9.
+TEST(PassPlan, GroupsCutAndCheckpointAtTheirOwnSize) {
+  const PassPolicy gpu{9, 9, 4, true}, grouped = grouped_policy(gpu, 27);
+  EXPECT_EQ(cuts(grouped, 0, 40), (std::vector<Cut>{{0, 27, true}, {27, 13, true}}));
+  EXPECT_EQ(cuts(grouped, 5, 40), (std::vector<Cut>{{0, 22, true}, {22, 18, true}}));  // cut at position 27
+  EXPECT_EQ(cuts(grouped_policy({9, 9, 4, false}, 27), 5, 40), (std::vector<Cut>{{0, 27, false}, {27, 13, true}}));
+  EXPECT_EQ(cuts(grouped, 5, 1), (std::vector<Cut>{{0, 1, false}}));  // decode as before
+  EXPECT_EQ(cuts(grouped_policy(gpu, 9), 0, 20), cuts(gpu, 0, 20));   // a group of one pass
+  using Parts = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(group_parts(Pass{0, 22, 5, false, true}, 9), (Parts{{0, 9}, {9, 9}, {18, 4}}));
+  EXPECT_EQ(group_parts(Pass{22, 18, 27, true, true}, 9), (Parts{{0, 9}, {9, 9}}));
+  EXPECT_EQ(group_parts(Pass{0, 5, 0, true, true}, 9), (Parts{{0, 5}}));
+}
+
 TEST(PassPlan, OnlyCheckpointsTheSequenceKeeps) {
   const auto c = cuts({0, 2048, 16, true}, 0, 2048 * 20 + 5);
   ASSERT_EQ(c.size(), 21u);

@@ -28,4 +28,16 @@ std::vector<Pass> plan_passes(const PassPolicy& policy, int64_t pos0, int64_t S,
   return passes;
 }
 
+PassPolicy grouped_policy(PassPolicy policy, int64_t group_rows) {
+  if (group_rows > policy.max_rows && policy.max_rows > 0) policy.max_rows = policy.checkpoint_interval = group_rows;
+  return policy;
+}
+
+std::vector<std::pair<int64_t, int64_t>> group_parts(const Pass& group, int64_t rows) {
+  MOESRV_CHECK(rows > 0, "group_parts: passes of {} rows", rows);
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  for (int64_t r0 = 0; r0 < group.rows; r0 += rows) parts.emplace_back(r0, std::min(rows, group.rows - r0));
+  return parts;
+}
+
 }  // namespace moesrv

@@ -3,6 +3,7 @@
 // and the CPU bench run their passes from this plan, so chunking and the checkpoint policy are written once.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace moesrv {
@@ -27,5 +28,11 @@ struct Pass {
 // sequence keeps (earlier ones would be dropped within the same call); a single token and a rollback forward
 // (speculative verify: one pass, rollback points instead) checkpoint nothing.
 std::vector<Pass> plan_passes(const PassPolicy& policy, int64_t pos0, int64_t S, bool rollback = false);
+
+// Prefill groups (an engine that runs several passes layer by layer, CudaEngineOptions::prefill_group): the plan's
+// passes become groups of up to group_rows tokens, checkpointed and cut by the policy at that granularity; each
+// group runs as the passes of policy.max_rows that group_parts gives, (first row within the group, rows).
+PassPolicy grouped_policy(PassPolicy policy, int64_t group_rows);
+std::vector<std::pair<int64_t, int64_t>> group_parts(const Pass& group, int64_t rows);
 
 }  // namespace moesrv

@@ -162,6 +162,15 @@ const UsageStats* CudaEngine::Impl::drain_usage() const {
   MOESRV_CUDA_OK(cudaMemset(d_usage_tokens.as<void>(), 0, d_usage_tokens.bytes()));
   for (int64_t l = 0; l < L; ++l)
     if (tokens[size_t(l)]) usage->add_counts(l, counts.data() + l * E, double(tokens[size_t(l)]));
+  for (int64_t l = 0; l < L && l < int64_t(layers.size()); ++l) {  // the zero-copy layers' selections of host experts
+    const DevMoe* m = layers[size_t(l)].moe ? &*layers[size_t(l)].moe : nullptr;
+    if (!m || !m->zero_copy) continue;
+    for (int64_t e = 0; e < E; ++e)
+      if (m->placement[size_t(e)] != ExpertPlacement::Vram) {
+        zero_copy_selections += counts[size_t(l * E + e)];
+        zero_copy_bytes += double(counts[size_t(l * E + e)]) * double(m->block_bytes[size_t(e)]);
+      }
+  }
   return usage.get();
 }
 
@@ -183,7 +192,7 @@ void CudaEngine::Impl::check_tokens(int64_t pos0, const int32_t* tokens, int64_t
 bool CudaEngine::Impl::graph_ok() const {
   if (!use_graph) return false;
   for (const auto& L : layers)
-    if (L.moe && (!L.moe->all_vram || (L.moe->exl3 && !L.moe->x3_grouped))) return false;
+    if (L.moe && (!(L.moe->all_vram || L.moe->zero_copy) || (L.moe->exl3 && !L.moe->x3_grouped))) return false;
   return true;
 }
 
@@ -210,6 +219,11 @@ const UsageStats* CudaEngine::expert_usage() const {
 const std::vector<std::vector<ExpertPlacement>>& CudaEngine::placement() const { return impl_->placement; }
 CudaEngineStats CudaEngine::stats() const {
   CudaEngineStats st = impl_->stats;
+  if (st.zero_copy_layers) {
+    impl_->drain_usage();
+    st.zero_copy_selections = impl_->zero_copy_selections;
+    st.zero_copy_bytes = impl_->zero_copy_bytes;
+  }
   if (impl_->expert_cache) {
     const ExpertCacheStats cs = impl_->expert_cache->total_stats();
     st.cache_hits = int64_t(cs.hits);
@@ -313,18 +327,15 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   };
   // With prefill groups the plan's passes are groups (of group_rows(), checkpointed as the policy says), each run
   // layer by layer as passes of `rows`.
-  PassPolicy policy = pass_policy();
-  if (group_passes > 1 && !rollback) policy.max_rows = policy.checkpoint_interval = group_rows();
-  for (const Pass& p : plan_passes(policy, pos0, S, rollback)) {
+  for (const Pass& p : plan_passes(grouped_policy(pass_policy(), group_rows()), pos0, S, rollback)) {
     const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
     GroupPasses group;
     group.d_pos = d_group_pos.as<int32_t>();
     if (n > rows) {  // a group: its passes' positions
-      for (int64_t r0 = 0; r0 < n; r0 += rows) {
-        h_group_pos.as<int32_t>()[group.parts.size()] = int32_t(p.pos0 + r0);
-        group.parts.emplace_back(r0, std::min(rows, n - r0));
-      }
+      group.parts = group_parts(p, rows);
+      for (size_t i = 0; i < group.parts.size(); ++i)
+        h_group_pos.as<int32_t>()[i] = int32_t(p.pos0 + group.parts[i].first);
       MOESRV_CUDA_OK(cudaMemcpyAsync(d_group_pos.as<void>(), h_group_pos.as<void>(), group.parts.size() * 4,
                                      cudaMemcpyHostToDevice, stream));
     } else {

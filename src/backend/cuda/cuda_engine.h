@@ -63,6 +63,12 @@ struct CudaEngineOptions {
   // from the pass's tokens per expert and the rates below (a prefill streams nearly all; a decode step balances
   // the link against the CPU). false: Cpu experts always run on the CPU.
   bool stream_cold = true;
+  // Decode (<= 8 tokens a pass) reads the EXL3 experts that are not in VRAM in place from the page-locked host
+  // weights, inside the grouped GEMVs over PCIe (zero copy): no routing round trip to the host per layer, the step
+  // replays as one CUDA graph; the LRU slots then serve prefill passes only. Layers whose host experts cannot be
+  // read so (bf16, a trellis not 16-byte aligned in the package) keep the host-planned path. Off until measured on
+  // a GPU; MOESRV_ZERO_COPY=1 turns it on.
+  bool zero_copy_cold = false;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
@@ -137,6 +143,10 @@ struct CudaEngineStats {
   // expert bytes the CPU read (once per expert per pass).
   int64_t routed_selections = 0, vram_selections = 0;
   double fetched_bytes = 0, cpu_expert_bytes = 0;
+  // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
+  // the device, every pass, read when stats() is called) with their bytes.
+  int64_t zero_copy_layers = 0, zero_copy_selections = 0;
+  double zero_copy_bytes = 0;
   size_t vram_used = 0, vram_budget = 0;
   size_t weight_bytes = 0;       // device weights (dense + VRAM experts), as uploaded
   size_t exl3_weight_bytes = 0;  // of which EXL3 linears kept as stored (trellis | suh | svh)

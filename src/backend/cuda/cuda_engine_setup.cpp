@@ -2,6 +2,7 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -346,8 +347,38 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
       slots[size_t(l)] = int32_t(layers[size_t(l)].moe->slots.size());
     }
   host_registration->commit();  // page-lock the host expert weights the slots are filled from
+  map_host_experts();
   measure_cold_rates();
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
+}
+
+// zero_copy_cold: each candidate layer's host experts as mapped parts in its expert table, when all of them can be.
+void CudaEngine::Impl::map_host_experts() {
+  const int64_t E = c.n_routed_experts;
+  int64_t refused = 0;
+  for (DevLayer& L : layers) {
+    if (!L.moe || L.moe->x3_tab_host.empty()) continue;
+    DevMoe& m = *L.moe;
+    std::vector<Exl3Dev> tab = std::move(m.x3_tab_host);
+    m.x3_tab_host.clear();
+    bool ok = true;
+    for (int64_t e = 0; e < E && ok; ++e) {
+      if (m.placement[size_t(e)] == ExpertPlacement::Vram) continue;
+      std::array<Exl3Dev, 3> parts;
+      ok = m.host->mapped_parts(int(e), parts);
+      for (int j = 0; j < 3 && ok; ++j) tab[size_t(j * m.x3_stride + e)] = parts[size_t(j)];
+    }
+    if (!ok) {
+      ++refused;
+      continue;
+    }
+    m.x3_tab = upload(budget, tab, "expert table");
+    m.zero_copy = true;
+    ++stats.zero_copy_layers;
+  }
+  if (refused)
+    std::fprintf(stderr, "moesrv: %ld MoE layers keep copying their host experts (not readable in place)\n",
+                 long(refused));
 }
 
 // A caller's placement (the runtime planner's) estimates the engine's own memory (activations, scratch) before the
@@ -455,9 +486,16 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
       m.h_down[size_t(e)] = m.h_gate_up[size_t(e)] + 2 * I * D;
     }
   }
-  if (cached + streamable > 0) m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration);
+  // zero_copy_cold: a grouped EXL3 layer whose experts outside VRAM all have host copies reads those in place.
+  static const bool zero_copy_env = switch_set("MOESRV_ZERO_COPY");
+  bool every_host = cached + streamable > 0;
+  for (int64_t e = 0; e < E; ++e) every_host &= m.placement[size_t(e)] == ExpertPlacement::Vram || host[size_t(e)];
+  const bool zero_copy = (opt.zero_copy_cold || zero_copy_env) && m.exl3 && m.x3_grouped && every_host;
+  if (cached + streamable > 0)
+    m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration, zero_copy);
   if (m.exl3) {
     if (m.x3_grouped) m.x3_tab = upload(budget, tab, "expert table");
+    if (zero_copy) m.x3_tab_host = tab;
   } else {
     m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
     m.down_ptrs = upload(budget, m.h_down, "expert pointer table");

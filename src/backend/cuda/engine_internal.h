@@ -215,6 +215,10 @@ struct DevMoe {
   int64_t x3_stride = 0;
   bool shared_grouped = false;
   bool all_vram = true;
+  // zero_copy_cold: x3_tab's entries of the experts not in VRAM point at their host weights (HostExperts::
+  // mapped_parts), so decode takes the grouped path as if all were in VRAM. x3_tab_host: the table while it may be.
+  bool zero_copy = false;
+  std::vector<Exl3Dev> x3_tab_host;
   float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
   std::unique_ptr<HostExperts> host;      // what a slot is filled from: Cache experts (+ streamable Cpu ones)
   std::vector<CacheSlot> slots;           // LRU slots of this layer (ExpertCache says which expert is where)
@@ -430,6 +434,9 @@ struct CudaEngine::Impl {
   cuda::DeviceBuffer d_usage, d_usage_tokens;
   mutable std::unique_ptr<UsageStats> usage;
   const UsageStats* drain_usage() const;
+  mutable int64_t zero_copy_selections = 0;  // drained from the device counters (CudaEngineStats)
+  mutable double zero_copy_bytes = 0;
+  void map_host_experts();  // zero_copy_cold: after the host registration's commit
 
   // Decode graphs (all experts in VRAM), per row count 1 .. graph_rows(): forwards of that many tokens replay them
   // (one token: decode; a few: an MTP verify). Models with fixed-size state keep them per sequence (its pointers are

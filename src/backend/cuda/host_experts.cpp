@@ -51,7 +51,8 @@ void HostRegistration::commit() {
   bool warned = false;
   for (auto [b, e] : merged) {
     const cudaError_t err =
-        cudaHostRegister(reinterpret_cast<void*>(b), e - b, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+        cudaHostRegister(reinterpret_cast<void*>(b), e - b,
+                         cudaHostRegisterPortable | cudaHostRegisterReadOnly | cudaHostRegisterMapped);
     if (err == cudaSuccess) {
       mine_.push_back({b, e});
       registered_bytes_ += e - b;
@@ -67,7 +68,7 @@ void HostRegistration::commit() {
 }
 
 HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::array<Exl3Dev, 3>>& layout,
-                         const std::vector<bool>& wanted, HostRegistration& reg)
+                         const std::vector<bool>& wanted, HostRegistration& reg, bool aligned)
     : w_(w), exl3_(exl3), layout_(layout), wanted_(wanted) {
   const size_t E = w.experts.size();
   if (wanted_.size() != E || (exl3 && layout_.size() != E))
@@ -102,6 +103,16 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
   scales_.emplace_back(bytes);
   pinned_bytes_ = bytes;
   uint8_t* base = scales_[0].as<uint8_t>();
+  // With `aligned`: the unaligned trellises packed into one pinned buffer (each a multiple of 32 bytes long).
+  size_t copies = 0;
+  auto unaligned = [&](const Exl3Weights& x) { return aligned && reinterpret_cast<uintptr_t>(x.trellis) % 16; };
+  for (size_t e = 0; e < E; ++e)
+    for (int j = 0; wanted_[e] && j < 3; ++j)
+      if (const Exl3Weights& x = exl3_part(w.experts[e], j).weights(); unaligned(x))
+        copies += (x.trellis_bytes() + 15) / 16 * 16;
+  if (copies) realigned_.emplace_back(copies), pinned_bytes_ += copies;
+  trellis_.assign(E, {nullptr, nullptr, nullptr});
+  size_t at = 0;
   for (size_t e = 0; e < E; ++e) {
     if (!wanted_[e]) continue;
     for (int j = 0; j < 3; ++j) {
@@ -109,7 +120,15 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
       auto* dst = reinterpret_cast<uint16_t*>(base + scale_off_[e][size_t(j)]);
       for (size_t i = 0; i < x.suh.size(); ++i) dst[i] = f64_to_f16_rne(x.suh[i]);  // exact: they came from fp16
       for (size_t i = 0; i < x.svh.size(); ++i) dst[x.suh.size() + i] = f64_to_f16_rne(x.svh[i]);
-      reg.add(x.trellis, x.trellis_bytes());
+      if (unaligned(x)) {
+        uint8_t* copy = realigned_[0].as<uint8_t>() + at;
+        std::memcpy(copy, x.trellis, x.trellis_bytes());
+        trellis_[e][size_t(j)] = copy;
+        at += (x.trellis_bytes() + 15) / 16 * 16;
+      } else {
+        trellis_[e][size_t(j)] = x.trellis;
+        reg.add(x.trellis, x.trellis_bytes());
+      }
     }
   }
 }
@@ -128,12 +147,37 @@ void HostExperts::copy(int e, void* dst, cudaStream_t st) const {
   for (int j = 0; j < 3; ++j) {
     const Exl3Dev& d = layout_[size_t(e)][size_t(j)];
     const Exl3Weights& x = exl3_part(m, j).weights();
-    MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.trellis), x.trellis, x.trellis_bytes(),
-                                   cudaMemcpyHostToDevice, st));
+    MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.trellis), trellis_[size_t(e)][size_t(j)],
+                                   x.trellis_bytes(), cudaMemcpyHostToDevice, st));
     MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.suh),
                                    scales_[0].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)],
                                    size_t(d.in_pad + d.out_pad) * 2, cudaMemcpyHostToDevice, st));
   }
+}
+
+bool HostExperts::mapped_parts(int e, std::array<Exl3Dev, 3>& out) const {
+  if (!exl3_ || !wanted_[size_t(e)]) return false;
+  auto device = [](const void* host, const void** dev) {
+    void* d = nullptr;
+    if (cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0) != cudaSuccess) {
+      cudaGetLastError();  // not mapped: the caller keeps copying
+      return false;
+    }
+    *dev = d;
+    return true;
+  };
+  for (int j = 0; j < 3; ++j) {
+    Exl3Dev d = layout_[size_t(e)][size_t(j)];
+    const void* scales = nullptr;
+    if (!device(trellis_[size_t(e)][size_t(j)], &d.trellis) ||
+        !device(scales_[0].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)], &scales) ||
+        reinterpret_cast<uintptr_t>(d.trellis) % 16)
+      return false;
+    d.suh = static_cast<const uint16_t*>(scales);
+    d.svh = d.suh + d.in_pad;
+    out[size_t(j)] = d;
+  }
+  return true;
 }
 
 }  // namespace moesrv::cuda

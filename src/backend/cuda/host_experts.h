@@ -19,9 +19,9 @@ namespace moesrv::cuda {
 
 class PinnedBuffer;
 
-// Page-locks host ranges for DMA (read-only), merged to whole pages. A range that is already registered (another
-// engine on the same package) is used as it is; one that cannot be registered stays pageable (copies still work,
-// through the driver's staging). Unregisters what it registered on destruction.
+// Page-locks host ranges for DMA (read-only, mapped for zero-copy reads), merged to whole pages. A range that is
+// already registered (another engine on the same package) is used as it is; one that cannot be registered stays
+// pageable (copies still work, through the driver's staging). Unregisters what it registered on destruction.
 class HostRegistration {
  public:
   HostRegistration() = default;
@@ -41,14 +41,20 @@ class HostExperts {
  public:
   // layout[e]: expert e's EXL3 parts inside its device block (offsets as expert_block gives them; exl3 only);
   // wanted[e]: experts that may be copied. Their EXL3 trellis ranges go to `reg` (commit() it afterwards).
+  // aligned: every trellis 16-byte aligned for mapped_parts; those that are not in the package (its tensors are
+  // only 4- or 8-byte aligned) are read from a pinned aligned copy instead (the package's pages are then not locked).
   HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::array<Exl3Dev, 3>>& layout,
-              const std::vector<bool>& wanted, HostRegistration& reg);
+              const std::vector<bool>& wanted, HostRegistration& reg, bool aligned = false);
   ~HostExperts();
   HostExperts(const HostExperts&) = delete;
   HostExperts& operator=(const HostExperts&) = delete;
   bool has(int e) const { return wanted_[size_t(e)]; }
   // Queues the copy of expert e's device block into `dst` (device memory of the block's size) on `st`.
   void copy(int e, void* dst, cudaStream_t st) const;
+  // EXL3: expert e's parts as kernels may read them in place over PCIe (zero copy: the trellis in the registered
+  // package pages, the scales in the pinned table), after the registration's commit(). False when a part cannot be
+  // read so (its pages not mapped, or a trellis not 16-byte aligned, as the GEMV's loads need: see `aligned`).
+  bool mapped_parts(int e, std::array<Exl3Dev, 3>& out) const;
   size_t pinned_bytes() const { return pinned_bytes_; }
 
  private:
@@ -59,6 +65,8 @@ class HostExperts {
   std::vector<PinnedBuffer> blocks_;              // non-EXL3: per wanted expert, its device block
   std::vector<PinnedBuffer> scales_;              // EXL3: one buffer, suh | svh (fp16) of every wanted expert
   std::vector<std::array<size_t, 3>> scale_off_;  // [e][part] byte offset of the part's suh | svh in scales_[0]
+  std::vector<std::array<const void*, 3>> trellis_;  // EXL3: [e][part] where its trellis is read (package or copy)
+  std::vector<PinnedBuffer> realigned_;              // EXL3 with `aligned`: the copies of unaligned trellises
   size_t pinned_bytes_ = 0;
 };
 
