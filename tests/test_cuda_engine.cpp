@@ -90,6 +90,11 @@ TEST(CudaPlacementBridge, ColdExpertModes) {
   apply_cold_experts("gpu", opt);
   EXPECT_TRUE(opt.stream_cold);
   EXPECT_GE(opt.cpu_expert_ms, 1e6);  // no CPU expert ever beats a copy
+  EXPECT_FALSE(opt.zero_copy_cold);
+  CudaEngineOptions read;
+  apply_cold_experts("read", read);
+  EXPECT_TRUE(read.stream_cold && read.zero_copy_cold);
+  EXPECT_GE(read.cpu_expert_ms, 1e6);
   CudaEngineOptions fresh;
   apply_cold_experts("auto", fresh);
   EXPECT_TRUE(fresh.stream_cold);

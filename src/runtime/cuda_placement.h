@@ -14,9 +14,13 @@ namespace moesrv {
 
 // --cold-experts: "auto" splits each pass's cold experts between the PCIe link and the CPU from measured rates;
 // "cpu" computes every CPU-placed expert on the CPU (no streaming slots); "gpu" streams every cold expert over
-// PCIe and runs it on the GPU (the CPU computes none). Throws on anything else.
+// PCIe and runs it on the GPU (the CPU computes none); "read" is "gpu" where decode reads the cold EXL3 experts in
+// place over PCIe instead of copying them (CudaEngineOptions::zero_copy_cold). Throws on anything else.
 inline void apply_cold_experts(const std::string& mode, CudaEngineOptions& opt) {
-  if (mode == "auto") {
+  if (mode == "read") {
+    apply_cold_experts("gpu", opt);
+    opt.zero_copy_cold = true;
+  } else if (mode == "auto") {
     opt.stream_cold = true;
   } else if (mode == "cpu") {
     opt.stream_cold = false;
@@ -24,7 +28,7 @@ inline void apply_cold_experts(const std::string& mode, CudaEngineOptions& opt) 
     opt.stream_cold = true;
     opt.cpu_expert_ms = 1e9;  // a CPU expert never beats a copy
   } else {
-    fail("--cold-experts {}: expected auto, cpu or gpu", mode);
+    fail("--cold-experts {}: expected auto, cpu, gpu or read", mode);
   }
 }
 

@@ -83,8 +83,9 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
   cmd->add_flag("--kv-q8", o.kv_q8, "GPU attention cache as int8 with per-token scales");
   cmd->add_option("--cold-experts", o.cold_experts,
                   "experts not in VRAM: auto (split each step between PCIe and the CPU from measured rates), cpu "
-                  "(compute on the CPU), gpu (stream over PCIe, run on the GPU)")
-      ->check(CLI::IsMember({"auto", "cpu", "gpu"}))
+                  "(compute on the CPU), gpu (stream over PCIe, run on the GPU), read (as gpu, but decode reads "
+                  "EXL3 experts in place over PCIe, one CUDA graph per step; docs/perf-cuda.md)")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu", "read"}))
       ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
   cmd->add_option("--prefill-pass", o.prefill_chunk,
@@ -96,7 +97,7 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
   cmd->add_option("--prefill-group", o.prefill_group,
                   "GPU: prefill passes run layer by layer in groups of this many, so the MoE streams (under "
                   "--vram-budget) or dequantizes each expert once per group instead of once per pass; costs ~105 KB "
-                  "of VRAM per token of a group (GLM-5.3-Flash; docs/perf.md)")
+                  "of VRAM per token of a group (GLM-5.3-Flash; docs/perf-cuda.md)")
       ->check(CLI::Range(int64_t(1), int64_t(64)))
       ->capture_default_str();
 }

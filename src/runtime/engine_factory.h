@@ -22,7 +22,7 @@ struct EngineOptions {
   int64_t prefill_chunk = 8192;  // CUDA: tokens per prefill pass (--prefill-pass)
   int64_t prefill_group = 1;     // CUDA: passes per prefill group (--prefill-group)
   bool kv_q8 = false;
-  std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu (see apply_cold_experts)
+  std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu | read (apply_cold_experts)
   bool mtp = false;  // CUDA: load the checkpoint's MTP block (speculative decoding); the CPU engine always maps it
 };
 

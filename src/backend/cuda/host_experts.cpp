@@ -157,13 +157,14 @@ void HostExperts::copy(int e, void* dst, cudaStream_t st) const {
 
 bool HostExperts::mapped_parts(int e, std::array<Exl3Dev, 3>& out) const {
   if (!exl3_ || !wanted_[size_t(e)]) return false;
+  // The address kernels on the current device read page-locked host memory at (none: not locked or not mapped).
   auto device = [](const void* host, const void** dev) {
-    void* d = nullptr;
-    if (cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0) != cudaSuccess) {
-      cudaGetLastError();  // not mapped: the caller keeps copying
+    cudaPointerAttributes at{};
+    if (cudaPointerGetAttributes(&at, host) != cudaSuccess || at.type != cudaMemoryTypeHost || !at.devicePointer) {
+      cudaGetLastError();  // the caller keeps copying
       return false;
     }
-    *dev = d;
+    *dev = at.devicePointer;
     return true;
   };
   for (int j = 0; j < 3; ++j) {
