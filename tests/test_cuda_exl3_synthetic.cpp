@@ -414,6 +414,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       // The CPU path as measured: a 1-token expert costs s1 (trellis decoding), tokens add FLOPs.
       req.cost.host_mem_gbps = std::min(bw.host, cpu.bytes / cpu.s1 / 1e9);
       req.cost.cpu_gflops = 2 * cpu.params * 64 / cpu.s64 / 1e9;
+      // Zero copy (MOESRV_ZERO_COPY=1): decode uses no LRU, so the plan pins every slot but prefill's streaming ones,
+      // as the engine factory does under --cold-experts read.
+      if (const char* z = std::getenv("MOESRV_ZERO_COPY"); z && std::atoi(z) != 0) req.lru_slots = kPrefillStreamSlots;
       std::map<int, std::vector<SliceRun>> t;  // layers -> per context
       std::map<int, std::map<int64_t, double>> per_step;  // layers -> streams -> seconds per batched step
       for (int layers : {4, 8}) {

@@ -144,6 +144,36 @@ TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
   EXPECT_EQ(equal.layers[2].slots, equal.layers[0].slots);
 }
 
+// Decode that reads cold experts in place (lru_slots): every slot but lru_slots pinned, the hottest first with usage,
+// the lowest ids without.
+TEST(Placement, LruSlotsPinsTheRest) {
+  ModelSpec c = glm5(6, 0);
+  ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
+  UsageStats usage = skewed_usage(c, /*concentrated_layer=*/2);
+  PlacementRequest req;
+  req.context = 4096;
+  req.vram_budget =
+      fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 6 * 64 * fp.expert_bytes[0];
+  req.lru_slots = 4;
+  const UsageStats* none = nullptr;
+  for (const UsageStats* u : {static_cast<const UsageStats*>(&usage), none}) {
+    const PlacementPlan plan = plan_placement(c, fp, req, u);
+    ASSERT_TRUE(plan.fits);
+    EXPECT_LE(plan.vram_total(), req.vram_budget);
+    for (int64_t l = 0; l < 6; ++l) {
+      const LayerPlacement& L = plan.layers[size_t(l)];
+      ASSERT_GT(L.slots, 4);
+      EXPECT_EQ(L.pinned, L.slots - 4);
+      EXPECT_EQ(L.count(ExpertHome::Pinned), L.pinned);
+      if (u) {
+        for (int32_t e : usage.hottest(l, size_t(L.pinned))) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
+      } else {
+        for (int32_t e = 0; e < L.pinned; ++e) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
+      }
+    }
+  }
+}
+
 TEST(Placement, ColdSplitFollowsCostModel) {
   ModelSpec c = glm5(4, 0);
   ModelFootprint fp = footprint_from_config(c, 4.0, 4.0);

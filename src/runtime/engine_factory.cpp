@@ -58,12 +58,14 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
     auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, *pkg));
     auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(pkg->dir(), *spec));
     const double budget = c.vram_budget_gib;
-    c.plan_placement = [spec, ctx, fp, usage, budget](size_t engine_bytes, CudaEngineOptions& opt) {
+    // Decode that reads cold experts in place keeps only the LRU slots prefill streams through; the rest is pinned.
+    const int64_t lru_slots = c.zero_copy_cold ? kPrefillStreamSlots : -1;
+    c.plan_placement = [spec, ctx, fp, usage, budget, lru_slots](size_t engine_bytes, CudaEngineOptions& opt) {
       const ModelSpec& cfg = *spec;
-      const PlacementPlan first = plan_with_usage(cfg, budget, ctx, *usage, 0.0, fp.get());
+      const PlacementPlan first = plan_with_usage(cfg, budget, ctx, *usage, 0.0, fp.get(), lru_slots);
       const double counted = double(first.vram_dense + first.vram_kv);
       const double workspace_gib = std::max(0.0, double(engine_bytes) - counted) / double(1ull << 30);
-      PlacementPlan plan = plan_with_usage(cfg, budget, ctx, *usage, workspace_gib, fp.get());
+      PlacementPlan plan = plan_with_usage(cfg, budget, ctx, *usage, workspace_gib, fp.get(), lru_slots);
       if (!plan.fits) fail("--vram-budget {} GiB: {}", budget, plan.note);
       apply_placement_plan(plan, opt);
     };

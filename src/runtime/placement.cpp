@@ -289,7 +289,9 @@ void place_layer(const ModelSpec& c, const ModelFootprint& fp, const PlacementRe
     L.hit_rate = 1;
     return;
   }
-  L.pinned = has_usage(c, usage, l) ? int64_t(std::floor(req.pin_fraction * double(L.slots))) : 0;
+  L.pinned = req.lru_slots >= 0       ? std::max<int64_t>(0, L.slots - req.lru_slots)
+             : has_usage(c, usage, l) ? int64_t(std::floor(req.pin_fraction * double(L.slots)))
+                                      : 0;
   double resident_p = 0;
   for (int64_t i = 0; i < L.slots; ++i) {
     L.home[size_t(order[size_t(i)])] = i < L.pinned ? ExpertHome::Pinned : ExpertHome::Cached;

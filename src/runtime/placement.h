@@ -69,6 +69,9 @@ struct PlacementRequest {
   uint64_t workspace_bytes = kGiB;     // activations, attention scratch, staging buffers
   int kv_elem_bytes = 2, index_elem_bytes = 2;
   double pin_fraction = 0.5;           // share of each layer's slots pinned to its hottest experts (needs usage)
+  // >= 0: every slot but this many is pinned, with or without usage (then the lowest ids): decode that reads cold
+  // experts in place (--cold-experts read) uses no LRU, which only prefill's streaming needs (a few slots).
+  int64_t lru_slots = -1;
   SlotPolicy slot_policy = SlotPolicy::Equal;
   CostModel cost;
 };

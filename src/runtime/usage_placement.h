@@ -24,8 +24,9 @@ void save_engine_usage(const std::string& model_dir, const Engine& engine);
 
 // Plan for a VRAM budget, pinning from usage. Sizes: `footprint` when given (footprint_from_package: what the
 // CUDA engine uploads, EXL3 as stored), else the config's shapes at bf16.
+// lru_slots: PlacementRequest::lru_slots.
 PlacementPlan plan_with_usage(const ModelSpec& c, double vram_budget_gib, int64_t context,
                               const std::optional<UsageStats>& usage, double workspace_gib = 1.0,
-                              const ModelFootprint* footprint = nullptr);
+                              const ModelFootprint* footprint = nullptr, int64_t lru_slots = -1);
 
 }  // namespace moesrv

@@ -34,6 +34,9 @@ enum class ExpertPlacement : uint8_t {
   Cpu,    // computed on the host from the stored weights, overlapped with GPU work
 };
 
+// LRU slots a prefill pass streams cold experts through (each miss recycles the pass's own last admissions).
+constexpr int32_t kPrefillStreamSlots = 4;
+
 struct CudaEngineOptions {
   std::string served_name;
   // The package's config, already parsed (ModelSpec::from_json(pkg->config())); null: the engine parses it.

@@ -368,7 +368,7 @@ struct CudaEngine::Impl {
   // Cache misses of a host-planned pass of at least kStreamPassTokens tokens (prefill: it walks all the layer's
   // experts) recycle the pass's own last kStreamWindow admissions, not the LRU (ExpertCache::admit); 0 otherwise.
   static constexpr int64_t kStreamPassTokens = 64;
-  static constexpr int32_t kStreamWindow = 4;
+  static constexpr int32_t kStreamWindow = kPrefillStreamSlots;
   int32_t stream_window = 0;
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
