@@ -329,6 +329,15 @@ TEST_P(CudaExl3, WeightBytesAreStoredBytes) {
 
 // All experts behind a 2-slot LRU cache (their stored bytes copied per miss), or mixed VRAM/cache/CPU, equal the
 // all-VRAM engine; a budget for half the experts' EXL3 bytes keeps about half of them in VRAM.
+// The reference engine's placement with every expert in host memory (variant 0: behind the LRU cache) or mixed
+// (variant 1: VRAM, cache and CPU by id % 3).
+std::vector<std::vector<ExpertPlacement>> hybrid_placement(const CudaEngine& ref, int variant) {
+  std::vector<std::vector<ExpertPlacement>> p = ref.placement();
+  for (auto& layer : p)
+    for (size_t e = 0; e < layer.size(); ++e) layer[e] = variant == 0 ? ExpertPlacement::Cache : ExpertPlacement(e % 3);
+  return p;
+}
+
 TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
@@ -342,10 +351,7 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
     CudaEngineOptions opt;
     opt.cache_slots = 2;
     opt.stream_cold = false;  // CPU experts stay on the CPU (streaming: below)
-    opt.placement = ref_engine->placement();
-    for (auto& layer : opt.placement)
-      for (size_t e = 0; e < layer.size(); ++e)
-        layer[e] = variant == 0 ? ExpertPlacement::Cache : ExpertPlacement(e % 3);
+    opt.placement = hybrid_placement(*ref_engine, variant);
     auto e = gpu(dir, opt);
     expect_close(run(*e), ref, V, 1e-2, variant == 0 ? "EXL3 all-cache vs all-VRAM" : "EXL3 mixed vs all-VRAM");
     EXPECT_GT(e->stats().cache_misses, 2);
@@ -418,8 +424,8 @@ TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
   const std::string dir = exl3_tiny(GetParam());
   auto ref_engine = gpu(dir);
   const int64_t V = ref_engine->vocab_size();
-  auto in = ids(GetParam().model, "gen_ids");
-  std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
+  const auto in = ids(GetParam().model, "gen_ids");
+  const std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
   const auto ref = test::prefill_then_steps(*ref_engine, prompt, steps);
   int64_t moe_layers = 0;
   for (const auto& l : ref_engine->placement()) moe_layers += !l.empty();
@@ -427,10 +433,7 @@ TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
     CudaEngineOptions opt;
     opt.zero_copy_cold = true;
     opt.cache_slots = 2;
-    opt.placement = ref_engine->placement();
-    for (auto& layer : opt.placement)
-      for (size_t e = 0; e < layer.size(); ++e)
-        layer[e] = variant == 0 ? ExpertPlacement::Cache : ExpertPlacement(e % 3);
+    opt.placement = hybrid_placement(*ref_engine, variant);
     const char* what = variant == 0 ? "EXL3 zero copy, all in host memory" : "EXL3 zero copy, mixed";
     auto e = gpu(dir, opt);
     const auto out = test::prefill_then_steps(*e, prompt, steps);

@@ -113,13 +113,25 @@ UsageStats skewed_usage(const ModelSpec& c, int64_t concentrated_layer) {
   return u;
 }
 
-TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
+// Six MoE layers of GLM-5 with 2-bit experts, usage concentrated on layer 2, a budget for 64 experts per layer.
+struct SixLayers {
   ModelSpec c = glm5(6, 0);
   ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
   UsageStats usage = skewed_usage(c, /*concentrated_layer=*/2);
   PlacementRequest req;
-  req.context = 4096;
-  req.vram_budget = fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 6 * 64 * fp.expert_bytes[0];
+  SixLayers() {
+    req.context = 4096;
+    req.vram_budget =
+        fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 6 * 64 * fp.expert_bytes[0];
+  }
+};
+
+TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
+  SixLayers six;
+  const ModelSpec& c = six.c;
+  const ModelFootprint& fp = six.fp;
+  const UsageStats& usage = six.usage;
+  PlacementRequest& req = six.req;
   req.slot_policy = SlotPolicy::Entropy;
   PlacementPlan plan = plan_placement(c, fp, req, &usage);
   ASSERT_TRUE(plan.fits);
@@ -147,26 +159,20 @@ TEST(Placement, PinsHottestAndEntropyPolicyShiftsSlots) {
 // Decode that reads cold experts in place (lru_slots): every slot but lru_slots pinned, the hottest first with usage,
 // the lowest ids without.
 TEST(Placement, LruSlotsPinsTheRest) {
-  ModelSpec c = glm5(6, 0);
-  ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
-  UsageStats usage = skewed_usage(c, /*concentrated_layer=*/2);
-  PlacementRequest req;
-  req.context = 4096;
-  req.vram_budget =
-      fp.dense_total() + kv_cache_bytes(c, req.context) + req.workspace_bytes + 6 * 64 * fp.expert_bytes[0];
-  req.lru_slots = 4;
+  SixLayers six;
+  six.req.lru_slots = 4;
   const UsageStats* none = nullptr;
-  for (const UsageStats* u : {static_cast<const UsageStats*>(&usage), none}) {
-    const PlacementPlan plan = plan_placement(c, fp, req, u);
+  for (const UsageStats* u : {static_cast<const UsageStats*>(&six.usage), none}) {
+    const PlacementPlan plan = plan_placement(six.c, six.fp, six.req, u);
     ASSERT_TRUE(plan.fits);
-    EXPECT_LE(plan.vram_total(), req.vram_budget);
+    EXPECT_LE(plan.vram_total(), six.req.vram_budget);
     for (int64_t l = 0; l < 6; ++l) {
       const LayerPlacement& L = plan.layers[size_t(l)];
       ASSERT_GT(L.slots, 4);
       EXPECT_EQ(L.pinned, L.slots - 4);
       EXPECT_EQ(L.count(ExpertHome::Pinned), L.pinned);
       if (u) {
-        for (int32_t e : usage.hottest(l, size_t(L.pinned))) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
+        for (int32_t e : six.usage.hottest(l, size_t(L.pinned))) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
       } else {
         for (int32_t e = 0; e < L.pinned; ++e) EXPECT_EQ(L.home[size_t(e)], ExpertHome::Pinned);
       }
