@@ -491,6 +491,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   bool every_host = cached + streamable > 0;
   for (int64_t e = 0; e < E; ++e) every_host &= m.placement[size_t(e)] == ExpertPlacement::Vram || host[size_t(e)];
   const bool zero_copy = (opt.zero_copy_cold || zero_copy_env) && m.exl3 && m.x3_grouped && every_host;
+  host_registration->mapped |= zero_copy;
   if (cached + streamable > 0)
     m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration, zero_copy);
   if (m.exl3) {

@@ -52,7 +52,7 @@ void HostRegistration::commit() {
   for (auto [b, e] : merged) {
     const cudaError_t err =
         cudaHostRegister(reinterpret_cast<void*>(b), e - b,
-                         cudaHostRegisterPortable | cudaHostRegisterReadOnly | cudaHostRegisterMapped);
+                         cudaHostRegisterPortable | cudaHostRegisterReadOnly | (mapped ? cudaHostRegisterMapped : 0));
     if (err == cudaSuccess) {
       mine_.push_back({b, e});
       registered_bytes_ += e - b;

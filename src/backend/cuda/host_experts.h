@@ -19,7 +19,8 @@ namespace moesrv::cuda {
 
 class PinnedBuffer;
 
-// Page-locks host ranges for DMA (read-only, mapped for zero-copy reads), merged to whole pages. A range that is
+// Page-locks host ranges for DMA (read-only; with `mapped`, also mapped for kernels' zero-copy reads), merged to
+// whole pages. A range that is
 // already registered (another engine on the same package) is used as it is; one that cannot be registered stays
 // pageable (copies still work, through the driver's staging). Unregisters what it registered on destruction.
 class HostRegistration {
@@ -30,6 +31,7 @@ class HostRegistration {
   ~HostRegistration();
   void add(const void* p, size_t bytes);  // collected until commit()
   void commit();
+  bool mapped = false;  // set before commit(): HostExperts::mapped_parts needs it
   size_t registered_bytes() const { return registered_bytes_; }
 
  private:
