@@ -62,6 +62,7 @@ constexpr int MH = 64, QL = 2048, R = 512, DN = 256, DV = 256;             // ML
 constexpr int IH = 32, ID = 128, KPOOL = 4, TOPK_KEYS = 2048;              // k-pool indexer
 constexpr int BUDGET = TOPK_KEYS / KPOOL, SELW = TOPK_KEYS + KPOOL;        // pools kept, selection row width
 constexpr int E = 288, TOPK = 8, KK = TOPK + 1, I = 2048, VOCAB = 154880;  // MoE (KK: shared + routed), head
+constexpr int kHostExperts = 16;  // distinct routed experts in pinned host memory (zero-copy row), ~200 MB at K=4
 constexpr size_t kYrFloats = size_t(kExl3MaxGemvParts) * VOCAB;            // EXL3 GEMV output, K parts included
 constexpr size_t kTickets = VOCAB / 128 + 1024;  // exl3_gemv_out's counters: the head's row or the grouped rows
 constexpr float LIMIT = 10.0f, MLA_SCALE = 1.0f / 16, ROUTED_SCALING = 2.5f;
@@ -158,6 +159,17 @@ Exl3Dev exl3_weight(int out, int in) {
   w.trellis = t, w.suh = signf16(size_t(in), 1.0f), w.svh = signf16(size_t(out), 0.02f);
   return w;
 }
+// The same with its trellis in pinned host memory, read by the kernels over PCIe (the engine's zero-copy cold experts).
+Exl3Dev exl3_weight_host(int out, int in) {
+  Exl3Dev w;
+  w.K = g_bits, w.cb = 2, w.in_pad = w.in = in, w.out_pad = w.out = out;
+  void *h = nullptr, *t = nullptr;
+  CK(cudaHostAlloc(&h, w.trellis_bytes(), cudaHostAllocMapped));  // freed at exit
+  CK(cudaHostGetDevicePointer(&t, h, 0));
+  fill(t, w.trellis_bytes() / 4, kBits32, 0);
+  w.trellis = t, w.suh = signf16(size_t(in), 1.0f), w.svh = signf16(size_t(out), 0.02f);
+  return w;
+}
 template <class Make>
 auto make_pool(double bytes, Make&& make) {
   Pool<decltype(make())> p;
@@ -193,6 +205,7 @@ struct Weights {
   float* router_bias;
   Exl3Dev expert_shape[3];
   const Exl3Dev* tab;           // device [3][E + 1]: entry E is the shared expert
+  const Exl3Dev* tab_host;      // the same, the routed experts kHostExperts distinct ones in pinned host memory
   Pool<Exl3Dev> shared_sep[3];  // routed experts' weights as separate linears (the unfused shared-expert path)
   const Exl3Dev* shared_gu;     // device [2]: the shared expert's gate, up (its DevLinear::parts)
   Exl3Dev shared_down;
@@ -278,6 +291,13 @@ void setup(std::mt19937& rng) {
     for (int e = 0; e < kCalls; ++e) W.shared_sep[p].v.push_back(tab[size_t(p * (E + 1) + e)]);
   }
   W.tab = upload(tab);
+  std::vector<Exl3Dev> host(size_t(3) * kHostExperts);
+  for (int p = 0; p < 3; ++p)
+    for (int e = 0; e < kHostExperts; ++e)
+      host[size_t(p * kHostExperts + e)] = exl3_weight_host(shapes[p][0], shapes[p][1]);
+  for (int p = 0; p < 3; ++p)
+    for (int e = 0; e < E; ++e) tab[size_t(p * (E + 1) + e)] = host[size_t(p * kHostExperts + e % kHostExperts)];
+  W.tab_host = upload(tab);
   W.shared_gu = upload(std::vector<Exl3Dev>{tab[size_t(E)], tab[size_t(2 * E + 1)]});
   W.shared_down = tab[size_t(3 * E + 2)];
   W.lm_head = exl3_pool(VOCAB, D);
@@ -530,23 +550,23 @@ void route_fused_call(int i, bool shared = true) {  // Impl::moe for decode: the
 }
 // One grouped projection over M entries (expert ids[r]; the tab holds E + 1 per projection). Down reads the SwiGLU
 // of the gate|up rows while rotating its input (Impl::moe_exl3_grouped).
-void experts_part(int p, const int32_t* ids, int M) {
+void experts_part(int p, const int32_t* ids, int M, const Exl3Dev* tab = W.tab) {
   const Exl3Dev& shape = W.expert_shape[p];
-  const Exl3Group g{W.tab + p * (E + 1), ids};
+  const Exl3Group g{tab + p * (E + 1), ids};
   const Exl3Src src = p < 2 ? Exl3Src{B.h, D, nullptr, M} : Exl3Src{B.mgu, 2 * I, nullptr, 1, true, LIMIT};
   g_bytes += double(M) * double(shape.bytes());
   if (p < 2) exl3_chain(shape, g, src, M, B.mgu + p * I, 2 * I);
   else exl3_chain(shape, g, src, M, B.ysorted, D);
 }
 // gate and up as the two parts of one grouped call, as the engine runs them when their shapes match.
-void experts_gate_up(const int32_t* ids, int M) {
+void experts_gate_up(const int32_t* ids, int M, const Exl3Dev* tab = W.tab) {
   const Exl3Dev& shape = W.expert_shape[0];
   g_bytes += 2.0 * double(M) * double(shape.bytes());
-  exl3_chain(shape, Exl3Group{W.tab, ids, M, E + 1, I}, Exl3Src{B.h, D, nullptr, M}, 2 * M, B.mgu, 2 * I);
+  exl3_chain(shape, Exl3Group{tab, ids, M, E + 1, I}, Exl3Src{B.h, D, nullptr, M}, 2 * M, B.mgu, 2 * I);
 }
-void experts(const int32_t* ids, int M) {
-  experts_gate_up(ids, M);
-  experts_part(2, ids, M);
+void experts(const int32_t* ids, int M, const Exl3Dev* tab = W.tab) {
+  experts_gate_up(ids, M, tab);
+  experts_part(2, ids, M, tab);
 }
 // Impl::shared_expert_exl3: gate | up as one grouped call of the shared expert's two parts, then down over their
 // SwiGLU, into y. (Every call uses the same shared expert, entry E, as the grouped path's rows do.)
@@ -894,6 +914,9 @@ void run_all(const std::vector<Ctx>& ctxs) {
         [](int i) { experts_part(2, B.rand_ids + size_t(i) * KK, KK); });
   bench("MoE EXL3 experts 8 routed (gate, up, down)", [](int i) { experts(B.rand_ids + size_t(i) * KK + 1, TOPK); });
   bench("MoE EXL3 experts 1 shared + 8 routed", [](int i) { experts(B.rand_ids + size_t(i) * KK, KK); });
+  // Zero copy (docs/perf-cuda.md, "Thirteenth round"): the routed experts read over PCIe (GB/s: of the link).
+  bench("MoE EXL3 experts 8 routed, host memory (zero copy)",
+        [](int i) { experts(B.rand_ids + size_t(i) * KK + 1, TOPK, W.tab_host); });
   bench("MoE moe_combine k=9", [](int) { moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true); });
   bench("MoE shared expert unfused (gate|up, SwiGLU, down)", [](int i) { shared_unfused(i); });
 

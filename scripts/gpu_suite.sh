@@ -35,7 +35,8 @@
 #   PGROUPS="8192x1 8192x4" scripts/gpu_suite.sh + the slice at 131K under 22 GiB (PGROUP_CONTEXTS,
 #                                   PGROUP_BUDGETS override) per prefill pass x prefill group (MOESRV_BENCH_PREFILL_CHUNK,
 #                                   MOESRV_PREFILL_GROUP), one JSON each ($OUT/group_PASSxGROUP.json); ~1.5 min each.
-#   ZERO_COPY=1 scripts/gpu_suite.sh + the slice under 22 GiB at 8K (ZC_BUDGETS, ZC_CONTEXTS override) with the host
+#   ZERO_COPY=1 scripts/gpu_suite.sh + the kernel bench's expert rows (VRAM, and 8 routed read from host memory: the
+#                                   PCIe rate the GEMV reaches), the slice under 22 GiB at 8K (ZC_BUDGETS, ZC_CONTEXTS override) with the host
 #                                   experts copied into LRU slots (default) and read in place by the decode GEMVs
 #                                   (MOESRV_ZERO_COPY=1), one JSON each ($OUT/zero_copy[01].json); ~2 min each.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
@@ -147,6 +148,8 @@ if [[ ${ROWS:-0} == 1 ]]; then  # docs/perf-cuda.md, "Tenth round"
   for f in MOESRV_EXL3_GEMV_ROWS=0 MOESRV_EXL3_GEMV_ROWS=1 MOESRV_EXL3_MERGE_ROWS=1; do slice "$f" 8192 150 "$f"; done
 fi
 if [[ ${ZERO_COPY:-0} == 1 ]]; then  # docs/perf-cuda.md, "Thirteenth round"
+  timeout 120 .gpu/cuda_kernel_bench --bits 3 --only "MoE EXL3 experts" >"$OUT/kb_zero_copy.log" 2>/dev/null
+  echo "kernel bench, experts in VRAM and in host memory rc=$?:"; grep -E "^MoE EXL3 experts" "$OUT/kb_zero_copy.log"
   for z in 0 1; do
     slice "zero_copy$z" "${ZC_CONTEXTS:-8192}" 240 MOESRV_BENCH_BUDGETS="${ZC_BUDGETS:-22}" MOESRV_ZERO_COPY=$z \
       MOESRV_BENCH_JSON="$OUT/zero_copy$z.json"
