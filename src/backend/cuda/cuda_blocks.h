@@ -27,9 +27,9 @@ class BufferViews {
   ~BufferViews() {
     for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) *it->first = std::move(it->second);
   }
-  // `live` becomes its bytes [offset, offset + bytes) (an empty buffer stays empty).
-  void view(DeviceBuffer& live, size_t offset, size_t bytes) {
-    if (live.bytes()) replace(live, live.as<char>() + offset, bytes);
+  // `live`, rows of `width` 4-byte elements, becomes its rows [r0, r0 + n) (an empty buffer stays empty).
+  void rows(DeviceBuffer& live, int64_t width, int64_t r0, int64_t n) {
+    if (live.bytes()) replace(live, live.as<char>() + size_t(r0 * width) * 4, size_t(n * width) * 4);
   }
   // `live` becomes a view of `bytes` at p.
   void replace(DeviceBuffer& live, void* p, size_t bytes) {
@@ -41,6 +41,15 @@ class BufferViews {
   std::vector<std::pair<DeviceBuffer*, DeviceBuffer>> kept_;  // each replaced buffer and its whole
 };
 
+// The pass buffers every mixer reads and writes (s.h, s.y, the DSA selection) as their rows [r0, r0 + n), and the
+// pass position d_pos0 as the device int at pos.
+inline void view_pass(BufferViews& v, CudaEngine::Impl& m, int64_t r0, int64_t n, int32_t* pos) {
+  v.rows(m.s.h, m.c.hidden_size, r0, n);
+  v.rows(m.s.y, m.c.hidden_size, r0, n);
+  v.rows(m.s.sel, m.sel_width(), r0, n);
+  v.replace(m.d_pos0, pos, 4);
+}
+
 // While it lives, the engine's pass buffers a mixer reads and writes (s.h, s.y, the DSA selection, the MLA query
 // latent and the indexer's key projections) are row b's, and so are the position, cache table and state the kernels
 // take: the mixer (or its position-dependent part) runs as a pass of one token.
@@ -48,17 +57,12 @@ class BatchRow {
  public:
   BatchRow(CudaEngine::Impl& m, const BatchRows& r, int64_t b) : m_(m) {
     const ModelSpec& c = m.c;
-    const int64_t D = c.hidden_size, L = c.num_layers;
-    auto row = [&](DeviceBuffer& live, int64_t width) { views_.view(live, size_t(b * width) * 4, size_t(width) * 4); };
-    row(m.s.h, D);
-    row(m.s.y, D);
-    row(m.s.sel, m.sel_width());
-    row(m.s.q_lat, c.q_lora_rank);
-    row(m.s.ik, c.index_head_dim);
-    row(m.s.ig, c.index_head_dim);
-    row(m.s.ihw, c.index_n_heads);
-    views_.replace(m.d_pos0, r.d_pos + b, 4);
-    views_.replace(m.d_layer_cache, r.d_tables + b * L, size_t(L) * sizeof(DeviceLayerCache));
+    view_pass(views_, m, b, 1, r.d_pos + b);
+    views_.rows(m.s.q_lat, c.q_lora_rank, b, 1);
+    views_.rows(m.s.ik, c.index_head_dim, b, 1);
+    views_.rows(m.s.ig, c.index_head_dim, b, 1);
+    views_.rows(m.s.ihw, c.index_n_heads, b, 1);
+    views_.replace(m.d_layer_cache, r.d_tables + b * c.num_layers, size_t(c.num_layers) * sizeof(DeviceLayerCache));
     state_ = r.states[size_t(b)];
     m.cur_state.swap(state_);
   }
@@ -84,12 +88,7 @@ struct GroupPasses {
 class GroupPass {
  public:
   GroupPass(CudaEngine::Impl& m, const GroupPasses& g, size_t i) {
-    const auto [r0, n] = g.parts[i];
-    const int64_t D = m.c.hidden_size, W = m.sel_width();
-    views_.view(m.s.h, size_t(r0 * D) * 4, size_t(n * D) * 4);
-    views_.view(m.s.y, size_t(r0 * D) * 4, size_t(n * D) * 4);
-    views_.view(m.s.sel, size_t(r0 * W) * 4, size_t(n * W) * 4);
-    views_.replace(m.d_pos0, g.d_pos + i, 4);
+    view_pass(views_, m, g.parts[i].first, g.parts[i].second, g.d_pos + i);
   }
 
  private:
