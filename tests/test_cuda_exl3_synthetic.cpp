@@ -546,16 +546,24 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         // rollback points (a graph per row count when all experts are in VRAM), then a cut back to its first token.
         nlohmann::json mtp = nlohmann::json::array();
         std::string mtp_line;
+        std::vector<double> step_s{d45};  // a step of k drafts, k = 0.. (for the adaptive draft length)
         for (size_t k = 1; k <= r4.verify_s.size() && k <= r8.verify_s.size(); ++k) {
           const double vl = (r8.verify_s[k - 1] - r4.verify_s[k - 1]) / 4;
           const double v45 = r4.verify_s[k - 1] - 4 * vl + kFull * vl, head = r4.decode_s - 4 * dl;
           mtp.push_back(mtp_projection_json(int(k), d45, v45, dl + head));
+          step_s.push_back(v45 + double(k) * (dl + head));
           mtp_line += " k=" + std::to_string(k) + " verify/decode " + std::to_string(v45 / d45).substr(0, 5) +
                       " speed-up at 0.7 " +
                       std::to_string(mtp.back()["projected_speedup_at_0.7"].get<double>()).substr(0, 5);
         }
-        std::printf("[ perf ] MTP, 45 layers projected:%s\n", mtp_line.c_str());
         row["mtp"] = mtp;
+        if (step_s.size() > 1) {  // --speculative mtp:K (adaptive) from these step costs
+          row["mtp_adaptive"] = mtp_adaptive_json(step_s);
+          for (const char* a : {"0", "0.7"})
+            mtp_line += std::string(" adaptive at ") + a + " " +
+                        std::to_string(row["mtp_adaptive"][std::string("speedup_at_") + a].get<double>()).substr(0, 5);
+        }
+        std::printf("[ perf ] MTP, 45 layers projected:%s\n", mtp_line.c_str());
         results.push_back(row);
       }
     }

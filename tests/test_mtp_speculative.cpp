@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 
 #include "backend/cpu/cpu_engine.h"
 #include "engine_test_util.h"
@@ -52,6 +53,23 @@ TEST_P(MtpGreedy, SameTokensAsPlainDecodingForK1To3) {
     EXPECT_EQ(generate_speculative(*m.engine, prompt, 24, s, k, &stats), plain) << "k = " << k;
     EXPECT_GT(stats.steps, 0);
     EXPECT_EQ(stats.drafted > 0, true);
+  }
+}
+
+// With a draft policy the steps draft 0..k tokens (plain steps among them: the random MTP block's drafts are rarely
+// accepted, and the policy's warm-up runs two); the tokens stay plain greedy decoding's.
+TEST_P(MtpGreedy, AdaptiveDraftLengthKeepsTheTokens) {
+  MtpModel m = open_with_mtp(GetParam(), GetParam() == "deepseek_v3");
+  const auto prompt = prompt_of(GetParam(), 19);
+  const auto plain = plain_greedy(*m.engine, prompt, 40);
+  for (int k = 1; k <= 3; ++k) {
+    Sampler s = greedy_sampler();
+    SpeculativeStats stats;
+    auto policy = std::make_shared<DraftPolicy>(k);
+    EXPECT_EQ(generate_speculative(*m.engine, prompt, 40, s, k, &stats, {}, policy), plain) << "k = " << k;
+    EXPECT_GE(stats.plain, DraftPolicy::kWarmupSteps) << "k = " << k;
+    EXPECT_GE(policy->step_seconds(0), 0.0);
+    EXPECT_GE(policy->step_seconds(k), 0.0);
   }
 }
 
@@ -120,12 +138,13 @@ TEST(MtpRollback, RejectedDraftsLeaveTheStateOfThePlainRun) {
 }
 
 // The MTP block's own cache after steps with partly accepted drafts (its chained draft positions cut again) holds
-// what an MTP run over the committed positions, fed the model's hidden states, holds.
-TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
+// what an MTP run over the committed positions, fed the model's hidden states, holds. `max_draft(i)` bounds step i's
+// drafts: 0 makes a plain step, whose MTP catch-up a later step runs (several rows in one forward).
+void expect_mtp_cache_of_committed_positions(int64_t tokens, const std::function<int64_t(int64_t)>& max_draft) {
   MtpModel m = open_with_mtp("glm5_next");
   MtpEngine& mtp = *m.engine->mtp();
   const auto prompt = prompt_of("glm5_next", 14);
-  const auto plain = plain_greedy(*m.engine, prompt, 16);
+  const auto plain = plain_greedy(*m.engine, prompt, tokens);
   std::vector<int32_t> full = prompt;
   full.insert(full.end(), plain.begin(), plain.end());
   auto picker = [&](int64_t pos, std::span<const float>) {
@@ -135,8 +154,8 @@ TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
   SpeculativeDecoder dec(*m.engine, 3, picker);
   auto seq = m.engine->new_sequence();
   std::vector<int32_t> out{argmax(dec.prefill(*seq, prompt))};
-  while (out.size() < plain.size()) {
-    auto st = dec.step(*seq, out.back(), int64_t(plain.size() - out.size()) - 1);
+  for (int64_t i = 0; out.size() < plain.size(); ++i) {
+    auto st = dec.step(*seq, out.back(), std::min(max_draft(i), int64_t(plain.size() - out.size()) - 1));
     const size_t V = st.logits.size() / (st.draft.size() + 1);
     int64_t accepted = 0;
     for (size_t j = 0; j <= st.draft.size(); ++j) {
@@ -149,6 +168,7 @@ TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
   ASSERT_EQ(out, plain);
   EXPECT_GT(dec.stats().accepted, 0);
   EXPECT_LT(dec.stats().accepted, dec.stats().drafted);
+  EXPECT_EQ(dec.stats().plain > 0, max_draft(0) == 0);
 
   // The model's hidden states: the prompt's prefill, then single steps (a verify equals those bit for bit).
   auto ref = m.engine->new_sequence();
@@ -174,6 +194,20 @@ TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
   ASSERT_EQ(a.open_k.size(), b.open_k.size());
   for (size_t i = 0; i < a.open_k.size(); ++i) ASSERT_NEAR(a.open_k[i], b.open_k[i], 1e-5f) << i;
   ASSERT_EQ(a.open_g.size(), b.open_g.size());
+}
+
+TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {
+  expect_mtp_cache_of_committed_positions(16, [](int64_t) { return int64_t(3); });
+}
+
+// Plain steps (no drafts: the draft policy's choice when drafts are rarely accepted) leave the MTP block's catch-up to
+// the next step that drafts, or to the step where kMaxDeferredRows wait; the cache ends the same.
+TEST(MtpRollback, PlainStepsDeferTheMtpCatchUp) {
+  const int64_t flush = SpeculativeDecoder::kMaxDeferredRows;
+  expect_mtp_cache_of_committed_positions(flush + 24, [flush](int64_t i) {
+    if (i < flush + 3) return int64_t(0);  // one catch-up at kMaxDeferredRows, then rows pending again
+    return i % 4 < 2 ? int64_t(0) : int64_t(3);
+  });
 }
 
 // The same for Gated DeltaNet (qwen3_next, no MTP block: the verify forward is the engine's own).
@@ -369,6 +403,33 @@ TEST_P(MtpPrefixCache, ResumesTheModelAndTheMtpBlock) {
   diverged.push_back(9);
   expect_as_cold(diverged, int64_t(a.size()) - 1, "diverged inside the answer");
   EXPECT_GT(cache.entries(), 0u);
+}
+
+// The same turns with the server's draft policy (plain steps among them, so an anchor may hold positions whose MTP
+// catch-up was deferred): the tokens stay plain greedy decoding's, warm or cold. (Its choices follow measured
+// times, so step counts may differ between runs.)
+TEST_P(MtpPrefixCache, ResumesWithTheDraftPolicy) {
+  MtpModel m = open_with_mtp(GetParam());
+  PrefixCache cache(size_t(1) << 30);
+  auto policy = std::make_shared<DraftPolicy>(2);
+  auto run = [&](const std::vector<int32_t>& prompt, PrefixCache* c) {
+    CollectHooks hooks;
+    hooks.stop_after = 1000;
+    Sampler s = greedy_sampler();
+    auto r =
+        generate(*m.engine, c, prompt, 14, s, hooks, {.prefill_chunk = 8, .speculative = 2, .draft_policy = policy});
+    EXPECT_EQ(hooks.tokens, plain_greedy(*m.engine, prompt, 14));
+    return std::make_pair(r.cached_tokens, hooks.tokens);
+  };
+  const auto a = prompt_of(GetParam(), 19);
+  const auto [cached_a, answer] = run(a, &cache);
+  EXPECT_EQ(cached_a, 0);
+  std::vector<int32_t> follow = a;
+  follow.insert(follow.end(), answer.begin(), answer.end());
+  for (int32_t t : {5, 77, 300}) follow.push_back(t);
+  EXPECT_EQ(run(follow, &cache).first, int64_t(a.size() + answer.size()) - 1);
+  EXPECT_EQ(run(follow, &cache).first, int64_t(follow.size()) - 1);
+  EXPECT_GT(policy->step_seconds(0), 0.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, MtpPrefixCache, ::testing::Values("glm5_next", "deepseek_v3"));

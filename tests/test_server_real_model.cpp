@@ -124,7 +124,7 @@ TEST_F(RealServer, StrictNamedToolCallWithRealVocabulary) {
 
 // The same server with MTP drafts (glm4_moe with a random MTP block: the main weights are the fixture's) answers
 // greedy requests, a strict tool call (grammar masks per drafted position) included, as the plain server does, and
-// counts its drafting on /metrics.
+// counts its drafting on /metrics. Its draft policy chooses 0..3 drafts per step.
 TEST_F(RealServer, SpeculativeServerAnswersAsThePlainOne) {
   const std::string dir = copy_with_mtp(kModel, "server_glm4_moe", 99, false);
   auto mtp_engine = CpuEngine::open(dir);
@@ -165,6 +165,10 @@ TEST_F(RealServer, SpeculativeServerAnswersAsThePlainOne) {
   ASSERT_TRUE(m && m->status == 200);
   EXPECT_EQ(m->body.find("moesrv_speculative_steps_total 0\n"), std::string::npos) << m->body;
   EXPECT_NE(m->body.find("moesrv_speculative_draft_tokens_total"), std::string::npos);
+  // mtp:3 drafts 0..3 per step by the draft policy, which warms up with two plain steps.
+  EXPECT_NE(m->body.find("moesrv_speculative_plain_steps_total"), std::string::npos);
+  EXPECT_EQ(m->body.find("moesrv_speculative_plain_steps_total 0\n"), std::string::npos) << m->body;
+  EXPECT_NE(m->body.find("moesrv_speculative_draft_length"), std::string::npos);
   spec.stop();
 }
 

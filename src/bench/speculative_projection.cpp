@@ -31,4 +31,38 @@ nlohmann::json mtp_projection_json(int k, double decode_s, double verify_s, doub
   return j;
 }
 
+DraftSimulation simulate_draft_policy(DraftPolicy& policy, int64_t steps, const std::function<double(int)>& cost,
+                                      double acceptance) {
+  DraftSimulation r;
+  uint32_t x = 12345;
+  auto draw = [&x] {  // uniform in [0, 1)
+    x = x * 1664525u + 1013904223u;
+    return double(x >> 8) / double(1u << 24);
+  };
+  for (int64_t i = 0; i < steps; ++i) {
+    const int k = policy.next();
+    int64_t accepted = 0;
+    while (accepted < k && draw() < acceptance) ++accepted;
+    policy.record(k, accepted, cost(k));
+    r.seconds += cost(k);
+    r.tokens += accepted + 1;
+    r.drafting_steps += k > 0;
+    ++r.steps;
+  }
+  return r;
+}
+
+nlohmann::json mtp_adaptive_json(const std::vector<double>& cost_s) {
+  MOESRV_CHECK(cost_s.size() >= 2 && cost_s[0] > 0, "mtp adaptive projection: {} step costs", cost_s.size());
+  const int K = int(cost_s.size()) - 1;
+  nlohmann::json j = {{"max_k", K}};
+  for (const char* a : {"0", "0.5", "0.7", "0.9"}) {
+    DraftPolicy policy(K);
+    const DraftSimulation r = simulate_draft_policy(
+        policy, 2000, [&cost_s](int k) { return cost_s[size_t(k)]; }, std::stod(a));
+    j[std::string("speedup_at_") + a] = r.tokens_per_second() * cost_s[0];
+  }
+  return j;
+}
+
 }  // namespace moesrv

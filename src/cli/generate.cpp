@@ -44,7 +44,8 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 
 void run_generate(const GenerateOptions& o) {
   EngineOptions eo = o.engine;
-  eo.mtp = parse_speculative(o.speculative) > 0;
+  const SpeculativeOption speculative = parse_speculative(o.speculative);
+  eo.mtp = speculative.k > 0;
   auto engine = open_engine(o.model, eo);
   std::optional<Tokenizer> tok;
   if (!o.tokenizer.empty()) tok = Tokenizer::load(o.tokenizer + "/tokenizer.json");
@@ -60,17 +61,17 @@ void run_generate(const GenerateOptions& o) {
   sp.temperature = o.temperature;
   sp.seed = o.seed;
   Sampler sampler(sp);
-  if (const int k = parse_speculative(o.speculative)) {
+  if (const int k = speculative.k) {
     SpeculativeStats stats;
     auto t0 = std::chrono::steady_clock::now();
-    auto out = generate_speculative(*engine, prompt, o.max_tokens, sampler, k, &stats);
+    auto out = generate_speculative(*engine, prompt, o.max_tokens, sampler, k, &stats, {}, speculative.policy());
     double s = seconds_since(t0);
     fmt::print("{}\n", fmt::join(out, ","));
     if (tok) fmt::print("{}\n", tok->decode(out));
     fmt::print(stderr,
-               "prompt {} tokens + generated {} tokens in {:.3f} s; speculative mtp:{}: {} verify steps, {} of {} "
-               "drafts accepted ({:.1f}%), {:.2f} tokens per step\n",
-               prompt.size(), out.size(), s, k, stats.steps, stats.accepted, stats.drafted,
+               "prompt {} tokens + generated {} tokens in {:.3f} s; speculative mtp:{}: {} verify steps ({} without "
+               "drafts), {} of {} drafts accepted ({:.1f}%), {:.2f} tokens per step\n",
+               prompt.size(), out.size(), s, k, stats.steps, stats.plain, stats.accepted, stats.drafted,
                100.0 * stats.acceptance_rate(), stats.tokens_per_step());
     return;
   }
@@ -107,8 +108,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", opts->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", opts->seed, "Sampling seed");
   cmd->add_option("--speculative", opts->speculative,
-                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step (CPU engine, "
-                  "one-GPU CUDA engine)");
+                  "mtp:K: speculative decoding, the model's MTP block drafts up to K tokens (1-3) per step, as many "
+                  "as commit the most tokens per second (mtp:K:fixed: always K; CPU engine, one-GPU CUDA engine)");
   add_engine_options(cmd, opts->engine);
   cmd->callback([opts] { run_generate(*opts); });
 }

@@ -36,7 +36,9 @@ void run_serve(ServeArgs a) {
 
   fmt::print(stderr, "loading model from {}\n", a.model);
   a.engine.served_name = a.server.served_name;
-  a.server.speculative = parse_speculative(a.speculative);
+  const SpeculativeOption speculative = parse_speculative(a.speculative);
+  a.server.speculative = speculative.k;
+  a.server.speculative_adaptive = speculative.adaptive;
   a.engine.mtp = a.server.speculative > 0;
   auto engine = open_engine(a.model, a.engine);
   if (a.server.speculative > 0 && !engine->mtp())
@@ -110,8 +112,9 @@ void add_serve_command(CLI::App& app) {
                   "Prompt tokens per forward call (0: the engine's pass length)")
       ->capture_default_str();
   cmd->add_option("--speculative", a->speculative,
-                  "mtp:K: speculative decoding, the model's MTP block drafts K tokens (1-3) per step; bypasses the "
-                  "prefix cache");
+                  "mtp:K: speculative decoding, the model's MTP block drafts up to K tokens (1-3) per step, as many "
+                  "as commit the most tokens per second by the measured step costs and acceptance (none when "
+                  "drafts are rarely accepted); mtp:K:fixed: always K");
   add_engine_options(cmd, a->engine);
   cmd->add_flag("!--no-usage-stats", a->save_usage,
                 "Do not save routed-expert usage to <model>/.moesrv/expert_usage.json at exit (used to pin hot experts)");

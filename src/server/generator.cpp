@@ -50,7 +50,7 @@ GenerationResult generate_with_mtp(Engine& engine, PrefixCache* cache, const std
                                    const GeneratorConfig& config) {
   GenerationResult r;
   r.prompt_tokens = int64_t(prompt.size());
-  SpeculativeDecoder dec(engine, config.speculative);
+  SpeculativeDecoder dec(engine, config.speculative, {}, config.draft_policy);
   std::unique_ptr<SpeculativeSequence> spec;
   if (cache) {
     auto hit = cache->acquire(prompt, r.prompt_tokens - 1);

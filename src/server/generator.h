@@ -49,6 +49,9 @@ struct GeneratorConfig {
   // > 0: speculative decoding, the engine's MTP block drafts this many tokens per step (lossless). The prefix cache
   // is not used then: the MTP block's own cache would lack the cached prefix.
   int speculative = 0;
+  // With speculative > 0: picks 0..speculative drafts per step from measured costs and acceptance (shared by the
+  // requests of one server, so it keeps learning); null: always `speculative` drafts.
+  std::shared_ptr<DraftPolicy> draft_policy;
 };
 
 // Runs one generation. `max_new_tokens` bounds the generated tokens (forced ones included).

@@ -58,6 +58,7 @@ struct HttpServer::Impl {
   Scheduler scheduler;
   std::unique_ptr<BatchRunner> runner;  // max_batch > 1: the requests' engine calls, batched
   std::unique_ptr<PrefixCache> cache;
+  std::shared_ptr<DraftPolicy> draft_policy;  // speculative decoding's drafts per step, learnt across requests
   ServerMetrics metrics;
   ReasoningStore reasoning;
   VocabText vocab;
@@ -77,6 +78,7 @@ struct HttpServer::Impl {
         markers(TurnMarkers::detect(c)) {
     if (scheduler.max_running() > 1) runner = std::make_unique<BatchRunner>(engine, scheduler.max_running());
     if (opt.prefix_cache_mb) cache = std::make_unique<PrefixCache>(opt.prefix_cache_mb << 20);
+    if (opt.speculative > 0 && opt.speculative_adaptive) draft_policy = std::make_shared<DraftPolicy>(opt.speculative);
     tokenizer_ids.assign(size_t(codec.vocab_size()), 1);
     model = opt.served_name.empty() ? engine.name() : opt.served_name;
     ctx = opt.ctx > 0 ? std::min(opt.ctx, engine.max_context()) : engine.max_context();
@@ -92,7 +94,7 @@ struct HttpServer::Impl {
   // One generation, through the batch runner when several requests may run at once.
   GenerationResult run_generation(const std::vector<int32_t>& prompt, int64_t max_new, Sampler& sampler,
                                   DecodeHooks& hooks) {
-    const GeneratorConfig config{opt.prefill_chunk, opt.speculative};
+    const GeneratorConfig config{opt.prefill_chunk, opt.speculative, draft_policy};
     if (!runner) return generate(engine, cache.get(), prompt, max_new, sampler, hooks, config);
     auto member = runner->join();
     return generate(*member, cache.get(), prompt, max_new, sampler, hooks, config);
@@ -188,6 +190,8 @@ struct HttpServer::Impl {
     metrics.speculative_steps += uint64_t(r.speculative.steps);
     metrics.speculative_drafted += uint64_t(r.speculative.drafted);
     metrics.speculative_accepted += uint64_t(r.speculative.accepted);
+    metrics.speculative_plain += uint64_t(r.speculative.plain);
+    if (draft_policy) metrics.speculative_draft_choice = draft_policy->choice();
     if (r.finish == GenerationResult::Finish::kCancelled) ++metrics.cancelled;
     metrics.record_timing(uint64_t(r.prompt_tokens - r.cached_tokens), r.prefill_seconds, uint64_t(r.completion_tokens),
                           r.decode_seconds);

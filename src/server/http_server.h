@@ -29,7 +29,8 @@ struct ServerOptions {
   std::string served_name;          // "": the engine's name()
   std::vector<std::string> aliases;  // more names the model answers to (requests naming others get 404)
   int64_t prefill_chunk = 0;         // prompt tokens per forward call; 0: the engine's pass length
-  int speculative = 0;               // MTP draft tokens per decode step (0: off); the prefix cache is bypassed then
+  int speculative = 0;               // most MTP draft tokens per decode step (0: off)
+  bool speculative_adaptive = true;  // drafts per step chosen by a DraftPolicy (else always `speculative`)
   int reattach_turns = 4;           // re-attach dropped reasoning on this many last tool-calling turns
   size_t max_connections = 256;     // open connections; beyond, waiting ones make room, else only /health
   double keep_alive_timeout_s = 5;  // an idle keep-alive connection is closed after this

@@ -37,6 +37,12 @@ std::string ServerMetrics::render(const Gauges& g) const {
   metric("moesrv_speculative_draft_tokens_total", "counter", "MTP draft tokens verified.", double(speculative_drafted));
   metric("moesrv_speculative_accepted_tokens_total", "counter", "MTP draft tokens accepted.",
          double(speculative_accepted));
+  metric("moesrv_speculative_plain_steps_total", "counter",
+         "Speculative steps run without drafts (the draft policy found drafting slower).", double(speculative_plain));
+  if (speculative_draft_choice >= 0)
+    metric("moesrv_speculative_draft_length", "gauge",
+           "Drafts per step the policy chooses now (the most tokens per second by measured costs and acceptance).",
+           double(speculative_draft_choice));
   {
     std::lock_guard lock(mu_);
     metric("moesrv_prefill_tokens_total", "counter", "Prompt tokens actually computed (cache misses).", double(prefill_tokens_));

@@ -12,6 +12,8 @@ struct ServerMetrics {
   std::atomic<uint64_t> prompt_tokens{0}, completion_tokens{0}, cached_tokens{0}, reasoning_tokens{0};
   std::atomic<uint64_t> reasoning_budget_forced{0}, reasoning_reattached{0};
   std::atomic<uint64_t> speculative_steps{0}, speculative_drafted{0}, speculative_accepted{0};  // MTP drafting
+  std::atomic<uint64_t> speculative_plain{0};     // steps the draft policy ran without drafts
+  std::atomic<int> speculative_draft_choice{-1};  // the draft policy's current choice (-1: none)
 
   void record_timing(uint64_t prefill_tokens, double prefill_s, uint64_t decode_tokens, double decode_s);
 

@@ -4,6 +4,7 @@
 // it: the model's state is cut back to it (attention caches truncated, recurrent and conv state restored from the
 // rollback points), and so is the MTP block's own cache, which then catches up on the model's hidden states.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -13,12 +14,14 @@
 
 #include "backend/checkpoint_list.h"
 #include "backend/engine.h"
+#include "serving/draft_policy.h"
 #include "serving/sampler.h"
 
 namespace moesrv {
 
 struct SpeculativeStats {
-  int64_t steps = 0;     // verify forwards
+  int64_t steps = 0;     // verify forwards (plain steps of the adaptive draft length included)
+  int64_t plain = 0;     // steps without drafts (DraftPolicy chose 0)
   int64_t drafted = 0;   // draft tokens verified
   int64_t accepted = 0;  // draft tokens accepted
   double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
@@ -40,8 +43,11 @@ class SpeculativeDecoder {
  public:
   // Picks the draft token for sequence position `pos` from the MTP block's logits (default: the argmax).
   using DraftPicker = std::function<int32_t(int64_t pos, std::span<const float> mtp_logits)>;
-  // Fails unless the engine has an MTP block. k: draft tokens per step, >= 1.
-  SpeculativeDecoder(Engine& engine, int k, DraftPicker picker = {});
+  // Fails unless the engine has an MTP block. k: draft tokens per step, >= 1; with a policy (whose max_k is k), the
+  // policy picks 0..k each step. A step without drafts is a plain decode step: the MTP block catches up on its
+  // positions at the next step that drafts (or once kMaxDeferredRows wait), in one forward.
+  SpeculativeDecoder(Engine& engine, int k, DraftPicker picker = {}, std::shared_ptr<DraftPolicy> policy = {});
+  static constexpr int64_t kMaxDeferredRows = 64;
 
   // Runs `tokens` (a prompt, or its next chunk) through the model on `seq`, and through the MTP block every
   // position whose next token is known. Returns the last token's logits.
@@ -51,8 +57,9 @@ class SpeculativeDecoder {
     std::vector<int32_t> draft;  // up to k tokens
     std::vector<float> logits;   // [draft + 1, vocab]: row j scores the token after draft j - 1 (row 0: after last)
   };
-  // `last`: the token chosen from the previous logits, not yet run. Drafts min(k, max_draft) tokens (fewer near the
-  // context end) and runs `last` and the drafts through the model.
+  // `last`: the token chosen from the previous logits, not yet run. Drafts min(k, max_draft) tokens (the policy's
+  // choice instead of k where there is one; fewer near the context end) and runs `last` and the drafts through the
+  // model.
   Step step(SequenceState& seq, int32_t last, int64_t max_draft);
   // Keeps `last` and the first `accepted` drafts of the last step in `seq` (the token chosen after them is the next
   // step's `last`).
@@ -72,6 +79,7 @@ class SpeculativeDecoder {
   MtpEngine& mtp_;
   int k_;
   DraftPicker picker_;
+  std::shared_ptr<DraftPolicy> policy_;
   std::unique_ptr<SequenceState> mtp_seq_;
   int64_t D_;
   // Model hidden states whose MTP positions have not run yet, and the next tokens of all of them but the last.
@@ -81,6 +89,10 @@ class SpeculativeDecoder {
   int64_t step_len_ = -1, mtp_len_ = 0;
   std::vector<int32_t> step_draft_;
   std::vector<float> step_hidden_;
+  // The policy's timing of the last step: its start and the seconds of a deferred catch-up inside it (not its cost).
+  std::chrono::steady_clock::time_point step_start_;
+  double step_catchup_s_ = 0;
+  bool deferred_ = false;  // a plain step left the MTP block's catch-up to a later one
   SpeculativeStats stats_;
 };
 
@@ -107,13 +119,20 @@ class SpeculativeSequence : public SequenceState {
   CheckpointList<MtpResume> anchors_{kMaxAnchors};
 };
 
-// "mtp:K" (K draft tokens per step, 1..3) -> K; "" or "off" -> 0; anything else fails naming the value.
-int parse_speculative(const std::string& spec);
+// --speculative: "mtp:K" (up to K draft tokens per step, 1..3, the number each step chosen by a DraftPolicy),
+// "mtp:K:fixed" (always K), "" or "off" (k = 0); anything else fails naming the value.
+struct SpeculativeOption {
+  int k = 0;
+  bool adaptive = true;
+  std::shared_ptr<DraftPolicy> policy() const { return k > 0 && adaptive ? std::make_shared<DraftPolicy>(k) : nullptr; }
+};
+SpeculativeOption parse_speculative(const std::string& spec);
 
 // Generates up to `max_new` tokens after `prompt` with MTP drafts of up to k tokens per step. Lossless: tokens are
 // distributed as the sampler's plain decoding; at temperature 0 they are the same tokens.
 std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int32_t>& prompt, int64_t max_new,
                                           Sampler& sampler, int k, SpeculativeStats* stats = nullptr,
-                                          SpeculativeDecoder::DraftPicker picker = {});
+                                          SpeculativeDecoder::DraftPicker picker = {},
+                                          std::shared_ptr<DraftPolicy> policy = {});
 
 }  // namespace moesrv
