@@ -24,6 +24,7 @@
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
 #include "runtime/cuda_placement.h"
+#include "runtime/engine_factory.h"
 #include "runtime/placement.h"
 #include "util/timing.h"
 
@@ -419,9 +420,11 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       if (const char* z = std::getenv("MOESRV_ZERO_COPY"); z && std::atoi(z) != 0) req.lru_slots = kPrefillStreamSlots;
       std::map<int, std::vector<SliceRun>> t;  // layers -> per context
       std::map<int, std::map<int64_t, double>> per_step;  // layers -> streams -> seconds per batched step
+      int64_t group_tokens = 0;  // tokens per prefill group (pass x passes per group), as the engine runs them
       for (int layers : {4, 8}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
+          opt.prefill_group = EngineOptions::kBudgetPrefillGroup;  // the factory's default under a budget
           // The 45-layer plan (its first layers' homes on the slice), planned as the engine factory does: inside the
           // engine once its activations and scratch are allocated, with them as the plan's workspace (the engine's
           // bytes beyond the slice's own dense weights and caches). The device holds the slice's explicit homes.
@@ -444,6 +447,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
           };
         }
         CudaEngine e(pkg[layers], opt);
+        group_tokens = e.prefill_chunk();
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)
@@ -535,6 +539,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"prefill_tok_s", ctx / p45},
             {"ttft_s", p45},
             {"hit_rate", hit},
+            {"prefill_pass_tokens", base.prefill_chunk},
+            {"prefill_group_tokens", group_tokens},
             {"hot_half_share", hot_half_share},
             {"decode_us_per_layer", dl * 1e6},
             {"graph_nodes_per_layer", nodes_per_layer},
