@@ -46,8 +46,8 @@ struct GenerationResult {
 struct GeneratorConfig {
   // Tokens per forward call during prefill (cancellation and progress granularity); 0: engine.prefill_chunk().
   int64_t prefill_chunk = 0;
-  // > 0: speculative decoding, the engine's MTP block drafts this many tokens per step (lossless). The prefix cache
-  // is not used then: the MTP block's own cache would lack the cached prefix.
+  // > 0: speculative decoding, the engine's MTP block drafts up to this many tokens per step (lossless). The prefix
+  // cache keeps the MTP block's state beside the model's (SpeculativeSequence).
   int speculative = 0;
   // With speculative > 0: picks 0..speculative drafts per step from measured costs and acceptance (shared by the
   // requests of one server, so it keeps learning); null: always `speculative` drafts.
