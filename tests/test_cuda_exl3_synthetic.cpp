@@ -424,7 +424,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       for (int layers : {4, 8}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
-          opt.prefill_group = EngineOptions::kBudgetPrefillGroup;  // the factory's default under a budget
+          opt.prefill_group = EngineOptions::default_prefill_group(std::stod(budget));  // as the factory sets it
           // The 45-layer plan (its first layers' homes on the slice), planned as the engine factory does: inside the
           // engine once its activations and scratch are allocated, with them as the plan's workspace (the engine's
           // bytes beyond the slice's own dense weights and caches). The device holds the slice's explicit homes.

@@ -33,6 +33,17 @@ TEST(MultiGpuFactory, ParsesGpusAndBudgetList) {
   EXPECT_THROW(parse({"--vram-budget", "2", "3"}), CLI::ParseError);  // one token per flag: "2,3"
 }
 
+// --prefill-group: 0 (the default) is 4 passes per group under a budget of 20 GiB or more, else 1; N is N.
+TEST(MultiGpuFactory, PrefillGroupDefaultsFromTheBudget) {
+  EXPECT_EQ(parse({}).prefill_group, 0);
+  EXPECT_EQ(parse({"--prefill-group", "2"}).prefill_group, 2);
+  EXPECT_THROW(parse({"--prefill-group", "-1"}), CLI::ParseError);
+  EXPECT_EQ(EngineOptions::default_prefill_group(0), 1);  // no budget
+  EXPECT_EQ(EngineOptions::default_prefill_group(12), 1);
+  EXPECT_EQ(EngineOptions::default_prefill_group(22), EngineOptions::kBudgetPrefillGroup);
+  EXPECT_EQ(EngineOptions::default_prefill_group(44), EngineOptions::kBudgetPrefillGroup);
+}
+
 void expect_same_as_cpu(const std::string& model, Engine& e) {
   auto cpu = CpuEngine::open(hf_tiny(model));
   Reference ref = load_reference(model);

@@ -44,9 +44,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
   c.vram_budget_gib = o.vram_budgets_gib.empty() ? o.vram_budget_gib : o.vram_budgets_gib[0];
   c.max_ctx = o.max_ctx;
   c.prefill_chunk = o.prefill_chunk;
-  c.prefill_group = o.prefill_group > 0     ? o.prefill_group
-                    : c.vram_budget_gib > 0 ? EngineOptions::kBudgetPrefillGroup
-                                            : 1;
+  c.prefill_group = o.prefill_group > 0 ? o.prefill_group : EngineOptions::default_prefill_group(c.vram_budget_gib);
   c.kv_q8 = o.kv_q8;
   c.mtp = o.mtp;
   apply_cold_experts(o.cold_experts, c);
@@ -101,8 +99,8 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
   cmd->add_option("--prefill-group", o.prefill_group,
                   "GPU: prefill passes run layer by layer in groups of this many, so the MoE streams (under "
                   "--vram-budget) or dequantizes each expert once per group instead of once per pass; costs ~105 KB "
-                  "of VRAM per token of a group (GLM-5.3-Flash; docs/perf-cuda.md); 0: 4 under --vram-budget "
-                  "(measured best at 22 GiB), else 1")
+                  "of VRAM per token of a group (GLM-5.3-Flash; docs/perf-cuda.md); 0: 4 under a --vram-budget "
+                  "of 20 GiB or more (measured best at 22 GiB), else 1")
       ->check(CLI::Range(int64_t(0), int64_t(64)))
       ->capture_default_str();
 }

@@ -20,9 +20,14 @@ struct EngineOptions {
   int gpus = 0;                  // --gpus N: split layers over N GPUs (0: one GPU, no pipeline)
   int64_t max_ctx = 0;           // CUDA: KV cache tokens per sequence (0: engine default)
   int64_t prefill_chunk = 8192;  // CUDA: tokens per prefill pass (--prefill-pass)
-  // CUDA: passes per prefill group (--prefill-group); 0: kBudgetPrefillGroup under a VRAM budget, else 1.
+  // CUDA: passes per prefill group (--prefill-group); 0: kBudgetPrefillGroup under a VRAM budget of at least
+  // kGroupMinBudgetGib (the group's ~2.5 GiB of activations must not crowd out a small card's experts), else 1.
   int64_t prefill_group = 0;
   static constexpr int64_t kBudgetPrefillGroup = 4;  // 22 GiB, 131K, H100: TTFT 74 -> 48 s (docs/perf-cuda.md)
+  static constexpr double kGroupMinBudgetGib = 20;
+  static int64_t default_prefill_group(double vram_budget_gib) {
+    return vram_budget_gib >= kGroupMinBudgetGib ? kBudgetPrefillGroup : 1;
+  }
   bool kv_q8 = false;
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu | read (apply_cold_experts)
   bool mtp = false;  // CUDA: load the checkpoint's MTP block (speculative decoding); the CPU engine always maps it
