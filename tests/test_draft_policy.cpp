@@ -12,11 +12,6 @@
 namespace moesrv {
 namespace {
 
-using Simulated = DraftSimulation;
-Simulated simulate(DraftPolicy& policy, int64_t steps, const std::function<double(int)>& cost, double a) {
-  return simulate_draft_policy(policy, steps, cost, a);
-}
-
 // Expected tokens per second of always drafting k.
 double fixed_rate(int k, const std::function<double(int)>& cost, double a) {
   double tokens = 0, p = 1;
@@ -51,7 +46,7 @@ TEST(DraftPolicy, WarmsUpWithAllDraftsThenNone) {
 TEST(DraftPolicy, NothingAcceptedCostsAtMostTenPercent) {
   auto cost = [](int k) { return 0.010 * (1 + 0.6 * k); };
   DraftPolicy p(3);
-  const Simulated r = simulate(p, 200, cost, 0.0);
+  const DraftSimulation r = simulate_draft_policy(p, 200, cost, 0.0);
   EXPECT_EQ(p.choice(), 0);
   EXPECT_LE(r.drafting_steps, DraftPolicy::kWarmupSteps + 200 / DraftPolicy::kProbePeriod + 1);
   EXPECT_GE(r.tokens_per_second(), fixed_rate(0, cost, 0.0) / 1.10);
@@ -61,7 +56,7 @@ TEST(DraftPolicy, NothingAcceptedCostsAtMostTenPercent) {
 TEST(DraftPolicy, HighAcceptanceDraftsAll) {
   auto cost = [](int k) { return 0.010 * (1 + 0.2 * k); };
   DraftPolicy p(3);
-  const Simulated r = simulate(p, 300, cost, 0.9);
+  const DraftSimulation r = simulate_draft_policy(p, 300, cost, 0.9);
   EXPECT_EQ(p.choice(), 3);
   EXPECT_GE(r.tokens_per_second(), 0.9 * fixed_rate(3, cost, 0.9));
 }
@@ -75,7 +70,7 @@ TEST(DraftPolicy, MiddleAcceptanceComesNearTheBestFixedK) {
   for (int k = 0; k <= 3; ++k) best = std::max(best, fixed_rate(k, cost, a));
   ASSERT_DOUBLE_EQ(best, fixed_rate(1, cost, a));
   DraftPolicy p(3);
-  const Simulated r = simulate(p, 400, cost, a);
+  const DraftSimulation r = simulate_draft_policy(p, 400, cost, a);
   EXPECT_GE(r.tokens_per_second(), 0.9 * best);
   EXPECT_GT(r.tokens_per_second(), fixed_rate(0, cost, a));
   EXPECT_GT(r.tokens_per_second(), fixed_rate(3, cost, a));
@@ -85,9 +80,9 @@ TEST(DraftPolicy, MiddleAcceptanceComesNearTheBestFixedK) {
 TEST(DraftPolicy, ProbesFindAcceptanceThatRises) {
   auto cost = [](int k) { return 0.010 * (1 + 0.3 * k); };
   DraftPolicy p(2);
-  simulate(p, 100, cost, 0.0);
+  simulate_draft_policy(p, 100, cost, 0.0);
   EXPECT_EQ(p.choice(), 0);
-  simulate(p, 300, cost, 0.95);
+  simulate_draft_policy(p, 300, cost, 0.95);
   EXPECT_EQ(p.choice(), 2);
 }
 

@@ -106,10 +106,10 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
   // With `aligned`: the unaligned trellises packed into one pinned buffer (each a multiple of 32 bytes long).
   size_t copies = 0;
   auto unaligned = [&](const Exl3Weights& x) { return aligned && reinterpret_cast<uintptr_t>(x.trellis) % 16; };
+  auto copy_bytes = [](const Exl3Weights& x) { return (x.trellis_bytes() + 15) / 16 * 16; };  // keeps the next aligned
   for (size_t e = 0; e < E; ++e)
     for (int j = 0; wanted_[e] && j < 3; ++j)
-      if (const Exl3Weights& x = exl3_part(w.experts[e], j).weights(); unaligned(x))
-        copies += (x.trellis_bytes() + 15) / 16 * 16;
+      if (const Exl3Weights& x = exl3_part(w.experts[e], j).weights(); unaligned(x)) copies += copy_bytes(x);
   if (copies) realigned_.emplace_back(copies), pinned_bytes_ += copies;
   trellis_.assign(E, {nullptr, nullptr, nullptr});
   size_t at = 0;
@@ -124,7 +124,7 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
         uint8_t* copy = realigned_[0].as<uint8_t>() + at;
         std::memcpy(copy, x.trellis, x.trellis_bytes());
         trellis_[e][size_t(j)] = copy;
-        at += (x.trellis_bytes() + 15) / 16 * 16;
+        at += copy_bytes(x);
       } else {
         trellis_[e][size_t(j)] = x.trellis;
         reg.add(x.trellis, x.trellis_bytes());

@@ -20,9 +20,9 @@ namespace moesrv::cuda {
 class PinnedBuffer;
 
 // Page-locks host ranges for DMA (read-only; with `mapped`, also mapped for kernels' zero-copy reads), merged to
-// whole pages. A range that is
-// already registered (another engine on the same package) is used as it is; one that cannot be registered stays
-// pageable (copies still work, through the driver's staging). Unregisters what it registered on destruction.
+// whole pages. A range that is already registered (another engine on the same package) is used as it is; one that
+// cannot be registered stays pageable (copies still work, through the driver's staging). Unregisters what it
+// registered on destruction.
 class HostRegistration {
  public:
   HostRegistration() = default;
