@@ -39,6 +39,10 @@
 #                                   PCIe rate the GEMV reaches), the slice under 22 GiB at 8K (ZC_BUDGETS, ZC_CONTEXTS override) with the host
 #                                   experts copied into LRU slots (default) and read in place by the decode GEMVs
 #                                   (MOESRV_ZERO_COPY=1), one JSON each ($OUT/zero_copy[01].json); ~2 min each.
+#   PF_BUDGETS="22 44" scripts/gpu_suite.sh + the slice at 8K (PF_CONTEXTS) under each budget per PF_RUNS entry
+#                                   N:G (default "0:0 0:1 3:1": MOESRV_PREFETCH_EXPERTS=N experts of the next layer
+#                                   copied ahead, MOESRV_HYBRID_GROUPED=G grouped launches), one JSON each
+#                                   ($OUT/pf_BUDGET_N_G.json); ~2 min each. SUITES=0 skips the suites.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -60,13 +64,15 @@ slice() {
     >"$OUT/slice_$name.log" 2>&1
   echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
 }
-timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
-timeout 200 .gpu/test_cuda_mtp >"$OUT/mtp.log" 2>&1; summary "$OUT/mtp.log"
-timeout 200 .gpu/test_cuda_batch >"$OUT/batch.log" 2>&1; summary "$OUT/batch.log"
-timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
-timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
-MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1
-summary "$OUT/exl3.log"
+if [[ ${SUITES:-1} == 1 ]]; then  # SUITES=0: measurements only
+  timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
+  timeout 200 .gpu/test_cuda_mtp >"$OUT/mtp.log" 2>&1; summary "$OUT/mtp.log"
+  timeout 200 .gpu/test_cuda_batch >"$OUT/batch.log" 2>&1; summary "$OUT/batch.log"
+  timeout 200 .gpu/test_cuda_engine >"$OUT/engine.log" 2>&1; summary "$OUT/engine.log"
+  timeout 200 .gpu/test_cuda_pipeline >"$OUT/pipeline.log" 2>&1; summary "$OUT/pipeline.log"
+  MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 120 .gpu/test_cuda_exl3_engine >"$OUT/exl3.log" 2>&1
+  summary "$OUT/exl3.log"
+fi
 if [[ ${KBENCH:-0} == 1 ]]; then  # every decode kernel at the real shapes (docs/perf-cuda.md)
   timeout 300 .gpu/cuda_kernel_bench --json "$OUT/kernels.json" >"$OUT/kernel_bench.log" 2>"$OUT/kernel_bench.err"
   echo "kernel bench rc=$?"; cat "$OUT/kernel_bench.log"
@@ -159,6 +165,13 @@ for g in ${PGROUPS:-}; do  # docs/perf-cuda.md, "Thirteenth round"
   slice "group_$g" "${PGROUP_CONTEXTS:-131072}" "${PGROUP_TIMEOUT:-240}" MOESRV_BENCH_BUDGETS="${PGROUP_BUDGETS:-22}" \
     MOESRV_BENCH_PREFILL_CHUNK="${g%x*}" MOESRV_PREFILL_GROUP="${g#*x}" MOESRV_BENCH_JSON="$OUT/group_$g.json"
   grep -E "perf \] (plan|glm5_next 8 layers|prefill device)" "$OUT/slice_group_$g.log" | head -8
+done
+for b in ${PF_BUDGETS:-}; do  # docs/perf-cuda.md, "Fifteenth round": hybrid decode, prefetch x grouped launches
+  for r in ${PF_RUNS:-0:0 0:1 3:1}; do
+    slice "pf_${b}_${r/:/_}" "${PF_CONTEXTS:-8192}" "${PF_TIMEOUT:-200}" MOESRV_BENCH_BUDGETS="$b" \
+      MOESRV_PREFETCH_EXPERTS="${r%:*}" MOESRV_HYBRID_GROUPED="${r#*:}" MOESRV_BENCH_JSON="$OUT/pf_${b}_${r/:/_}.json"
+    grep -E "perf \] prefetch" "$OUT/slice_pf_${b}_${r/:/_}.log" | head -2
+  done
 done
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"

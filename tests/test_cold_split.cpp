@@ -131,5 +131,37 @@ TEST(ExpertPass, PlacementsAndTheColdSplit) {
   EXPECT_THROW(plan_expert_pass(bad.data(), 1, k, where, slow_cpu, true), Error);
 }
 
+TEST(ExpertPass, GpuRunsReorderedByRank) {
+  const int64_t k = 2;
+  const std::vector<int32_t> ids = {3, 1, 2, 3, 0, 1};  // tokens 0..2
+  std::vector<ExpertWhere> where(4, ExpertWhere::Gpu);
+  auto none = [](int32_t e, int64_t) { return ColdCost{e, 0, 0}; };
+  ExpertPass p = plan_expert_pass(ids.data(), 3, k, where, none, true);
+  // Expert 2 first, then 0 and 3 (rank 1, in expert order), then 1.
+  order_gpu_runs(p, k, [](int32_t e) { return e == 2 ? 0 : e == 1 ? 2 : 1; });
+  expect_consistent(p, ids, k);
+  std::vector<int32_t> order;
+  for (const auto& [e, row0] : p.gpu_runs) order.push_back(e);
+  EXPECT_EQ(order, (std::vector<int32_t>{2, 0, 3, 1}));
+  EXPECT_EQ(p.sorted_tok, (std::vector<int32_t>{1, 2, 0, 1, 0, 2}));
+}
+
+TEST(ExpertPass, PrefetchTakesTheMostPickedFetchableExperts) {
+  const int64_t k = 4;
+  // Token 0 picks 7, 3, 5, 1 (best first), token 1 picks 5, 2, 7, 9: 5 and 7 twice, each ranked first once (by id).
+  const std::vector<int32_t> picks = {7, 3, 5, 1, 5, 2, 7, 9};
+  auto all = [](int32_t) { return true; };
+  EXPECT_EQ(plan_prefetch(picks.data(), 2, k, 8, all), (std::vector<int32_t>{5, 7, 2, 3, 1, 9}));
+  EXPECT_EQ(plan_prefetch(picks.data(), 2, k, 3, all), (std::vector<int32_t>{5, 7, 2}));
+  // Experts already resident (or not copyable) are skipped; the limit counts the experts taken.
+  auto not_resident = [](int32_t e) { return e != 5 && e != 2; };
+  EXPECT_EQ(plan_prefetch(picks.data(), 2, k, 3, not_resident), (std::vector<int32_t>{7, 3, 1}));
+  // One token: its picks in rank order; no limit, nothing.
+  EXPECT_EQ(plan_prefetch(picks.data(), 1, k, 2, all), (std::vector<int32_t>{7, 3}));
+  EXPECT_TRUE(plan_prefetch(picks.data(), 2, k, 0, all).empty());
+  const std::vector<int32_t> bad = {0, -1, 2, 3};
+  EXPECT_THROW(plan_prefetch(bad.data(), 1, k, 4, all), Error);
+}
+
 }  // namespace
 }  // namespace moesrv

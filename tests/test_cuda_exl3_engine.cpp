@@ -448,6 +448,70 @@ TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
   }
 }
 
+// Decode under a budget (prefetch_experts, grouped_hybrid_decode): each host-planned decode layer routes its input
+// through the next layer's router and starts copying those picks into that layer's slots; passes whose slot experts
+// fit the slots run through the grouped GEMVs. Where an expert runs does not change (Cache experts run on the GPU
+// either way; without streaming, CPU experts have no host copy to prefetch), only when its copy starts and which
+// launches compute it: the logits stay within summation-order differences of on-demand copies an expert at a time,
+// with few slots (mostly an expert at a time) and with enough for every pass to go grouped.
+TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  auto ref_engine = gpu(dir);
+  const int64_t V = ref_engine->vocab_size();
+  const auto in = ids(GetParam().model, "gen_ids");
+  const std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
+  const auto ref = test::prefill_then_steps(*ref_engine, prompt, steps);
+  struct Mode {
+    int prefetch;
+    bool grouped;
+  };
+  for (int slots : {2, 16})
+    for (int variant = 0; variant < 2; ++variant) {
+      std::vector<float> one_by_one;
+      for (Mode mode : {Mode{0, false}, Mode{4, false}, Mode{0, true}, Mode{4, true}}) {
+        CudaEngineOptions opt;
+        opt.cache_slots = slots;
+        opt.stream_cold = false;
+        opt.prefetch_experts = mode.prefetch;
+        opt.grouped_hybrid_decode = mode.grouped;
+        opt.placement = hybrid_placement(*ref_engine, variant);
+        auto e = gpu(dir, opt);
+        const auto out = test::prefill_then_steps(*e, prompt, steps);
+        const CudaEngineStats st = e->stats();
+        const std::string what = std::string(variant == 0 ? "all cache" : "mixed") + ", " + std::to_string(slots) +
+                                 " slots, prefetch " + std::to_string(mode.prefetch) +
+                                 (mode.grouped ? ", grouped" : ", one by one");
+        std::printf("[ info ] %s %s: misses %ld, prefetched %ld, used %ld, grouped passes %ld, fetched %.2f MiB\n",
+                    GetParam().model, what.c_str(), long(st.cache_misses), long(st.prefetched_experts),
+                    long(st.prefetch_hits), long(st.grouped_hybrid_passes), st.fetched_bytes / double(1 << 20));
+        expect_close(out, ref, V, 1e-2, what.c_str());
+        EXPECT_EQ(st.prefetched_experts > 0, mode.prefetch > 0) << what;
+        EXPECT_LE(st.prefetch_hits, st.prefetched_experts) << what;
+        if (!mode.grouped) {
+          EXPECT_EQ(st.grouped_hybrid_passes, 0) << what;
+        } else if (slots == 16 && variant == 0) {
+          EXPECT_GT(st.grouped_hybrid_passes, 0) << what;
+        }
+        if (mode.prefetch == 0 && !mode.grouped) {
+          one_by_one = out;
+          continue;
+        }
+        if (!mode.grouped) {  // the same launches per expert, only the copies start earlier
+          ASSERT_EQ(out.size(), one_by_one.size()) << what;
+          for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], one_by_one[i]) << what << ", value " << i;
+        } else {  // the grouped GEMVs split K by their row count: the same products summed in another order
+          ASSERT_EQ(out.size(), one_by_one.size()) << what;
+          double worst = 0;
+          for (size_t r = 0; r < out.size() / size_t(V); ++r)
+            worst = std::max(worst, rel_row_error(out.data() + r * size_t(V), one_by_one.data() + r * size_t(V), V));
+          std::printf("[ info ] %s against an expert at a time: worst rel error %.2e\n", what.c_str(), worst);
+          EXPECT_LE(worst, 1e-4) << what;
+        }
+      }
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaExl3, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant>& i) { return std::string(i.param.model); });
 

@@ -270,6 +270,7 @@ struct SliceRun {
   double selections = 0, vram_selections = 0;  // per decode token (host-planned passes only)
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
   double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
+  double prefetched = 0, prefetch_hits = 0;    // per decode token: experts copied ahead, and of those used
   int64_t zc_layers = 0;
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
@@ -298,6 +299,8 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.zc_selections = double(b.zero_copy_selections - a.zero_copy_selections) / n;
   r.zc_bytes = (b.zero_copy_bytes - a.zero_copy_bytes) / n;
   r.zc_layers = b.zero_copy_layers;
+  r.prefetched = double(b.prefetched_experts - a.prefetched_experts) / n;
+  r.prefetch_hits = double(b.prefetch_hits - a.prefetch_hits) / n;
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
@@ -547,6 +550,13 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         if (r8.zc_layers) row["zero_copy_layers_of_8"] = r8.zc_layers;
+        if (r8.prefetched >
+            0) {  // issue 21 item 3: per decode token; 7 of the slice's 8 layers have a next one, 44 of 45
+          const double ahead = (kFull - 1) * r8.prefetched / 7, used = (kFull - 1) * r8.prefetch_hits / 7;
+          row["prefetch"] = {{"experts_per_token", ahead}, {"used_per_token", used}};
+          std::printf("[ perf ] prefetch: %.1f experts copied ahead per token (45 layers), %.1f of them used\n", ahead,
+                      used);
+        }
         // MTP (issue 24): the verify projected to 45 layers as decode is; a draft costs one decode layer + the head
         // (the MTP block is one decoder layer sharing the lm_head). The verify is the engine's forward_hidden with
         // rollback points (a graph per row count when all experts are in VRAM), then a cut back to its first token.

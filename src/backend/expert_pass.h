@@ -30,4 +30,15 @@ struct ExpertPass {
 ExpertPass plan_expert_pass(const int32_t* ids, int64_t tokens, int64_t k, const std::vector<ExpertWhere>& where,
                             const std::function<ColdCost(int32_t expert, int64_t tokens)>& cold_cost, bool can_fetch);
 
+// Reorders a plan's GPU runs (and their sorted rows: rowmap, sorted_tok) by rank(expert) ascending, experts of one
+// rank in expert order; the CPU experts and selections are unchanged.
+void order_gpu_runs(ExpertPass& p, int64_t k, const std::function<int(int32_t expert)>& rank);
+
+// Experts of the next MoE layer to start copying while this one computes (decode under a budget): `picks`
+// [tokens * k] is that layer's router applied to this layer's input, each token's picks best first. At most `limit`
+// distinct experts that `fetchable` accepts (not in VRAM or a slot yet, copyable), the most picked first, then by the
+// best rank a token gave them, then by id.
+std::vector<int32_t> plan_prefetch(const int32_t* picks, int64_t tokens, int64_t k, int64_t limit,
+                                   const std::function<bool(int32_t expert)>& fetchable);
+
 }  // namespace moesrv

@@ -48,6 +48,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
   c.kv_q8 = o.kv_q8;
   c.mtp = o.mtp;
   apply_cold_experts(o.cold_experts, c);
+  if (o.prefetch_experts >= 0) c.prefetch_experts = o.prefetch_experts;
   c.spec = spec;
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
@@ -88,6 +89,12 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
                   "(compute on the CPU), gpu (stream over PCIe, run on the GPU), read (as gpu, but decode reads "
                   "EXL3 experts in place over PCIe, one CUDA graph per step; docs/perf-cuda.md)")
       ->check(CLI::IsMember({"auto", "cpu", "gpu", "read"}))
+      ->capture_default_str();
+  cmd->add_option("--prefetch-experts", o.prefetch_experts,
+                  "GPU decode under --vram-budget: each MoE layer routes its input through the next layer's router "
+                  "and starts copying up to N of those experts over PCIe while it computes (0: off; -1: the engine's "
+                  "default)")
+      ->check(CLI::Range(-1, 64))
       ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
   cmd->add_option("--prefill-pass", o.prefill_chunk,

@@ -72,6 +72,16 @@ struct CudaEngineOptions {
   // read so (bf16, a trellis not 16-byte aligned in the package) keep the host-planned path. Off until measured on
   // a GPU; MOESRV_ZERO_COPY=1 turns it on.
   bool zero_copy_cold = false;
+  // Decode passes (<= 8 tokens) under a budget: each MoE layer also routes its input through the next MoE layer's
+  // router and starts copying up to this many of those picks that are not in VRAM or a slot yet (the most picked
+  // first) into that layer's LRU slots, behind its own misses on the copy stream, so the link works while the GPU
+  // computes. 0: off. MOESRV_PREFETCH_EXPERTS=N overrides.
+  int prefetch_experts = 0;
+  // Decode passes under a budget whose experts all run on the GPU and whose slot experts fit the layer's slots at
+  // once: the EXL3 experts (in VRAM or in a slot) through the grouped GEMVs as all-VRAM decode does (~8 launches per
+  // layer instead of ~7 per expert), those ready first while the link copies the rest. false (or
+  // MOESRV_HYBRID_GROUPED=0): an expert at a time.
+  bool grouped_hybrid_decode = true;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
@@ -145,7 +155,10 @@ struct CudaEngineStats {
   // those served from VRAM (resident or already-cached experts), expert bytes copied over PCIe on misses and
   // expert bytes the CPU read (once per expert per pass).
   int64_t routed_selections = 0, vram_selections = 0;
-  double fetched_bytes = 0, cpu_expert_bytes = 0;
+  double fetched_bytes = 0, cpu_expert_bytes = 0;  // fetched_bytes: prefetches included
+  // Experts copied ahead of their layer's routing (prefetch_experts), and those of them the routing then picked.
+  int64_t prefetched_experts = 0, prefetch_hits = 0;
+  int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
   // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
   // the device, every pass, read when stats() is called) with their bytes.
   int64_t zero_copy_layers = 0, zero_copy_selections = 0;

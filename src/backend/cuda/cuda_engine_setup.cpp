@@ -350,6 +350,10 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   map_host_experts();
   measure_cold_rates();
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
+  prefetch_limit = opt.prefetch_experts;
+  if (const char* v = std::getenv("MOESRV_PREFETCH_EXPERTS")) prefetch_limit = std::atoll(v);
+  prefetch_limit = std::clamp<int64_t>(prefetch_limit, 0, E);
+  prefetched.assign(size_t(c.num_layers), std::vector<uint8_t>(size_t(E), 0));
 }
 
 // zero_copy_cold: each candidate layer's host experts as mapped parts in its expert table, when all of them can be.
@@ -494,10 +498,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   host_registration->mapped |= zero_copy;
   if (cached + streamable > 0)
     m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration, zero_copy);
-  if (m.exl3) {
-    if (m.x3_grouped) m.x3_tab = upload(budget, tab, "expert table");
-    if (zero_copy) m.x3_tab_host = tab;
-  } else {
+  if (!m.exl3) {
     m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
     m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
   }
@@ -510,6 +511,36 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
     MOESRV_CUDA_OK(cudaEventRecord(s.free, stream));
     m.slots.push_back(std::move(s));
   }
+  if (!m.exl3 || !m.x3_grouped) return;
+  // Slot entries: where every host expert's block has one layout (x3_off), entry x3_slot_base + i of each
+  // projection is slot i's copy of it, whichever expert the slot holds, so a host-planned decode pass runs its slot
+  // experts in the grouped launches too (moe_exl3_sorted_rows).
+  bool uniform = !m.slots.empty();
+  int64_t first = -1;
+  for (int64_t e = 0; e < E && uniform; ++e) {
+    if (!host[size_t(e)]) continue;
+    if (first < 0) first = e;
+    for (int j = 0; j < 3; ++j) {
+      const Exl3Dev &a = m.x3_off[size_t(first)][size_t(j)], &b = m.x3_off[size_t(e)][size_t(j)];
+      uniform &= a.trellis == b.trellis && a.suh == b.suh && a.svh == b.svh && a.K == b.K && a.cb == b.cb &&
+                 a.in_pad == b.in_pad && a.out_pad == b.out_pad && a.in == b.in && a.out == b.out;
+    }
+  }
+  if (uniform && first >= 0) {
+    const int64_t stride = m.x3_stride + int64_t(m.slots.size());
+    std::vector<Exl3Dev> wide(size_t(3 * stride));
+    for (int j = 0; j < 3; ++j) {
+      std::copy_n(tab.begin() + j * m.x3_stride, m.x3_stride, wide.begin() + j * stride);
+      for (size_t i = 0; i < m.slots.size(); ++i)
+        wide[size_t(j * stride + m.x3_stride) + i] =
+            rebase(m.x3_off[size_t(first)][size_t(j)], m.slots[i].mem.as<void>());
+    }
+    m.x3_slot_base = m.x3_stride;
+    m.x3_stride = stride;
+    tab = std::move(wide);
+  }
+  m.x3_tab = upload(budget, tab, "expert table");
+  if (zero_copy) m.x3_tab_host = tab;
 }
 
 void CudaEngine::Impl::allocate_scratch() {
@@ -627,6 +658,9 @@ void CudaEngine::Impl::allocate_scratch() {
     s.route_ticket = DeviceBuffer(budget, 4, "router ticket");
     MOESRV_CUDA_OK(cudaMemsetAsync(s.route_ticket.as<void>(), 0, 4, stream));
     s.ids = DeviceBuffer(budget, size_t(P) * 4, "expert ids");
+    s.pred_ids = DeviceBuffer(budget, size_t(kRouteFusedMaxTokens * k) * 4, "predicted expert ids");
+    s.pred_w = f32(kRouteFusedMaxTokens * k, "predicted expert weights");
+    h_pred = PinnedBuffer(size_t(kRouteFusedMaxTokens * k) * 4);
     s.w = f32(P, "expert weights");
     s.mgu = f32(M * 2 * I, "expert gate/up");
     s.mact = f32(M * I, "expert act");

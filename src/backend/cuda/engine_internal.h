@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "backend/cuda/host_experts.h"
 #include "backend/cuda/kernels.h"
 #include "backend/expert_cache.h"
+#include "backend/expert_pass.h"
 #include "backend/pass_plan.h"
 #include "backend/usage_stats.h"
 #include "model/weights.h"
@@ -213,6 +215,8 @@ struct DevMoe {
   // which then runs in the same grouped launches as the routed ones (ids [S][1 + k], the shared first, weight 1).
   DeviceBuffer x3_tab;
   int64_t x3_stride = 0;
+  // >= 0: entries x3_slot_base + i of x3_tab are LRU slot i (host experts of one block layout), else none.
+  int64_t x3_slot_base = -1;
   bool shared_grouped = false;
   bool all_vram = true;
   // zero_copy_cold: x3_tab's entries of the experts not in VRAM point at their host weights (HostExperts::
@@ -417,6 +421,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer row_expert;  // expert of each sorted row of a planned pass (grouped EXL3 waves)
     cuda::DeviceBuffer gemm_tiles;  // Exl3GemmTile of a pass's grouped EXL3 waves (gemm_tiles_used of them so far)
     cuda::DeviceBuffer route_ticket;  // route_fused's block counter (zeroed once; each launch leaves it at zero)
+    cuda::DeviceBuffer pred_ids, pred_w;  // the next MoE layer's picks for prefetching (predict_next_layer)
     cuda::DeviceBuffer logits;                                  // [lm_rows][V]
     // EXL3 (models with EXL3 linears only): rotated inputs (fp32 GEMV rows or fp16 GEMM rows), rotated outputs,
     // fp16 W_hat slabs of the GEMM path.
@@ -428,7 +433,7 @@ struct CudaEngine::Impl {
     // views: a layer runs one of the two (allocate_scratch).
     cuda::DeviceBuffer mixer_arena;
   } s;
-  cuda::PinnedBuffer h_ids, h_w, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits, h_gemm_tiles;
+  cuda::PinnedBuffer h_ids, h_w, h_pred, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits, h_gemm_tiles;
   int64_t gemm_tiles_used = 0;  // of s.gemm_tiles in the current pass (each wave's tiles stay until the pass syncs)
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
   cuda::DeviceBuffer d_usage, d_usage_tokens;
@@ -519,6 +524,7 @@ struct CudaEngine::Impl {
   void allocate_expert_lanes(size_t reserve_bytes);
   // All-VRAM EXL3 experts, S <= 8 tokens, graph safe; with_shared: the shared expert as entry 0 of each token's rows.
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S, bool with_shared);
+  void moe_exl3_sorted_rows(cuda::DevMoe& m, int64_t a, int64_t rows);
   // One expert over `cnt` sorted rows from row0: inputs h rows through sorted_tok[row0..], out s.ysorted rows from
   // buf0 (the row's place in the current wave).
   void expert_exl3(cuda::DevMoe& m, int e, const void* block, const float* h, int64_t row0, int64_t buf0, int64_t cnt);
@@ -559,13 +565,35 @@ struct CudaEngine::Impl {
   static constexpr int64_t kMaxRollbackRows = 4;  // tokens of a rollback forward (MTP: k + 1 <= 4)
   std::vector<LayerState> cur_state;
   void moe(int64_t l, int64_t S);                     // (expert_executor.cpp)
-  void moe_hybrid(int64_t l, int64_t s0, int64_t n);  // host-planned experts for tokens [s0, s0+n)
+  // Host-planned experts for tokens [s0, s0+n); shared_rows > 0: first s.y = the shared expert of that many rows.
+  void moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shared_rows);
+  void shared_expert_into_y(const cuda::DevMoe& m, int64_t S);
+  struct IntUpload {
+    int32_t* dst;
+    const int32_t* host;
+    int64_t n;
+  };
+  void upload_ints(std::initializer_list<IntUpload> arrays);
+  void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<char>& resident, int64_t n,
+                        int64_t shared_rows, int64_t prefetch_layer);
   int64_t slot_count(int64_t l, int64_t cached, int64_t streamable) const;
   ColdRates cold_rates;       // the per-pass cold-expert split's costs (options, else measured)
   void measure_cold_rates();  // at start, from one streamable expert
   void update_cpu_rate(int64_t tokens, double seconds);
-  // Expert e's block of layer l in VRAM or a cache slot (loaded on a miss; *slot = -1 for a VRAM expert).
+  // Expert e's block of layer l in VRAM or a cache slot (*slot; -1 for a VRAM expert). A miss is admitted and its
+  // copy queued on copy_stream at once; reading a slot waits for its copy (wait_slot on `stream`).
   const void* expert_weights(int64_t l, int e, int* slot);
+  void fill_slot(int64_t l, int e, const Admission& a);
+  void wait_slot(const cuda::DevMoe& m, int slot);
+  // Decode under a budget: the next MoE layer's router applied to this layer's input picks the experts whose copies
+  // start while this layer computes (CudaEngineOptions::prefetch_experts). predicted_layer: the layer whose picks
+  // the current pass launched into s.pred_ids (-1: none); prefetched[l][e]: copied ahead, not used yet.
+  int64_t prefetch_limit = 0;
+  int64_t predicted_layer = -1;
+  std::vector<std::vector<uint8_t>> prefetched;
+  int64_t next_moe_layer(int64_t l) const;  // the first MoE layer after l with experts to copy, or -1
+  void predict_next_layer(int64_t l, int64_t S, const cuda::RouterArgs& ra);
+  void prefetch_experts(int64_t l, const int32_t* picks, int64_t n);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
   // Embedding .. final norm over S rows, device-only when all VRAM; with `group`, the passes of a prefill group.
   void run_layers(int64_t S, const cuda::GroupPasses* group = nullptr);

@@ -189,6 +189,30 @@ void CudaEngine::Impl::moe_exl3_grouped(DevMoe& m, int64_t S, bool with_shared) 
   }
 }
 
+// Sorted rows [a, a + rows) of a host-planned decode pass through the grouped one-row GEMVs: row r runs expert table
+// entry s.row_expert[r] (a VRAM expert's or a slot's) on s.h row s.sorted_tok[r]; gate | up into s.mgu rows (one
+// grouped call when their shapes match), down over their SwiGLU into s.ysorted rows.
+void CudaEngine::Impl::moe_exl3_sorted_rows(DevMoe& m, int64_t a, int64_t rows) {
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const int M = int(rows);
+  const Exl3Dev* tab = m.x3_tab.as<Exl3Dev>();
+  const int32_t* ids = s.row_expert.as<int32_t>() + a;
+  float *xh = s.x3_xh.as<float>(), *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>() + a * 2 * I;
+  const size_t yr_floats = s.x3_yr.bytes() / 4;
+  const Exl3Src in{s.h.as<float>(), D, s.sorted_tok.as<int32_t>() + a};
+  const Exl3Dev &gate = m.x3_off[0][0], &up = m.x3_off[0][1];
+  if (gate.K == up.K && gate.cb == up.cb && gate.in_pad == up.in_pad && gate.out_pad == up.out_pad) {
+    exl3_gemv_out(gate, Exl3Group{tab, ids, M, int(m.x3_stride), I}, in, 2 * M, xh, yr, yr_floats, x3_tickets(), gu,
+                  2 * I, nullptr, stream);
+  } else {
+    for (int p = 0; p < 2; ++p)
+      exl3_gemv_out(m.x3_off[0][size_t(p)], Exl3Group{tab + p * m.x3_stride, ids}, in, M, xh, yr, yr_floats,
+                    x3_tickets(), gu + p * I, 2 * I, nullptr, stream);
+  }
+  exl3_gemv_out(m.x3_off[0][2], Exl3Group{tab + 2 * m.x3_stride, ids}, Exl3Src{gu, 2 * I, nullptr, 1, true, m.limit}, M,
+                xh, yr, yr_floats, x3_tickets(), s.ysorted.as<float>() + a * D, D, nullptr, stream);
+}
+
 int64_t CudaEngine::Impl::exl3_wave_rows(const DevMoe& m) const {
   int64_t in = 0, out = 0;
   for (const Exl3Dev& w : m.x3_off[0]) in = std::max<int64_t>(in, w.in_pad), out = std::max<int64_t>(out, w.out_pad);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 
 #include "backend/cpu/cpu_layers.h"
 #include "backend/cpu/expert_batch.h"
@@ -57,6 +58,7 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
                                  int(D), &zero, s.logits_r.as<float>(), int(E)));
     route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
   }
+  if (!grouped) predict_next_layer(l, S, ra);  // host-planned: the next layer's likely experts, for prefetching
   if (shared_in_group) {  // the combine writes y (shared first, weight 1)
     phase(CudaPhase::Experts);
     moe_exl3_grouped(m, S, true);
@@ -70,14 +72,9 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
     moe_combine(y, s.ysorted.as<float>(), nullptr, s.w.as<float>(), nullptr, int(S), int(k), int(D), stream);
     return;
   }
-  phase(CudaPhase::Experts);
-  if (m.shared) {
-    mlp(*m.shared, h, S, y);
-    if (m.shared_gate.bytes()) shared_expert_gate(h, m.shared_gate.as<float>(), int(S), int(D), y, stream);
-  } else {
-    MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
-  }
   if (grouped) {
+    phase(CudaPhase::Experts);
+    shared_expert_into_y(m, S);
     if (m.exl3) moe_exl3_grouped(m, S, false);
     else
       moe_gemv(h, s.ids.as<int32_t>(), int(S), int(k), int(D), int(I), m.gate_up_ptrs.as<const uint16_t*>(),
@@ -88,7 +85,20 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   }
   for (int64_t s0 = 0; s0 < S; s0 += moe_pass_rows) {
     phase(CudaPhase::Router);  // the routing copy and the host plan
-    moe_hybrid(l, s0, std::min(moe_pass_rows, S - s0));
+    moe_hybrid(l, s0, std::min(moe_pass_rows, S - s0), s0 == 0 ? S : 0);
+  }
+}
+
+// y (S rows) = the shared expert's output of s.h, or zeros without one: what the routed experts' combines add to.
+void CudaEngine::Impl::shared_expert_into_y(const DevMoe& m, int64_t S) {
+  const int64_t D = c.hidden_size;
+  const float* h = s.h.as<float>();
+  float* y = s.y.as<float>();
+  if (m.shared) {
+    mlp(*m.shared, h, S, y);
+    if (m.shared_gate.bytes()) shared_expert_gate(h, m.shared_gate.as<float>(), int(S), int(D), y, stream);
+  } else {
+    MOESRV_CUDA_OK(cudaMemsetAsync(y, 0, size_t(S * D) * 4, stream));
   }
 }
 
@@ -111,21 +121,143 @@ const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
   if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.vram[size_t(e)].as<void>();
   if (std::optional<int32_t> hit = expert_cache->lookup(int32_t(l), e)) {
     *slot = *hit;
+    if (std::exchange(prefetched[size_t(l)][size_t(e)], uint8_t(0))) ++stats.prefetch_hits;
   } else {
     // No slot is ever retained: the events below order a slot's reuse after the GPU's last read of it.
     std::optional<Admission> a = expert_cache->admit(int32_t(l), e, stream_window);
     if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
     *slot = a->slot;
-    stats.fetched_bytes += double(m.block_bytes[size_t(e)]);
-    CacheSlot& cs = m.slots[size_t(*slot)];
-    // Overwrite only after the GPU finished with the evicted expert; compute waits for the copy below.
-    MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-    m.host->copy(e, cs.mem.as<void>(), copy_stream);
-    MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+    fill_slot(l, e, *a);
   }
-  CacheSlot& cs = m.slots[size_t(*slot)];
-  MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, cs.ready, 0));
-  return cs.mem.as<void>();
+  return m.slots[size_t(*slot)].mem.as<void>();
+}
+
+// Copies expert e's stored block into the slot it was just admitted to, on copy_stream, after the GPU's last read of
+// the slot (the evicted expert's); the slot's `ready` event marks the end of the copy.
+void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  if (a.evicted >= 0) prefetched[size_t(l)][size_t(a.evicted)] = 0;
+  stats.fetched_bytes += double(m.block_bytes[size_t(e)]);
+  CacheSlot& cs = m.slots[size_t(a.slot)];
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
+  m.host->copy(e, cs.mem.as<void>(), copy_stream);
+  MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+}
+
+void CudaEngine::Impl::wait_slot(const DevMoe& m, int slot) {
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, m.slots[size_t(slot)].ready, 0));
+}
+
+int64_t CudaEngine::Impl::next_moe_layer(int64_t l) const {
+  for (int64_t n = l + 1; n < int64_t(layers.size()); ++n) {
+    if (!layers[size_t(n)].moe) continue;
+    const DevMoe& m = *layers[size_t(n)].moe;
+    return m.host && !m.slots.empty() && !m.all_vram && !m.zero_copy ? n : -1;
+  }
+  return -1;
+}
+
+// Routes this layer's MoE input (s.h, S <= kRouteFusedMaxTokens rows) through the next MoE layer's router into
+// s.pred_ids, without counting usage; moe_hybrid brings the picks back with its own and prefetches them once this
+// layer's experts are queued.
+void CudaEngine::Impl::predict_next_layer(int64_t l, int64_t S, const RouterArgs& ra) {
+  predicted_layer = -1;
+  if (prefetch_limit <= 0 || S > kRouteFusedMaxTokens || S >= kStreamPassTokens) return;
+  const int64_t next = next_moe_layer(l);
+  if (next < 0) return;
+  const DevMoe& m = *layers[size_t(next)].moe;
+  RouterArgs pa = ra;
+  pa.counts = nullptr, pa.tokens = nullptr, pa.shared_id = -1;
+  const int64_t D = c.hidden_size, E = c.n_routed_experts;
+  const float *router = m.router.as<float>(), *h = s.h.as<float>();
+  if (route_fused_supported(int(S), int(E), int(D), router, h)) {
+    route_fused(router, h, m.router_bias.as<float>(), int(S), int(D), pa, s.logits_r.as<float>(),
+                s.route_ticket.as<unsigned>(), s.pred_ids.as<int32_t>(), s.pred_w.as<float>(), stream);
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
+                                 int(D), &zero, s.logits_r.as<float>(), int(E)));
+    route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), pa, s.pred_ids.as<int32_t>(), s.pred_w.as<float>(),
+          stream);
+  }
+  predicted_layer = next;
+}
+
+// Starts the copies of layer l's predicted experts (picks [n][k]) that are neither in VRAM nor in a slot, into its
+// LRU slots, behind the copies already queued: they cross the link while the GPU computes.
+void CudaEngine::Impl::prefetch_experts(int64_t l, const int32_t* picks, int64_t n) {
+  const DevMoe& m = *layers[size_t(l)].moe;
+  auto fetchable = [&](int32_t e) {
+    return e < int32_t(m.placement.size()) && m.placement[size_t(e)] != ExpertPlacement::Vram && m.host->has(e) &&
+           !expert_cache->peek(int32_t(l), e);
+  };
+  for (int32_t e : plan_prefetch(picks, n, c.experts_per_token, prefetch_limit, fetchable)) {
+    std::optional<Admission> a = expert_cache->admit(int32_t(l), e);
+    if (!a) break;
+    fill_slot(l, e, *a);
+    prefetched[size_t(l)][size_t(e)] = 1;
+    ++stats.prefetched_experts;
+  }
+}
+
+// A host-planned decode pass (moe_hybrid: slot_grouped) through the grouped GEMVs over its sorted rows, whose runs
+// come in home order: the slot experts' copies queued first (then the next layer's prefetch, then the shared expert),
+// the rows of the experts in VRAM or already in a slot computed while the link copies, then the copied experts' rows.
+void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<char>& resident, int64_t n,
+                                        int64_t shared_rows, int64_t prefetch_layer) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  const int64_t D = c.hidden_size, k = c.experts_per_token;
+  const auto& runs = pass.gpu_runs;
+  const int64_t rows_total = int64_t(pass.sorted_tok.size());
+  int32_t* row_expert = h_row_expert.as<int32_t>();
+  std::vector<int> slot_of(runs.size(), -1);
+  int64_t ready_rows = 0;  // rows of the resident runs, which come first
+  for (size_t q = 0; q < runs.size(); ++q) {
+    const auto [e, row0] = runs[q];
+    const int64_t cnt = int64_t(pass.by_expert[size_t(e)].size());
+    expert_weights(l, e, &slot_of[q]);  // a miss is admitted and its copy queued
+    std::fill_n(row_expert + row0, cnt, int32_t(slot_of[q] < 0 ? e : m.x3_slot_base + slot_of[q]));
+    stats.routed_selections += cnt;
+    if (resident[q]) stats.vram_selections += cnt, ready_rows = row0 + cnt;
+  }
+  upload_ints({{s.rowmap.as<int32_t>(), h_rowmap.as<int32_t>(), n * k},
+               {s.sorted_tok.as<int32_t>(), h_sorted_tok.as<int32_t>(), rows_total},
+               {s.row_expert.as<int32_t>(), row_expert, rows_total}});
+  if (prefetch_layer >= 0)
+    prefetch_experts(prefetch_layer, h_pred.as<int32_t>(), std::min<int64_t>(n, kRouteFusedMaxTokens));
+  if (shared_rows > 0) shared_expert_into_y(m, shared_rows);
+  const float* d_w = s.w.as<float>();
+  for (int phase_rows : {0, 1}) {  // 0: rows [0, ready_rows), 1: the rest
+    const int64_t a = phase_rows ? ready_rows : 0, b = phase_rows ? rows_total : ready_rows;
+    if (a >= b) continue;
+    for (size_t q = 0; q < runs.size(); ++q)
+      if (slot_of[q] >= 0 && bool(resident[q]) != bool(phase_rows)) wait_slot(m, slot_of[q]);
+    moe_exl3_sorted_rows(m, a, b - a);
+    moe_combine(s.y.as<float>(), s.ysorted.as<float>() + a * D, s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k),
+                int(D), stream, false, int(a), int(b));
+  }
+  for (size_t q = 0; q < runs.size(); ++q)
+    if (slot_of[q] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[q])].free, stream));
+}
+
+// Host arrays (pinned) to the device on `stream`: by value through one kernel when they are small (a decode pass's),
+// so they never wait for a copy engine busy with expert copies; else one copy each.
+void CudaEngine::Impl::upload_ints(std::initializer_list<IntUpload> arrays) {
+  IntWrites w;
+  int64_t total = 0;
+  for (const IntUpload& u : arrays) total += u.n;
+  const bool by_value = total <= kIntWritesMax && arrays.size() <= std::size(w.dst);
+  int a = 0, off = 0;
+  for (const IntUpload& u : arrays) {
+    if (!by_value) {
+      MOESRV_CUDA_OK(cudaMemcpyAsync(u.dst, u.host, size_t(u.n) * 4, cudaMemcpyHostToDevice, stream));
+      continue;
+    }
+    std::copy_n(u.host, u.n, w.v + off);
+    w.dst[a] = u.dst, w.n[a] = int(u.n);
+    off += int(u.n), ++a;
+  }
+  if (by_value) write_ints(w, stream);
 }
 
 // Rates of the per-pass cold split: given, else measured now on one streamable expert (timed copies into a slot,
@@ -189,10 +321,12 @@ void CudaEngine::Impl::update_cpu_rate(int64_t tokens, double seconds) {
 }
 
 // Tokens [s0, s0 + n) of the pass (the whole pass unless MOESRV_MOE_PASS_ROWS cuts it): s.h rows in, s.y rows
-// accumulated (the shared expert is already there). One routing copy and host plan per pass, so each GPU expert
+// accumulated. The first pass (shared_rows = the forward's rows) first writes s.y with the shared expert, after the
+// routing round trip and the copies of its misses are queued, so the GPU computes it while the link copies and the
+// host does not wait for it. One routing copy and host plan per pass, so each GPU expert
 // runs once over all its rows (one dequantization of an EXL3 expert per pass, a cold expert crossing PCIe once);
 // the sorted rows go through the expert buffers in waves of their height, each wave combined into s.y on its own.
-void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
+void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shared_rows) {
   DevMoe& m = *layers[size_t(l)].moe;
   const MoeWeights& hw = *weights->layers[size_t(l)].moe;
   const int64_t D = c.hidden_size, E = c.n_routed_experts, k = c.experts_per_token, I = c.moe_intermediate_size;
@@ -204,6 +338,11 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_w.as<void>(), d_w, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
+  const int64_t prefetch_layer = std::exchange(predicted_layer, -1);  // picks of the first pass's tokens
+  if (prefetch_layer >= 0)
+    MOESRV_CUDA_OK(cudaMemcpyAsync(h_pred.as<void>(), s.pred_ids.as<void>(),
+                                   size_t(std::min<int64_t>(n, kRouteFusedMaxTokens) * k) * 4, cudaMemcpyDeviceToHost,
+                                   stream));
   if (any_cpu) {
     if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(group_rows() * D) * 4);  // on first use
     MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
@@ -219,12 +358,25 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       where[size_t(e)] = !m.host || !m.host->has(int(e))              ? ExpertWhere::Cpu
                          : expert_cache->peek(int32_t(l), int32_t(e)) ? ExpertWhere::Gpu
                                                                       : ExpertWhere::Cold;
-  const ExpertPass pass = plan_expert_pass(
+  ExpertPass pass = plan_expert_pass(
       h_ids.as<int32_t>(), n, k, where,
       [&](int32_t e, int64_t tokens) {
         return ColdCost{e, cold_rates.fetch_s(double(m.block_bytes[size_t(e)])), cold_rates.cpu_s(tokens)};
       },
       !m.slots.empty());
+  // 0: in VRAM, 1: in a slot before this pass, 2: copied by this pass.
+  auto home = [&](int32_t e) {
+    return m.placement[size_t(e)] == ExpertPlacement::Vram ? 0 : expert_cache->peek(int32_t(l), e) ? 1 : 2;
+  };
+  // Decode through the grouped GEMVs (moe_exl3_sorted_rows) when no expert runs on the CPU and the pass's slot
+  // experts fit the layer's slots at once: ~8 launches for the pass instead of ~7 per expert.
+  static const bool slot_grouped_env = switch_on("MOESRV_HYBRID_GROUPED");
+  const bool slot_grouped_on = opt.grouped_hybrid_decode && slot_grouped_env;
+  int64_t in_slots = 0;
+  for (const auto& run : pass.gpu_runs) in_slots += home(run.first) > 0;
+  const bool slot_grouped = slot_grouped_on && m.exl3 && m.x3_slot_base >= 0 && pass.cpu_experts.empty() &&
+                            n <= kExl3MaxGemvRows && s0 == 0 && in_slots <= int64_t(m.slots.size());
+  if (slot_grouped) order_gpu_runs(pass, k, home);  // the experts ready to run first, the copied ones last
   const auto& by_expert = pass.by_expert;
   const auto& gpu_runs = pass.gpu_runs;
   const auto& cpu_experts = pass.cpu_experts;
@@ -233,15 +385,19 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   int32_t* sorted_tok = h_sorted_tok.as<int32_t>();
   std::copy(pass.rowmap.begin(), pass.rowmap.end(), rowmap);
   std::copy(pass.sorted_tok.begin(), pass.sorted_tok.end(), sorted_tok);
-  MOESRV_CUDA_OK(cudaMemcpyAsync(s.rowmap.as<void>(), rowmap, size_t(n * k) * 4, cudaMemcpyHostToDevice, stream));
-  MOESRV_CUDA_OK(
-      cudaMemcpyAsync(s.sorted_tok.as<void>(), sorted_tok, size_t(rows_total) * 4, cudaMemcpyHostToDevice, stream));
+  if (!slot_grouped)  // (that path uploads them with its expert table ids)
+    upload_ints({{s.rowmap.as<int32_t>(), rowmap, n * k}, {s.sorted_tok.as<int32_t>(), sorted_tok, rows_total}});
   phase(CudaPhase::Experts);
   // Whether each GPU expert was resident before this pass (a fetched one is cached for its later waves).
   std::vector<char> resident(gpu_runs.size());
   for (size_t r = 0; r < gpu_runs.size(); ++r) {
     const int e = gpu_runs[r].first;
     resident[r] = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
+  }
+  if (slot_grouped) {
+    ++stats.grouped_hybrid_passes;
+    moe_slot_grouped(l, pass, resident, n, shared_rows, prefetch_layer);
+    return;
   }
   // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
   const bool grouped = m.exl3 && m.x3_grouped && m.all_vram && cpu_experts.empty();
@@ -256,10 +412,27 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
   stream_window = n >= kStreamPassTokens ? kStreamWindow : 0;
   gemm_tiles_used = 0;  // the copies of the previous pass's tiles are done (synchronised above)
   std::vector<ExpertPiece> pieces;
+  struct GpuJob {
+    int e = 0;
+    int64_t lo = 0, cnt = 0;
+    int order = 0;  // 0: in VRAM, 1: in a slot before this pass, 2: copied by this pass
+  };
+  std::vector<GpuJob> gpu_jobs;
+  bool shared_pending = shared_rows > 0;
+  auto run_shared = [&] {
+    if (std::exchange(shared_pending, false)) shared_expert_into_y(m, shared_rows);
+  };
+  // The next layer's predicted experts cross the link right behind this layer's own copies.
+  int64_t prefetch_pending = prefetch_layer;
+  auto run_prefetch = [&] {
+    const int64_t next = std::exchange(prefetch_pending, -1);
+    if (next >= 0) prefetch_experts(next, h_pred.as<int32_t>(), std::min<int64_t>(n, kRouteFusedMaxTokens));
+  };
   size_t r = 0;  // first run that may reach into the wave
   for (int64_t a = 0; a < rows_total; a += wave) {
     const int64_t b = std::min(rows_total, a + wave);
     pieces.clear();
+    gpu_jobs.clear();
     if (!m.exl3) gather_rows_bf16(h, s.sorted_tok.as<int32_t>() + a, int(b - a), int(D), s.xs.as<uint16_t>(), stream);
     for (size_t q = r; q < gpu_runs.size(); ++q) {
       const int e = gpu_runs[q].first;
@@ -267,32 +440,57 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n) {
       if (first >= b) break;
       if (end <= b) r = q + 1;
       const int64_t lo = std::max(first, a), cnt = std::min(end, b) - lo;
-      if (grouped) {
-        pieces.push_back({e, lo, cnt});
-        stats.routed_selections += cnt, stats.vram_selections += cnt;
-        continue;
-      }
-      int slot = -1;
-      const void* block = expert_weights(l, e, &slot);
       stats.routed_selections += cnt;
       if (resident[q]) stats.vram_selections += cnt;
-      if (m.exl3) {
-        expert_exl3(m, e, block, h, lo, lo - a, cnt);
-      } else {
-        const uint16_t* w = static_cast<const uint16_t*>(block);
-        const int64_t b0 = lo - a;
-        float* gu = s.mgu.as<float>() + b0 * 2 * I;
-        gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + b0 * D, cnt, gu);
-        silu_mul_clamped(gu, int(cnt), int(I), m.limit, s.mact.as<float>() + b0 * I, stream);
-        to_bf16(s.mact.as<float>() + b0 * I, cnt * I, s.mactb.as<uint16_t>() + b0 * I, stream);
-        gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + b0 * I, cnt, s.ysorted.as<float>() + b0 * D);
+      if (grouped) {
+        pieces.push_back({e, lo, cnt});
+        continue;
       }
-      if (slot >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot)].free, stream));
+      gpu_jobs.push_back({e, lo, cnt, m.placement[size_t(e)] == ExpertPlacement::Vram ? 0 : resident[q] ? 1 : 2});
     }
-    if (grouped) moe_exl3_wave(m, a, b - a, pieces);
+    if (grouped) {
+      run_shared();
+      moe_exl3_wave(m, a, b - a, pieces);
+    } else {
+      // Decode: when the wave's slot experts fit the layer's slots, every miss's copy is queued before any compute
+      // (the link starts at once) and the GPU runs the experts in VRAM first, then those already in a slot, then the
+      // copied ones in copy order. Otherwise (and for prefill's streaming window) each expert is fetched right before
+      // its compute, so a slot is never refilled before the expert in it has run.
+      const int64_t in_slots =
+          std::count_if(gpu_jobs.begin(), gpu_jobs.end(), [](const GpuJob& j) { return j.order > 0; });
+      const bool ahead = stream_window == 0 && in_slots <= int64_t(m.slots.size());
+      std::vector<int> slot_of(gpu_jobs.size(), -1);
+      std::vector<const void*> block_of(gpu_jobs.size(), nullptr);
+      if (ahead) {
+        std::stable_sort(gpu_jobs.begin(), gpu_jobs.end(),
+                         [](const GpuJob& x, const GpuJob& y) { return x.order < y.order; });
+        for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j]);
+        run_prefetch();
+      }
+      run_shared();
+      for (size_t j = 0; j < gpu_jobs.size(); ++j) {
+        const GpuJob& job = gpu_jobs[j];
+        if (!ahead) block_of[j] = expert_weights(l, job.e, &slot_of[j]);
+        if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);
+        if (m.exl3) {
+          expert_exl3(m, job.e, block_of[j], h, job.lo, job.lo - a, job.cnt);
+        } else {
+          const uint16_t* w = static_cast<const uint16_t*>(block_of[j]);
+          const int64_t b0 = job.lo - a;
+          float* gu = s.mgu.as<float>() + b0 * 2 * I;
+          gemm_bf16(w, 2 * I, D, s.xs.as<uint16_t>() + b0 * D, job.cnt, gu);
+          silu_mul_clamped(gu, int(job.cnt), int(I), m.limit, s.mact.as<float>() + b0 * I, stream);
+          to_bf16(s.mact.as<float>() + b0 * I, job.cnt * I, s.mactb.as<uint16_t>() + b0 * I, stream);
+          gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + b0 * I, job.cnt, s.ysorted.as<float>() + b0 * D);
+        }
+        if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, stream));
+      }
+    }
     moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
                 int(a), int(b));
   }
+  run_shared();    // (no GPU expert in this pass)
+  run_prefetch();  // (copies fetched expert by expert above)
   if (stream_window) expert_cache->end_stream(int32_t(l));
   stream_window = 0;
   // CPU experts while the GPU works through the queue above; their sum joins s.y in slices of moe_rows tokens.

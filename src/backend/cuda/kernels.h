@@ -134,6 +134,16 @@ size_t route_fused_floats(int S, int E, int D);
 void route_fused(const float* router, const float* h, const float* bias, int S, int D, const RouterArgs& a, float* part,
                  unsigned* ticket, int32_t* ids, float* weights, cudaStream_t st);
 
+// Small int32 arrays of a host-planned decode pass written by one kernel from values passed by value (up to 4 arrays,
+// kIntWritesMax values in all), so no copy engine (busy with expert copies) stands between the plan and its kernels.
+constexpr int kIntWritesMax = 448;
+struct IntWrites {
+  int32_t* dst[4] = {nullptr, nullptr, nullptr, nullptr};
+  int n[4] = {0, 0, 0, 0};
+  int32_t v[kIntWritesMax];  // the arrays' values one after another
+};
+void write_ints(const IntWrites& w, cudaStream_t st);
+
 // Gated shared expert (Qwen3-Next): y[s] *= sigmoid(x[s] . w) per token; x, y [S][D], w [D] (fp32).
 void shared_expert_gate(const float* x, const float* w, int S, int D, float* y, cudaStream_t st);
 

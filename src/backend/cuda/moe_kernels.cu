@@ -300,7 +300,28 @@ size_t route_fused_smem(int S, int E) {
   return std::max(size_t(S) * kFusedCols, size_t(S) * (2 * E + 64) + size_t(E)) * sizeof(float);
 }
 
+__global__ void write_ints_kernel(IntWrites w) {
+  pdl_enter();
+  int off = 0;
+  for (int a = 0; a < 4; ++a) {
+    for (int i = threadIdx.x; i < w.n[a]; i += blockDim.x) w.dst[a][i] = w.v[off + i];
+    off += w.n[a];
+  }
+}
+
 }  // namespace
+
+void write_ints(const IntWrites& w, cudaStream_t st) {
+  int total = 0;
+  for (int a = 0; a < 4; ++a) {
+    if (w.n[a] < 0 || (w.n[a] > 0 && !w.dst[a])) throw std::runtime_error("write_ints: bad array");
+    total += w.n[a];
+  }
+  if (total > kIntWritesMax) throw std::runtime_error("write_ints: " + std::to_string(total) + " values");
+  if (total == 0) return;
+  launch(write_ints_kernel, 1, 256, 0, st, w);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
 
 void route(const float* logits, const float* bias, int S, const RouterArgs& a, int32_t* ids, float* weights,
            cudaStream_t st) {
