@@ -486,7 +486,12 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
                     GetParam().model, what.c_str(), long(st.cache_misses), long(st.prefetched_experts),
                     long(st.prefetch_hits), long(st.grouped_hybrid_passes), st.fetched_bytes / double(1 << 20));
         expect_close(out, ref, V, 1e-2, what.c_str());
-        EXPECT_EQ(st.prefetched_experts > 0, mode.prefetch > 0) << what;
+        // (16 slots hold every expert of these tiny layers after the first steps: nothing left to prefetch)
+        if (mode.prefetch == 0) {
+          EXPECT_EQ(st.prefetched_experts, 0) << what;
+        } else if (slots == 2) {
+          EXPECT_GT(st.prefetched_experts, 0) << what;
+        }
         EXPECT_LE(st.prefetch_hits, st.prefetched_experts) << what;
         if (!mode.grouped) {
           EXPECT_EQ(st.grouped_hybrid_passes, 0) << what;
