@@ -338,6 +338,24 @@ std::vector<std::vector<ExpertPlacement>> hybrid_placement(const CudaEngine& ref
   return p;
 }
 
+// The all-VRAM engine and its logits over the first 40 reference ids and 8 decode steps after them: what the
+// placement tests compare against.
+struct AllVramReference {
+  std::unique_ptr<CudaEngine> engine;
+  int64_t V = 0;
+  std::vector<int32_t> prompt, steps;
+  std::vector<float> logits;
+};
+AllVramReference all_vram_reference(const std::string& dir, const char* model) {
+  AllVramReference r;
+  r.engine = gpu(dir);
+  r.V = r.engine->vocab_size();
+  const auto in = ids(model, "gen_ids");
+  r.prompt.assign(in.begin(), in.begin() + 40), r.steps.assign(in.begin() + 40, in.begin() + 48);
+  r.logits = test::prefill_then_steps(*r.engine, r.prompt, r.steps);
+  return r;
+}
+
 TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
@@ -422,21 +440,17 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
 TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
-  auto ref_engine = gpu(dir);
-  const int64_t V = ref_engine->vocab_size();
-  const auto in = ids(GetParam().model, "gen_ids");
-  const std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
-  const auto ref = test::prefill_then_steps(*ref_engine, prompt, steps);
+  const AllVramReference r = all_vram_reference(dir, GetParam().model);
   int64_t moe_layers = 0;
-  for (const auto& l : ref_engine->placement()) moe_layers += !l.empty();
+  for (const auto& l : r.engine->placement()) moe_layers += !l.empty();
   for (int variant = 0; variant < 2; ++variant) {
     CudaEngineOptions opt;
     opt.zero_copy_cold = true;
     opt.cache_slots = 2;
-    opt.placement = hybrid_placement(*ref_engine, variant);
+    opt.placement = hybrid_placement(*r.engine, variant);
     const char* what = variant == 0 ? "EXL3 zero copy, all in host memory" : "EXL3 zero copy, mixed";
     auto e = gpu(dir, opt);
-    const auto out = test::prefill_then_steps(*e, prompt, steps);
+    const auto out = test::prefill_then_steps(*e, r.prompt, r.steps);
     const CudaEngineStats st = e->stats();
     std::printf("[ info ] %s %s: %ld of %ld MoE layers read in place, %ld selections (%.2f MiB), graph replays %ld\n",
                 GetParam().model, what, long(st.zero_copy_layers), long(moe_layers), long(st.zero_copy_selections),
@@ -444,7 +458,7 @@ TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
     EXPECT_EQ(st.zero_copy_layers, moe_layers) << what;
     EXPECT_GT(st.zero_copy_selections, 0) << what;
     EXPECT_GT(st.graph_replays, 0) << what;  // decode as one graph per step
-    expect_close(out, ref, V, 1e-2, what);
+    expect_close(out, r.logits, r.V, 1e-2, what);
   }
 }
 
@@ -457,11 +471,7 @@ TEST_P(CudaExl3, ZeroCopyExpertsMatchAllVram) {
 TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
-  auto ref_engine = gpu(dir);
-  const int64_t V = ref_engine->vocab_size();
-  const auto in = ids(GetParam().model, "gen_ids");
-  const std::vector<int32_t> prompt(in.begin(), in.begin() + 40), steps(in.begin() + 40, in.begin() + 48);
-  const auto ref = test::prefill_then_steps(*ref_engine, prompt, steps);
+  const AllVramReference r = all_vram_reference(dir, GetParam().model);
   struct Mode {
     int prefetch;
     bool grouped;
@@ -475,9 +485,9 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
         opt.stream_cold = false;
         opt.prefetch_experts = mode.prefetch;
         opt.grouped_hybrid_decode = mode.grouped;
-        opt.placement = hybrid_placement(*ref_engine, variant);
+        opt.placement = hybrid_placement(*r.engine, variant);
         auto e = gpu(dir, opt);
-        const auto out = test::prefill_then_steps(*e, prompt, steps);
+        const auto out = test::prefill_then_steps(*e, r.prompt, r.steps);
         const CudaEngineStats st = e->stats();
         const std::string what = std::string(variant == 0 ? "all cache" : "mixed") + ", " + std::to_string(slots) +
                                  " slots, prefetch " + std::to_string(mode.prefetch) +
@@ -485,7 +495,7 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
         std::printf("[ info ] %s %s: misses %ld, prefetched %ld, used %ld, grouped passes %ld, fetched %.2f MiB\n",
                     GetParam().model, what.c_str(), long(st.cache_misses), long(st.prefetched_experts),
                     long(st.prefetch_hits), long(st.grouped_hybrid_passes), st.fetched_bytes / double(1 << 20));
-        expect_close(out, ref, V, 1e-2, what.c_str());
+        expect_close(out, r.logits, r.V, 1e-2, what.c_str());
         // (16 slots hold every expert of these tiny layers after the first steps: nothing left to prefetch)
         if (mode.prefetch == 0) {
           EXPECT_EQ(st.prefetched_experts, 0) << what;
@@ -508,8 +518,9 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
         } else {  // the grouped GEMVs split K by their row count: the same products summed in another order
           ASSERT_EQ(out.size(), one_by_one.size()) << what;
           double worst = 0;
-          for (size_t r = 0; r < out.size() / size_t(V); ++r)
-            worst = std::max(worst, rel_row_error(out.data() + r * size_t(V), one_by_one.data() + r * size_t(V), V));
+          for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
+            worst = std::max(worst,
+                             rel_row_error(out.data() + row * size_t(r.V), one_by_one.data() + row * size_t(r.V), r.V));
           std::printf("[ info ] %s against an expert at a time: worst rel error %.2e\n", what.c_str(), worst);
           EXPECT_LE(worst, 1e-4) << what;
         }

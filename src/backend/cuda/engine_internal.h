@@ -593,6 +593,7 @@ struct CudaEngine::Impl {
   std::vector<std::vector<uint8_t>> prefetched;
   int64_t next_moe_layer(int64_t l) const;  // the first MoE layer after l with experts to copy, or -1
   void predict_next_layer(int64_t l, int64_t S, const cuda::RouterArgs& ra);
+  void route_rows(const cuda::DevMoe& m, int64_t S, const cuda::RouterArgs& ra, int32_t* ids, float* weights);
   void prefetch_experts(int64_t l, const int32_t* picks, int64_t n);
   std::unique_ptr<ExpertCache> expert_cache;          // slot bookkeeping of every layer's Cache experts
   // Embedding .. final norm over S rows, device-only when all VRAM; with `group`, the passes of a prefill group.

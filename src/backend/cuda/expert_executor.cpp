@@ -47,17 +47,7 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   const bool shared_in_group = grouped && m.shared_grouped && !shared_side;
   if (shared_in_group) ra.shared_id = int(E);
   if (shared_side) on_proj_side(S, [&] { shared_expert_exl3(m, h, y); });
-  // Router logits in fp32 (expert choice is sensitive to rounding); for decode, logits and routing in one launch.
-  const float* router = m.router.as<float>();
-  if (route_fused_supported(int(S), int(E), int(D), router, h)) {
-    route_fused(router, h, m.router_bias.as<float>(), int(S), int(D), ra, s.logits_r.as<float>(),
-                s.route_ticket.as<unsigned>(), s.ids.as<int32_t>(), s.w.as<float>(), stream);
-  } else {
-    const float one = 1.0f, zero = 0.0f;
-    MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
-                                 int(D), &zero, s.logits_r.as<float>(), int(E)));
-    route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, s.ids.as<int32_t>(), s.w.as<float>(), stream);
-  }
+  route_rows(m, S, ra, s.ids.as<int32_t>(), s.w.as<float>());
   if (!grouped) predict_next_layer(l, S, ra);  // host-planned: the next layer's likely experts, for prefetching
   if (shared_in_group) {  // the combine writes y (shared first, weight 1)
     phase(CudaPhase::Experts);
@@ -157,6 +147,22 @@ int64_t CudaEngine::Impl::next_moe_layer(int64_t l) const {
   return -1;
 }
 
+// ids / weights of s.h's S rows through layer m's router. The logits are fp32 (expert choice is sensitive to
+// rounding); for decode, logits and routing in one launch.
+void CudaEngine::Impl::route_rows(const DevMoe& m, int64_t S, const RouterArgs& ra, int32_t* ids, float* weights) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts;
+  const float *router = m.router.as<float>(), *h = s.h.as<float>();
+  if (route_fused_supported(int(S), int(E), int(D), router, h)) {
+    route_fused(router, h, m.router_bias.as<float>(), int(S), int(D), ra, s.logits_r.as<float>(),
+                s.route_ticket.as<unsigned>(), ids, weights, stream);
+    return;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
+                               int(D), &zero, s.logits_r.as<float>(), int(E)));
+  route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, ids, weights, stream);
+}
+
 // Routes this layer's MoE input (s.h, S <= kRouteFusedMaxTokens rows) through the next MoE layer's router into
 // s.pred_ids, without counting usage; moe_hybrid brings the picks back with its own and prefetches them once this
 // layer's experts are queued.
@@ -168,18 +174,7 @@ void CudaEngine::Impl::predict_next_layer(int64_t l, int64_t S, const RouterArgs
   const DevMoe& m = *layers[size_t(next)].moe;
   RouterArgs pa = ra;
   pa.counts = nullptr, pa.tokens = nullptr, pa.shared_id = -1;
-  const int64_t D = c.hidden_size, E = c.n_routed_experts;
-  const float *router = m.router.as<float>(), *h = s.h.as<float>();
-  if (route_fused_supported(int(S), int(E), int(D), router, h)) {
-    route_fused(router, h, m.router_bias.as<float>(), int(S), int(D), pa, s.logits_r.as<float>(),
-                s.route_ticket.as<unsigned>(), s.pred_ids.as<int32_t>(), s.pred_w.as<float>(), stream);
-  } else {
-    const float one = 1.0f, zero = 0.0f;
-    MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
-                                 int(D), &zero, s.logits_r.as<float>(), int(E)));
-    route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), pa, s.pred_ids.as<int32_t>(), s.pred_w.as<float>(),
-          stream);
-  }
+  route_rows(m, S, pa, s.pred_ids.as<int32_t>(), s.pred_w.as<float>());
   predicted_layer = next;
 }
 
