@@ -318,9 +318,9 @@ void CudaEngine::Impl::update_cpu_rate(int64_t tokens, double seconds) {
 // Tokens [s0, s0 + n) of the pass (the whole pass unless MOESRV_MOE_PASS_ROWS cuts it): s.h rows in, s.y rows
 // accumulated. The first pass (shared_rows = the forward's rows) first writes s.y with the shared expert, after the
 // routing round trip and the copies of its misses are queued, so the GPU computes it while the link copies and the
-// host does not wait for it. One routing copy and host plan per pass, so each GPU expert
-// runs once over all its rows (one dequantization of an EXL3 expert per pass, a cold expert crossing PCIe once);
-// the sorted rows go through the expert buffers in waves of their height, each wave combined into s.y on its own.
+// host does not wait for it. One routing copy and host plan per pass, so each GPU expert runs once over all its rows
+// (one dequantization of an EXL3 expert per pass, a cold expert crossing PCIe once); the sorted rows go through the
+// expert buffers in waves of their height, each wave combined into s.y on its own.
 void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shared_rows) {
   DevMoe& m = *layers[size_t(l)].moe;
   const MoeWeights& hw = *weights->layers[size_t(l)].moe;
