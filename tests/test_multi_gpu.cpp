@@ -44,6 +44,14 @@ TEST(MultiGpuFactory, PrefillGroupDefaultsFromTheBudget) {
   EXPECT_EQ(EngineOptions::default_prefill_group(44), EngineOptions::kBudgetPrefillGroup);
 }
 
+TEST(MultiGpuFactory, PrefetchExpertsOption) {
+  EXPECT_EQ(parse({}).prefetch_experts, -1);  // the engine's default
+  EXPECT_EQ(parse({"--prefetch-experts", "0"}).prefetch_experts, 0);
+  EXPECT_EQ(parse({"--prefetch-experts", "2"}).prefetch_experts, 2);
+  EXPECT_THROW(parse({"--prefetch-experts", "-2"}), CLI::ParseError);
+  EXPECT_THROW(parse({"--prefetch-experts", "65"}), CLI::ParseError);
+}
+
 void expect_same_as_cpu(const std::string& model, Engine& e) {
   auto cpu = CpuEngine::open(hf_tiny(model));
   Reference ref = load_reference(model);
