@@ -574,7 +574,7 @@ struct CudaEngine::Impl {
     int64_t n;
   };
   void upload_ints(std::initializer_list<IntUpload> arrays);
-  void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<char>& resident, int64_t n,
+  void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                         int64_t shared_rows, int64_t prefetch_layer);
   int64_t slot_count(int64_t l, int64_t cached, int64_t streamable) const;
   ColdRates cold_rates;       // the per-pass cold-expert split's costs (options, else measured)

@@ -168,7 +168,7 @@ void CudaEngine::Impl::route_rows(const DevMoe& m, int64_t S, const RouterArgs& 
 // layer's experts are queued.
 void CudaEngine::Impl::predict_next_layer(int64_t l, int64_t S, const RouterArgs& ra) {
   predicted_layer = -1;
-  if (prefetch_limit <= 0 || S > kRouteFusedMaxTokens || S >= kStreamPassTokens) return;
+  if (prefetch_limit <= 0 || S > kRouteFusedMaxTokens) return;
   const int64_t next = next_moe_layer(l);
   if (next < 0) return;
   const DevMoe& m = *layers[size_t(next)].moe;
@@ -198,7 +198,7 @@ void CudaEngine::Impl::prefetch_experts(int64_t l, const int32_t* picks, int64_t
 // A host-planned decode pass (moe_hybrid: slot_grouped) through the grouped GEMVs over its sorted rows, whose runs
 // come in home order: the slot experts' copies queued first (then the next layer's prefetch, then the shared expert),
 // the rows of the experts in VRAM or already in a slot computed while the link copies, then the copied experts' rows.
-void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<char>& resident, int64_t n,
+void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                                         int64_t shared_rows, int64_t prefetch_layer) {
   DevMoe& m = *layers[size_t(l)].moe;
   const int64_t D = c.hidden_size, k = c.experts_per_token;
@@ -213,20 +213,19 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
     expert_weights(l, e, &slot_of[q]);  // a miss is admitted and its copy queued
     std::fill_n(row_expert + row0, cnt, int32_t(slot_of[q] < 0 ? e : m.x3_slot_base + slot_of[q]));
     stats.routed_selections += cnt;
-    if (resident[q]) stats.vram_selections += cnt, ready_rows = row0 + cnt;
+    if (run_home[q] < 2) stats.vram_selections += cnt, ready_rows = row0 + cnt;
   }
   upload_ints({{s.rowmap.as<int32_t>(), h_rowmap.as<int32_t>(), n * k},
                {s.sorted_tok.as<int32_t>(), h_sorted_tok.as<int32_t>(), rows_total},
                {s.row_expert.as<int32_t>(), row_expert, rows_total}});
-  if (prefetch_layer >= 0)
-    prefetch_experts(prefetch_layer, h_pred.as<int32_t>(), std::min<int64_t>(n, kRouteFusedMaxTokens));
+  if (prefetch_layer >= 0) prefetch_experts(prefetch_layer, h_pred.as<int32_t>(), n);
   if (shared_rows > 0) shared_expert_into_y(m, shared_rows);
   const float* d_w = s.w.as<float>();
   for (int phase_rows : {0, 1}) {  // 0: rows [0, ready_rows), 1: the rest
     const int64_t a = phase_rows ? ready_rows : 0, b = phase_rows ? rows_total : ready_rows;
     if (a >= b) continue;
     for (size_t q = 0; q < runs.size(); ++q)
-      if (slot_of[q] >= 0 && bool(resident[q]) != bool(phase_rows)) wait_slot(m, slot_of[q]);
+      if (slot_of[q] >= 0 && (run_home[q] == 2) == bool(phase_rows)) wait_slot(m, slot_of[q]);
     moe_exl3_sorted_rows(m, a, b - a);
     moe_combine(s.y.as<float>(), s.ysorted.as<float>() + a * D, s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k),
                 int(D), stream, false, int(a), int(b));
@@ -333,11 +332,12 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_w.as<void>(), d_w, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
-  const int64_t prefetch_layer = std::exchange(predicted_layer, -1);  // picks of the first pass's tokens
+  // The next layer's picks of this pass's tokens (a prediction is made only for forwards of at most
+  // kRouteFusedMaxTokens tokens, so they are all in this first pass).
+  const int64_t prefetch_layer = std::exchange(predicted_layer, -1);
   if (prefetch_layer >= 0)
-    MOESRV_CUDA_OK(cudaMemcpyAsync(h_pred.as<void>(), s.pred_ids.as<void>(),
-                                   size_t(std::min<int64_t>(n, kRouteFusedMaxTokens) * k) * 4, cudaMemcpyDeviceToHost,
-                                   stream));
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(h_pred.as<void>(), s.pred_ids.as<void>(), size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
   if (any_cpu) {
     if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(group_rows() * D) * 4);  // on first use
     MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
@@ -383,15 +383,12 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   if (!slot_grouped)  // (that path uploads them with its expert table ids)
     upload_ints({{s.rowmap.as<int32_t>(), rowmap, n * k}, {s.sorted_tok.as<int32_t>(), sorted_tok, rows_total}});
   phase(CudaPhase::Experts);
-  // Whether each GPU expert was resident before this pass (a fetched one is cached for its later waves).
-  std::vector<char> resident(gpu_runs.size());
-  for (size_t r = 0; r < gpu_runs.size(); ++r) {
-    const int e = gpu_runs[r].first;
-    resident[r] = m.placement[size_t(e)] == ExpertPlacement::Vram || expert_cache->peek(int32_t(l), e);
-  }
+  // Each GPU run's home before this pass (a fetched expert is cached for its later waves).
+  std::vector<int> run_home(gpu_runs.size());
+  for (size_t r = 0; r < gpu_runs.size(); ++r) run_home[r] = home(gpu_runs[r].first);
   if (slot_grouped) {
     ++stats.grouped_hybrid_passes;
-    moe_slot_grouped(l, pass, resident, n, shared_rows, prefetch_layer);
+    moe_slot_grouped(l, pass, run_home, n, shared_rows, prefetch_layer);
     return;
   }
   // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
@@ -410,7 +407,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   struct GpuJob {
     int e = 0;
     int64_t lo = 0, cnt = 0;
-    int order = 0;  // 0: in VRAM, 1: in a slot before this pass, 2: copied by this pass
+    int order = 0;  // its run_home
   };
   std::vector<GpuJob> gpu_jobs;
   bool shared_pending = shared_rows > 0;
@@ -421,7 +418,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   int64_t prefetch_pending = prefetch_layer;
   auto run_prefetch = [&] {
     const int64_t next = std::exchange(prefetch_pending, -1);
-    if (next >= 0) prefetch_experts(next, h_pred.as<int32_t>(), std::min<int64_t>(n, kRouteFusedMaxTokens));
+    if (next >= 0) prefetch_experts(next, h_pred.as<int32_t>(), n);
   };
   size_t r = 0;  // first run that may reach into the wave
   for (int64_t a = 0; a < rows_total; a += wave) {
@@ -436,12 +433,12 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       if (end <= b) r = q + 1;
       const int64_t lo = std::max(first, a), cnt = std::min(end, b) - lo;
       stats.routed_selections += cnt;
-      if (resident[q]) stats.vram_selections += cnt;
+      if (run_home[q] < 2) stats.vram_selections += cnt;
       if (grouped) {
         pieces.push_back({e, lo, cnt});
         continue;
       }
-      gpu_jobs.push_back({e, lo, cnt, m.placement[size_t(e)] == ExpertPlacement::Vram ? 0 : resident[q] ? 1 : 2});
+      gpu_jobs.push_back({e, lo, cnt, run_home[q]});
     }
     if (grouped) {
       run_shared();
