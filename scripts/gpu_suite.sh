@@ -39,6 +39,9 @@
 #                                   PCIe rate the GEMV reaches), the slice under 22 GiB at 8K (ZC_BUDGETS, ZC_CONTEXTS override) with the host
 #                                   experts copied into LRU slots (default) and read in place by the decode GEMVs
 #                                   (MOESRV_ZERO_COPY=1), one JSON each ($OUT/zero_copy[01].json); ~2 min each.
+#   HL_RUNS="4:0 4:2" scripts/gpu_suite.sh + the slice at 131K under 22 GiB (HL_CONTEXTS, HL_BUDGETS override) per
+#                                   prefill stream window : hybrid lanes (MOESRV_STREAM_WINDOW, MOESRV_HYBRID_LANES;
+#                                   $OUT/hl_W_L.json); ~2 min each.
 #   PF_BUDGETS="22 44" scripts/gpu_suite.sh + the slice at 8K (PF_CONTEXTS) under each budget per PF_RUNS entry
 #                                   N:G (default "0:0 0:1 3:1": MOESRV_PREFETCH_EXPERTS=N experts of the next layer
 #                                   copied ahead, MOESRV_HYBRID_GROUPED=G grouped launches), one JSON each
@@ -172,6 +175,11 @@ for b in ${PF_BUDGETS:-}; do  # docs/perf-cuda.md, "Fifteenth round": hybrid dec
       MOESRV_PREFETCH_EXPERTS="${r%:*}" MOESRV_HYBRID_GROUPED="${r#*:}" MOESRV_BENCH_JSON="$OUT/pf_${b}_${r/:/_}.json"
     grep -E "perf \] prefetch" "$OUT/slice_pf_${b}_${r/:/_}.log" | head -2
   done
+done
+for r in ${HL_RUNS:-}; do  # docs/perf-cuda.md, "Sixteenth round": hybrid prefill, stream window : hybrid lanes
+  slice "hl_${r/:/_}" "${HL_CONTEXTS:-131072}" "${HL_TIMEOUT:-240}" MOESRV_BENCH_BUDGETS="${HL_BUDGETS:-22}" \
+    MOESRV_STREAM_WINDOW="${r%:*}" MOESRV_HYBRID_LANES="${r#*:}" MOESRV_BENCH_JSON="$OUT/hl_${r/:/_}.json"
+  grep -E "perf \] (plan|glm5_next 8 layers|prefill device)" "$OUT/slice_hl_${r/:/_}.log" | head -8
 done
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"

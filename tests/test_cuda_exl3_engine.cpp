@@ -528,6 +528,57 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
     }
 }
 
+// Host-planned prefill passes with the resident experts on the hybrid lanes (their own streams, cuBLAS handles and
+// scratch) against one stream: a 40-token prompt (copies queued ahead) and a 96-token one (a streaming pass through
+// the window), experts in VRAM, in LRU slots and on the CPU or streamed; 4 decode steps after each.
+TEST_P(CudaExl3, HybridLanesMatchOneStream) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  const AllVramReference r = all_vram_reference(dir, GetParam().model);
+  const auto in = ids(GetParam().model, "gen_ids");
+  std::vector<int32_t> long_prompt;
+  while (long_prompt.size() < 96) long_prompt.insert(long_prompt.end(), in.begin(), in.end());
+  long_prompt.resize(96);
+  const std::vector<int32_t> steps(r.steps.begin(), r.steps.begin() + 4);
+  int64_t laned = 0;
+  for (const std::vector<int32_t>* prompt : {&r.prompt, static_cast<const std::vector<int32_t>*>(&long_prompt)}) {
+    const auto ref = test::prefill_then_steps(*r.engine, *prompt, steps);
+    for (int variant = 0; variant < 2; ++variant)
+      for (bool stream_cold : {false, true}) {
+        std::vector<float> one_stream;
+        for (int lanes : {0, 2}) {
+          CudaEngineOptions opt;
+          opt.cache_slots = 4;
+          opt.stream_cold = stream_cold;
+          opt.hybrid_lanes = lanes;
+          opt.placement = hybrid_placement(*r.engine, variant);
+          auto e = gpu(dir, opt);
+          const auto out = test::prefill_then_steps(*e, *prompt, steps);
+          const std::string what = std::to_string(prompt->size()) + " tokens, " +
+                                   (variant == 0 ? "all cache" : "mixed") + (stream_cold ? ", streamed" : "") + ", " +
+                                   std::to_string(lanes) + " lanes";
+          expect_close(out, ref, r.V, 1e-2, what.c_str());
+          const int64_t runs = e->stats().laned_expert_runs;
+          if (lanes == 0) {
+            EXPECT_EQ(runs, 0) << what;
+            one_stream = out;
+            continue;
+          }
+          laned += runs;
+          ASSERT_EQ(out.size(), one_stream.size()) << what;
+          double worst = 0;  // the same kernels per expert; cuBLAS may pick another algorithm per handle
+          for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
+            worst = std::max(worst,
+                             rel_row_error(out.data() + row * size_t(r.V), one_stream.data() + row * size_t(r.V), r.V));
+          std::printf("[ info ] %s %s: %ld expert runs on lanes, worst rel error against one stream %.2e\n",
+                      GetParam().model, what.c_str(), long(runs), worst);
+          EXPECT_LE(worst, 1e-4) << what;
+        }
+      }
+  }
+  EXPECT_GT(laned, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaExl3, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant>& i) { return std::string(i.param.model); });
 

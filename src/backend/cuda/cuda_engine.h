@@ -82,6 +82,15 @@ struct CudaEngineOptions {
   // layer instead of ~7 per expert), those ready first while the link copies the rest. false (or
   // MOESRV_HYBRID_GROUPED=0): an expert at a time.
   bool grouped_hybrid_decode = true;
+  // Host-planned passes of more tokens (prefill under a budget): the experts that need no copy (in VRAM or already in
+  // a slot) run on this many streams of their own (each with its own EXL3 scratch, allocated before the expert plan
+  // so the plan counts it), beside the main stream, which runs the copied experts in copy order. So the link's
+  // copies and the resident experts' GEMMs overlap instead of queueing behind each other. 0: one stream.
+  // MOESRV_HYBRID_LANES=N overrides.
+  int hybrid_lanes = 2;
+  // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn): copies
+  // run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.
+  int stream_window = 4;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
@@ -159,6 +168,7 @@ struct CudaEngineStats {
   // Experts copied ahead of their layer's routing (prefetch_experts), and those of them the routing then picked.
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
+  int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)
   // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
   // the device, every pass, read when stats() is called) with their bytes.
   int64_t zero_copy_layers = 0, zero_copy_selections = 0;

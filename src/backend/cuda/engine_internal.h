@@ -340,15 +340,22 @@ struct CudaEngine::Impl {
   // Prefill: a wave's per-expert EXL3 GEMMs (dequant slab + cuBLAS) spread round-robin over `stream` and these
   // lanes, each with its own stream, cuBLAS handle and slab (MOESRV_EXPERT_LANES, default 4 in all; 1 = none).
   // Made after the expert plan, only when every MoE layer runs all-VRAM grouped waves and the budget has room
-  // beyond `reserve_bytes` (the sequences' share).
+  // beyond `reserve_bytes` (the sequences' share). Hybrid placements make theirs before the plan (hybrid_lanes),
+  // with rotated input and output scratch too (xh, yr), for the host-planned passes' resident experts (on_lane).
   struct ExpertLane {
     cudaStream_t stream = nullptr;
     cublasHandle_t blas = nullptr;
     cudaEvent_t join = nullptr;
-    cuda::DeviceBuffer w16;
+    cuda::DeviceBuffer w16, xh, yr;
   };
   std::vector<ExpertLane> expert_lanes;
   cudaEvent_t lanes_fork = nullptr;
+  bool lanes_have_scratch = false;  // expert_lanes have xh / yr (allocate_hybrid_lanes)
+  void make_expert_lanes(size_t n, size_t w16_bytes, size_t xh_bytes, size_t yr_bytes);
+  // Runs f's launches on `lane` (its stream, cuBLAS handle and EXL3 scratch in place of the main ones). f must not
+  // use the one-row GEMV's tickets (exl3_forward of more than kExl3MaxGemvRows rows only).
+  template <class F>
+  void on_lane(ExpertLane& lane, F&& f);
   cublasHandle_t cublas = nullptr;
   cuda::DeviceBuffer cublas_workspace;
 
@@ -370,10 +377,11 @@ struct CudaEngine::Impl {
   // sorted rows per wave through the expert buffers (their height).
   int64_t moe_pass_rows = 0, moe_wave_rows = 0;
   // Cache misses of a host-planned pass of at least kStreamPassTokens tokens (prefill: it walks all the layer's
-  // experts) recycle the pass's own last kStreamWindow admissions, not the LRU (ExpertCache::admit); 0 otherwise.
+  // experts) recycle the pass's own last stream_window_slots() admissions, not the LRU (ExpertCache::admit); 0
+  // otherwise.
   static constexpr int64_t kStreamPassTokens = 64;
-  static constexpr int32_t kStreamWindow = kPrefillStreamSlots;
   int32_t stream_window = 0;
+  int32_t stream_window_slots() const;
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
@@ -522,6 +530,7 @@ struct CudaEngine::Impl {
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
   void allocate_expert_lanes(size_t reserve_bytes);
+  void allocate_hybrid_lanes();
   // All-VRAM EXL3 experts, S <= 8 tokens, graph safe; with_shared: the shared expert as entry 0 of each token's rows.
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S, bool with_shared);
   void moe_exl3_sorted_rows(cuda::DevMoe& m, int64_t a, int64_t rows);
@@ -637,6 +646,24 @@ inline bool CudaEngine::Impl::merge_expert_rows_on() const {
 inline bool CudaEngine::Impl::proj_side_ok(int64_t S) const {
   static const bool on = switch_on("MOESRV_PROJ_SIDE");  // 0: everything on `stream` (comparisons)
   return on && S == 1 && proj_side.stream && !(s.x3_yr.bytes() && !s.x3_yr_side.bytes());
+}
+
+template <class F>
+void CudaEngine::Impl::on_lane(ExpertLane& lane, F&& f) {
+  struct Swap {  // the lane's stream, handle and scratch in place of the main ones for f's launches, also on a throw
+    Impl& m;
+    ExpertLane& l;
+    Swap(Impl& e, ExpertLane& x) : m(e), l(x) { flip(); }
+    ~Swap() { flip(); }
+    void flip() {
+      std::swap(m.stream, l.stream);
+      std::swap(m.cublas, l.blas);
+      std::swap(m.s.x3_xh, l.xh);
+      std::swap(m.s.x3_yr, l.yr);
+      std::swap(m.s.x3_w16, l.w16);
+    }
+  } swap(*this, lane);
+  f();
 }
 
 template <class F>

@@ -82,7 +82,23 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   s.x3_tickets_side = tickets(2 * kExl3MaxGemvRows * all.out / 128, "EXL3 side output rotation tickets");
 }
 
+void CudaEngine::Impl::make_expert_lanes(size_t n, size_t w16_bytes, size_t xh_bytes, size_t yr_bytes) {
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lanes_fork, cudaEventDisableTiming));
+  expert_lanes.resize(n);
+  for (ExpertLane& lane : expert_lanes) {
+    MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lane.join, cudaEventDisableTiming));
+    MOESRV_CUBLAS_OK(cublasCreate(&lane.blas));
+    MOESRV_CUBLAS_OK(cublasSetStream(lane.blas, lane.stream));
+    lane.w16 = DeviceBuffer(budget, w16_bytes, "EXL3 expert lane slab");
+    if (xh_bytes) lane.xh = DeviceBuffer(budget, xh_bytes, "EXL3 expert lane rotated input");
+    if (yr_bytes) lane.yr = DeviceBuffer(budget, yr_bytes, "EXL3 expert lane rotated output");
+  }
+  lanes_have_scratch = xh_bytes > 0 && yr_bytes > 0;
+}
+
 void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
+  if (!expert_lanes.empty()) return;  // the hybrid lanes serve the waves too
   size_t whole = 0;  // the largest expert matrix (fp16 elements)
   for (const DevLayer& L : layers) {
     if (!L.moe) continue;
@@ -95,16 +111,24 @@ void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
   if (whole == 0 || rows <= kExl3MaxGemvRows || lanes < 2) return;
   const size_t room = budget->left() > reserve_bytes ? budget->left() - reserve_bytes : 0;
   const size_t n = std::min(size_t(lanes - 1), room / (whole * 2));
-  if (n == 0) return;
-  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lanes_fork, cudaEventDisableTiming));
-  expert_lanes.resize(n);
-  for (ExpertLane& lane : expert_lanes) {
-    MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
-    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&lane.join, cudaEventDisableTiming));
-    MOESRV_CUBLAS_OK(cublasCreate(&lane.blas));
-    MOESRV_CUBLAS_OK(cublasSetStream(lane.blas, lane.stream));
-    lane.w16 = DeviceBuffer(budget, whole * 2, "EXL3 expert lane slab");
-  }
+  if (n > 0) make_expert_lanes(n, whole * 2, 0, 0);
+}
+
+// Before the expert plan of a placement that may leave experts outside VRAM (a budget or a given placement): lanes
+// with a slab and row-block scratch for the largest expert matrix, for the host-planned passes (moe_hybrid).
+void CudaEngine::Impl::allocate_hybrid_lanes() {
+  const char* v = std::getenv("MOESRV_HYBRID_LANES");
+  const int n = std::clamp(v && v[0] ? std::atoi(v) : opt.hybrid_lanes, 0, 7);
+  if (n == 0 || rows <= kExl3MaxGemvRows || !expert_lanes.empty()) return;
+  if (opt.vram_budget_gib <= 0 && opt.placement.empty() && !opt.plan_placement) return;
+  Exl3Extent moe;
+  for (const DevLayer& L : layers)
+    if (L.moe && L.moe->exl3)
+      for (const auto& x : L.moe->x3_off)
+        for (const Exl3Dev& w : x) moe.see(w);
+  if (moe.whole == 0) return;
+  const int64_t rb = std::min(rows, kGemmRowBlock);
+  make_expert_lanes(size_t(n), moe.whole * 2, size_t(rb * moe.in) * 2, size_t(rb * moe.out) * 4);
 }
 
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,

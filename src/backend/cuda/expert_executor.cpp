@@ -134,6 +134,14 @@ void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a) {
   MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
 }
 
+int32_t CudaEngine::Impl::stream_window_slots() const {
+  static const int env = [] {
+    const char* v = std::getenv("MOESRV_STREAM_WINDOW");
+    return v && v[0] ? std::atoi(v) : 0;
+  }();
+  return std::max(1, env > 0 ? env : opt.stream_window);
+}
+
 void CudaEngine::Impl::wait_slot(const DevMoe& m, int slot) {
   MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, m.slots[size_t(slot)].ready, 0));
 }
@@ -401,7 +409,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   }
   const int64_t wave = grouped ? exl3_wave_rows(m) : moe_wave_rows;
   if (wave < 1) fail("layer {}: MoE wave of no rows", l);
-  stream_window = n >= kStreamPassTokens ? kStreamWindow : 0;
+  stream_window = n >= kStreamPassTokens ? stream_window_slots() : 0;
   gemm_tiles_used = 0;  // the copies of the previous pass's tiles are done (synchronised above)
   std::vector<ExpertPiece> pieces;
   struct GpuJob {
@@ -459,8 +467,37 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
         for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j]);
         run_prefetch();
       }
+      // The experts that were resident before this pass (no copy to wait for) and have GEMM-sized row counts run on
+      // the hybrid lanes, each on the lane with the fewest rows so far, while this stream runs the copied ones in
+      // copy order: the link's copies then never wait behind a resident expert's GEMMs (window slots are freed as
+      // the copied experts finish).
+      std::vector<uint8_t> laned(gpu_jobs.size(), 0);
+      bool any_laned = false;
+      if (m.exl3 && lanes_have_scratch)
+        for (size_t j = 0; j < gpu_jobs.size(); ++j)
+          any_laned |= laned[j] = gpu_jobs[j].order < 2 && gpu_jobs[j].cnt > kExl3MaxGemvRows;
+      if (any_laned) {
+        MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
+        std::vector<int64_t> load(expert_lanes.size(), 0);
+        for (ExpertLane& lane : expert_lanes) MOESRV_CUDA_OK(cudaStreamWaitEvent(lane.stream, lanes_fork, 0));
+        for (size_t j = 0; j < gpu_jobs.size(); ++j) {
+          if (!laned[j]) continue;
+          const GpuJob& job = gpu_jobs[j];
+          if (!ahead) block_of[j] = expert_weights(l, job.e, &slot_of[j]);
+          const size_t li = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+          load[li] += job.cnt;
+          ++stats.laned_expert_runs;
+          ExpertLane& lane = expert_lanes[li];
+          on_lane(lane, [&] {
+            if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);  // (evicted and copied again by an earlier wave)
+            expert_exl3(m, job.e, block_of[j], h, job.lo, job.lo - a, job.cnt);
+          });
+          if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, lane.stream));
+        }
+      }
       run_shared();
       for (size_t j = 0; j < gpu_jobs.size(); ++j) {
+        if (laned[j]) continue;
         const GpuJob& job = gpu_jobs[j];
         if (!ahead) block_of[j] = expert_weights(l, job.e, &slot_of[j]);
         if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);
@@ -477,6 +514,11 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
         }
         if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, stream));
       }
+      if (any_laned)
+        for (ExpertLane& lane : expert_lanes) {
+          MOESRV_CUDA_OK(cudaEventRecord(lane.join, lane.stream));
+          MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, lane.join, 0));
+        }
     }
     moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
                 int(a), int(b));
