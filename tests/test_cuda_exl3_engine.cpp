@@ -528,9 +528,10 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
     }
 }
 
-// Host-planned prefill passes with the resident experts on the hybrid lanes (their own streams, cuBLAS handles and
-// scratch) against one stream: a 40-token prompt (copies queued ahead) and a 96-token one (a streaming pass through
-// the window), experts in VRAM, in LRU slots and on the CPU or streamed; 4 decode steps after each.
+// Host-planned prefill passes with the resident experts (then also the copied ones) on the hybrid lanes (their own
+// streams, cuBLAS handles and scratch) against one stream: a 40-token prompt (copies queued ahead) and a 96-token one
+// (a streaming pass through the window), experts in VRAM, in LRU slots and on the CPU or streamed; 4 decode steps after
+// each.
 TEST_P(CudaExl3, HybridLanesMatchOneStream) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
@@ -546,17 +547,23 @@ TEST_P(CudaExl3, HybridLanesMatchOneStream) {
     for (int variant = 0; variant < 2; ++variant)
       for (bool stream_cold : {false, true}) {
         std::vector<float> one_stream;
-        for (int lanes : {0, 2}) {
+        for (int mode : {0, 1, 2}) {  // no lanes, 2 lanes for the resident experts, 2 lanes for all of them
+          const int lanes = mode == 0 ? 0 : 2;
           CudaEngineOptions opt;
           opt.cache_slots = 4;
           opt.stream_cold = stream_cold;
           opt.hybrid_lanes = lanes;
+          opt.hybrid_lanes_copied = mode == 2;
+          if (stream_cold) {  // fixed rates (a slow CPU): every run splits alike, all cold experts over the link
+            opt.pcie_gbps = 25;
+            opt.cpu_expert_ms = opt.cpu_token_ms = 1e3;
+          }
           opt.placement = hybrid_placement(*r.engine, variant);
           auto e = gpu(dir, opt);
           const auto out = test::prefill_then_steps(*e, *prompt, steps);
           const std::string what = std::to_string(prompt->size()) + " tokens, " +
                                    (variant == 0 ? "all cache" : "mixed") + (stream_cold ? ", streamed" : "") + ", " +
-                                   std::to_string(lanes) + " lanes";
+                                   std::to_string(lanes) + " lanes" + (mode == 2 ? " (copied too)" : "");
           expect_close(out, ref, r.V, 1e-2, what.c_str());
           const int64_t runs = e->stats().laned_expert_runs;
           if (lanes == 0) {

@@ -88,9 +88,12 @@ struct CudaEngineOptions {
   // copies and the resident experts' GEMMs overlap instead of queueing behind each other. 0: one stream.
   // MOESRV_HYBRID_LANES=N overrides.
   int hybrid_lanes = 2;
-  // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn): copies
-  // run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.
-  int stream_window = 4;
+  // The copied experts of such passes with GEMM-sized row counts also run on the lanes (and this stream), each on the
+  // least loaded one after its own copy. MOESRV_LANES_COPIED=1 turns it on.
+  bool hybrid_lanes_copied = false;
+  // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn; all of
+  // them when it has fewer): copies run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.
+  int stream_window = 16;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;

@@ -467,43 +467,38 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
         for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j]);
         run_prefetch();
       }
-      // The experts that were resident before this pass (no copy to wait for) and have GEMM-sized row counts run on
-      // the hybrid lanes, each on the lane with the fewest rows so far, while this stream runs the copied ones in
-      // copy order: the link's copies then never wait behind a resident expert's GEMMs (window slots are freed as
-      // the copied experts finish).
-      std::vector<uint8_t> laned(gpu_jobs.size(), 0);
-      bool any_laned = false;
-      if (m.exl3 && lanes_have_scratch)
-        for (size_t j = 0; j < gpu_jobs.size(); ++j)
-          any_laned |= laned[j] = gpu_jobs[j].order < 2 && gpu_jobs[j].cnt > kExl3MaxGemvRows;
-      if (any_laned) {
+      // Hybrid lanes (EXL3): the experts that were resident before this pass (no copy to wait for) and have
+      // GEMM-sized row counts run on the lanes, each on the lane with the fewest rows so far, while this stream runs
+      // the copied ones in copy order, so the link's copies never wait behind a resident expert's GEMMs (window slots
+      // are freed as the copied experts finish). With hybrid_lanes_copied the copied GEMM-sized experts also go to the
+      // least loaded of all the streams (each waits for its own copy), so their GEMMs overlap each other too.
+      static const bool copied_env = switch_set("MOESRV_LANES_COPIED");
+      const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = opt.hybrid_lanes_copied || copied_env;
+      std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
+      auto stream_for = [&](const GpuJob& job) -> size_t {
+        if (!lanes_on || job.cnt <= kExl3MaxGemvRows || (job.order == 2 && !lanes_copied)) return 0;
+        const size_t first = job.order < 2 && !lanes_copied ? 1 : 0;
+        return size_t(std::min_element(load.begin() + first, load.end()) - load.begin());
+      };
+      const bool any_laned = lanes_on && std::any_of(gpu_jobs.begin(), gpu_jobs.end(), [&](const GpuJob& job) {
+                               return job.cnt > kExl3MaxGemvRows && (job.order < 2 || lanes_copied);
+                             });
+      if (any_laned) {  // the lanes start from here, not behind the shared expert
         MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
-        std::vector<int64_t> load(expert_lanes.size(), 0);
         for (ExpertLane& lane : expert_lanes) MOESRV_CUDA_OK(cudaStreamWaitEvent(lane.stream, lanes_fork, 0));
-        for (size_t j = 0; j < gpu_jobs.size(); ++j) {
-          if (!laned[j]) continue;
-          const GpuJob& job = gpu_jobs[j];
-          if (!ahead) block_of[j] = expert_weights(l, job.e, &slot_of[j]);
-          const size_t li = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-          load[li] += job.cnt;
-          ++stats.laned_expert_runs;
-          ExpertLane& lane = expert_lanes[li];
-          on_lane(lane, [&] {
-            if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);  // (evicted and copied again by an earlier wave)
-            expert_exl3(m, job.e, block_of[j], h, job.lo, job.lo - a, job.cnt);
-          });
-          if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, lane.stream));
-        }
       }
       run_shared();
       for (size_t j = 0; j < gpu_jobs.size(); ++j) {
-        if (laned[j]) continue;
         const GpuJob& job = gpu_jobs[j];
         if (!ahead) block_of[j] = expert_weights(l, job.e, &slot_of[j]);
-        if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);
-        if (m.exl3) {
-          expert_exl3(m, job.e, block_of[j], h, job.lo, job.lo - a, job.cnt);
-        } else {
+        const size_t where = stream_for(job);
+        load[where] += job.cnt;
+        auto run = [&] {
+          if (slot_of[j] >= 0) wait_slot(m, slot_of[j]);
+          if (m.exl3) {
+            expert_exl3(m, job.e, block_of[j], h, job.lo, job.lo - a, job.cnt);
+            return;
+          }
           const uint16_t* w = static_cast<const uint16_t*>(block_of[j]);
           const int64_t b0 = job.lo - a;
           float* gu = s.mgu.as<float>() + b0 * 2 * I;
@@ -511,8 +506,17 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
           silu_mul_clamped(gu, int(job.cnt), int(I), m.limit, s.mact.as<float>() + b0 * I, stream);
           to_bf16(s.mact.as<float>() + b0 * I, job.cnt * I, s.mactb.as<uint16_t>() + b0 * I, stream);
           gemm_bf16(w + 2 * I * D, D, I, s.mactb.as<uint16_t>() + b0 * I, job.cnt, s.ysorted.as<float>() + b0 * D);
+        };
+        cudaStream_t on = stream;
+        if (where == 0) {
+          run();
+        } else {
+          ExpertLane& lane = expert_lanes[where - 1];
+          on = lane.stream;
+          ++stats.laned_expert_runs;
+          on_lane(lane, run);
         }
-        if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, stream));
+        if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, on));
       }
       if (any_laned)
         for (ExpertLane& lane : expert_lanes) {
