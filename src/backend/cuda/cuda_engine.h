@@ -75,8 +75,9 @@ struct CudaEngineOptions {
   // Decode passes (<= 8 tokens) under a budget: each MoE layer also routes its input through the next MoE layer's
   // router and starts copying up to this many of those picks that are not in VRAM or a slot yet (the most picked
   // first) into that layer's LRU slots, behind its own misses on the copy stream, so the link works while the GPU
-  // computes. 0: off. MOESRV_PREFETCH_EXPERTS=N overrides.
-  int prefetch_experts = 0;
+  // computes. 1 (the highest-scored pick: 70-79% used, +6-10% decode at 22 / 44 GiB on an H100; 3 gained nothing:
+  // docs/perf-cuda.md, sixteenth round); 0: off. MOESRV_PREFETCH_EXPERTS=N overrides.
+  int prefetch_experts = 1;
   // Decode passes under a budget whose experts all run on the GPU and whose slot experts fit the layer's slots at
   // once: the EXL3 experts (in VRAM or in a slot) through the grouped GEMVs as all-VRAM decode does (~8 launches per
   // layer instead of ~7 per expert), those ready first while the link copies the rest. false (or
@@ -89,8 +90,9 @@ struct CudaEngineOptions {
   // MOESRV_HYBRID_LANES=N overrides.
   int hybrid_lanes = 2;
   // The copied experts of such passes with GEMM-sized row counts also run on the lanes (and this stream), each on the
-  // least loaded one after its own copy. MOESRV_LANES_COPIED=1 turns it on.
-  bool hybrid_lanes_copied = false;
+  // least loaded one after its own copy, so their GEMMs overlap each other too. false (or MOESRV_LANES_COPIED=0):
+  // the main stream runs them in copy order.
+  bool hybrid_lanes_copied = true;
   // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn; all of
   // them when it has fewer): copies run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.
   int stream_window = 16;

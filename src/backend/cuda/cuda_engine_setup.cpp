@@ -89,7 +89,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
   if (opt.mtp && weights->mtp_block && layer_begin == 0 && layer_end == c.num_layers)
     mtp = std::make_unique<Impl>(*this, MtpTag{});
   const size_t reserve = (seq_bytes + (mtp ? mtp->seq_bytes : 0)) * size_t(std::max<int64_t>(0, opt.reserve_sequences));
-  allocate_hybrid_lanes();
+  allocate_hybrid_lanes(reserve);
   plan_experts(reserve);
   allocate_expert_lanes(reserve);
   if (mtp) mtp->plan_experts(0);

@@ -530,7 +530,7 @@ struct CudaEngine::Impl {
   void exl3_group(const cuda::DevGroup& g, const cuda::Exl3Dev& shape, cuda::Exl3Src src, float* y, int64_t y_ld);
   void allocate_exl3_scratch();
   void allocate_expert_lanes(size_t reserve_bytes);
-  void allocate_hybrid_lanes();
+  void allocate_hybrid_lanes(size_t reserve_bytes);
   // All-VRAM EXL3 experts, S <= 8 tokens, graph safe; with_shared: the shared expert as entry 0 of each token's rows.
   void moe_exl3_grouped(cuda::DevMoe& m, int64_t S, bool with_shared);
   void moe_exl3_sorted_rows(cuda::DevMoe& m, int64_t a, int64_t rows);

@@ -115,8 +115,9 @@ void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
 }
 
 // Before the expert plan of a placement that may leave experts outside VRAM (a budget or a given placement): lanes
-// with a slab and row-block scratch for the largest expert matrix, for the host-planned passes (moe_hybrid).
-void CudaEngine::Impl::allocate_hybrid_lanes() {
+// with a slab and row-block scratch for the largest expert matrix, for the host-planned passes (moe_hybrid). They
+// take at most an eighth of the budget's room beyond `reserve_bytes` (the sequences' share): the rest is the experts'.
+void CudaEngine::Impl::allocate_hybrid_lanes(size_t reserve_bytes) {
   const char* v = std::getenv("MOESRV_HYBRID_LANES");
   const int n = std::clamp(v && v[0] ? std::atoi(v) : opt.hybrid_lanes, 0, 7);
   if (n == 0 || rows <= kExl3MaxGemvRows || !expert_lanes.empty()) return;
@@ -128,7 +129,10 @@ void CudaEngine::Impl::allocate_hybrid_lanes() {
         for (const Exl3Dev& w : x) moe.see(w);
   if (moe.whole == 0) return;
   const int64_t rb = std::min(rows, kGemmRowBlock);
-  make_expert_lanes(size_t(n), moe.whole * 2, size_t(rb * moe.in) * 2, size_t(rb * moe.out) * 4);
+  const size_t xh = size_t(rb * moe.in) * 2, yr = size_t(rb * moe.out) * 4, lane = moe.whole * 2 + xh + yr;
+  const size_t room = budget->left() > reserve_bytes ? budget->left() - reserve_bytes : 0;
+  const size_t fit = std::min(size_t(n), room / 8 / lane);
+  if (fit > 0) make_expert_lanes(fit, moe.whole * 2, xh, yr);
 }
 
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,

@@ -472,8 +472,8 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       // the copied ones in copy order, so the link's copies never wait behind a resident expert's GEMMs (window slots
       // are freed as the copied experts finish). With hybrid_lanes_copied the copied GEMM-sized experts also go to the
       // least loaded of all the streams (each waits for its own copy), so their GEMMs overlap each other too.
-      static const bool copied_env = switch_set("MOESRV_LANES_COPIED");
-      const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = opt.hybrid_lanes_copied || copied_env;
+      static const bool copied_env = switch_on("MOESRV_LANES_COPIED");
+      const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = opt.hybrid_lanes_copied && copied_env;
       std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
       auto stream_for = [&](const GpuJob& job) -> size_t {
         if (!lanes_on || job.cnt <= kExl3MaxGemvRows || (job.order == 2 && !lanes_copied)) return 0;
