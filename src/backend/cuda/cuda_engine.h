@@ -83,15 +83,15 @@ struct CudaEngineOptions {
   // layer instead of ~7 per expert), those ready first while the link copies the rest. false (or
   // MOESRV_HYBRID_GROUPED=0): an expert at a time.
   bool grouped_hybrid_decode = true;
-  // Host-planned passes of more tokens (prefill under a budget): the experts that need no copy (in VRAM or already in
-  // a slot) run on this many streams of their own (each with its own EXL3 scratch, allocated before the expert plan
-  // so the plan counts it), beside the main stream, which runs the copied experts in copy order. So the link's
-  // copies and the resident experts' GEMMs overlap instead of queueing behind each other. 0: one stream.
-  // MOESRV_HYBRID_LANES=N overrides.
+  // Host-planned passes of more tokens (prefill under a budget): the EXL3 experts with GEMM-sized row counts that
+  // need no copy (in VRAM or already in a slot) run on this many more streams (lanes: each with its own cuBLAS handle
+  // and EXL3 scratch, allocated before the expert plan so the plan counts it, at most an eighth of the budget's room),
+  // so the link's copies and the resident experts' GEMMs overlap instead of queueing behind each other. 0: one
+  // stream. MOESRV_HYBRID_LANES=N overrides.
   int hybrid_lanes = 2;
-  // The copied experts of such passes with GEMM-sized row counts also run on the lanes (and this stream), each on the
-  // least loaded one after its own copy, so their GEMMs overlap each other too. false (or MOESRV_LANES_COPIED=0):
-  // the main stream runs them in copy order.
+  // The copied ones too: every such expert runs on the least loaded of the main stream and the lanes (by rows), after
+  // its own copy, so the copied experts' GEMMs overlap each other as well. false (or MOESRV_LANES_COPIED=0): the
+  // resident ones on the lanes, the copied ones on the main stream in copy order.
   bool hybrid_lanes_copied = true;
   // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn; all of
   // them when it has fewer): copies run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.

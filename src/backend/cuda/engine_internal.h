@@ -341,7 +341,8 @@ struct CudaEngine::Impl {
   // lanes, each with its own stream, cuBLAS handle and slab (MOESRV_EXPERT_LANES, default 4 in all; 1 = none).
   // Made after the expert plan, only when every MoE layer runs all-VRAM grouped waves and the budget has room
   // beyond `reserve_bytes` (the sequences' share). Hybrid placements make theirs before the plan (hybrid_lanes),
-  // with rotated input and output scratch too (xh, yr), for the host-planned passes' resident experts (on_lane).
+  // with rotated input and output scratch too (xh, yr), for the host-planned passes' experts (on_lane); the waves
+  // then use those.
   struct ExpertLane {
     cudaStream_t stream = nullptr;
     cublasHandle_t blas = nullptr;

@@ -467,11 +467,11 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
         for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j]);
         run_prefetch();
       }
-      // Hybrid lanes (EXL3): the experts that were resident before this pass (no copy to wait for) and have
-      // GEMM-sized row counts run on the lanes, each on the lane with the fewest rows so far, while this stream runs
-      // the copied ones in copy order, so the link's copies never wait behind a resident expert's GEMMs (window slots
-      // are freed as the copied experts finish). With hybrid_lanes_copied the copied GEMM-sized experts also go to the
-      // least loaded of all the streams (each waits for its own copy), so their GEMMs overlap each other too.
+      // Hybrid lanes (EXL3, experts with GEMM-sized row counts): with hybrid_lanes_copied (the default) each runs on
+      // the least loaded of this stream and the lanes (by rows), waiting only for its own copy; without, the ones
+      // resident before this pass run on the lanes and this stream runs the copied ones in copy order. Either way the
+      // link's copies never wait behind a resident expert's GEMMs (a window slot is free once the expert copied into
+      // it has run, on whichever stream), and the experts' dequantizations and GEMMs overlap each other.
       static const bool copied_env = switch_on("MOESRV_LANES_COPIED");
       const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = opt.hybrid_lanes_copied && copied_env;
       std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
