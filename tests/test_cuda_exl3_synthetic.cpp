@@ -424,6 +424,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       std::map<int, std::vector<SliceRun>> t;  // layers -> per context
       std::map<int, std::map<int64_t, double>> per_step;  // layers -> streams -> seconds per batched step
       int64_t group_tokens = 0;  // tokens per prefill group (pass x passes per group), as the engine runs them
+      nlohmann::json hybrid;     // the engine's hybrid settings in effect (rows under a budget)
       for (int layers : {4, 8}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
@@ -451,6 +452,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         }
         CudaEngine e(pkg[layers], opt);
         group_tokens = e.prefill_chunk();
+        const CudaEngineStats setup = e.stats();
+        hybrid = {{"lanes", setup.hybrid_lanes},
+                  {"lanes_copied", setup.hybrid_lanes_copied},
+                  {"stream_window", setup.stream_window}};
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)
@@ -550,6 +555,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         if (r8.zc_layers) row["zero_copy_layers_of_8"] = r8.zc_layers;
+        if (budget != "all") row["hybrid"] = hybrid;
         if (r8.prefetched >
             0) {  // issue 21 item 3: per decode token; 7 of the slice's 8 layers have a next one, 44 of 45
           const double ahead = (kFull - 1) * r8.prefetched / 7, used = (kFull - 1) * r8.prefetch_hits / 7;

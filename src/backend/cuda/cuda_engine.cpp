@@ -230,6 +230,9 @@ CudaEngineStats CudaEngine::stats() const {
     st.cache_misses = int64_t(cs.misses);
   }
   st.vram_used = impl_->budget->used();
+  st.hybrid_lanes = impl_->lanes_have_scratch ? int(impl_->expert_lanes.size()) : 0;
+  st.hybrid_lanes_copied = impl_->lanes_copied_on();
+  st.stream_window = impl_->stream_window_slots();
   st.weight_bytes = impl_->up.weight_bytes;
   st.exl3_weight_bytes = impl_->up.exl3_bytes;
   return st;

@@ -174,6 +174,10 @@ struct CudaEngineStats {
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
   int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)
+  // The hybrid settings in effect (options and their environment overrides): lanes made (0: none), whether the copied
+  // experts use them, the prefill copy window.
+  int hybrid_lanes = 0, stream_window = 0;
+  bool hybrid_lanes_copied = false;
   // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
   // the device, every pass, read when stats() is called) with their bytes.
   int64_t zero_copy_layers = 0, zero_copy_selections = 0;

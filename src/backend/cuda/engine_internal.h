@@ -383,6 +383,7 @@ struct CudaEngine::Impl {
   static constexpr int64_t kStreamPassTokens = 64;
   int32_t stream_window = 0;
   int32_t stream_window_slots() const;
+  bool lanes_copied_on() const;         // hybrid_lanes_copied, unless MOESRV_LANES_COPIED=0
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)

@@ -142,6 +142,11 @@ int32_t CudaEngine::Impl::stream_window_slots() const {
   return std::max(1, env > 0 ? env : opt.stream_window);
 }
 
+bool CudaEngine::Impl::lanes_copied_on() const {
+  static const bool env = switch_on("MOESRV_LANES_COPIED");
+  return opt.hybrid_lanes_copied && env;
+}
+
 void CudaEngine::Impl::wait_slot(const DevMoe& m, int slot) {
   MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, m.slots[size_t(slot)].ready, 0));
 }
@@ -472,8 +477,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       // resident before this pass run on the lanes and this stream runs the copied ones in copy order. Either way the
       // link's copies never wait behind a resident expert's GEMMs (a window slot is free once the expert copied into
       // it has run, on whichever stream), and the experts' dequantizations and GEMMs overlap each other.
-      static const bool copied_env = switch_on("MOESRV_LANES_COPIED");
-      const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = opt.hybrid_lanes_copied && copied_env;
+      const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = lanes_copied_on();
       std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
       auto stream_for = [&](const GpuJob& job) -> size_t {
         if (!lanes_on || job.cnt <= kExl3MaxGemvRows || (job.order == 2 && !lanes_copied)) return 0;
