@@ -542,7 +542,8 @@ TEST_P(CudaExl3, HybridLanesMatchOneStream) {
   long_prompt.resize(96);
   const std::vector<int32_t> steps(r.steps.begin(), r.steps.begin() + 4);
   int64_t laned = 0;
-  for (const std::vector<int32_t>* prompt : {&r.prompt, static_cast<const std::vector<int32_t>*>(&long_prompt)}) {
+  const std::vector<int32_t>* prompts[] = {&r.prompt, &long_prompt};
+  for (const std::vector<int32_t>* prompt : prompts) {
     const auto ref = test::prefill_then_steps(*r.engine, *prompt, steps);
     for (int variant = 0; variant < 2; ++variant)
       for (bool stream_cold : {false, true}) {

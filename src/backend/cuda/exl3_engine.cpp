@@ -30,6 +30,16 @@ struct Exl3Extent {
   }
 };
 
+// Every routed EXL3 expert matrix of the layers.
+Exl3Extent expert_extent(const std::vector<DevLayer>& layers) {
+  Exl3Extent x;
+  for (const DevLayer& L : layers)
+    if (L.moe && L.moe->exl3)
+      for (const auto& parts : L.moe->x3_off)
+        for (const Exl3Dev& w : parts) x.see(w);
+  return x;
+}
+
 }  // namespace
 
 void CudaEngine::Impl::allocate_exl3_scratch() {
@@ -99,13 +109,9 @@ void CudaEngine::Impl::make_expert_lanes(size_t n, size_t w16_bytes, size_t xh_b
 
 void CudaEngine::Impl::allocate_expert_lanes(size_t reserve_bytes) {
   if (!expert_lanes.empty()) return;  // the hybrid lanes serve the waves too
-  size_t whole = 0;  // the largest expert matrix (fp16 elements)
-  for (const DevLayer& L : layers) {
-    if (!L.moe) continue;
-    if (!L.moe->exl3 || !L.moe->x3_grouped || !L.moe->all_vram) return;  // the waves run only all-VRAM grouped
-    for (const auto& x : L.moe->x3_off)
-      for (const Exl3Dev& w : x) whole = std::max(whole, size_t(w.in_pad) * size_t(w.out_pad));
-  }
+  for (const DevLayer& L : layers)    // the waves run only all-VRAM grouped
+    if (L.moe && (!L.moe->exl3 || !L.moe->x3_grouped || !L.moe->all_vram)) return;
+  const size_t whole = expert_extent(layers).whole;  // the largest expert matrix (fp16 elements)
   const char* v = std::getenv("MOESRV_EXPERT_LANES");
   const int lanes = std::clamp(v ? std::atoi(v) : 4, 1, 8);
   if (whole == 0 || rows <= kExl3MaxGemvRows || lanes < 2) return;
@@ -122,11 +128,7 @@ void CudaEngine::Impl::allocate_hybrid_lanes(size_t reserve_bytes) {
   const int n = std::clamp(v && v[0] ? std::atoi(v) : opt.hybrid_lanes, 0, 7);
   if (n == 0 || rows <= kExl3MaxGemvRows || !expert_lanes.empty()) return;
   if (opt.vram_budget_gib <= 0 && opt.placement.empty() && !opt.plan_placement) return;
-  Exl3Extent moe;
-  for (const DevLayer& L : layers)
-    if (L.moe && L.moe->exl3)
-      for (const auto& x : L.moe->x3_off)
-        for (const Exl3Dev& w : x) moe.see(w);
+  const Exl3Extent moe = expert_extent(layers);
   if (moe.whole == 0) return;
   const int64_t rb = std::min(rows, kGemmRowBlock);
   const size_t xh = size_t(rb * moe.in) * 2, yr = size_t(rb * moe.out) * 4, lane = moe.whole * 2 + xh + yr;

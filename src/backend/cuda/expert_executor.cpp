@@ -478,15 +478,15 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       // link's copies never wait behind a resident expert's GEMMs (a window slot is free once the expert copied into
       // it has run, on whichever stream), and the experts' dequantizations and GEMMs overlap each other.
       const bool lanes_on = m.exl3 && lanes_have_scratch, lanes_copied = lanes_copied_on();
-      std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
-      auto stream_for = [&](const GpuJob& job) -> size_t {
-        if (!lanes_on || job.cnt <= kExl3MaxGemvRows || (job.order == 2 && !lanes_copied)) return 0;
-        const size_t first = job.order < 2 && !lanes_copied ? 1 : 0;
-        return size_t(std::min_element(load.begin() + first, load.end()) - load.begin());
+      auto may_lane = [&](const GpuJob& job) {
+        return lanes_on && job.cnt > kExl3MaxGemvRows && (job.order < 2 || lanes_copied);
       };
-      const bool any_laned = lanes_on && std::any_of(gpu_jobs.begin(), gpu_jobs.end(), [&](const GpuJob& job) {
-                               return job.cnt > kExl3MaxGemvRows && (job.order < 2 || lanes_copied);
-                             });
+      std::vector<int64_t> load(expert_lanes.size() + 1, 0);  // rows per stream: 0 = this one, then the lanes
+      auto stream_for = [&](const GpuJob& job) -> size_t {    // (without lanes_copied this one keeps the copy chain)
+        if (!may_lane(job)) return 0;
+        return size_t(std::min_element(load.begin() + (lanes_copied ? 0 : 1), load.end()) - load.begin());
+      };
+      const bool any_laned = std::any_of(gpu_jobs.begin(), gpu_jobs.end(), may_lane);
       if (any_laned) {  // the lanes start from here, not behind the shared expert
         MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
         for (ExpertLane& lane : expert_lanes) MOESRV_CUDA_OK(cudaStreamWaitEvent(lane.stream, lanes_fork, 0));
