@@ -46,6 +46,10 @@
 #                                   N:G (default "0:0 0:1 3:1": MOESRV_PREFETCH_EXPERTS=N experts of the next layer
 #                                   copied ahead, MOESRV_HYBRID_GROUPED=G grouped launches), one JSON each
 #                                   ($OUT/pf_BUDGET_N_G.json); ~2 min each. SUITES=0 skips the suites.
+#   LEND_BUDGETS="22 44" scripts/gpu_suite.sh + the slice at 8K (LEND_CONTEXTS) under each budget with the lent pass
+#                                   arena on and off (LEND_RUNS, default "1 0": MOESRV_LEND_ARENA), $OUT/lend_BUDGET_F.json
+#   WAVE_RUNS="1 0" scripts/gpu_suite.sh + the all-VRAM slice (8K, 131K; WAVE_CONTEXTS) with the EXL3 experts of a
+#                                   prefill in grouped waves (1) and one by one on lanes (0) (MOESRV_EXL3_WAVES), $OUT/wave_F.json
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -180,6 +184,18 @@ for r in ${HL_RUNS:-}; do  # docs/perf-cuda.md, "Sixteenth round": hybrid prefil
   slice "hl_${r/:/_}" "${HL_CONTEXTS:-131072}" "${HL_TIMEOUT:-240}" MOESRV_BENCH_BUDGETS="${HL_BUDGETS:-22}" \
     MOESRV_STREAM_WINDOW="${r%:*}" MOESRV_HYBRID_LANES="${r#*:}" MOESRV_BENCH_JSON="$OUT/hl_${r/:/_}.json"
   grep -E "perf \] (plan|glm5_next 8 layers|prefill device)" "$OUT/slice_hl_${r/:/_}.log" | head -8
+done
+for b in ${LEND_BUDGETS:-}; do  # docs/perf-cuda.md, "Seventeenth round": decode with the lent pass arena, on / off
+  for f in ${LEND_RUNS:-1 0}; do
+    slice "lend_${b}_$f" "${LEND_CONTEXTS:-8192}" "${LEND_TIMEOUT:-200}" MOESRV_BENCH_BUDGETS="$b" MOESRV_LEND_ARENA=$f \
+      MOESRV_BENCH_JSON="$OUT/lend_${b}_$f.json"
+    grep -E "perf \] (plan|.*lent slots|prefetch)" "$OUT/slice_lend_${b}_$f.log" | head -4
+  done
+done
+for f in ${WAVE_RUNS:-}; do  # all-VRAM prefill: MOESRV_EXL3_WAVES=f (1: grouped waves, 0: experts one by one on lanes)
+  slice "wave_$f" "${WAVE_CONTEXTS:-8192,131072}" "${WAVE_TIMEOUT:-200}" MOESRV_EXL3_WAVES=$f \
+    MOESRV_BENCH_JSON="$OUT/wave_$f.json"
+  grep -E "perf \] prefill device" "$OUT/slice_wave_$f.log" | head -2
 done
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"

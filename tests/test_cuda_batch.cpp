@@ -4,6 +4,7 @@
 // engine (the prefix cache's work). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
@@ -59,46 +60,74 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   EXPECT_GT(runner.stats().decode_steps, 0u);
 }
 
-// One decode step of B sequences at different lengths (B = 2..6: one pass of up to 4 rows, then the rest) gives each
-// sequence the logits its own forward gives, and leaves each state where that forward leaves it (the next steps
-// agree too); with graphs (per set of sequences) and without.
-TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
+// Every routed expert in host memory behind 2 LRU slots per layer, the pass arena lent as more slots between
+// prompts (CudaEngineOptions::lend_pass_arena, on for the tiny arenas too).
+CudaEngineOptions lent_slots_options(const std::string& dir) {
   CudaEngineOptions opt;
   opt.max_ctx = 256;
-  CudaEngine engine(ModelPackage::open(testing::hf_tiny(GetParam())), opt);
-  const auto ids = testing::load_reference(GetParam()).input_ids;
-  for (bool graphs : {true, false}) {
-    engine.set_use_graph(graphs);
-    for (size_t B : {2, 3, 4, 6}) {
-      std::vector<std::unique_ptr<SequenceState>> seqs, alone;
-      std::vector<int32_t> next;
-      for (size_t i = 0; i < B; ++i) {
-        seqs.push_back(engine.new_sequence());
-        engine.forward(*seqs.back(), std::vector<int32_t>(ids.begin() + long(i), ids.begin() + long(5 + 3 * i)));
-        alone.push_back(seqs.back()->clone());
-        next.push_back(int32_t((7 + 13 * i) % 200));
-      }
-      std::vector<SequenceState*> ptrs;
-      for (auto& q : seqs) ptrs.push_back(q.get());
-      for (int step = 0; step < 3; ++step) {
-        auto out = engine.forward_batch(ptrs, next);
-        ASSERT_EQ(out.size(), B);
+  std::vector<std::vector<ExpertPlacement>> p = CudaEngine(ModelPackage::open(dir), opt).placement();
+  for (auto& layer : p) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
+  opt.placement = p;
+  opt.cache_slots = 2;
+  opt.stream_cold = false;
+  opt.lend_min_gib = 0;
+  return opt;
+}
+
+// One decode step of B sequences at different lengths (B = 2..6: one pass of up to 4 rows, then the rest) gives each
+// sequence the logits its own forward gives, and leaves each state where that forward leaves it (the next steps
+// agree too); with graphs (per set of sequences) and without. Then the same with every expert in host memory and
+// lent slots, a 40-token prompt between two steps taking the lent arena back.
+TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
+  const std::string dir = testing::hf_tiny(GetParam());
+  CudaEngineOptions plain;
+  plain.max_ctx = 256;
+  for (bool lent : {false, true}) {
+    CudaEngine engine(ModelPackage::open(dir), lent ? lent_slots_options(dir) : plain);
+    const auto ids = testing::load_reference(GetParam()).input_ids;
+    for (bool graphs : {true, false}) {
+      engine.set_use_graph(graphs);
+      for (size_t B : {2, 3, 4, 6}) {
+        std::vector<std::unique_ptr<SequenceState>> seqs, alone;
+        std::vector<int32_t> next;
         for (size_t i = 0; i < B; ++i) {
-          auto ref = engine.forward(*alone[i], {next[i]});
-          EXPECT_LT(testing::rel_l2_diff(out[i], ref), 1e-4)
-              << "graphs " << graphs << " B " << B << " row " << i << " step " << step;
-          EXPECT_EQ(seqs[i]->length(), alone[i]->length());
-          next[i] = argmax(ref);
+          seqs.push_back(engine.new_sequence());
+          engine.forward(*seqs.back(), std::vector<int32_t>(ids.begin() + long(i), ids.begin() + long(5 + 3 * i)));
+          alone.push_back(seqs.back()->clone());
+          next.push_back(int32_t((7 + 13 * i) % 200));
+        }
+        std::vector<SequenceState*> ptrs;
+        for (auto& q : seqs) ptrs.push_back(q.get());
+        for (int step = 0; step < 3; ++step) {
+          if (lent && step == 1) {  // a prompt between the steps: the lent slots go and come back
+            auto other = engine.new_sequence();
+            engine.forward(*other, std::vector<int32_t>(ids.begin(), ids.begin() + 40));
+          }
+          auto out = engine.forward_batch(ptrs, next);
+          ASSERT_EQ(out.size(), B);
+          for (size_t i = 0; i < B; ++i) {
+            auto ref = engine.forward(*alone[i], {next[i]});
+            EXPECT_LT(testing::rel_l2_diff(out[i], ref), 1e-4)
+                << "graphs " << graphs << " B " << B << " row " << i << " step " << step;
+            EXPECT_EQ(seqs[i]->length(), alone[i]->length());
+            next[i] = argmax(ref);
+          }
         }
       }
     }
+    if (lent) {
+      EXPECT_GT(engine.stats().lent_slots, 0);
+      EXPECT_GT(engine.stats().arena_switches, 0);
+      continue;
+    }
+    std::vector<std::unique_ptr<SequenceState>> two;
+    two.push_back(engine.new_sequence());
+    engine.forward(*two[0], {1, 2, 3});
+    EXPECT_THROW(engine.forward_batch({two[0].get(), two[0].get()}, {4, 5}),
+                 std::exception);                          // the same sequence twice
+    EXPECT_GE(engine.sequence_bytes(1), two[0]->bytes());  // what admission reserves covers a sequence's device bytes
   }
-  std::vector<std::unique_ptr<SequenceState>> two;
-  two.push_back(engine.new_sequence());
-  engine.forward(*two[0], {1, 2, 3});
-  EXPECT_THROW(engine.forward_batch({two[0].get(), two[0].get()}, {4, 5}), std::exception);  // the same sequence twice
-  EXPECT_GE(engine.sequence_bytes(1), two[0]->bytes());  // what admission reserves covers a sequence's device bytes
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, CudaBatch,

@@ -587,6 +587,61 @@ TEST_P(CudaExl3, HybridLanesMatchOneStream) {
   EXPECT_GT(laned, 0);
 }
 
+// Lent pass arena: with 2 LRU slots per layer, decode steps also hold experts in the large pass buffers' memory
+// (lent slots), and a prompt after them takes it back. A 40-token prompt, 4 steps, the 40 tokens again, 4 steps:
+// the logits as without lending (and as all in VRAM), more cache hits, every switch counted.
+TEST_P(CudaExl3, LentSlotsServeDecode) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  const AllVramReference r = all_vram_reference(dir, GetParam().model);
+  const std::vector<int32_t> steps(r.steps.begin(), r.steps.begin() + 4);
+  auto run = [&](Engine& e) {
+    auto seq = e.new_sequence();
+    std::vector<float> out;
+    for (int round = 0; round < 2; ++round) {
+      const std::vector<float> p = e.forward(*seq, r.prompt, true);
+      out.insert(out.end(), p.begin(), p.end());
+      for (int32_t t : steps) {
+        const std::vector<float> l = e.forward(*seq, {t});
+        out.insert(out.end(), l.begin(), l.end());
+      }
+    }
+    return out;
+  };
+  const std::vector<float> ref = run(*r.engine);
+  std::vector<float> plain;
+  int64_t plain_hits = 0;
+  for (bool lend : {false, true}) {
+    CudaEngineOptions opt;
+    opt.cache_slots = 2;
+    opt.stream_cold = false;
+    opt.lend_pass_arena = lend;
+    opt.lend_min_gib = 0;  // the tiny models' arenas are a few MiB
+    opt.placement = hybrid_placement(*r.engine, 0);
+    auto e = gpu(dir, opt);
+    const std::vector<float> out = run(*e);
+    const CudaEngineStats st = e->stats();
+    const char* what = lend ? "lent slots" : "plan slots only";
+    expect_close(out, ref, r.V, 1e-2, what);
+    std::printf("[ info ] %s %s: %ld lent slots, %ld arena switches, cache hits %ld misses %ld\n", GetParam().model,
+                what, long(st.lent_slots), long(st.arena_switches), long(st.cache_hits), long(st.cache_misses));
+    if (!lend) {
+      EXPECT_EQ(st.lent_slots, 0);
+      EXPECT_EQ(st.arena_switches, 0);
+      plain = out, plain_hits = st.cache_hits;
+      continue;
+    }
+    EXPECT_GT(st.lent_slots, 0);
+    EXPECT_EQ(st.arena_switches, 4);  // prompt, steps, prompt, steps (the engine starts lending)
+    EXPECT_GT(st.cache_hits, plain_hits);
+    ASSERT_EQ(out.size(), plain.size());
+    double worst = 0;
+    for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
+      worst = std::max(worst, rel_row_error(out.data() + row * size_t(r.V), plain.data() + row * size_t(r.V), r.V));
+    EXPECT_LE(worst, 1e-4) << "lent slots against plan slots only";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(HfTiny, CudaExl3, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant>& i) { return std::string(i.param.model); });
 

@@ -445,9 +445,13 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             if (layers == 4)
               std::printf("[ perf ] plan at %s GiB, ctx %ld, workspace %.2f GiB: %s\n", budget.c_str(), long(max_ctx),
                           double(r.workspace_bytes) / double(kGiB), plan.summary().c_str());
+            int cold_layers = 0;  // the whole model's MoE layers with experts outside VRAM share the lent arena
+            for (const LayerPlacement& lp : plan.layers)
+              cold_layers += !lp.home.empty() && lp.count(ExpertHome::Pinned) < int64_t(lp.home.size());
             plan.layers.resize(size_t(layers));
             apply_placement_plan(plan, o);
             o.vram_budget_gib = 0;
+            o.lend_share_layers = cold_layers;
           };
         }
         CudaEngine e(pkg[layers], opt);
@@ -455,7 +459,11 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         const CudaEngineStats setup = e.stats();
         hybrid = {{"lanes", setup.hybrid_lanes},
                   {"lanes_copied", setup.hybrid_lanes_copied},
-                  {"stream_window", setup.stream_window}};
+                  {"stream_window", setup.stream_window},
+                  {"lent_slots", setup.lent_slots}};
+        if (budget != "all" && layers == 4)
+          std::printf("[ perf ] %s GiB: %ld lent slots over the 4 layers (lend_pass_arena)\n", budget.c_str(),
+                      long(setup.lent_slots));
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)

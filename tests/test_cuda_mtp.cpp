@@ -4,6 +4,7 @@
 // CPU engine's (checked against vLLM's MTP code: tests/test_mtp_speculative.cpp). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "backend/cpu/cpu_engine.h"
@@ -32,11 +33,21 @@ struct MtpModels {
   std::unique_ptr<CudaEngine> gpu;
   std::unique_ptr<CpuEngine> cpu;
 };
-MtpModels open_with_mtp(const std::string& model, bool cpu = false, bool with_head = false) {
+// lent: every routed expert in host memory behind 2 LRU slots per layer, with lent slots (lend_pass_arena, on for
+// the tiny arenas too).
+MtpModels open_with_mtp(const std::string& model, bool cpu = false, bool with_head = false, bool lent = false) {
   const std::string dir = copy_with_mtp(hf_tiny(model), model, 1234, with_head);
   CudaEngineOptions opt;
   opt.mtp = true;
   opt.max_ctx = 256;
+  if (lent) {
+    std::vector<std::vector<ExpertPlacement>> p = CudaEngine(ModelPackage::open(dir), opt).placement();
+    for (auto& layer : p) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
+    opt.placement = p;
+    opt.cache_slots = 2;
+    opt.stream_cold = false;
+    opt.lend_min_gib = 0;
+  }
   MtpModels m{std::make_unique<CudaEngine>(ModelPackage::open(dir), opt), nullptr};
   if (cpu) m.cpu = CpuEngine::open(dir);
   std::filesystem::remove_all(dir);
@@ -64,6 +75,22 @@ TEST_P(CudaMtpGreedy, SameTokensAsPlainDecodingForK1To3) {
       EXPECT_GT(stats.drafted, 0);
     }
   }
+}
+
+// The same with the experts in host memory and lent slots: a 40-token prompt takes the lent arena, the verifies and
+// drafts run with the lent slots.
+TEST_P(CudaMtpGreedy, SameTokensWithLentSlots) {
+  SKIP_WITHOUT_CUDA();
+  MtpModels m = open_with_mtp(GetParam(), false, GetParam() == "deepseek_v3", true);
+  ASSERT_NE(m.gpu->mtp(), nullptr);
+  const auto prompt = testing::reference_prompt(GetParam(), 40);
+  const auto plain = test::greedy_tokens(*m.gpu, prompt, 16);
+  for (int k = 1; k <= 3; ++k) {
+    Sampler s(SamplingParams{.temperature = 0.0f});
+    EXPECT_EQ(generate_speculative(*m.gpu, prompt, 16, s, k), plain) << "k = " << k;
+  }
+  EXPECT_GT(m.gpu->stats().lent_slots, 0);
+  EXPECT_GE(m.gpu->stats().arena_switches, 8);  // each of the 4 runs: the prompt, then its steps
 }
 
 // Drafts from a picker that knows the greedy tokens: all accepted (several tokens per step), or with every third

@@ -1,6 +1,7 @@
 // ExpertCache: LRU order, pinned experts never evicted, retained experts protected, stats, thread safety.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <set>
 #include <thread>
@@ -10,6 +11,51 @@
 
 namespace moesrv {
 namespace {
+
+// Lent slots (a memory the engine has only between prefill passes): withdrawn at first, free slots once lent, and
+// emptied when withdrawn again, while the other slots keep their experts.
+TEST(ExpertCache, LentSlotsComeAndGo) {
+  ExpertCache c({4}, 16, {2});
+  EXPECT_EQ(c.usable_slots(0), 2);
+  ASSERT_TRUE(c.admit(0, 0));
+  ASSERT_TRUE(c.admit(0, 1));
+  auto a = c.admit(0, 2);  // only slots 0 and 1 while withdrawn: the LRU one goes
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 0);
+  EXPECT_LT(a->slot, 2);
+  c.lend(0);
+  c.lend(0);  // idempotent
+  EXPECT_EQ(c.usable_slots(0), 4);
+  for (int e : {3, 4}) {
+    auto b = c.admit(0, e);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->evicted, -1);  // the lent slots were free
+    EXPECT_GE(b->slot, 2);
+  }
+  ASSERT_TRUE(c.lookup(0, 3));
+  std::vector<int32_t> gone = c.withdraw(0);
+  std::sort(gone.begin(), gone.end());
+  EXPECT_EQ(gone, (std::vector<int32_t>{3, 4}));
+  EXPECT_FALSE(c.peek(0, 3));
+  EXPECT_FALSE(c.peek(0, 4));
+  EXPECT_TRUE(c.peek(0, 1));
+  EXPECT_TRUE(c.peek(0, 2));
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{1, 2}));
+  EXPECT_TRUE(c.withdraw(0).empty());  // idempotent
+  EXPECT_EQ(c.usable_slots(0), 2);
+  auto d = c.admit(0, 5);  // withdrawn again: a base slot
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->evicted, 1);
+  EXPECT_LT(d->slot, 2);
+  c.lend(0);
+  c.retain(0, 5);
+  ASSERT_TRUE(c.admit(0, 6));
+  EXPECT_GE(*c.peek(0, 6), 2);
+  EXPECT_EQ(c.withdraw(0), (std::vector<int32_t>{6}));  // a retained expert in a base slot is no obstacle
+  c.release(0, 5);
+  EXPECT_THROW(ExpertCache({2}, 16, {3}), Error);
+  EXPECT_THROW(ExpertCache({2, 2}, 16, {1}), Error);
+}
 
 TEST(ExpertCache, EvictsLeastRecentlyUsed) {
   ExpertCache c({3}, 16);

@@ -4,18 +4,25 @@
 
 namespace moesrv {
 
-ExpertCache::ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t experts) : experts_(experts) {
+ExpertCache::ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t experts,
+                         const std::vector<int32_t>& lendable_per_layer)
+    : experts_(experts) {
   if (experts <= 0) fail("expert cache: {} experts per layer", experts);
-  for (int32_t s : slots_per_layer) {
+  if (!lendable_per_layer.empty() && lendable_per_layer.size() != slots_per_layer.size())
+    fail("expert cache: lent slots of {} layers for {} layers", lendable_per_layer.size(), slots_per_layer.size());
+  for (size_t l = 0; l < slots_per_layer.size(); ++l) {
+    const int32_t s = slots_per_layer[l], lendable = lendable_per_layer.empty() ? 0 : lendable_per_layer[l];
     if (s < 0 || s > experts) fail("expert cache: {} slots for a layer of {} experts", s, experts);
+    if (lendable < 0 || lendable > s) fail("expert cache: {} lent slots of {} in layer {}", lendable, s, l);
     auto L = std::make_unique<Layer>();
     L->slots = s;
+    L->lendable = lendable;
     L->slot_of.assign(size_t(experts), -1);
     L->expert_in.assign(size_t(s), -1);
     L->pinned.assign(size_t(experts), 0);
     L->retained.assign(size_t(experts), 0);
     L->pos.resize(size_t(experts));
-    for (int32_t i = s - 1; i >= 0; --i) L->free_slots.push_back(i);  // hand out slot 0 first
+    for (int32_t i = s - lendable - 1; i >= 0; --i) L->free_slots.push_back(i);  // hand out slot 0 first
     layers_.push_back(std::move(L));
   }
 }
@@ -137,6 +144,42 @@ void ExpertCache::release(int32_t layer, int32_t expert) {
   if (L.retained[size_t(expert)] <= 0)
     fail("expert cache: release of expert {} in layer {} without retain", expert, layer);
   --L.retained[size_t(expert)];
+}
+
+void ExpertCache::lend(int32_t layer) {
+  Layer& L = layer_(layer);
+  std::lock_guard lk(L.mu);
+  if (L.lent) return;
+  for (int32_t i = L.slots - 1; i >= L.slots - L.lendable; --i) L.free_slots.push_back(i);
+  L.lent = true;
+}
+
+std::vector<int32_t> ExpertCache::withdraw(int32_t layer) {
+  Layer& L = layer_(layer);
+  std::lock_guard lk(L.mu);
+  std::vector<int32_t> evicted;
+  if (!L.lent) return evicted;
+  const int32_t first = L.slots - L.lendable;
+  for (int32_t i = first; i < L.slots; ++i) {
+    const int32_t e = L.expert_in[size_t(i)];
+    if (e < 0) continue;
+    if (L.pinned[size_t(e)] || L.retained[size_t(e)] > 0)
+      fail("expert cache: layer {} cannot withdraw slot {}: expert {} is pinned or retained", layer, i, e);
+    L.slot_of[size_t(e)] = -1;
+    L.expert_in[size_t(i)] = -1;
+    L.lru.erase(L.pos[size_t(e)]);
+    std::erase(L.streamed, e);
+    evicted.push_back(e);
+  }
+  std::erase_if(L.free_slots, [&](int32_t i) { return i >= first; });
+  L.lent = false;
+  return evicted;
+}
+
+int32_t ExpertCache::usable_slots(int32_t layer) const {
+  const Layer& L = layer_(layer);
+  std::lock_guard lk(L.mu);
+  return L.lent ? L.slots : L.slots - L.lendable;
 }
 
 bool ExpertCache::is_pinned(int32_t layer, int32_t expert) const {

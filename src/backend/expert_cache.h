@@ -24,8 +24,11 @@ struct Admission {
 
 class ExpertCache {
  public:
-  // slots_per_layer[l] VRAM slots for layer l (0: nothing cached), `experts` routed experts per layer.
-  ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t experts);
+  // slots_per_layer[l] VRAM slots for layer l (0: nothing cached), `experts` routed experts per layer. The last
+  // lendable_per_layer[l] of a layer's slots (none where not given) are lent: memory the engine has only at times.
+  // They start withdrawn (never handed out); lend() makes them free slots, withdraw() takes them back.
+  ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t experts,
+              const std::vector<int32_t>& lendable_per_layer = {});
 
   int32_t layers() const { return int32_t(layers_.size()); }
   int32_t slots(int32_t layer) const { return layer_(layer).slots; }
@@ -51,6 +54,14 @@ class ExpertCache {
   std::optional<int32_t> acquire(int32_t layer, int32_t expert);
   void release(int32_t layer, int32_t expert);
 
+  // The layer's lent slots join its free slots (no-op while lent).
+  void lend(int32_t layer);
+  // Empties the layer's lent slots and takes them back (no-op while withdrawn): returns the experts they held, now
+  // misses. Throws if one of them is pinned or retained.
+  std::vector<int32_t> withdraw(int32_t layer);
+  // Slots the layer can hand out now: all of them while lent, the others while withdrawn.
+  int32_t usable_slots(int32_t layer) const;
+
   bool is_pinned(int32_t layer, int32_t expert) const;
   // Experts from least to most recently used (unpinned only): for tests and debugging.
   std::vector<int32_t> lru_order(int32_t layer) const;
@@ -63,6 +74,8 @@ class ExpertCache {
   std::optional<int32_t> find(int32_t layer, int32_t expert, bool retain);
   struct Layer {
     int32_t slots = 0;
+    int32_t lendable = 0;  // the last `lendable` slots are lent ones
+    bool lent = false;
     std::vector<int32_t> slot_of;                   // [experts] -> slot or -1
     std::vector<int32_t> expert_in;                 // [slots] -> expert or -1
     std::vector<uint8_t> pinned;                    // [experts]

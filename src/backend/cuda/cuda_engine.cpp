@@ -308,6 +308,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   check_tokens(pos0, tokens.data(), S);
   if (rollback && (S > kMaxRollbackRows || S > rows))  // (one pass: the multi-token kernels write the points)
     fail("forward: {} tokens with rollback points (at most {} and the pass length {})", S, kMaxRollbackRows, rows);
+  pass_mode(S);
   argmax_row = nullptr;
   std::vector<float> logits(best ? 0 : size_t((all_logits ? S : 1) * V));
   if (hidden) hidden->assign(size_t(S * c.hidden_size), 0.0f);
@@ -393,6 +394,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
 std::vector<std::vector<float>> CudaEngine::Impl::forward_rows(const std::vector<SequenceState*>& seqs,
                                                                const std::vector<int32_t>& tokens) {
   const int64_t B = int64_t(seqs.size()), V = c.vocab_size, L = c.num_layers;
+  pass_mode(B);
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
   BatchRows rows;
   rows.d_pos = d_batch_pos.as<int32_t>();
@@ -496,6 +498,7 @@ void CudaEngine::embed(const std::vector<int32_t>& tokens, StageActivations& a) 
     fail("embed: this engine holds layers [{}, {}); the embedding is the first stage's", m.layer_begin, m.layer_end);
   const int64_t S = int64_t(tokens.size()), W = m.c.stream_width(), V = m.c.vocab_size;
   if (S == 0 || S != a.tokens) fail("embed: {} tokens for activations of {}", S, a.tokens);
+  m.pass_mode(Impl::kWholeSet);  // the pipeline entry points chunk by `rows`
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail("token id {} outside vocabulary [0, {})", t, V);
   a.hidden.resize(size_t(S * W));
@@ -525,6 +528,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
   if (seq->length() != pos0) fail("pipeline stage: sequence holds {} tokens, batch starts at {}", seq->length(), pos0);
   if (pos0 + S > m.max_ctx) fail("context length exceeded: {} + {} tokens > {}", pos0, S, m.max_ctx);
   if (int64_t(a.hidden.size()) != S * W) fail("pipeline stage: hidden state size mismatch");
+  m.pass_mode(Impl::kWholeSet);
   // The DSA selection crosses the hand-off as host lists: packed into s.sel when a shared layer comes before any
   // indexer of the range, read back when the range runs an indexer (s.sel then holds the last one's).
   int64_t reader = -1;
@@ -588,6 +592,7 @@ std::vector<float> CudaEngine::logits(const StageActivations& a, int64_t rows) {
          m.layer_end);
   const int64_t S = a.tokens, W = m.c.stream_width(), V = m.c.vocab_size;
   if (rows < 1 || rows > S) fail("logits: {} rows of {} tokens", rows, S);
+  m.pass_mode(Impl::kWholeSet);
   if (int64_t(a.hidden.size()) != S * W) fail("pipeline stage: hidden state size mismatch");
   std::vector<float> out(size_t(rows * V));
   float* staged = stage_staging(m);

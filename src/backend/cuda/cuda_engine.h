@@ -96,6 +96,17 @@ struct CudaEngineOptions {
   // Prefill passes stream their cache misses through this many of the layer's LRU slots (recycled in turn; all of
   // them when it has fewer): copies run at most this many experts ahead of the GPU. MOESRV_STREAM_WINDOW=N overrides.
   int stream_window = 16;
+  // Under a budget or placement: forwards of at most 32 tokens (decode, verifies, batched steps) run on pass buffers
+  // of their own size, and the large pass buffers' memory (residual streams, hidden rows, the mixers' buffers of a
+  // prefill pass: ~7 GB for GLM-5.3-Flash at 8K-token passes x 4) serves meanwhile as more LRU expert slots, shared
+  // out equally over the MoE layers with experts outside VRAM. A longer forward takes it back (their experts become
+  // misses). false (or MOESRV_LEND_ARENA=0): the slots the plan gives only.
+  bool lend_pass_arena = true;
+  // Shares the arena is cut into (0: this engine's MoE layers with experts outside VRAM). A slice of a larger model
+  // gives the whole model's count, so each of its layers gets the lent slots it would get in the whole model.
+  int lend_share_layers = 0;
+  // Only an arena of at least this size is lent (a smaller one holds few experts, and the small set costs memory).
+  double lend_min_gib = 1.0;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
@@ -178,6 +189,9 @@ struct CudaEngineStats {
   // experts use them, the prefill copy window.
   int hybrid_lanes = 0, stream_window = 0;
   bool hybrid_lanes_copied = false;
+  // lend_pass_arena: the lent slots made (all layers), and the forwards that switched between lending the arena and
+  // taking it back.
+  int64_t lent_slots = 0, arena_switches = 0;
   // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
   // the device, every pass, read when stats() is called) with their bytes.
   int64_t zero_copy_layers = 0, zero_copy_selections = 0;

@@ -19,6 +19,8 @@ using namespace moesrv::cuda;
 
 namespace {
 
+constexpr int64_t kSliceFloats = int64_t(64) << 20;  // the largest per-slice scratch (attention, DSA, logits rows)
+
 template <typename T>
 DeviceBuffer upload(const std::shared_ptr<DeviceBudget>& b, const std::vector<T>& v, const char* what) {
   DeviceBuffer d(b, v.size() * sizeof(T), what);
@@ -341,16 +343,28 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
       }
   }
   if (!opt.placement.empty()) fit_placement(planned);
-  std::vector<int32_t> slots(size_t(c.num_layers), 0);
+  if (lending) {  // the pass arena in equal shares to the MoE layers with experts outside VRAM
+    int64_t cold_layers = 0;
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      cold_layers += layers[size_t(l)].moe && std::any_of(placement[size_t(l)].begin(), placement[size_t(l)].end(),
+                                                          [](ExpertPlacement p) { return p != ExpertPlacement::Vram; });
+    const int64_t shares = std::max<int64_t>(cold_layers, opt.lend_share_layers);
+    lend_each = shares ? lend_bytes / size_t(shares) : 0;
+  }
+  std::vector<int32_t> slots(size_t(c.num_layers), 0), lent(size_t(c.num_layers), 0);
   for (int64_t l = 0; l < c.num_layers; ++l)
     if (layers[size_t(l)].moe) {
       upload_moe(l);
-      slots[size_t(l)] = int32_t(layers[size_t(l)].moe->slots.size());
+      const DevMoe& m = *layers[size_t(l)].moe;
+      slots[size_t(l)] = int32_t(m.slots.size());
+      lent[size_t(l)] = int32_t(int64_t(m.slots.size()) - m.lent_from);
     }
   host_registration->commit();  // page-lock the host expert weights the slots are filled from
   map_host_experts();
   measure_cold_rates();
-  expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)));
+  expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)), lent);
+  if (!pass_big)
+    for (int64_t l = 0; l < c.num_layers; ++l) expert_cache->lend(int32_t(l));
   prefetch_limit = opt.prefetch_experts;
   if (const char* v = std::getenv("MOESRV_PREFETCH_EXPERTS")) prefetch_limit = std::atoll(v);
   prefetch_limit = std::clamp<int64_t>(prefetch_limit, 0, E);
@@ -512,6 +526,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
     MOESRV_CUDA_OK(cudaEventRecord(s.free, stream));
     m.slots.push_back(std::move(s));
   }
+  lend_slots(l, zero_copy ? 0 : cached + streamable - n_slots, slot_bytes);
   if (!m.exl3 || !m.x3_grouped) return;
   // Slot entries: where every host expert's block has one layout (x3_off), entry x3_slot_base + i of each
   // projection is slot i's copy of it, whichever expert the slot holds, so a host-planned decode pass runs its slot
@@ -544,69 +559,179 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   if (zero_copy) m.x3_tab_host = tab;
 }
 
-void CudaEngine::Impl::allocate_scratch() {
-  // R: a pass's rows (the mixers' buffers); RG: a prefill group's (residual streams, MoE rows, the DSA selection).
-  const int64_t R = rows, RG = group_rows(), D = c.hidden_size, H = c.num_heads, V = c.vocab_size;
-  const auto f32 = [&](int64_t n, const char* what) { return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what); };
+// The buffers a pass of R tokens (a group of RG) writes and reads only while it runs, as views of one arena: the
+// residual streams, hidden rows, bf16 inputs and dense MLP rows, then the mixers' buffers. A layer runs its attention
+// (MLA / GQA, with the indexer's scratch) or its linear attention (KDA / Gated DeltaNet), never both, so those two
+// groups share the same bytes (GLM-5.3-Flash at 8K-token passes: ~2.2 GB of attention and ~2.4 GB of linear-attention
+// buffers). pass_members lists the members set, in order.
+void CudaEngine::Impl::make_pass_buffers(int64_t R, int64_t RG, Scratch& t, int64_t& t_attn_rows, int64_t& t_dsa_rows) {
+  const int64_t D = c.hidden_size, H = c.num_heads;
   const LinearAttnDims& la = c.linear;
   int64_t max_in = std::max({D, c.intermediate_size, c.q_lora_rank, H * std::max(c.v_head_dim, c.head_dim),
                              c.kv_lora_rank, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
                              c.shared_intermediate_size, la.v_heads * la.dv});
   if (mtp_in) max_in = std::max(max_in, 2 * D);  // the MTP block's eh_proj
-  s.x = f32(RG * c.stream_width(), "residual streams");
-  s.h = f32(RG * D, "hidden");
-  s.y = f32(RG * D, "hidden");
-  s.xb = DeviceBuffer(budget, size_t(R * max_in) * 2, "bf16 input");
-  // A layer runs its attention (MLA / GQA, with the indexer's scratch) or its linear attention (KDA / Gated
-  // DeltaNet), never both, so the two groups of pass buffers are views into one arena of the larger group's size
-  // (GLM-5.3-Flash at 8K-token passes: ~2.2 GB of attention and ~2.4 GB of linear-attention buffers). The DSA
-  // selection, read by later layers, and everything below keep buffers of their own.
+  const int64_t inter =
+      std::max({c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
+                c.shared_intermediate_size});
+  using Member = DeviceBuffer Scratch::*;
   struct Group {
-    std::vector<std::pair<DeviceBuffer*, size_t>> parts;
+    std::vector<std::pair<Member, size_t>> parts;
     size_t bytes = 0;
-    void add(DeviceBuffer& b, int64_t floats) {
-      const size_t n = size_t(std::max<int64_t>(floats, 1)) * 4;
-      parts.push_back({&b, n});
+    void add(Member b, int64_t floats) { add_bytes(b, size_t(std::max<int64_t>(floats, 1)) * 4); }
+    void add_bytes(Member b, size_t n) {
+      parts.push_back({b, n});
       bytes += (n + 255) / 256 * 256;  // views 256-byte aligned, as cudaMalloc's
     }
-  } attn, lin;
-  constexpr int64_t kSliceFloats = int64_t(64) << 20;
+  } rows_group, attn, lin;
+  rows_group.add(&Scratch::x, RG * c.stream_width());
+  rows_group.add(&Scratch::h, RG * D);
+  rows_group.add(&Scratch::y, RG * D);
+  rows_group.add_bytes(&Scratch::xb, size_t(R * max_in) * 2);
+  rows_group.add(&Scratch::gu, R * 2 * inter);
+  rows_group.add(&Scratch::act, R * inter);
   if (c.attention == AttentionKind::MLA) {
     const int64_t lat = c.kv_lora_rank + c.qk_rope_dim;
-    attn_rows = std::clamp<int64_t>(kSliceFloats / (H * lat), 1, R);
+    t_attn_rows = std::clamp<int64_t>(kSliceFloats / (H * lat), 1, R);
     if (opt.mla_split_decode)
-      attn.add(s.mla_part,
+      attn.add(&Scratch::mla_part,
                int64_t(mla_split_floats(int(std::min<int64_t>(R, kMlaSplitMaxTokens)), int(H), int(c.kv_lora_rank))));
-    attn.add(s.q_lat, R * c.q_lora_rank);
-    attn.add(s.q, R * H * c.qk_head_dim());
-    attn.add(s.kv, R * lat);
-    attn.add(s.qcat, attn_rows * H * lat);
-    attn.add(s.olat, attn_rows * H * c.kv_lora_rank);
+    attn.add(&Scratch::q_lat, R * c.q_lora_rank);
+    attn.add(&Scratch::q, R * H * c.qk_head_dim());
+    attn.add(&Scratch::kv, R * lat);
+    attn.add(&Scratch::qcat, t_attn_rows * H * lat);
+    attn.add(&Scratch::olat, t_attn_rows * H * c.kv_lora_rank);
     // fp32 copy of one layer's W_uk or W_uv for the prefill absorption GEMMs
-    attn.add(s.w_absorb, H * std::max(c.qk_nope_dim, c.v_head_dim) * c.kv_lora_rank);
-    attn.add(s.attn_out, R * H * c.v_head_dim);
+    attn.add(&Scratch::w_absorb, H * std::max(c.qk_nope_dim, c.v_head_dim) * c.kv_lora_rank);
+    attn.add(&Scratch::attn_out, R * H * c.v_head_dim);
     if (c.dsa) {
       const int64_t keys = c.index_kpool > 1 ? max_pools() : max_ctx;  // scored per query
-      dsa_rows = std::clamp<int64_t>(kSliceFloats / keys, 1, R);
-      attn.add(s.iq, R * c.index_n_heads * c.index_head_dim);
-      attn.add(s.ik, R * c.index_head_dim);
-      attn.add(s.ihw, R * c.index_n_heads);
-      if (c.index_kpool > 1) attn.add(s.ig, R * c.index_head_dim);
-      s.sel = DeviceBuffer(budget, size_t(RG * sel_width()) * 4, "dsa selection");
+      t_dsa_rows = std::clamp<int64_t>(kSliceFloats / keys, 1, R);
+      attn.add(&Scratch::iq, R * c.index_n_heads * c.index_head_dim);
+      attn.add(&Scratch::ik, R * c.index_head_dim);
+      attn.add(&Scratch::ihw, R * c.index_n_heads);
+      if (c.index_kpool > 1) attn.add(&Scratch::ig, R * c.index_head_dim);
       // + what a decode row's split top-k needs besides its scores (kpool_select)
       const int64_t split = c.index_kpool > 1 ? int64_t(kpool_select_scratch(1, 0, int(c.index_topk / c.index_kpool))) *
                                                     std::min<int64_t>(R, 8)
                                               : 0;
-      attn.add(s.dsa_scores, dsa_rows * keys + split);
+      attn.add(&Scratch::dsa_scores, t_dsa_rows * keys + split);
     }
   } else if (c.attention == AttentionKind::GQA) {
-    attn_rows = R;
-    attn.add(s.q, R * H * c.head_dim);
-    attn.add(s.k, R * c.num_kv_heads * c.head_dim);
-    attn.add(s.v, R * c.num_kv_heads * c.head_dim);
-    attn.add(s.attn_out, R * H * c.head_dim);
-    if (c.attn_output_gate) attn.add(s.qgate, R * H * 2 * c.head_dim);
+    t_attn_rows = R;
+    attn.add(&Scratch::q, R * H * c.head_dim);
+    attn.add(&Scratch::k, R * c.num_kv_heads * c.head_dim);
+    attn.add(&Scratch::v, R * c.num_kv_heads * c.head_dim);
+    attn.add(&Scratch::attn_out, R * H * c.head_dim);
+    if (c.attn_output_gate) attn.add(&Scratch::qgate, R * H * 2 * c.head_dim);
   }
+  if (c.has_recurrent_layers()) {
+    // KDA: q/k/v projection, conv output, decay, beta, out, low rank, gate. Gated DeltaNet: qkvz then the conv
+    // output, the conv input q | k | v, decay, beta, out, ba, z.
+    const bool gdn =
+        std::any_of(c.layers.begin(), c.layers.end(), [](const LayerSpec& L) { return L.mixer == Mixer::GatedDelta; });
+    const int64_t Hd = la.v_heads * std::max(la.dk, la.dv);
+    lin.add(&Scratch::lraw, R * (la.conv_channels() + (gdn ? la.v_heads * la.dv : 0)));
+    lin.add(&Scratch::lqkv, R * la.conv_channels());
+    lin.add(&Scratch::lg, R * Hd);
+    lin.add(&Scratch::lbeta, R * la.v_heads);
+    lin.add(&Scratch::lo, R * Hd);
+    lin.add(&Scratch::lfa, R * std::max(la.dk, 2 * la.v_heads));
+    lin.add(&Scratch::lgate, R * Hd);
+  }
+  t.pass_arena =
+      DeviceBuffer(budget, rows_group.bytes + std::max({attn.bytes, lin.bytes, size_t(256)}), "pass buffers");
+  pass_members.assign(1, &Scratch::pass_arena);
+  for (const Group* g : {&rows_group, &attn, &lin}) {
+    size_t at = g == &rows_group ? 0 : rows_group.bytes;
+    for (auto [member, n] : g->parts) {
+      t.*member = DeviceBuffer::view(t.pass_arena.as<char>() + at, n);
+      at += (n + 255) / 256 * 256;
+      pass_members.push_back(member);
+    }
+  }
+}
+
+void CudaEngine::Impl::swap_pass_buffers() {
+  for (DeviceBuffer Scratch::*member : pass_members) std::swap(s.*member, parked.*member);
+  std::swap(attn_rows, parked_attn_rows);
+  std::swap(dsa_rows, parked_dsa_rows);
+}
+
+bool CudaEngine::Impl::lend_on() const {
+  static const bool env = switch_on("MOESRV_LEND_ARENA");
+  const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
+  return opt.lend_pass_arena && env && hybrid && !model && layer_begin == 0 && layer_end == c.num_layers &&
+         c.n_routed_experts > 0 && rows > kLendRows;
+}
+
+// After make_pass_buffers(rows, ...): whether the arena is worth a second, small set of pass buffers.
+bool CudaEngine::Impl::lend_worth(size_t arena_bytes) const {
+  return arena_bytes >= size_t(std::max(0.0, opt.lend_min_gib) * double(1ull << 30));
+}
+
+// Layer l's lent slots, appended to its slots: views of the pass arena, as many as its share holds, at most `want`.
+int64_t CudaEngine::Impl::lend_slots(int64_t l, int64_t want, size_t slot_bytes) {
+  DevMoe& m = *layers[size_t(l)].moe;
+  m.lent_from = int64_t(m.slots.size());
+  if (!lending || want <= 0 || slot_bytes == 0) return 0;
+  const size_t step = (slot_bytes + 255) / 256 * 256;
+  const int64_t n = std::min<int64_t>(
+      {want, int64_t(lend_each / step), int64_t((lend_bytes - std::min(lend_bytes, lend_cursor)) / step)});
+  for (int64_t i = 0; i < n; ++i) {
+    CacheSlot cs;
+    cs.mem = DeviceBuffer::view(lend_base + lend_cursor, slot_bytes);
+    lend_cursor += step;
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.ready, cudaEventDisableTiming));
+    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.free, cudaEventDisableTiming));
+    MOESRV_CUDA_OK(cudaEventRecord(cs.free, stream));
+    m.slots.push_back(std::move(cs));
+  }
+  stats.lent_slots += n;
+  return n;
+}
+
+// Before a forward of S tokens on a lending engine. A forward of more than kLendRows takes the large set: the lent
+// slots' copies (prefetches too) finish first and their experts become misses (their reads finished with the forward
+// before, which ends synchronised). A smaller one takes the small set and lends the arena: the forward before ended
+// synchronised, so a copy into a lent slot may start at once.
+void CudaEngine::Impl::pass_mode(int64_t S) {
+  if (!lending || (S > kLendRows) == pass_big) return;
+  const bool big = S > kLendRows;
+  if (big) MOESRV_CUDA_OK(cudaStreamSynchronize(copy_stream));
+  for (int64_t l = 0; l < int64_t(layers.size()); ++l) {
+    if (!layers[size_t(l)].moe || !expert_cache) continue;
+    DevMoe& m = *layers[size_t(l)].moe;
+    if (m.lent_from >= int64_t(m.slots.size())) continue;
+    if (big) {
+      for (int32_t e : expert_cache->withdraw(int32_t(l))) prefetched[size_t(l)][size_t(e)] = 0;
+      continue;
+    }
+    for (size_t i = size_t(m.lent_from); i < m.slots.size(); ++i)
+      MOESRV_CUDA_OK(cudaEventRecord(m.slots[i].free, stream));
+    expert_cache->lend(int32_t(l));
+  }
+  swap_pass_buffers();
+  pass_big = big;
+  ++stats.arena_switches;
+}
+
+void CudaEngine::Impl::allocate_scratch() {
+  // R: a pass's rows (the mixers' buffers); RG: a prefill group's (residual streams, MoE rows, the DSA selection).
+  const int64_t R = rows, RG = group_rows(), D = c.hidden_size, V = c.vocab_size;
+  const auto f32 = [&](int64_t n, const char* what) {
+    return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what);
+  };
+  make_pass_buffers(R, RG, s, attn_rows, dsa_rows);
+  lending = lend_on() && lend_worth(s.pass_arena.bytes());
+  if (lending) {  // the small set in use, the large one parked (its arena lent to the MoE layers' slots)
+    lend_base = s.pass_arena.as<char>(), lend_bytes = s.pass_arena.bytes();
+    make_pass_buffers(kLendRows, kLendRows, parked, parked_attn_rows, parked_dsa_rows);
+    swap_pass_buffers();
+    pass_big = false;
+  }
+  if (c.attention == AttentionKind::MLA && c.dsa)  // read by later layers: outside the pass arena
+    s.sel = DeviceBuffer(budget, size_t(RG * sel_width()) * 4, "dsa selection");
   if (c.residual.hyper) {
     s.post = f32(RG * c.residual.streams, "mHC post");
     s.comb = f32(RG * c.residual.streams * c.residual.streams, "mHC comb");
@@ -618,33 +743,6 @@ void CudaEngine::Impl::allocate_scratch() {
       MOESRV_CUDA_OK(cudaMemsetAsync(s.hc_step.as<void>(), 0, s.hc_step.bytes(), stream));  // the barrier counters
     }
   }
-  if (c.has_recurrent_layers()) {
-    // KDA: q/k/v projection, conv output, decay, beta, out, low rank, gate. Gated DeltaNet: qkvz then the conv
-    // output, the conv input q | k | v, decay, beta, out, ba, z.
-    const bool gdn =
-        std::any_of(c.layers.begin(), c.layers.end(), [](const LayerSpec& L) { return L.mixer == Mixer::GatedDelta; });
-    const int64_t Hd = la.v_heads * std::max(la.dk, la.dv);
-    lin.add(s.lraw, R * (la.conv_channels() + (gdn ? la.v_heads * la.dv : 0)));
-    lin.add(s.lqkv, R * la.conv_channels());
-    lin.add(s.lg, R * Hd);
-    lin.add(s.lbeta, R * la.v_heads);
-    lin.add(s.lo, R * Hd);
-    lin.add(s.lfa, R * std::max(la.dk, 2 * la.v_heads));
-    lin.add(s.lgate, R * Hd);
-  }
-  s.mixer_arena = DeviceBuffer(budget, std::max({attn.bytes, lin.bytes, size_t(256)}), "attention scratch");
-  for (const Group* g : {&attn, &lin}) {
-    size_t at = 0;
-    for (auto [buf, n] : g->parts) {
-      *buf = DeviceBuffer::view(s.mixer_arena.as<char>() + at, n);
-      at += (n + 255) / 256 * 256;
-    }
-  }
-  const int64_t inter =
-      std::max({c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(1, c.n_shared_experts),
-                c.shared_intermediate_size});
-  s.gu = f32(R * 2 * inter, "mlp gate/up");
-  s.act = f32(R * inter, "mlp act");
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
     moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -226,6 +227,7 @@ struct DevMoe {
   float limit = 0;                        // routed experts' SwiGLU clamp (> 0)
   std::unique_ptr<HostExperts> host;      // what a slot is filled from: Cache experts (+ streamable Cpu ones)
   std::vector<CacheSlot> slots;           // LRU slots of this layer (ExpertCache says which expert is where)
+  int64_t lent_from = 0;                  // slots [lent_from, size) are lent ones (views of the pass arena)
 };
 
 // Uploads host weights against the budget, counting weight bytes (and the EXL3 bytes among them).
@@ -384,6 +386,7 @@ struct CudaEngine::Impl {
   int32_t stream_window = 0;
   int32_t stream_window_slots() const;
   bool lanes_copied_on() const;         // hybrid_lanes_copied, unless MOESRV_LANES_COPIED=0
+  static bool exl3_waves_on();          // all-VRAM EXL3 prefill in grouped waves, unless MOESRV_EXL3_WAVES=0
   int64_t kv_row = 0, v_row = 0;        // cache values per token (kv: MLA latent|rope or GQA keys)
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
@@ -439,10 +442,29 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer x3_tickets;  // exl3_gemv_out's counters (zeroed once; each call leaves them zero)
     cuda::DeviceBuffer x3_sets;     // moe_exl3_grouped's row sets of a few tokens (Exl3RowSet)
     cuda::DeviceBuffer x3_xh_side, x3_yr_side, x3_tickets_side;  // the same for one-token calls on proj_side
-    // Holds the attention group (q_lat .. dsa_scores but sel) and the linear-attention group (lraw .. lgate) as
-    // views: a layer runs one of the two (allocate_scratch).
-    cuda::DeviceBuffer mixer_arena;
+    // The pass buffers (make_pass_buffers: x, h, y, xb, gu, act, then the attention group (q_lat .. dsa_scores but
+    // sel) and the linear-attention group (lraw .. lgate) over the same bytes: a layer runs one of the two) as views.
+    cuda::DeviceBuffer pass_arena;
   } s;
+  // Lent pass arena (CudaEngineOptions::lend_pass_arena): forwards of at most kLendRows tokens (decode steps,
+  // verifies, batched steps, short prompts) run on a second set of pass buffers sized for kLendRows, and meanwhile the
+  // MoE layers' lent slots (ExpertCache::lend) hold cold experts in the large set's arena; a longer forward takes the
+  // arena back first (pass_mode). `parked` holds the set not in use, pass_members the members the sets swap.
+  static constexpr int64_t kLendRows = 32;
+  static constexpr int64_t kWholeSet = std::numeric_limits<int64_t>::max();  // pass_mode: the large set, whatever S
+  bool lending = false, pass_big = true;
+  Scratch parked;
+  std::vector<cuda::DeviceBuffer Scratch::*> pass_members;
+  int64_t parked_attn_rows = 0, parked_dsa_rows = 0;
+  char* lend_base = nullptr;                              // the large set's arena
+  size_t lend_bytes = 0, lend_each = 0, lend_cursor = 0;  // its size, each MoE layer's share, the bytes handed out
+  bool lend_on() const;  // whether this engine lends (a budget or placement, a whole model, not the MTP block)
+  bool lend_worth(size_t arena_bytes) const;  // and whether its arena is large enough (lend_min_gib)
+  // Pass buffers for passes of R rows (groups of RG) in one arena: into t, with their row counts.
+  void make_pass_buffers(int64_t R, int64_t RG, Scratch& t, int64_t& t_attn_rows, int64_t& t_dsa_rows);
+  void swap_pass_buffers();
+  void pass_mode(int64_t S);  // before a forward of S tokens: the set it needs, lending or taking back the arena
+  int64_t lend_slots(int64_t l, int64_t want, size_t slot_bytes);  // appends layer l's lent slots
   cuda::PinnedBuffer h_ids, h_w, h_pred, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits, h_gemm_tiles;
   int64_t gemm_tiles_used = 0;  // of s.gemm_tiles in the current pass (each wave's tiles stay until the pass syncs)
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.

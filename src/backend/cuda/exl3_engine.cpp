@@ -127,7 +127,7 @@ void CudaEngine::Impl::allocate_hybrid_lanes(size_t reserve_bytes) {
   const char* v = std::getenv("MOESRV_HYBRID_LANES");
   const int n = std::clamp(v && v[0] ? std::atoi(v) : opt.hybrid_lanes, 0, 7);
   if (n == 0 || rows <= kExl3MaxGemvRows || !expert_lanes.empty()) return;
-  if (opt.vram_budget_gib <= 0 && opt.placement.empty() && !opt.plan_placement) return;
+  if (opt.vram_budget_gib <= 0 && opt.placement.empty() && !opt.plan_placement && exl3_waves_on()) return;
   const Exl3Extent moe = expert_extent(layers);
   if (moe.whole == 0) return;
   const int64_t rb = std::min(rows, kGemmRowBlock);
@@ -135,6 +135,13 @@ void CudaEngine::Impl::allocate_hybrid_lanes(size_t reserve_bytes) {
   const size_t room = budget->left() > reserve_bytes ? budget->left() - reserve_bytes : 0;
   const size_t fit = std::min(size_t(n), room / 8 / lane);
   if (fit > 0) make_expert_lanes(fit, moe.whole * 2, xh, yr);
+}
+
+// MOESRV_EXL3_WAVES=0 (comparisons): all-VRAM prefill runs its EXL3 experts one by one on the hybrid lanes, as a
+// host-planned pass under a budget does, instead of in grouped waves.
+bool CudaEngine::Impl::exl3_waves_on() {
+  static const bool on = switch_on("MOESRV_EXL3_WAVES");
+  return on;
 }
 
 void CudaEngine::Impl::exl3_forward(const Exl3Dev& w, Exl3Src src, int64_t n, float* y, int64_t y_ld,

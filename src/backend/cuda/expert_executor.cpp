@@ -383,7 +383,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   int64_t in_slots = 0;
   for (const auto& run : pass.gpu_runs) in_slots += home(run.first) > 0;
   const bool slot_grouped = slot_grouped_on && m.exl3 && m.x3_slot_base >= 0 && pass.cpu_experts.empty() &&
-                            n <= kExl3MaxGemvRows && s0 == 0 && in_slots <= int64_t(m.slots.size());
+                            n <= kExl3MaxGemvRows && s0 == 0 && in_slots <= expert_cache->usable_slots(int32_t(l));
   if (slot_grouped) order_gpu_runs(pass, k, home);  // the experts ready to run first, the copied ones last
   const auto& by_expert = pass.by_expert;
   const auto& gpu_runs = pass.gpu_runs;
@@ -405,7 +405,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
     return;
   }
   // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
-  const bool grouped = m.exl3 && m.x3_grouped && m.all_vram && cpu_experts.empty();
+  const bool grouped = m.exl3 && m.x3_grouped && m.all_vram && cpu_experts.empty() && exl3_waves_on();
   if (grouped) {
     int32_t* row_expert = h_row_expert.as<int32_t>();
     for (const auto& [e, row0] : gpu_runs) std::fill_n(row_expert + row0, by_expert[size_t(e)].size(), int32_t(e));
@@ -463,7 +463,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       // its compute, so a slot is never refilled before the expert in it has run.
       const int64_t in_slots =
           std::count_if(gpu_jobs.begin(), gpu_jobs.end(), [](const GpuJob& j) { return j.order > 0; });
-      const bool ahead = stream_window == 0 && in_slots <= int64_t(m.slots.size());
+      const bool ahead = stream_window == 0 && in_slots <= expert_cache->usable_slots(int32_t(l));
       std::vector<int> slot_of(gpu_jobs.size(), -1);
       std::vector<const void*> block_of(gpu_jobs.size(), nullptr);
       if (ahead) {
