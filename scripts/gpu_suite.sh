@@ -48,6 +48,8 @@
 #                                   ($OUT/pf_BUDGET_N_G.json); ~2 min each. SUITES=0 skips the suites.
 #   LEND_BUDGETS="22 44" scripts/gpu_suite.sh + the slice at 8K (LEND_CONTEXTS) under each budget with the lent pass
 #                                   arena on and off (LEND_RUNS, default "1 0": MOESRV_LEND_ARENA), $OUT/lend_BUDGET_F.json
+#   VW_BUDGETS="22 44" scripts/gpu_suite.sh + the slice at 8K (VW_CONTEXTS) under each budget per LRU victim window
+#                                   (VW_RUNS, default "16 1": MOESRV_CACHE_VICTIM_WINDOW), $OUT/vw_BUDGET_W.json
 #   WAVE_RUNS="1 0" scripts/gpu_suite.sh + the all-VRAM slice (8K, 131K; WAVE_CONTEXTS) with the EXL3 experts of a
 #                                   prefill in grouped waves (1) and one by one on lanes (0) (MOESRV_EXL3_WAVES), $OUT/wave_F.json
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
@@ -190,6 +192,12 @@ for b in ${LEND_BUDGETS:-}; do  # docs/perf-cuda.md, "Seventeenth round": decode
     slice "lend_${b}_$f" "${LEND_CONTEXTS:-8192}" "${LEND_TIMEOUT:-200}" MOESRV_BENCH_BUDGETS="$b" MOESRV_LEND_ARENA=$f \
       MOESRV_BENCH_JSON="$OUT/lend_${b}_$f.json"
     grep -E "perf \] (plan|.*lent slots|prefetch)" "$OUT/slice_lend_${b}_$f.log" | head -4
+  done
+done
+for b in ${VW_BUDGETS:-}; do  # docs/perf-cuda.md, "Seventeenth round": decode with the LRU's victim window, n vs 1
+  for w in ${VW_RUNS:-16 1}; do
+    slice "vw_${b}_$w" "${VW_CONTEXTS:-8192}" "${VW_TIMEOUT:-200}" MOESRV_BENCH_BUDGETS="$b" MOESRV_CACHE_VICTIM_WINDOW=$w \
+      MOESRV_BENCH_JSON="$OUT/vw_${b}_$w.json"
   done
 done
 for f in ${WAVE_RUNS:-}; do  # all-VRAM prefill: MOESRV_EXL3_WAVES=f (1: grouped waves, 0: experts one by one on lanes)

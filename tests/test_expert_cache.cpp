@@ -57,6 +57,33 @@ TEST(ExpertCache, LentSlotsComeAndGo) {
   EXPECT_THROW(ExpertCache({2, 2}, 16, {1}), Error);
 }
 
+// A victim window of n: the least used (lookups) of the n least recent experts goes, not the least recent one.
+TEST(ExpertCache, VictimWindowKeepsTheOftenUsed) {
+  ExpertCache c({4}, 16);
+  c.set_victim_window(4);
+  for (int e : {0, 1, 2, 3}) {
+    EXPECT_FALSE(c.lookup(0, e));
+    ASSERT_TRUE(c.admit(0, e));
+  }
+  for (int i = 0; i < 3; ++i)
+    for (int e : {0, 1, 3}) ASSERT_TRUE(c.lookup(0, e));
+  EXPECT_EQ(c.lru_order(0), (std::vector<int32_t>{2, 0, 1, 3}));
+  EXPECT_FALSE(c.lookup(0, 5));
+  auto a = c.admit(0, 5);  // 2 is the least recent and the least used
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 2);
+  EXPECT_FALSE(c.lookup(0, 6));
+  a = c.admit(0, 6);  // 0 is the least recent, 5 the least used
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 5);
+  c.set_victim_window(1);  // plain LRU again
+  EXPECT_FALSE(c.lookup(0, 7));
+  a = c.admit(0, 7);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 0);
+  EXPECT_THROW(c.set_victim_window(0), Error);
+}
+
 TEST(ExpertCache, EvictsLeastRecentlyUsed) {
   ExpertCache c({3}, 16);
   for (int e : {0, 1, 2}) {

@@ -52,6 +52,12 @@ TEST(MultiGpuFactory, PrefetchExpertsOption) {
   EXPECT_THROW(parse({"--prefetch-experts", "65"}), CLI::ParseError);
 }
 
+TEST(MultiGpuFactory, CachePolicyOption) {
+  EXPECT_EQ(parse({}).cache_policy, "lru");
+  EXPECT_EQ(parse({"--cache-policy", "lfu"}).cache_policy, "lfu");
+  EXPECT_THROW(parse({"--cache-policy", "mru"}), CLI::ParseError);
+}
+
 void expect_same_as_cpu(const std::string& model, Engine& e) {
   auto cpu = CpuEngine::open(hf_tiny(model));
   Reference ref = load_reference(model);

@@ -21,6 +21,7 @@ ExpertCache::ExpertCache(const std::vector<int32_t>& slots_per_layer, int32_t ex
     L->expert_in.assign(size_t(s), -1);
     L->pinned.assign(size_t(experts), 0);
     L->retained.assign(size_t(experts), 0);
+    L->uses.assign(size_t(experts), 0);
     L->pos.resize(size_t(experts));
     for (int32_t i = s - lendable - 1; i >= 0; --i) L->free_slots.push_back(i);  // hand out slot 0 first
     layers_.push_back(std::move(L));
@@ -64,6 +65,11 @@ std::optional<int32_t> ExpertCache::find(int32_t layer, int32_t expert, bool ret
   Layer& L = layer_(layer);
   std::lock_guard lk(L.mu);
   const size_t e = size_t(expert);
+  ++L.uses[e];
+  if (++L.lookups >= int64_t(16) * experts_) {
+    for (uint32_t& u : L.uses) u /= 2;
+    L.lookups = 0;
+  }
   if (L.slot_of[e] < 0) {
     ++L.stats.misses;
     return std::nullopt;
@@ -106,6 +112,12 @@ std::optional<Admission> ExpertCache::admit(int32_t layer, int32_t expert, int32
     if (victim == L.lru.end()) {
       victim = L.lru.begin();
       while (victim != L.lru.end() && L.retained[size_t(*victim)] > 0) ++victim;
+      int32_t seen = 1;
+      for (auto it = victim; victim != L.lru.end() && seen < victim_window_ && ++it != L.lru.end();) {
+        if (L.retained[size_t(*it)] > 0) continue;
+        ++seen;
+        if (L.uses[size_t(*it)] < L.uses[size_t(*victim)]) victim = it;
+      }
     }
     if (victim == L.lru.end()) return std::nullopt;
     a.evicted = *victim;
@@ -144,6 +156,11 @@ void ExpertCache::release(int32_t layer, int32_t expert) {
   if (L.retained[size_t(expert)] <= 0)
     fail("expert cache: release of expert {} in layer {} without retain", expert, layer);
   --L.retained[size_t(expert)];
+}
+
+void ExpertCache::set_victim_window(int32_t n) {
+  if (n < 1) fail("expert cache: a victim window of {} experts", n);
+  victim_window_ = n;
 }
 
 void ExpertCache::lend(int32_t layer) {

@@ -61,6 +61,10 @@ class ExpertCache {
   std::vector<int32_t> withdraw(int32_t layer);
   // Slots the layer can hand out now: all of them while lent, the others while withdrawn.
   int32_t usable_slots(int32_t layer) const;
+  // Victims outside a streaming pass: 1 (the default) the least recently used unretained expert; n > 1 the least
+  // used (lookups, halved every 16 lookups per expert of the layer) of the n least recently used unretained ones,
+  // ties to the less recent. With skewed routing this keeps the often-routed experts over the once-routed ones.
+  void set_victim_window(int32_t n);
 
   bool is_pinned(int32_t layer, int32_t expert) const;
   // Experts from least to most recently used (unpinned only): for tests and debugging.
@@ -84,6 +88,8 @@ class ExpertCache {
     std::vector<std::list<int32_t>::iterator> pos;  // [experts] position in lru
     std::vector<int32_t> free_slots;
     std::deque<int32_t> streamed;  // admitted by the current streaming pass, oldest first
+    std::vector<uint32_t> uses;    // [experts] lookups, halved every 16 * experts lookups of the layer
+    int64_t lookups = 0;
     ExpertCacheStats stats;
     mutable std::mutex mu;
   };
@@ -92,6 +98,7 @@ class ExpertCache {
   void check_expert(int32_t e) const;
 
   int32_t experts_;
+  int32_t victim_window_ = 1;
   std::vector<std::unique_ptr<Layer>> layers_;
 };
 

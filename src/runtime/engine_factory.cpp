@@ -49,6 +49,7 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
   c.mtp = o.mtp;
   apply_cold_experts(o.cold_experts, c);
   if (o.prefetch_experts >= 0) c.prefetch_experts = o.prefetch_experts;
+  if (o.cache_policy == "lfu") c.cache_victim_window = EngineOptions::kLfuVictimWindow;
   c.spec = spec;
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
@@ -95,6 +96,12 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
                   "and starts copying up to N of those experts over PCIe while it computes (0: off; -1: the engine's "
                   "default)")
       ->check(CLI::Range(-1, 64))
+      ->capture_default_str();
+  cmd->add_option("--cache-policy", o.cache_policy,
+                  "GPU decode under --vram-budget, the experts' LRU slots: lru (evict the least recently used) or lfu "
+                  "(the least routed of the 16 least recently used: +23% decode at 22 GiB in the bench's skewed "
+                  "routing, opt-in; docs/perf-cuda.md)")
+      ->check(CLI::IsMember({"lru", "lfu"}))
       ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");
   cmd->add_option("--prefill-pass", o.prefill_chunk,

@@ -32,6 +32,8 @@ struct EngineOptions {
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu | read (apply_cold_experts)
   bool mtp = false;  // CUDA: load the checkpoint's MTP block (speculative decoding); the CPU engine always maps it
   int prefetch_experts = -1;  // CUDA: --prefetch-experts (CudaEngineOptions::prefetch_experts); -1: its default
+  std::string cache_policy = "lru";  // CUDA: --cache-policy lru | lfu (CudaEngineOptions::cache_victim_window 1 | 16)
+  static constexpr int kLfuVictimWindow = 16;
 };
 
 // Opens the package once and parses its config once; the engine reuses both.
@@ -40,7 +42,8 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 // expert homes come from the planner.
 std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
                                                const EngineOptions& options);
-// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --prefill-pass, --prefill-group
+// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --cache-policy, --prefill-pass,
+// --prefill-group
 // to a command (and --max-ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 

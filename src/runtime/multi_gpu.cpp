@@ -70,6 +70,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
     s.kv_q8 = o.kv_q8;
     apply_cold_experts(o.cold_experts, s);
     if (o.prefetch_experts >= 0) s.prefetch_experts = o.prefetch_experts;
+    if (o.cache_policy == "lfu") s.cache_victim_window = EngineOptions::kLfuVictimWindow;
   }
   return make_cuda_pipeline(pkg, stages, splits);
 }

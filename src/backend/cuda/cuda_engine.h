@@ -102,6 +102,10 @@ struct CudaEngineOptions {
   // out equally over the MoE layers with experts outside VRAM. A longer forward takes it back (their experts become
   // misses). false (or MOESRV_LEND_ARENA=0): the slots the plan gives only.
   bool lend_pass_arena = true;
+  // LRU slots outside a prefill's streaming: the victim is the least routed (decayed lookup counts) of this many least
+  // recently used experts (ExpertCache::set_victim_window; 1: plain LRU, the default; --cache-policy lfu: 16, decode
+  // +23% at 22 GiB on an H100, docs/perf-cuda.md "Seventeenth round"). MOESRV_CACHE_VICTIM_WINDOW=N overrides.
+  int cache_victim_window = 1;
   // Shares the arena is cut into (0: this engine's MoE layers with experts outside VRAM). A slice of a larger model
   // gives the whole model's count, so each of its layers gets the lent slots it would get in the whole model.
   int lend_share_layers = 0;

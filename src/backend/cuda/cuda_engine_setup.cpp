@@ -363,6 +363,8 @@ void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   map_host_experts();
   measure_cold_rates();
   expert_cache = std::make_unique<ExpertCache>(slots, int32_t(std::max<int64_t>(1, E)), lent);
+  const char* window = std::getenv("MOESRV_CACHE_VICTIM_WINDOW");
+  expert_cache->set_victim_window(std::max(1, window && window[0] ? std::atoi(window) : opt.cache_victim_window));
   if (!pass_big)
     for (int64_t l = 0; l < c.num_layers; ++l) expert_cache->lend(int32_t(l));
   prefetch_limit = opt.prefetch_experts;
