@@ -4,11 +4,11 @@
 // engine (the prefix cache's work). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <atomic>
 #include <thread>
 
 #include "backend/cuda/cuda_engine.h"
+#include "cuda_test_util.h"
 #include "engine_test_util.h"
 #include "reference_util.h"
 #include "serving/batch_runner.h"
@@ -60,20 +60,6 @@ TEST_P(CudaBatch, ConcurrentMembersMatchEachAloneWhileOthersTouchSequences) {
   EXPECT_GT(runner.stats().decode_steps, 0u);
 }
 
-// Every routed expert in host memory behind 2 LRU slots per layer, the pass arena lent as more slots between
-// prompts (CudaEngineOptions::lend_pass_arena, on for the tiny arenas too).
-CudaEngineOptions lent_slots_options(const std::string& dir) {
-  CudaEngineOptions opt;
-  opt.max_ctx = 256;
-  std::vector<std::vector<ExpertPlacement>> p = CudaEngine(ModelPackage::open(dir), opt).placement();
-  for (auto& layer : p) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
-  opt.placement = p;
-  opt.cache_slots = 2;
-  opt.stream_cold = false;
-  opt.lend_min_gib = 0;
-  return opt;
-}
-
 // One decode step of B sequences at different lengths (B = 2..6: one pass of up to 4 rows, then the rest) gives each
 // sequence the logits its own forward gives, and leaves each state where that forward leaves it (the next steps
 // agree too); with graphs (per set of sequences) and without. Then the same with every expert in host memory and
@@ -84,7 +70,7 @@ TEST_P(CudaBatch, ForwardBatchMatchesEachSequenceAlone) {
   CudaEngineOptions plain;
   plain.max_ctx = 256;
   for (bool lent : {false, true}) {
-    CudaEngine engine(ModelPackage::open(dir), lent ? lent_slots_options(dir) : plain);
+    CudaEngine engine(ModelPackage::open(dir), lent ? test::with_lent_slots(dir, plain) : plain);
     const auto ids = testing::load_reference(GetParam()).input_ids;
     for (bool graphs : {true, false}) {
       engine.set_use_graph(graphs);

@@ -4,11 +4,11 @@
 // CPU engine's (checked against vLLM's MTP code: tests/test_mtp_speculative.cpp). Skipped without CUDA or a device.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <filesystem>
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
+#include "cuda_test_util.h"
 #include "engine_test_util.h"
 #include "mtp_test_checks.h"
 #include "mtp_test_model.h"
@@ -40,14 +40,7 @@ MtpModels open_with_mtp(const std::string& model, bool cpu = false, bool with_he
   CudaEngineOptions opt;
   opt.mtp = true;
   opt.max_ctx = 256;
-  if (lent) {
-    std::vector<std::vector<ExpertPlacement>> p = CudaEngine(ModelPackage::open(dir), opt).placement();
-    for (auto& layer : p) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
-    opt.placement = p;
-    opt.cache_slots = 2;
-    opt.stream_cold = false;
-    opt.lend_min_gib = 0;
-  }
+  if (lent) opt = test::with_lent_slots(dir, opt);
   MtpModels m{std::make_unique<CudaEngine>(ModelPackage::open(dir), opt), nullptr};
   if (cpu) m.cpu = CpuEngine::open(dir);
   std::filesystem::remove_all(dir);
