@@ -1,5 +1,6 @@
-// Per-layer LRU of routed experts over a fixed number of VRAM slots. Pure bookkeeping: it hands out slot
-// indices; the GPU engine maps (layer, slot) to device buffers. Pinned experts hold their slot forever.
+// Per-layer LRU of routed experts over a fixed number of VRAM slots, some of which may be lent (usable only at times),
+// the victim optionally the least used of the least recent few. Pure bookkeeping: it hands out slot indices; the GPU
+// engine maps (layer, slot) to device buffers. Pinned experts hold their slot forever.
 // Thread-safe for a decode thread (lookup/retain/release) racing a copy thread (admit); one mutex per layer.
 #pragma once
 #include <cstdint>
