@@ -42,9 +42,8 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 // expert homes come from the planner.
 std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
                                                const EngineOptions& options);
-// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --cache-policy, --prefill-pass,
-// --prefill-group
-// to a command (and --max-ctx when `with_ctx`).
+// Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --cache-policy, --prefill-pass
+// and --prefill-group to a command (and --max-ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);
 
 }  // namespace moesrv
