@@ -18,6 +18,7 @@
 #include "format/exl3_convert.h"
 #include "format/safetensors.h"
 #include "model/exl3_selection.h"
+#include "reference_util.h"
 
 namespace moesrv {
 namespace {
@@ -87,14 +88,7 @@ std::vector<int32_t> ids(const std::string& model, const char* name) {
   return v;
 }
 
-double rel_row_error(const float* a, const float* ref, int64_t n) {
-  double norm = 0, maxdiff = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    norm += double(ref[i]) * ref[i];
-    maxdiff = std::max(maxdiff, std::abs(double(a[i]) - ref[i]));
-  }
-  return maxdiff / std::sqrt(norm);
-}
+double rel_row_error(const float* a, const float* ref, int64_t n) { return testing::max_rel_row_error(a, ref, 1, n); }
 
 int32_t argmax(const float* v, int64_t n) { return int32_t(std::max_element(v, v + n) - v); }
 
@@ -517,10 +511,8 @@ TEST_P(CudaExl3, PrefetchAndGroupedHybridMatchOnDemandCopies) {
           for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], one_by_one[i]) << what << ", value " << i;
         } else {  // the grouped GEMVs split K by their row count: the same products summed in another order
           ASSERT_EQ(out.size(), one_by_one.size()) << what;
-          double worst = 0;
-          for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
-            worst = std::max(worst,
-                             rel_row_error(out.data() + row * size_t(r.V), one_by_one.data() + row * size_t(r.V), r.V));
+          const double worst =
+              testing::max_rel_row_error(out.data(), one_by_one.data(), int64_t(out.size()) / r.V, r.V);
           std::printf("[ info ] %s against an expert at a time: worst rel error %.2e\n", what.c_str(), worst);
           EXPECT_LE(worst, 1e-4) << what;
         }
@@ -574,10 +566,9 @@ TEST_P(CudaExl3, HybridLanesMatchOneStream) {
           }
           laned += runs;
           ASSERT_EQ(out.size(), one_stream.size()) << what;
-          double worst = 0;  // the same kernels per expert; cuBLAS may pick another algorithm per handle
-          for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
-            worst = std::max(worst,
-                             rel_row_error(out.data() + row * size_t(r.V), one_stream.data() + row * size_t(r.V), r.V));
+          // the same kernels per expert; cuBLAS may pick another algorithm per handle
+          const double worst =
+              testing::max_rel_row_error(out.data(), one_stream.data(), int64_t(out.size()) / r.V, r.V);
           std::printf("[ info ] %s %s: %ld expert runs on lanes, worst rel error against one stream %.2e\n",
                       GetParam().model, what.c_str(), long(runs), worst);
           EXPECT_LE(worst, 1e-4) << what;
@@ -635,10 +626,8 @@ TEST_P(CudaExl3, LentSlotsServeDecode) {
     EXPECT_EQ(st.arena_switches, 4);  // prompt, steps, prompt, steps (the engine starts lending)
     EXPECT_GT(st.cache_hits, plain_hits);
     ASSERT_EQ(out.size(), plain.size());
-    double worst = 0;
-    for (size_t row = 0; row < out.size() / size_t(r.V); ++row)
-      worst = std::max(worst, rel_row_error(out.data() + row * size_t(r.V), plain.data() + row * size_t(r.V), r.V));
-    EXPECT_LE(worst, 1e-4) << "lent slots against plan slots only";
+    EXPECT_LE(testing::max_rel_row_error(out.data(), plain.data(), int64_t(out.size()) / r.V, r.V), 1e-4)
+        << "lent slots against plan slots only";
   }
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_engine.h"
+#include "runtime/engine_factory.h"
 #include "runtime/placement.h"
 #include "util/error.h"
 
@@ -30,6 +31,17 @@ inline void apply_cold_experts(const std::string& mode, CudaEngineOptions& opt) 
   } else {
     fail("--cold-experts {}: expected auto, cpu, gpu or read", mode);
   }
+}
+
+// What every CUDA engine the factory opens (one GPU, or each stage of a split) takes from the command line: the
+// served name, --prefill-pass, --kv-q8, --cold-experts, --prefetch-experts and --cache-policy.
+inline void apply_gpu_options(const EngineOptions& o, CudaEngineOptions& c) {
+  c.served_name = o.served_name;
+  c.prefill_chunk = o.prefill_chunk;
+  c.kv_q8 = o.kv_q8;
+  apply_cold_experts(o.cold_experts, c);
+  if (o.prefetch_experts >= 0) c.prefetch_experts = o.prefetch_experts;
+  if (o.cache_policy == "lfu") c.cache_victim_window = EngineOptions::kLfuVictimWindow;
 }
 
 inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {

@@ -40,16 +40,11 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
                                                const EngineOptions& o) {
 #ifdef MOESRV_HAS_CUDA
   CudaEngineOptions c;
-  c.served_name = o.served_name;
+  apply_gpu_options(o, c);
   c.vram_budget_gib = o.vram_budgets_gib.empty() ? o.vram_budget_gib : o.vram_budgets_gib[0];
   c.max_ctx = o.max_ctx;
-  c.prefill_chunk = o.prefill_chunk;
   c.prefill_group = o.prefill_group > 0 ? o.prefill_group : EngineOptions::default_prefill_group(c.vram_budget_gib);
-  c.kv_q8 = o.kv_q8;
   c.mtp = o.mtp;
-  apply_cold_experts(o.cold_experts, c);
-  if (o.prefetch_experts >= 0) c.prefetch_experts = o.prefetch_experts;
-  if (o.cache_policy == "lfu") c.cache_victim_window = EngineOptions::kLfuVictimWindow;
   c.spec = spec;
   if (c.vram_budget_gib > 0) {
     // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,

@@ -61,16 +61,11 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   std::vector<CudaEngineOptions> stages(plan.gpus.size());
   for (size_t g = 0; g < stages.size(); ++g) {
     CudaEngineOptions& s = stages[g];
-    s.served_name = o.served_name;
+    apply_gpu_options(o, s);
     s.spec = spec;
     s.device = int(g);
     s.vram_budget_gib = double(req.budgets[g]) / double(kGiB);
     s.max_ctx = req.context;
-    s.prefill_chunk = o.prefill_chunk;
-    s.kv_q8 = o.kv_q8;
-    apply_cold_experts(o.cold_experts, s);
-    if (o.prefetch_experts >= 0) s.prefetch_experts = o.prefetch_experts;
-    if (o.cache_policy == "lfu") s.cache_victim_window = EngineOptions::kLfuVictimWindow;
   }
   return make_cuda_pipeline(pkg, stages, splits);
 }

@@ -520,14 +520,7 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
     m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
   }
   const int64_t n_slots = slot_count(l, cached, streamable);
-  for (int64_t i = 0; i < n_slots; ++i) {
-    CacheSlot s;
-    s.mem = DeviceBuffer(budget, slot_bytes, "expert cache slot");
-    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
-    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming));
-    MOESRV_CUDA_OK(cudaEventRecord(s.free, stream));
-    m.slots.push_back(std::move(s));
-  }
+  for (int64_t i = 0; i < n_slots; ++i) add_slot(m, DeviceBuffer(budget, slot_bytes, "expert cache slot"));
   lend_slots(l, zero_copy ? 0 : cached + streamable - n_slots, slot_bytes);
   if (!m.exl3 || !m.x3_grouped) return;
   // Slot entries: where every host expert's block has one layout (x3_off), entry x3_slot_base + i of each
@@ -660,16 +653,22 @@ void CudaEngine::Impl::swap_pass_buffers() {
   std::swap(dsa_rows, parked_dsa_rows);
 }
 
-bool CudaEngine::Impl::lend_on() const {
+bool CudaEngine::Impl::lend_on(size_t arena_bytes) const {
   static const bool env = switch_on("MOESRV_LEND_ARENA");
   const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
   return opt.lend_pass_arena && env && hybrid && !model && layer_begin == 0 && layer_end == c.num_layers &&
-         c.n_routed_experts > 0 && rows > kLendRows;
+         c.n_routed_experts > 0 && rows > kLendRows &&
+         arena_bytes >= size_t(std::max(0.0, opt.lend_min_gib) * double(1ull << 30));
 }
 
-// After make_pass_buffers(rows, ...): whether the arena is worth a second, small set of pass buffers.
-bool CudaEngine::Impl::lend_worth(size_t arena_bytes) const {
-  return arena_bytes >= size_t(std::max(0.0, opt.lend_min_gib) * double(1ull << 30));
+// Appends a slot over `mem` to the layer's, free from now on.
+void CudaEngine::Impl::add_slot(DevMoe& m, DeviceBuffer mem) {
+  CacheSlot cs;
+  cs.mem = std::move(mem);
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.ready, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.free, cudaEventDisableTiming));
+  MOESRV_CUDA_OK(cudaEventRecord(cs.free, stream));
+  m.slots.push_back(std::move(cs));
 }
 
 // Layer l's lent slots, appended to its slots: views of the pass arena, as many as its share holds, at most `want`.
@@ -680,15 +679,8 @@ int64_t CudaEngine::Impl::lend_slots(int64_t l, int64_t want, size_t slot_bytes)
   const size_t step = (slot_bytes + 255) / 256 * 256;
   const int64_t n = std::min<int64_t>(
       {want, int64_t(lend_each / step), int64_t((lend_bytes - std::min(lend_bytes, lend_cursor)) / step)});
-  for (int64_t i = 0; i < n; ++i) {
-    CacheSlot cs;
-    cs.mem = DeviceBuffer::view(lend_base + lend_cursor, slot_bytes);
-    lend_cursor += step;
-    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.ready, cudaEventDisableTiming));
-    MOESRV_CUDA_OK(cudaEventCreateWithFlags(&cs.free, cudaEventDisableTiming));
-    MOESRV_CUDA_OK(cudaEventRecord(cs.free, stream));
-    m.slots.push_back(std::move(cs));
-  }
+  for (int64_t i = 0; i < n; ++i, lend_cursor += step)
+    add_slot(m, DeviceBuffer::view(lend_base + lend_cursor, slot_bytes));
   stats.lent_slots += n;
   return n;
 }
@@ -725,7 +717,7 @@ void CudaEngine::Impl::allocate_scratch() {
     return DeviceBuffer(budget, size_t(std::max<int64_t>(n, 1)) * 4, what);
   };
   make_pass_buffers(R, RG, s, attn_rows, dsa_rows);
-  lending = lend_on() && lend_worth(s.pass_arena.bytes());
+  lending = lend_on(s.pass_arena.bytes());
   if (lending) {  // the small set in use, the large one parked (its arena lent to the MoE layers' slots)
     lend_base = s.pass_arena.as<char>(), lend_bytes = s.pass_arena.bytes();
     make_pass_buffers(kLendRows, kLendRows, parked, parked_attn_rows, parked_dsa_rows);

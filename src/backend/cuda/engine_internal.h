@@ -458,8 +458,10 @@ struct CudaEngine::Impl {
   int64_t parked_attn_rows = 0, parked_dsa_rows = 0;
   char* lend_base = nullptr;                              // the large set's arena
   size_t lend_bytes = 0, lend_each = 0, lend_cursor = 0;  // its size, each MoE layer's share, the bytes handed out
-  bool lend_on() const;  // whether this engine lends (a budget or placement, a whole model, not the MTP block)
-  bool lend_worth(size_t arena_bytes) const;  // and whether its arena is large enough (lend_min_gib)
+  // Whether this engine lends its arena of `arena_bytes`: a budget or placement, a whole model, not the MTP block,
+  // at least lend_min_gib.
+  bool lend_on(size_t arena_bytes) const;
+  void add_slot(cuda::DevMoe& m, cuda::DeviceBuffer mem);  // a free slot over `mem`, appended to m's
   // Pass buffers for passes of R rows (groups of RG) in one arena: into t, with their row counts.
   void make_pass_buffers(int64_t R, int64_t RG, Scratch& t, int64_t& t_attn_rows, int64_t& t_dsa_rows);
   void swap_pass_buffers();
