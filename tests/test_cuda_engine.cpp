@@ -369,6 +369,25 @@ TEST_P(CudaVsCpu, HybridPlacementsMatchAllVram) {
     }
     EXPECT_EQ(st.graph_replays, 0) << "hybrid decode must not use the all-VRAM graph";
   }
+  // Under a placement the embedding table stays in host memory (read in place): the same logits as in VRAM, its bytes
+  // out of the VRAM in use.
+  std::vector<float> outs[2];
+  size_t used[2] = {0, 0};
+  for (bool host : {true, false}) {
+    CudaEngineOptions opt;
+    opt.cache_slots = 2;
+    opt.host_embedding = host;
+    opt.placement = base;
+    for (auto& layer : opt.placement) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
+    auto e = gpu_engine(GetParam(), opt);
+    outs[host] = run(*e);
+    const auto st = e->stats();
+    used[host] = st.vram_used;
+    const size_t table = size_t(e->vocab_size()) * size_t(e->hidden_size()) * 2;
+    EXPECT_EQ(st.host_embedding_bytes, host ? table : 0) << "host embedding " << host;
+  }
+  EXPECT_EQ(outs[1], outs[0]);
+  EXPECT_LT(used[1], used[0]);
 }
 
 // A host-planned MoE pass run in waves of 7 sorted rows (experts cut across waves, each wave combined on its own)

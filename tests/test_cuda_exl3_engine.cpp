@@ -405,8 +405,9 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
         (n.ends_with(".trellis") || n.ends_with(".suh") || n.ends_with(".svh")))
       expert_bytes += pkg->require(n).nbytes;
   // What the plan reserves per sequence: its caches and, with recurrent state, the most checkpoints it keeps (one per
-  // multi-token forward).
-  const double used = double(ref_engine->stats().vram_used);
+  // multi-token forward). Under a budget the embedding table stays in host memory (CudaEngineOptions::host_embedding).
+  const double table = double(V) * double(ref_engine->hidden_size()) * 2;
+  const double used = double(ref_engine->stats().vram_used) - table;
   auto largest = ref_engine->new_sequence();
   for (size_t i = 0; i + 2 <= 16; i += 2)
     ref_engine->forward(*largest, std::vector<int32_t>(prompt.begin() + int64_t(i), prompt.begin() + int64_t(i) + 2));
@@ -415,6 +416,7 @@ TEST_P(CudaExl3, HybridPlacementsAndBudget) {
   part.stream_cold = false;  // no streaming slots reserved: the budget is split between VRAM and CPU experts only
   part.vram_budget_gib = (used + double(largest->bytes()) - 0.5 * double(expert_bytes)) / double(1ull << 30);
   auto e = gpu(dir, part);
+  EXPECT_EQ(double(e->stats().host_embedding_bytes), table);
   int cpu = 0, vram = 0;
   for (auto& l : e->placement())
     for (auto p : l) (p == ExpertPlacement::Cpu ? cpu : vram)++;

@@ -76,11 +76,27 @@ TEST(ExpertCache, VictimWindowKeepsTheOftenUsed) {
   a = c.admit(0, 6);  // 0 is the least recent, 5 the least used
   ASSERT_TRUE(a);
   EXPECT_EQ(a->evicted, 5);
+  // A pass that admits its experts before computing them retains each: the window skips them, however little used.
+  c.retain(0, 6);
+  EXPECT_FALSE(c.lookup(0, 8));
+  a = c.admit(0, 8);  // 6 is the least used but retained; of 0, 1, 3 (used 3 times each) 0 is the least recent
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 0);
+  c.retain(0, 8);
+  EXPECT_FALSE(c.lookup(0, 0));
+  a = c.admit(0, 0);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 1);
+  c.release(0, 6), c.release(0, 8);
+  EXPECT_FALSE(c.lookup(0, 9));
+  a = c.admit(0, 9);  // released: the least used of the window again (6 and 8 once each, 6 the less recent)
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->evicted, 6);
   c.set_victim_window(1);  // plain LRU again
   EXPECT_FALSE(c.lookup(0, 7));
   a = c.admit(0, 7);
   ASSERT_TRUE(a);
-  EXPECT_EQ(a->evicted, 0);
+  EXPECT_EQ(a->evicted, 3);
   EXPECT_THROW(c.set_victim_window(0), Error);
 }
 

@@ -53,8 +53,8 @@ TEST(MultiGpuFactory, PrefetchExpertsOption) {
 }
 
 TEST(MultiGpuFactory, CachePolicyOption) {
-  EXPECT_EQ(parse({}).cache_policy, "lru");
-  EXPECT_EQ(parse({"--cache-policy", "lfu"}).cache_policy, "lfu");
+  EXPECT_EQ(parse({}).cache_policy, "lfu");
+  EXPECT_EQ(parse({"--cache-policy", "lru"}).cache_policy, "lru");
   EXPECT_THROW(parse({"--cache-policy", "mru"}), CLI::ParseError);
 }
 

@@ -41,7 +41,7 @@ inline void apply_gpu_options(const EngineOptions& o, CudaEngineOptions& c) {
   c.kv_q8 = o.kv_q8;
   apply_cold_experts(o.cold_experts, c);
   if (o.prefetch_experts >= 0) c.prefetch_experts = o.prefetch_experts;
-  if (o.cache_policy == "lfu") c.cache_victim_window = EngineOptions::kLfuVictimWindow;
+  c.cache_victim_window = o.cache_policy == "lru" ? 1 : CudaEngineOptions::kLfuVictimWindow;
 }
 
 inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {

@@ -93,9 +93,9 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
       ->check(CLI::Range(-1, 64))
       ->capture_default_str();
   cmd->add_option("--cache-policy", o.cache_policy,
-                  "GPU decode under --vram-budget, the experts' LRU slots: lru (evict the least recently used) or lfu "
-                  "(the least routed of the 16 least recently used: +23% decode at 22 GiB in the bench's skewed "
-                  "routing, opt-in; docs/perf-cuda.md)")
+                  "GPU decode under --vram-budget, the experts' cache slots: lfu (evict the least routed of the 16 "
+                  "least recently used: +23% decode at 22 GiB in the bench's skewed routing; docs/perf-cuda.md) or "
+                  "lru (the least recently used)")
       ->check(CLI::IsMember({"lru", "lfu"}))
       ->capture_default_str();
   if (with_ctx) cmd->add_option("--max-ctx", o.max_ctx, "GPU KV cache tokens per sequence (0: default)");

@@ -32,8 +32,7 @@ struct EngineOptions {
   std::string cold_experts = "auto";  // CUDA, cold (non-VRAM) experts: auto | cpu | gpu | read (apply_cold_experts)
   bool mtp = false;  // CUDA: load the checkpoint's MTP block (speculative decoding); the CPU engine always maps it
   int prefetch_experts = -1;  // CUDA: --prefetch-experts (CudaEngineOptions::prefetch_experts); -1: its default
-  std::string cache_policy = "lru";  // CUDA: --cache-policy lru | lfu (CudaEngineOptions::cache_victim_window 1 | 16)
-  static constexpr int kLfuVictimWindow = 16;
+  std::string cache_policy = "lfu";  // CUDA: --cache-policy lfu | lru (CudaEngineOptions::cache_victim_window 16 | 1)
 };
 
 // Opens the package once and parses its config once; the engine reuses both.

@@ -103,14 +103,19 @@ struct CudaEngineOptions {
   // misses). false (or MOESRV_LEND_ARENA=0): the slots the plan gives only.
   bool lend_pass_arena = true;
   // LRU slots outside a prefill's streaming: the victim is the least routed (decayed lookup counts) of this many least
-  // recently used experts (ExpertCache::set_victim_window; 1: plain LRU, the default; --cache-policy lfu: 16, decode
+  // recently used experts (ExpertCache::set_victim_window; 1: plain LRU, --cache-policy lru; 16, the default: decode
   // +23% at 22 GiB on an H100, docs/perf-cuda.md "Seventeenth round"). MOESRV_CACHE_VICTIM_WINDOW=N overrides.
-  int cache_victim_window = 1;
+  static constexpr int kLfuVictimWindow = 16;
+  int cache_victim_window = kLfuVictimWindow;
   // Shares the arena is cut into (0: this engine's MoE layers with experts outside VRAM). A slice of a larger model
   // gives the whole model's count, so each of its layers gets the lent slots it would get in the whole model.
   int lend_share_layers = 0;
   // Only an arena of at least this size is lent (a smaller one holds few experts, and the small set costs memory).
   double lend_min_gib = 1.0;
+  // Under a budget or placement: the token embedding table stays in mapped page-locked host memory (a pass reads its
+  // tokens' rows over PCIe: 8 KB a token for GLM-5.3-Flash), so its VRAM (1.2 GiB there) holds experts instead.
+  // false (or MOESRV_HOST_EMBED=0): in VRAM.
+  bool host_embedding = true;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
@@ -196,6 +201,7 @@ struct CudaEngineStats {
   // lend_pass_arena: the lent slots made (all layers), and the forwards that switched between lending the arena and
   // taking it back.
   int64_t lent_slots = 0, arena_switches = 0;
+  size_t host_embedding_bytes = 0;  // the embedding table kept in host memory (CudaEngineOptions::host_embedding)
   // zero_copy_cold: layers that read their host experts in place, and the selections of those experts (counted on
   // the device, every pass, read when stats() is called) with their bytes.
   int64_t zero_copy_layers = 0, zero_copy_selections = 0;

@@ -179,7 +179,16 @@ void CudaEngine::Impl::upload_weights() {
       W.embed->rows_to_f32(r, r + n, tmp.data());
       for (float v : tmp) e.push_back(f32_to_bf16_host(v));
     }
-    embed = up.vec(e, "embedding");
+    static const bool host_env = switch_on("MOESRV_HOST_EMBED");
+    const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
+    if (hybrid && opt.host_embedding && host_env) {  // (read in place by embed_gather)
+      embed_host = PinnedBuffer(e.size() * 2, true);
+      std::copy(e.begin(), e.end(), embed_host.as<uint16_t>());
+      embed = DeviceBuffer::view(embed_host.device(), embed_host.bytes());
+      stats.host_embedding_bytes = embed_host.bytes();
+    } else {
+      embed = up.vec(e, "embedding");
+    }
   }
   // cos/sin per position with the attention factor, computed exactly like Rope::apply.
   if (model) {

@@ -67,8 +67,9 @@ void DeviceBuffer::reset() {
   bytes_ = 0;
 }
 
-PinnedBuffer::PinnedBuffer(size_t bytes) : bytes_(bytes) {
-  MOESRV_CUDA_OK(cudaHostAlloc(&ptr_, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+PinnedBuffer::PinnedBuffer(size_t bytes, bool mapped) : bytes_(bytes) {
+  MOESRV_CUDA_OK(cudaHostAlloc(&ptr_, std::max<size_t>(bytes, 1), mapped ? cudaHostAllocMapped : cudaHostAllocDefault));
+  if (mapped) MOESRV_CUDA_OK(cudaHostGetDevicePointer(&dev_, ptr_, 0));
 }
 PinnedBuffer::~PinnedBuffer() {
   if (ptr_) cudaFreeHost(ptr_);
@@ -77,6 +78,7 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
   if (this != &o) {
     if (ptr_) cudaFreeHost(ptr_);
     ptr_ = o.ptr_;
+    dev_ = o.dev_;
     bytes_ = o.bytes_;
     o.ptr_ = nullptr;
   }

@@ -8,10 +8,23 @@ namespace moesrv::cuda {
 
 namespace {
 
+// 16-byte loads where rows allow (D % 8 == 0): the table may be read in place from host memory over PCIe.
 __global__ void embed_kernel(const uint16_t* table, const int32_t* ids, int D, float* out) {
   pdl_enter();
   const uint16_t* row = table + int64_t(ids[blockIdx.x]) * D;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) out[int64_t(blockIdx.x) * D + i] = bf16_to_f32(row[i]);
+  float* o = out + int64_t(blockIdx.x) * D;
+  if (D % 8 == 0) {
+    for (int i = threadIdx.x; i < D / 8; i += blockDim.x) {
+      const uint4 v = reinterpret_cast<const uint4*>(row)[i];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      for (int j = 0; j < 4; ++j) {
+        o[8 * i + 2 * j] = bf16_to_f32(uint16_t(w[j] & 0xffffu));
+        o[8 * i + 2 * j + 1] = bf16_to_f32(uint16_t(w[j] >> 16));
+      }
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = bf16_to_f32(row[i]);
 }
 
 __global__ void rms_norm_kernel(const float* x, int64_t xs, const float* w, int d, float eps, float* y, int64_t ys) {

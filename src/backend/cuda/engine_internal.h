@@ -110,16 +110,19 @@ class DeviceGuard {
 class PinnedBuffer {
  public:
   PinnedBuffer() = default;
-  explicit PinnedBuffer(size_t bytes);
+  // `mapped`: kernels may read it in place, at device() (zero copy over PCIe).
+  explicit PinnedBuffer(size_t bytes, bool mapped = false);
   ~PinnedBuffer();
-  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), dev_(o.dev_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
   template <typename T>
   T* as() const { return static_cast<T*>(ptr_); }
+  void* device() const { return dev_; }  // nullptr unless mapped
   size_t bytes() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
+  void* dev_ = nullptr;
   size_t bytes_ = 0;
 };
 
@@ -362,7 +365,8 @@ struct CudaEngine::Impl {
   cublasHandle_t cublas = nullptr;
   cuda::DeviceBuffer cublas_workspace;
 
-  cuda::DeviceBuffer embed, cos_sin;
+  cuda::DeviceBuffer embed, cos_sin;  // embed: a view of embed_host when the table is kept in host memory
+  cuda::PinnedBuffer embed_host;
   cuda::DevNorm final_norm;
   cuda::DevLinear lm_head;
   std::vector<cuda::DevLayer> layers;
@@ -616,8 +620,13 @@ struct CudaEngine::Impl {
   void measure_cold_rates();  // at start, from one streamable expert
   void update_cpu_rate(int64_t tokens, double seconds);
   // Expert e's block of layer l in VRAM or a cache slot (*slot; -1 for a VRAM expert). A miss is admitted and its
-  // copy queued on copy_stream at once; reading a slot waits for its copy (wait_slot on `stream`).
-  const void* expert_weights(int64_t l, int e, int* slot);
+  // copy queued on copy_stream at once; reading a slot waits for its copy (wait_slot on `stream`). `hold`: the slot
+  // stays retained (never a victim) until release_held(), for passes that admit all their experts before computing
+  // any (otherwise a later admission of the same pass could pick an earlier one's slot, whose `free` event still
+  // marks its previous read: the copy would overwrite weights the pass has yet to read).
+  const void* expert_weights(int64_t l, int e, int* slot, bool hold = false);
+  std::vector<std::pair<int32_t, int32_t>> held_experts;  // (layer, expert) retained by expert_weights(hold)
+  void release_held();
   void fill_slot(int64_t l, int e, const Admission& a);
   void wait_slot(const cuda::DevMoe& m, int slot);
   // Decode under a budget: the next MoE layer's router applied to this layer's input picks the experts whose copies

@@ -105,21 +105,29 @@ void CudaEngine::Impl::shared_expert_exl3(const DevMoe& m, const float* h, float
                 s.x3_yr.bytes() / 4, x3_tickets(), y, c.hidden_size, nullptr, stream);
 }
 
-const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot) {
+const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot, bool hold) {
   DevMoe& m = *layers[size_t(l)].moe;
   *slot = -1;
   if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.vram[size_t(e)].as<void>();
-  if (std::optional<int32_t> hit = expert_cache->lookup(int32_t(l), e)) {
+  const int32_t L = int32_t(l);
+  if (std::optional<int32_t> hit = hold ? expert_cache->acquire(L, e) : expert_cache->lookup(L, e)) {
     *slot = *hit;
     if (std::exchange(prefetched[size_t(l)][size_t(e)], uint8_t(0))) ++stats.prefetch_hits;
   } else {
-    // No slot is ever retained: the events below order a slot's reuse after the GPU's last read of it.
-    std::optional<Admission> a = expert_cache->admit(int32_t(l), e, stream_window);
+    // Unless held, a slot is not retained: the `free` events order its reuse after the GPU's last read of it.
+    std::optional<Admission> a = expert_cache->admit(L, e, stream_window);
     if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
     *slot = a->slot;
+    if (hold) expert_cache->retain(L, e);
     fill_slot(l, e, *a);
   }
+  if (hold) held_experts.emplace_back(L, e);
   return m.slots[size_t(*slot)].mem.as<void>();
+}
+
+void CudaEngine::Impl::release_held() {
+  for (const auto& [l, e] : held_experts) expert_cache->release(l, e);
+  held_experts.clear();
 }
 
 // Copies expert e's stored block into the slot it was just admitted to, on copy_stream, after the GPU's last read of
@@ -223,7 +231,7 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   for (size_t q = 0; q < runs.size(); ++q) {
     const auto [e, row0] = runs[q];
     const int64_t cnt = int64_t(pass.by_expert[size_t(e)].size());
-    expert_weights(l, e, &slot_of[q]);  // a miss is admitted and its copy queued
+    expert_weights(l, e, &slot_of[q], true);  // a miss is admitted and its copy queued
     std::fill_n(row_expert + row0, cnt, int32_t(slot_of[q] < 0 ? e : m.x3_slot_base + slot_of[q]));
     stats.routed_selections += cnt;
     if (run_home[q] < 2) stats.vram_selections += cnt, ready_rows = row0 + cnt;
@@ -245,6 +253,7 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   }
   for (size_t q = 0; q < runs.size(); ++q)
     if (slot_of[q] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[q])].free, stream));
+  release_held();
 }
 
 // Host arrays (pinned) to the device on `stream`: by value through one kernel when they are small (a decode pass's),
@@ -341,6 +350,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   float* y = s.y.as<float>() + s0 * D;
   const int32_t* d_ids = s.ids.as<int32_t>() + s0 * k;
   const float* d_w = s.w.as<float>() + s0 * k;
+  release_held();  // (left by a pass that failed)
   bool any_cpu = false;
   for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
@@ -469,7 +479,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
       if (ahead) {
         std::stable_sort(gpu_jobs.begin(), gpu_jobs.end(),
                          [](const GpuJob& x, const GpuJob& y) { return x.order < y.order; });
-        for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j]);
+        for (size_t j = 0; j < gpu_jobs.size(); ++j) block_of[j] = expert_weights(l, gpu_jobs[j].e, &slot_of[j], true);
         run_prefetch();
       }
       // Hybrid lanes (EXL3, experts with GEMM-sized row counts): with hybrid_lanes_copied (the default) each runs on
@@ -522,6 +532,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
         }
         if (slot_of[j] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[j])].free, on));
       }
+      release_held();  // (every slot's last read of this wave is ordered by its `free` event now)
       if (any_laned)
         for (ExpertLane& lane : expert_lanes) {
           MOESRV_CUDA_OK(cudaEventRecord(lane.join, lane.stream));
