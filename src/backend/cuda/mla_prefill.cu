@@ -57,14 +57,18 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
   __shared__ int key_s[kKeys];
   __shared__ float corr_s[kHeads], l_s[kHeads], m_s[kHeads];
 
-  const int s = blockIdx.x, h0 = blockIdx.y * kHeads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Block x = (query s, head group): a query's head groups are neighbours in launch order, so they run at about the
+  // same time and share the gathered key rows through L2 (with the query fastest, each group gathered them from HBM).
+  const int groups = (a.H + kHeads - 1) / kHeads, split = int(blockIdx.y);
+  const int s = int(blockIdx.x) / groups, h0 = (int(blockIdx.x) % groups) * kHeads;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int pos = *a.pos0 + s;
   const uint16_t* kv = static_cast<const uint16_t*>(a.lc->kv);
   const int n_keys = a.selection ? a.sel_k : pos + 1;
   const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
   const int per = part ? (n_keys + kMlaSplits - 1) / kMlaSplits : n_keys;  // this block's keys [k0, k1)
-  const int k0 = part ? int(blockIdx.z) * per : 0, k1 = min(n_keys, k0 + per);
+  const int k0 = part ? split * per : 0, k1 = min(n_keys, k0 + per);
 
   // this warp's 16-dim steps [ks0, ks0 + nks) of q (x scale) as A fragments, fp16 value [0] and remainder [1]
   const int steps = D16 / 16, wsteps = (steps + kWarps - 1) / kWarps, ks0 = min(steps, warp * wsteps);
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
   const bool lo_ok = h0 + g < a.H, hi_ok = h0 + g + 8 < a.H;
   if (part) {  // [S][H][kMlaSplits][v_dim + 2]: unnormalised values | max | sum
     const int R = a.v_dim;
-    auto at = [&](int h) { return part + ((int64_t(s) * a.H + h0 + h) * kMlaSplits + blockIdx.z) * (R + 2); };
+    auto at = [&](int h) { return part + ((int64_t(s) * a.H + h0 + h) * kMlaSplits + split) * (R + 2); };
 #pragma unroll
     for (int n = 0; n < VN; ++n) {
       if (warp + 8 * n >= NT) break;
@@ -250,8 +254,8 @@ template <int VN, int WS>
 void launch_prefill(const AttentionArgs& a, float* part, cudaStream_t st) {
   const size_t smem = prefill_smem_bytes(a.q_dim);
   reserve_dynamic_smem(mla_prefill_kernel<VN, WS>, smem, "mla_prefill_attention");
-  launch(mla_prefill_kernel<VN, WS>, dim3(unsigned(a.S), unsigned(ceil_div(a.H, kHeads)), part ? kMlaSplits : 1),
-         kThreads, smem, st, a, part);
+  launch(mla_prefill_kernel<VN, WS>, dim3(unsigned(a.S * ceil_div(a.H, kHeads)), part ? kMlaSplits : 1), kThreads, smem,
+         st, a, part);
 }
 
 template <int WS>
