@@ -701,6 +701,7 @@ int64_t CudaEngine::Impl::lend_slots(int64_t l, int64_t want, size_t slot_bytes)
 void CudaEngine::Impl::pass_mode(int64_t S) {
   if (!lending || (S > kLendRows) == pass_big) return;
   const bool big = S > kLendRows;
+  release_held();  // (left by a pass that failed: withdraw refuses retained experts)
   if (big) MOESRV_CUDA_OK(cudaStreamSynchronize(copy_stream));
   for (int64_t l = 0; l < int64_t(layers.size()); ++l) {
     if (!layers[size_t(l)].moe || !expert_cache) continue;
