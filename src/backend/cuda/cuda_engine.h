@@ -114,7 +114,7 @@ struct CudaEngineOptions {
   double lend_min_gib = 1.0;
   // Under a budget or placement: the token embedding table stays in mapped page-locked host memory (a pass reads its
   // tokens' rows over PCIe: 8 KB a token for GLM-5.3-Flash), so its VRAM (1.2 GiB there) holds experts instead.
-  // false (or MOESRV_HOST_EMBED=0): in VRAM.
+  // false (or MOESRV_HOST_EMBED=0), or no page-locked memory to spare (a line on stderr): in VRAM.
   bool host_embedding = true;
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.

@@ -182,7 +182,13 @@ void CudaEngine::Impl::upload_weights() {
     static const bool host_env = switch_on("MOESRV_HOST_EMBED");
     const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
     if (hybrid && opt.host_embedding && host_env) {  // (read in place by embed_gather)
-      embed_host = PinnedBuffer(e.size() * 2, true);
+      try {
+        embed_host = PinnedBuffer(e.size() * 2, true);
+      } catch (const Error& err) {  // no page-locked memory to spare: the table goes to VRAM as without a budget
+        std::fprintf(stderr, "moesrv: embedding table kept in VRAM (%s)\n", err.what());
+      }
+    }
+    if (embed_host.bytes()) {
       std::copy(e.begin(), e.end(), embed_host.as<uint16_t>());
       embed = DeviceBuffer::view(embed_host.device(), embed_host.bytes());
       stats.host_embedding_bytes = embed_host.bytes();

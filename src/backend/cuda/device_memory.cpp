@@ -3,6 +3,7 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "backend/cpu/exl3_linear.h"
 #include "backend/cuda/engine_internal.h"
@@ -69,7 +70,11 @@ void DeviceBuffer::reset() {
 
 PinnedBuffer::PinnedBuffer(size_t bytes, bool mapped) : bytes_(bytes) {
   MOESRV_CUDA_OK(cudaHostAlloc(&ptr_, std::max<size_t>(bytes, 1), mapped ? cudaHostAllocMapped : cudaHostAllocDefault));
-  if (mapped) MOESRV_CUDA_OK(cudaHostGetDevicePointer(&dev_, ptr_, 0));
+  if (!mapped) return;
+  const cudaError_t err = cudaHostGetDevicePointer(&dev_, ptr_, 0);
+  if (err == cudaSuccess) return;
+  cudaFreeHost(std::exchange(ptr_, nullptr));  // (no destructor runs for a constructor that throws)
+  MOESRV_CUDA_OK(err);
 }
 PinnedBuffer::~PinnedBuffer() {
   if (ptr_) cudaFreeHost(ptr_);
