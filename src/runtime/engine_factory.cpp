@@ -94,7 +94,7 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool with_ctx) {
       ->capture_default_str();
   cmd->add_option("--cache-policy", o.cache_policy,
                   "GPU decode under --vram-budget, the experts' cache slots: lfu (evict the least routed of the 16 "
-                  "least recently used: +23% decode at 22 GiB in the bench's skewed routing; docs/perf-cuda.md) or "
+                  "least recently used: +12% decode at 22 GiB in the bench's skewed routing; docs/perf-cuda.md) or "
                   "lru (the least recently used)")
       ->check(CLI::IsMember({"lru", "lfu"}))
       ->capture_default_str();

@@ -104,7 +104,8 @@ struct CudaEngineOptions {
   bool lend_pass_arena = true;
   // LRU slots outside a prefill's streaming: the victim is the least routed (decayed lookup counts) of this many least
   // recently used experts (ExpertCache::set_victim_window; 1: plain LRU, --cache-policy lru; 16, the default: decode
-  // +23% at 22 GiB on an H100, docs/perf-cuda.md "Seventeenth round"). MOESRV_CACHE_VICTIM_WINDOW=N overrides.
+  // +12% at 22 GiB and +10% at 44 GiB on an H100, docs/perf-cuda.md "Eighteenth round"). MOESRV_CACHE_VICTIM_WINDOW=N
+  // overrides.
   static constexpr int kLfuVictimWindow = 16;
   int cache_victim_window = kLfuVictimWindow;
   // Shares the arena is cut into (0: this engine's MoE layers with experts outside VRAM). A slice of a larger model
