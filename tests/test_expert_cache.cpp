@@ -100,6 +100,54 @@ TEST(ExpertCache, VictimWindowKeepsTheOftenUsed) {
   EXPECT_THROW(c.set_victim_window(0), Error);
 }
 
+// The GPU engine's decode passes that admit all their experts before computing any (at most the usable slots) hold
+// each one (acquire on a hit, retain after admit) until they have run: with any victim window, with lent slots coming
+// and going between passes, every held expert keeps the slot it was given until released, and no two share one.
+TEST(ExpertCache, HeldExpertsKeepTheirSlotsUnderAnyWindow) {
+  for (int window : {1, 4, 16, 64}) {
+    ExpertCache c({12}, 64, {5});
+    c.set_victim_window(window);
+    uint32_t rng = 12345u + uint32_t(window);
+    auto next = [&](uint32_t n) {
+      rng = rng * 1664525u + 1013904223u;
+      return (rng >> 8) % n;
+    };
+    int64_t misses = 0;
+    for (int pass = 0; pass < 3000; ++pass) {
+      if (pass % 50 == 0) {  // a prefill between decode passes takes the lent slots back, the next decode lends them
+        if (pass % 100 == 0) c.withdraw(0);
+        else c.lend(0);
+      }
+      const int usable = c.usable_slots(0);
+      const int picks = 1 + int(next(uint32_t(usable)));
+      std::vector<std::pair<int32_t, int32_t>> held;  // expert, slot
+      std::set<int32_t> chosen;
+      while (int(chosen.size()) < picks) {
+        // skewed: half of the picks from the 8 hottest experts
+        const int32_t e = next(2) ? int32_t(next(8)) : int32_t(next(64));
+        if (!chosen.insert(e).second) continue;
+        std::optional<int32_t> s = c.acquire(0, e);
+        if (!s) {
+          ++misses;
+          std::optional<Admission> a = c.admit(0, e);
+          ASSERT_TRUE(a) << "window " << window << ", pass " << pass;
+          c.retain(0, e);
+          s = a->slot;
+          for (const auto& [he, hs] : held) ASSERT_NE(a->evicted, he) << "window " << window << ", pass " << pass;
+        }
+        held.emplace_back(e, *s);
+      }
+      std::set<int32_t> slots;
+      for (const auto& [e, s] : held) {
+        ASSERT_EQ(c.peek(0, e), s) << "window " << window << ", pass " << pass << ", expert " << e;
+        ASSERT_TRUE(slots.insert(s).second) << "window " << window << ", pass " << pass;
+      }
+      for (const auto& [e, s] : held) c.release(0, e);
+    }
+    EXPECT_GT(misses, 100) << "window " << window;
+  }
+}
+
 TEST(ExpertCache, EvictsLeastRecentlyUsed) {
   ExpertCache c({3}, 16);
   for (int e : {0, 1, 2}) {
