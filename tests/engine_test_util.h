@@ -76,7 +76,11 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
     const char* v = std::getenv("MOESRV_BENCH_HOST_ARGMAX");
     return v && v[0] == '1';
   }();
-  auto step = [&] { tok = host_argmax ? greedy(e.forward(*seq, {tok})) : e.forward_argmax(*seq, {tok}); };
+  std::vector<int32_t> made;  // the tokens decode made (distinct draft tokens for the verify passes below)
+  auto step = [&] {
+    tok = host_argmax ? greedy(e.forward(*seq, {tok})) : e.forward_argmax(*seq, {tok});
+    made.push_back(tok);
+  };
   for (int i = 0; i < warm; ++i) step();
   if (before_timed) before_timed();
   t0 = Clock::now();
@@ -91,9 +95,15 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
     auto* mtp = dynamic_cast<MtpEngine*>(&e);
     std::vector<float> hidden;
     for (int k = 1; k <= verify_k; ++k) {
-      const std::vector<int32_t> tokens(size_t(k + 1), tok);
       double best = 1e30;
       for (int rep = 0; rep < 4; ++rep) {
+        // Each pass its own k + 1 tokens (from those decode made, newest first): repeating one token would route
+        // every row and every pass alike, and under a budget every pass after the first would find its experts cached.
+        std::vector<int32_t> tokens(size_t(k + 1), tok);
+        for (size_t j = 0; j < tokens.size(); ++j) {
+          const size_t back = size_t(rep) * tokens.size() + j + 1;
+          if (back <= made.size()) tokens[j] = made[made.size() - back];
+        }
         t0 = Clock::now();
         if (mtp) {
           mtp->forward_hidden(*seq, tokens, true, true, hidden);
