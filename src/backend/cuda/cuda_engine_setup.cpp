@@ -180,8 +180,7 @@ void CudaEngine::Impl::upload_weights() {
       for (float v : tmp) e.push_back(f32_to_bf16_host(v));
     }
     static const bool host_env = switch_on("MOESRV_HOST_EMBED");
-    const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
-    if (hybrid && opt.host_embedding && host_env) {  // (read in place by embed_gather)
+    if (hybrid_options() && opt.host_embedding && host_env) {  // (read in place by embed_gather)
       try {
         embed_host = PinnedBuffer(e.size() * 2, true);
       } catch (const Error& err) {  // no page-locked memory to spare: the table goes to VRAM as without a budget
@@ -670,8 +669,7 @@ void CudaEngine::Impl::swap_pass_buffers() {
 
 bool CudaEngine::Impl::lend_on(size_t arena_bytes) const {
   static const bool env = switch_on("MOESRV_LEND_ARENA");
-  const bool hybrid = opt.vram_budget_gib > 0 || !opt.placement.empty() || opt.plan_placement;
-  return opt.lend_pass_arena && env && hybrid && !model && layer_begin == 0 && layer_end == c.num_layers &&
+  return opt.lend_pass_arena && env && hybrid_options() && !model && layer_begin == 0 && layer_end == c.num_layers &&
          c.n_routed_experts > 0 && rows > kLendRows &&
          arena_bytes >= size_t(std::max(0.0, opt.lend_min_gib) * double(1ull << 30));
 }

@@ -332,6 +332,9 @@ class PhaseClock {
 
 struct CudaEngine::Impl {
   CudaEngineOptions opt;
+  // A budget, a given placement or a planner: experts may live outside VRAM (hybrid lanes, the lent pass arena, the
+  // embedding table in host memory).
+  bool hybrid_options() const { return opt.vram_budget_gib > 0 || !opt.placement.empty() || bool(opt.plan_placement); }
   std::unique_ptr<ModelWeights> weights;  // host weights: CPU experts and upload source
   // Page-locked host expert weights (declared before `layers`, so it outlives every HostExperts using it).
   std::unique_ptr<cuda::HostRegistration> host_registration = std::make_unique<cuda::HostRegistration>();

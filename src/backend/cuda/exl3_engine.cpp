@@ -127,7 +127,7 @@ void CudaEngine::Impl::allocate_hybrid_lanes(size_t reserve_bytes) {
   const char* v = std::getenv("MOESRV_HYBRID_LANES");
   const int n = std::clamp(v && v[0] ? std::atoi(v) : opt.hybrid_lanes, 0, 7);
   if (n == 0 || rows <= kExl3MaxGemvRows || !expert_lanes.empty()) return;
-  if (opt.vram_budget_gib <= 0 && opt.placement.empty() && !opt.plan_placement && exl3_waves_on()) return;
+  if (!hybrid_options() && exl3_waves_on()) return;
   const Exl3Extent moe = expert_extent(layers);
   if (moe.whole == 0) return;
   const int64_t rb = std::min(rows, kGemmRowBlock);
