@@ -594,7 +594,7 @@ void moe(int i) {  // Impl::moe, all experts in VRAM
 constexpr int kPrefillExperts = 16, kPrefillRows = 192;
 struct PrefillBufs {
   uint16_t *xh = nullptr, *w16 = nullptr;
-  float* yr = nullptr;
+  float *yr = nullptr, *y = nullptr;
   Exl3GemmTile* tiles = nullptr;
   int n_tiles = 0;
 } P;
@@ -611,10 +611,12 @@ void prefill_setup() {
       tiles.push_back({e, e * kPrefillRows + r, std::min(tr, kPrefillRows - r), 0});
   P.xh = upload(x), P.tiles = upload(tiles), P.n_tiles = int(tiles.size());
   P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
+  P.y = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I);
 }
-void prefill_grouped() {
+void prefill_grouped(int form, bool rotate_out = false) {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
-  exl3_grouped_gemm(W.expert_shape[0], W.tab, P.tiles, P.n_tiles, P.xh, P.yr, g_st, exl3_gemm_tile_rows());
+  exl3_grouped_gemm(W.expert_shape[0], W.tab, P.tiles, P.n_tiles, P.xh, P.yr, g_st, exl3_gemm_tile_rows(), form,
+                    rotate_out ? P.y : nullptr, I);
 }
 void prefill_cublas() {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
@@ -902,7 +904,12 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("MoE EXL3 experts gate, 9x 2048x4096", [](int i) { experts_part(0, B.rand_ids + size_t(i) * KK, KK); });
   if (selected("prefill")) {
     prefill_setup();
-    bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(); });
+    bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(-1); });
+    for (int form : {0, 1, 2})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 0 = session 12's)
+      bench("prefill EXL3 grouped GEMM form " + std::to_string(form) + ", 16 experts x 192 rows, gate 2048x4096",
+            [form](int) { prefill_grouped(form); });
+    bench("prefill EXL3 grouped GEMM form 1 + output rotation, 16 experts x 192 rows, gate 2048x4096",
+          [](int) { prefill_grouped(1, true); });
     bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
     for (const Ctx& c : ctxs) {
       bench("prefill MLA attention, 512 queries x 2048 keys, ctx " + c.label, [&](int i) { prefill_mla(i, c); });

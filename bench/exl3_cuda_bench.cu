@@ -19,6 +19,7 @@
 #include "backend/cuda/exl3_cuda.h"
 #include "backend/cuda/exl3_ops.h"
 #include "format/exl3_codebook.h"
+#include "format/exl3_hadamard.h"
 #include "format/exl3_tile.h"
 #include "util/numeric.h"
 
@@ -205,23 +206,47 @@ void correctness(bool quick) {
       auto x = randn(size_t(rows) * gin, uint32_t(K + 5));
       std::vector<uint16_t> xh(x.size());
       for (size_t i = 0; i < x.size(); ++i) xh[i] = f32_to_f16(x[i]);
-      const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh);
-      double num = 0, den = 0;
-      int r0 = 0;
-      for (const auto& [e, n] : pieces) {
-        for (int r = r0; r < r0 + n; ++r)
-          for (int64_t c = 0; c < gout; ++c) {
-            double ref = 0;
-            for (int64_t k = 0; k < gin; ++k)
-              ref += double(f16_to_f32(xh[size_t(r) * gin + k])) * what[size_t(e)][size_t(k * gout + c)];
-            const double d = double(y[size_t(r) * gout + c]) - ref;
-            num += d * d, den += ref * ref;
+      for (int form : {0, 1, 2}) {
+        const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh, form);
+        double num = 0, den = 0;
+        int r0 = 0;
+        for (const auto& [e, n] : pieces) {
+          for (int r = r0; r < r0 + n; ++r)
+            for (int64_t c = 0; c < gout; ++c) {
+              double ref = 0;
+              for (int64_t k = 0; k < gin; ++k)
+                ref += double(f16_to_f32(xh[size_t(r) * gin + k])) * what[size_t(e)][size_t(k * gout + c)];
+              const double d = double(y[size_t(r) * gout + c]) - ref;
+              num += d * d, den += ref * ref;
+            }
+          r0 += n;
+        }
+        const double err = std::sqrt(num / std::max(den, 1e-30));
+        check(err < 1e-5, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
+                              ": grouped GEMM form " + std::to_string(form) + ", 5 pieces over 3 experts, rel err " +
+                              std::to_string(err));
+        if (form == 0) continue;
+        // forms 1 and 2 with the output rotation in its epilogue: H(yr) ⊙ svh of its own yr rows (the CPU's Hadamard)
+        const std::vector<float> yo = exl3_cuda_grouped_gemm(experts, pieces, xh, form, true);
+        double worst = 0, top = 1e-30;
+        r0 = 0;
+        for (const auto& [e, n] : pieces) {
+          for (int r = r0; r < r0 + n; ++r) {
+            std::vector<float> row(y.begin() + size_t(r) * gout, y.begin() + size_t(r + 1) * gout);
+            exl3_hadamard128(row.data(), gout);
+            for (int64_t c = 0; c < gout; ++c) {
+              const double ref = double(row[size_t(c)]) * hw[size_t(e)]->w.svh[size_t(c)];
+              worst = std::max(worst, std::fabs(ref - double(yo[size_t(r) * gout + c])));
+              top = std::max(top, std::fabs(ref));
+            }
           }
-        r0 += n;
+          r0 += n;
+        }
+        check(worst / top < 1e-6, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
+                                      ": grouped GEMM form " + std::to_string(form) +
+                                      ", output rotation in the epilogue, worst diff / largest " +
+                                      std::to_string(worst / top));
       }
-      const double err = std::sqrt(num / std::max(den, 1e-30));
-      check(err < 1e-5, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
-                            ": grouped GEMM, 5 pieces over 3 experts, rel err " + std::to_string(err));
     }
   // Real decode shapes: the one-row kernel (input rotation fused in, tensor-core sums, the K split left in parts for
   // the output rotation) against the CPU.

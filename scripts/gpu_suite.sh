@@ -52,6 +52,11 @@
 #                                   (VW_RUNS, default "16 1": MOESRV_CACHE_VICTIM_WINDOW), $OUT/vw_BUDGET_W.json
 #   WAVE_RUNS="1 0" scripts/gpu_suite.sh + the all-VRAM slice (8K, 131K; WAVE_CONTEXTS) with the EXL3 experts of a
 #                                   prefill in grouped waves (1) and one by one on lanes (0) (MOESRV_EXL3_WAVES), $OUT/wave_F.json
+#   GEMM=1 scripts/gpu_suite.sh     + the prefill experts' grouped EXL3 GEMM (~5 min): exl3_cuda_bench's checks (both
+#                                   kernel forms), the EXL3 suite with every prefill expert through it
+#                                   (MOESRV_EXL3_GROUPED_GEMM=1), the kernel bench's prefill rows at K=3 and 4 (64- and
+#                                   128-row tiles), the all-VRAM slice (GEMM_CONTEXTS, default 8K) with the grouped GEMM
+#                                   (forms 1, 0) and with dequantization + cuBLAS ($OUT/gemm_NAME.json).
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -205,6 +210,28 @@ for f in ${WAVE_RUNS:-}; do  # all-VRAM prefill: MOESRV_EXL3_WAVES=f (1: grouped
     MOESRV_BENCH_JSON="$OUT/wave_$f.json"
   grep -E "perf \] prefill device" "$OUT/slice_wave_$f.log" | head -2
 done
+if [[ ${GEMM:-0} == 1 ]]; then  # docs/perf-cuda.md, nineteenth round
+  timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_gemm.log" 2>&1
+  echo "exl3_cuda_bench rc=$?:"; grep -E "FAIL|checks|grouped GEMM" "$OUT/exl3_bench_gemm.log" | head -20
+  MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 150 .gpu/test_cuda_exl3_engine \
+    >"$OUT/exl3_gemm.log" 2>&1
+  echo "EXL3 suite, grouped GEMM:"; summary "$OUT/exl3_gemm.log"
+  for bits in 3 4; do
+    for rows in 64 128; do
+      MOESRV_EXL3_GEMM_ROWS=$rows timeout 120 .gpu/cuda_kernel_bench --bits $bits --only prefill \
+        >"$OUT/kb_gemm_${bits}_$rows.log" 2>/dev/null
+      echo "kernel bench K=$bits tiles of $rows rc=$?:"; grep -E "^prefill EXL3" "$OUT/kb_gemm_${bits}_$rows.log"
+    done
+  done
+  for run in "g1 MOESRV_EXL3_GROUPED_GEMM=1" "g0 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=0" \
+             "cublas MOESRV_EXL3_GROUPED_GEMM=0"; do
+    set -- $run
+    name=$1
+    shift
+    slice "gemm_$name" "${GEMM_CONTEXTS:-8192}" "${GEMM_TIMEOUT:-150}" "$@" MOESRV_BENCH_JSON="$OUT/gemm_$name.json"
+    grep -E "perf \] prefill device" "$OUT/slice_gemm_$name.log" | head -2
+  done
+fi
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"
   grep -o -E "avx512[a-z_0-9]*|amx[a-z_0-9]*|avx_vnni" /proc/cpuinfo | sort -u | tr '\n' ' ' >>"$OUT/cpu_experts.log"

@@ -783,6 +783,8 @@ void CudaEngine::Impl::allocate_scratch() {
     h_sorted_tok = PinnedBuffer(size_t(P) * 4);  // h_h, h_extra: a pass's rows, allocated when CPU experts run
     s.row_expert = DeviceBuffer(budget, size_t(P) * 4, "expert of each row");
     h_row_expert = PinnedBuffer(size_t(P) * 4);
+    s.wave_tok = DeviceBuffer(budget, size_t(P) * 4, "tokens of each expert wave");
+    h_wave_tok = PinnedBuffer(size_t(P) * 4);
     const size_t gemm_tiles = size_t(P / 64 + 2 * E + 64) * sizeof(cuda::Exl3GemmTile);  // 64: the lowest tile
     s.gemm_tiles = DeviceBuffer(budget, gemm_tiles, "EXL3 grouped GEMM tiles");
     h_gemm_tiles = PinnedBuffer(gemm_tiles);

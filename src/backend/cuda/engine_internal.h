@@ -439,6 +439,7 @@ struct CudaEngine::Impl {
     cuda::DeviceBuffer gu, act;                                 // dense MLP
     cuda::DeviceBuffer logits_r, ids, w, mgu, mact, mactb, ysorted, xs, rowmap, sorted_tok, extra;  // MoE
     cuda::DeviceBuffer row_expert;  // expert of each sorted row of a planned pass (grouped EXL3 waves)
+    cuda::DeviceBuffer wave_tok;    // a planned pass's tokens per wave, the waves one after another (moe_combine)
     cuda::DeviceBuffer gemm_tiles;  // Exl3GemmTile of a pass's grouped EXL3 waves (gemm_tiles_used of them so far)
     cuda::DeviceBuffer route_ticket;  // route_fused's block counter (zeroed once; each launch leaves it at zero)
     cuda::DeviceBuffer pred_ids, pred_w;  // the next MoE layer's picks for prefetching (predict_next_layer)
@@ -474,7 +475,8 @@ struct CudaEngine::Impl {
   void swap_pass_buffers();
   void pass_mode(int64_t S);  // before a forward of S tokens: the set it needs, lending or taking back the arena
   int64_t lend_slots(int64_t l, int64_t want, size_t slot_bytes);  // appends layer l's lent slots
-  cuda::PinnedBuffer h_ids, h_w, h_pred, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_logits, h_gemm_tiles;
+  cuda::PinnedBuffer h_ids, h_w, h_pred, h_h, h_extra, h_rowmap, h_sorted_tok, h_row_expert, h_wave_tok, h_logits,
+      h_gemm_tiles;
   int64_t gemm_tiles_used = 0;  // of s.gemm_tiles in the current pass (each wave's tiles stay until the pass syncs)
   // Routed-expert usage counted on the device ([layers][E] and [layers] tokens), drained into `usage`.
   cuda::DeviceBuffer d_usage, d_usage_tokens;

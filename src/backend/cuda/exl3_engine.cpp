@@ -68,7 +68,9 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   exl3_sm_count();  // GEMV geometry, read before any graph capture
   const int64_t rb = std::min(rows, kGemmRowBlock), grouped = 2 * int64_t(kExl3MaxGemvRows) * (c.experts_per_token + 1);
   const int64_t in = std::max(all.in, head.in), out = std::max(all.out, head.out);
-  const size_t xh = size_t(std::max({rb * in * 2, kExl3MaxGemvRows * in * 4, grouped * moe.in * 4}));
+  // (a prefill MoE wave's rotated rows, fp16: the waves are as tall as the expert buffers, not rb rows)
+  const size_t xh =
+      size_t(std::max({rb * in * 2, kExl3MaxGemvRows * in * 4, grouped * moe.in * 4, moe_wave_rows * moe.in * 2}));
   const size_t yr =  // a one-row GEMV leaves up to kExl3MaxGemvParts K parts (grouped calls: what fits)
       size_t(std::max({rb * all.out, int64_t(kExl3MaxGemvParts) * out, 2 * grouped * moe.out})) * 4;
   const size_t w16 = std::max(std::min(kW16Elems, std::max(all.whole, head.whole)), size_t(in) * 16) * 2;
@@ -264,15 +266,14 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   uint16_t* xh = s.x3_xh.as<uint16_t>();
   float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
   const size_t w16 = s.x3_w16.bytes() / 2;
-  // Each piece goes through its own dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads
-  // back) or, opt-in, the grouped GEMM (one launch per projection over every grouped piece's tiles of
-  // exl3_gemm_tile_rows() rows, the trellis decoded per tile). MOESRV_EXL3_GROUPED_GEMM=1: every piece grouped,
-  // =N > 1: pieces of at most N rows (the cold experts' few rows), unset or 0: none. Neither grouped form was faster
-  // in the slice (docs/perf-cuda.md, sixth and twelfth rounds).
+  // Each piece goes through the grouped GEMM (one launch per projection over every grouped piece's tiles of
+  // exl3_gemm_tile_rows() rows, the trellis decoded per tile, the output rotation in its epilogue) or its own
+  // dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads back). MOESRV_EXL3_GROUPED_GEMM unset
+  // or 1: every piece grouped (docs/perf-cuda.md, nineteenth round), =N > 1: pieces of at most N rows, 0: none.
   const int64_t tile_rows = exl3_gemm_tile_rows();
   static const int64_t grouped_max = [] {
     const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
-    const long long n = v && v[0] ? std::atoll(v) : 0;
+    const long long n = v && v[0] ? std::atoll(v) : 1;
     return n == 1 ? std::numeric_limits<int64_t>::max() : int64_t(std::max(0LL, n));
   }();
   auto grouped = [&](const ExpertPiece& pc) { return pc.cnt <= grouped_max; };
@@ -306,7 +307,13 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
     const size_t n = std::min(apart.size(), expert_lanes.size() + 1);
     if (n > 1) MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
     for (size_t l = 1; l < n; ++l) MOESRV_CUDA_OK(cudaStreamWaitEvent(expert_lanes[l - 1].stream, lanes_fork, 0));
-    if (fused) exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows));
+    // every piece in the grouped GEMM (register-B forms): it rotates its outputs into gu / ysorted itself
+    float* y_out = p < 2 ? gu + p * I : s.ysorted.as<float>();
+    const int64_t y_ld = p < 2 ? 2 * I : D;
+    const bool out_rotated_in_gemm = fused && apart.empty() && exl3_gemm_form() != 0;
+    if (fused)
+      exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows), -1,
+                        out_rotated_in_gemm ? y_out : nullptr, y_ld);
     for (size_t j = 0; j < apart.size(); ++j) {
       const ExpertPiece& pc = *apart[j];
       const int64_t b0 = pc.row0 - a;
@@ -320,8 +327,7 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
       MOESRV_CUDA_OK(cudaEventRecord(expert_lanes[l - 1].join, expert_lanes[l - 1].stream));
       MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, expert_lanes[l - 1].join, 0));
     }
-    if (p < 2) exl3_rotate_out(shape, g, yr, int(rows), gu + p * I, 2 * I, nullptr, stream);
-    else exl3_rotate_out(shape, g, yr, int(rows), s.ysorted.as<float>(), D, nullptr, stream);
+    if (!out_rotated_in_gemm) exl3_rotate_out(shape, g, yr, int(rows), y_out, y_ld, nullptr, stream);
   }
 }
 

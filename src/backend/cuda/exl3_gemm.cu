@@ -1,7 +1,9 @@
 // Grouped EXL3 GEMM for prefill experts (exl3_ops.h: exl3_grouped_gemm): the trellis is decoded inside the GEMM's
 // main loop, straight into tensor-core B fragments, so a weight tile crosses HBM once per 64- (or 128-) row tile of
-// tokens and never exists as an fp16 matrix; one launch covers every expert piece of a wave. Opt-in for now
-// (MOESRV_EXL3_GROUPED_GEMM=1): see docs/perf-cuda.md, sixth round.
+// tokens and never exists as an fp16 matrix; one launch covers every expert piece of a wave. Two kernels: form 1
+// (the default, register B, with the output rotation optionally in its epilogue) and form 0 (session 12's, B through
+// shared memory); docs/perf-cuda.md, sixth and nineteenth rounds.
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -34,6 +36,10 @@ struct GemmArgs {
   const uint16_t* xh;  // fp16 [rows][in_pad]
   float* yr;           // [rows][out_pad]
   int in_pad, out_pad;
+  // form 1 with y: the output rotation in the epilogue (rotate_out's math), y[row][o] for o < out, rows y_ld apart
+  float* y;
+  int64_t y_ld;
+  int out;
 };
 
 // Stage st of the block's x rows (zeros past the tile's rows) into a: BM rows x 8 chunks of 8 halves.
@@ -159,15 +165,156 @@ __global__ __launch_bounds__(kWarps * 32) void grouped_gemm_kernel(GemmArgs g) {
     }
 }
 
-using GemmFn = void (*)(GemmArgs);
-#define EXL3_GEMM_K_TABLE(cb, bm)                                                                          \
-  {                                                                                                        \
-    &grouped_gemm_kernel<1, cb, bm>, &grouped_gemm_kernel<2, cb, bm>, &grouped_gemm_kernel<3, cb, bm>,     \
-        &grouped_gemm_kernel<4, cb, bm>, &grouped_gemm_kernel<5, cb, bm>, &grouped_gemm_kernel<6, cb, bm>, \
-        &grouped_gemm_kernel<7, cb, bm>, &grouped_gemm_kernel<8, cb, bm>                                   \
+// Form 1 (register B): a warp decodes the B fragments it multiplies itself, so they never pass through shared memory,
+// and each of its A fragments (ldmatrix from the staged x rows) serves 2 x 2 products. Block: kRbWarps warps x
+// kRbTiles column tiles = 128 output columns, BM rows; the x rows and each warp's trellis words arrive by cp.async
+// in a ring of kRbStages stages (kStageTiles k-tiles each); a k-tile's decode sits right before its products, so
+// the decode of one warp overlaps the tensor cores of the others.
+constexpr int kRbWarps = 4, kRbTiles = 2, kRbStages = 3;
+constexpr int kRbOutLd = 128 + 4;  // the fused output rotation's rows in shared memory (floats; padded)
+template <int K>
+constexpr int kRbWordsPerStage = kStageTiles* kRbTiles * 8 * K;  // one warp's trellis words per stage
+
+template <int BM>
+__device__ __forceinline__ void rb_load_x(const GemmArgs& g, const Exl3GemmTile& t, int st, half* a) {
+  for (int i = threadIdx.x; i < BM * 8; i += kRbWarps * 32) {
+    const int r = i >> 3, c = i & 7;
+    const bool live = r < t.rows;
+    const uint16_t* src = g.xh + size_t(t.row0 + (live ? r : 0)) * g.in_pad + st * kStageTiles * 16 + c * 8;
+    cp_async16(a + r * 64 + ((c ^ (r & 7)) << 3), src, live);
   }
-const GemmFn kGemm[2][3][8] = {{EXL3_GEMM_K_TABLE(0, 64), EXL3_GEMM_K_TABLE(1, 64), EXL3_GEMM_K_TABLE(2, 64)},
-                               {EXL3_GEMM_K_TABLE(0, 128), EXL3_GEMM_K_TABLE(1, 128), EXL3_GEMM_K_TABLE(2, 128)}};
+}
+// The warp's kRbTiles adjacent column tiles (contiguous in the trellis for each k-tile) of stage st's k-tiles.
+template <int K>
+__device__ __forceinline__ void rb_load_words(const uint4* trellis, int tiles_n, int nt0, int st, int lane,
+                                              uint32_t* ws) {
+  constexpr int kChunks = kRbTiles * 2 * K;  // uint4 per k-tile
+  for (int c = lane; c < kStageTiles * kChunks; c += 32) {
+    const int u = c / kChunks;
+    cp_async16(ws + 4 * c, trellis + (size_t(st * kStageTiles + u) * tiles_n + nt0) * (2 * K) + (c - u * kChunks),
+               true);
+  }
+}
+
+// MINB: blocks per multiprocessor the registers must allow (4: 128 registers; 5 (form 2): 96, a few spilled at K=3)
+template <int K, int CB, int BM, int MINB>
+__global__ __launch_bounds__(kRbWarps * 32, MINB) void grouped_gemm_rb_kernel(GemmArgs g) {
+  constexpr int MT = BM / 16;  // m16 row blocks
+  pdl_enter();
+  extern __shared__ __align__(16) uint32_t smem[];
+  half* as = reinterpret_cast<half*>(smem);                  // [kRbStages][kAStageHalves]
+  uint32_t* wsm = smem + kRbStages * kAStageHalves<BM> / 2;  // [kRbStages][warps][words per stage]
+  const Exl3GemmTile t = g.tiles[blockIdx.y];
+  const uint4* trellis = static_cast<const uint4*>(g.tab[t.e].trellis);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tiles_n = g.out_pad / 16, nt0 = (blockIdx.x * kRbWarps + warp) * kRbTiles;
+  const int stages = g.in_pad / (kStageTiles * 16);
+  auto words_at = [&](int st) { return wsm + ((st % kRbStages) * kRbWarps + warp) * kRbWordsPerStage<K>; };
+  auto load_stage = [&](int st) {
+    if (st < stages) {
+      rb_load_x<BM>(g, t, st, as + (st % kRbStages) * kAStageHalves<BM>);
+      rb_load_words<K>(trellis, tiles_n, nt0, st, lane, words_at(st));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);  // (empty past the end: the group count stays uniform)
+  };
+  for (int st = 0; st < kRbStages - 1; ++st) load_stage(st);
+  const LanePos<K> pos(lane);
+  float acc[MT][2 * kRbTiles][4] = {};
+  for (int st = 0; st < stages; ++st) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kRbStages - 2));
+    __syncthreads();  // stage st is in place for every warp; stage st - 1's buffers are free
+    load_stage(st + kRbStages - 1);
+    const half* a = as + (st % kRbStages) * kAStageHalves<BM>;
+    const uint32_t* ws = words_at(st);
+#pragma unroll
+    for (int u = 0; u < kStageTiles; ++u) {
+      uint4 f[kRbTiles];
+#pragma unroll
+      for (int q = 0; q < kRbTiles; ++q) {
+        uint32_t s[8];
+        pos.states(ws + (u * kRbTiles + q) * 8 * K, s);
+        f[q] = make_uint4(decode_state2<CB>(s[0], s[1]), decode_state2<CB>(s[2], s[3]), decode_state2<CB>(s[4], s[5]),
+                          decode_state2<CB>(s[6], s[7]));
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {  // rows 16 m + (lane % 16), k chunk 2u + lane / 16
+        const int r = m * 16 + (lane & 15), c = 2 * u + (lane >> 4);
+        uint32_t af[4];
+        ldmatrix_x4(a + r * 64 + ((c ^ (r & 7)) << 3), af[0], af[1], af[2], af[3]);
+#pragma unroll
+        for (int q = 0; q < kRbTiles; ++q) {
+          mma_m16n8k16_f16(acc[m][2 * q], af[0], af[1], af[2], af[3], f[q].x, f[q].y);
+          mma_m16n8k16_f16(acc[m][2 * q + 1], af[0], af[1], af[2], af[3], f[q].z, f[q].w);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  // acc[m][n][0..1]: row 16 m + lane / 4, columns 2 (lane % 4) + {0, 1} of n8 block n; [2..3]: row + 8
+  if (g.y) {          // the block's 128 columns are one Hadamard block: its rows through shared memory, a warp per row
+    __syncthreads();  // every warp is done with the stages
+    float* ot = reinterpret_cast<float*>(smem);
+    const int c0 = warp * kRbTiles * 16 + 2 * (lane & 3);
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int n = 0; n < 2 * kRbTiles; ++n)
+          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
+              make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+      }
+    __syncthreads();
+    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
+    const int e = blockIdx.x * 128 + 4 * lane;
+    for (int r = warp; r < t.rows; r += kRbWarps) {
+      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
+      hadamard128_lane(v, lane);
+      const float o[4] = {v.x, v.y, v.z, v.w};
+      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
+    }
+    return;
+  }
+  const int col0 = nt0 * 16 + 2 * (lane & 3);
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m * 16 + (lane >> 2) + 8 * h;
+      if (r >= t.rows) continue;
+      float* y = g.yr + size_t(t.row0 + r) * g.out_pad + col0;
+#pragma unroll
+      for (int n = 0; n < 2 * kRbTiles; ++n)
+        *reinterpret_cast<float2*>(y + (n >> 1) * 16 + (n & 1) * 8) =
+            make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+    }
+}
+
+using GemmFn = void (*)(GemmArgs);
+// [form][128-row tiles][codebook][K - 1]; form 2 = the register-B kernel at 5 blocks per multiprocessor
+#define EXL3_GEMM_K_TABLE(kernel, cb, bm, ...)                                                          \
+  {                                                                                                     \
+    &kernel<1, cb, bm __VA_ARGS__>, &kernel<2, cb, bm __VA_ARGS__>, &kernel<3, cb, bm __VA_ARGS__>,     \
+        &kernel<4, cb, bm __VA_ARGS__>, &kernel<5, cb, bm __VA_ARGS__>, &kernel<6, cb, bm __VA_ARGS__>, \
+        &kernel<7, cb, bm __VA_ARGS__>, &kernel<8, cb, bm __VA_ARGS__>                                  \
+  }
+#define EXL3_GEMM_FORM_TABLE(kernel, ...)                                                             \
+  {                                                                                                   \
+    {EXL3_GEMM_K_TABLE(kernel, 0, 64, __VA_ARGS__), EXL3_GEMM_K_TABLE(kernel, 1, 64, __VA_ARGS__),    \
+     EXL3_GEMM_K_TABLE(kernel, 2, 64, __VA_ARGS__)},                                                  \
+    {                                                                                                 \
+      EXL3_GEMM_K_TABLE(kernel, 0, 128, __VA_ARGS__), EXL3_GEMM_K_TABLE(kernel, 1, 128, __VA_ARGS__), \
+          EXL3_GEMM_K_TABLE(kernel, 2, 128, __VA_ARGS__)                                              \
+    }                                                                                                 \
+  }
+const GemmFn kGemm[3][2][3][8] = {EXL3_GEMM_FORM_TABLE(grouped_gemm_kernel),
+                                  EXL3_GEMM_FORM_TABLE(grouped_gemm_rb_kernel, , 4),
+                                  EXL3_GEMM_FORM_TABLE(grouped_gemm_rb_kernel, , 5)};
+#undef EXL3_GEMM_FORM_TABLE
 #undef EXL3_GEMM_K_TABLE
 
 }  // namespace
@@ -180,18 +327,35 @@ int exl3_gemm_tile_rows() {
   return rows;
 }
 
+int exl3_gemm_form() {
+  static const int form = [] {
+    const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
+    return v && (v[0] == '0' || v[0] == '2') && !v[1] ? v[0] - '0' : 1;
+  }();
+  return form;
+}
+
 void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
-                       const uint16_t* xh16, float* yr, void* stream, int tile_rows) {
+                       const uint16_t* xh16, float* yr, void* stream, int tile_rows, int form, float* y, int64_t y_ld) {
   if (shape.K < 1 || shape.K > 8 || shape.cb < 0 || shape.cb > 2 || shape.in_pad % 128 || shape.out_pad % 128 ||
       (tile_rows != 64 && tile_rows != 128))
     throw std::runtime_error("EXL3 grouped GEMM: unsupported shape, K, codebook or tile rows");
   if (n_tiles <= 0) return;
-  const GemmFn fn = kGemm[tile_rows == 128][shape.cb][shape.K - 1];
-  const size_t a_words = tile_rows == 128 ? kAStageHalves<128> : kAStageHalves<64>;
-  const size_t smem = (a_words + 2 * size_t(kBStageWords) + size_t(kWarps) * kStageTiles * 8 * shape.K) * 4;
+  if (form < 0) form = exl3_gemm_form();
+  if (form < 0 || form > 2) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
+  if (y && form == 0) throw std::runtime_error("EXL3 grouped GEMM: the output rotation needs the register-B kernel");
+  const GemmFn fn = kGemm[form][tile_rows == 128][shape.cb][shape.K - 1];
+  const size_t a_words = (tile_rows == 128 ? kAStageHalves<128> : kAStageHalves<64>) / 2;
+  const size_t rb_stages =
+      (kRbStages * a_words + size_t(kRbStages) * kRbWarps * kStageTiles * kRbTiles * 8 * shape.K) * 4;
+  const size_t smem = form != 0
+                          ? (y ? std::max(rb_stages, size_t(tile_rows) * kRbOutLd * 4) : rb_stages)
+                          : (2 * a_words + 2 * size_t(kBStageWords) + size_t(kWarps) * kStageTiles * 8 * shape.K) * 4;
   reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM");
-  launch(fn, dim3(shape.out_pad / kCols, n_tiles), kWarps * 32, smem, static_cast<cudaStream_t>(stream),
-         GemmArgs{tab, tiles, reinterpret_cast<const uint16_t*>(xh16), yr, shape.in_pad, shape.out_pad});
+  launch(fn, dim3(shape.out_pad / kCols, n_tiles), (form != 0 ? kRbWarps : kWarps) * 32, smem,
+         static_cast<cudaStream_t>(stream),
+         GemmArgs{tab, tiles, reinterpret_cast<const uint16_t*>(xh16), yr, shape.in_pad, shape.out_pad, y, y_ld,
+                  shape.out});
   EXL3_CHECK(cudaGetLastError());
 }
 

@@ -120,7 +120,7 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
 
 std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>& experts,
                                           const std::vector<std::pair<int, int>>& pieces,
-                                          const std::vector<uint16_t>& xh16) {
+                                          const std::vector<uint16_t>& xh16, int form, bool rotate_out) {
   if (experts.empty()) return {};
   const Exl3Dev& shape = experts[0]->impl_->w;
   std::vector<Exl3Dev> tab;
@@ -145,7 +145,10 @@ std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear
   EXL3_CHECK(cudaMemcpy(d_tiles.p, tiles.data(), tiles.size() * sizeof(tiles[0]), cudaMemcpyHostToDevice));
   EXL3_CHECK(cudaMemcpy(d_x.p, xh16.data(), xh16.size() * 2, cudaMemcpyHostToDevice));
   EXL3_CHECK(cudaMemset(d_y.p, 0xff, d_y.n * 4));  // NaN poison
-  cuda::exl3_grouped_gemm(shape, d_tab.p, d_tiles.p, int(tiles.size()), d_x.p, d_y.p, nullptr, tile_rows);
+  if (rotate_out)  // (out == out_pad in every caller of this check; y rows out_pad apart)
+    cuda::exl3_grouped_gemm(shape, d_tab.p, d_tiles.p, int(tiles.size()), d_x.p, nullptr, nullptr, tile_rows, form,
+                            d_y.p, shape.out_pad);
+  else cuda::exl3_grouped_gemm(shape, d_tab.p, d_tiles.p, int(tiles.size()), d_x.p, d_y.p, nullptr, tile_rows, form);
   std::vector<float> y(d_y.n);
   EXL3_CHECK(cudaMemcpy(y.data(), d_y.p, y.size() * 4, cudaMemcpyDeviceToHost));
   return y;

@@ -130,8 +130,15 @@ struct Exl3GemmTile {
   int32_t e, row0, rows, pad;
 };
 int exl3_gemm_tile_rows();  // the tile height callers use: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128), read once
+// The kernel: 1 (default) = each warp decodes the B fragments it multiplies (register B, 4 warps x 32 columns);
+// 2 (MOESRV_EXL3_GEMM_FORM=2) = the same at 5 blocks per multiprocessor (fewer registers); 0 = session 12's form (8
+// warps decode a column tile each into shared memory).
+int exl3_gemm_form();
+// y (forms 1 and 2): the output rotation as exl3_rotate_out makes it (svh of each tile's expert, no bias) into
+// y[row][o], o < shape.out, rows y_ld apart, instead of yr.
 void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
-                       const uint16_t* xh16, float* yr, void* stream, int tile_rows);
+                       const uint16_t* xh16, float* yr, void* stream, int tile_rows, int form = -1, float* y = nullptr,
+                       int64_t y_ld = 0);
 // y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart. parts: yr holds that many K parts of
 // the n rows (exl3_gemv_in), summed in part order.
 void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,

@@ -426,6 +426,10 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   if (wave < 1) fail("layer {}: MoE wave of no rows", l);
   stream_window = n >= kStreamPassTokens ? stream_window_slots() : 0;
   gemm_tiles_used = 0;  // the copies of the previous pass's tiles are done (synchronised above)
+  // Each wave's combine visits only the tokens with an entry in it (listed here; a pass of n tokens in W waves would
+  // otherwise launch n blocks per wave, most of which find nothing): the lists of the pass, one after another.
+  std::vector<int64_t> token_wave(size_t(n), -1);
+  int64_t wave_tok_used = 0;
   std::vector<ExpertPiece> pieces;
   struct GpuJob {
     int e = 0;
@@ -539,8 +543,15 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
           MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, lane.join, 0));
         }
     }
+    int32_t* wave_tok = h_wave_tok.as<int32_t>() + wave_tok_used;
+    int64_t n_tok = 0;
+    for (int64_t row = a; row < b; ++row)
+      if (const int32_t t = sorted_tok[row]; std::exchange(token_wave[size_t(t)], a) != a) wave_tok[n_tok++] = t;
+    int32_t* d_wave_tok = s.wave_tok.as<int32_t>() + wave_tok_used;
+    MOESRV_CUDA_OK(cudaMemcpyAsync(d_wave_tok, wave_tok, size_t(n_tok) * 4, cudaMemcpyHostToDevice, stream));
+    wave_tok_used += n_tok;
     moe_combine(y, s.ysorted.as<float>(), s.rowmap.as<int32_t>(), d_w, nullptr, int(n), int(k), int(D), stream, false,
-                int(a), int(b));
+                int(a), int(b), d_wave_tok, int(n_tok));
   }
   run_shared();    // (no GPU expert in this pass)
   run_prefetch();  // (copies fetched expert by expert above)

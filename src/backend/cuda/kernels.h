@@ -154,8 +154,10 @@ void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, co
               float limit = 0.0f);  // limit > 0: clamped SwiGLU
 // out[s] += sum_j weights[s*k+j] * y[rowmap[s*k+j] - row_lo] (rowmap null: identity) + extra[s], over the entries
 // whose row is in [row_lo, row_hi) (rowmap -1: skipped): a pass whose sorted rows run in waves combines each wave
-// from its buffer. overwrite: out[s] = that sum (out is not read).
+// from its buffer. overwrite: out[s] = that sum (out is not read). tokens (device, n_tokens of them): only those
+// tokens s (a wave's, each with an entry in it), instead of all S.
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
-                 int k, int D, cudaStream_t st, bool overwrite = false, int row_lo = 0, int row_hi = 1 << 30);
+                 int k, int D, cudaStream_t st, bool overwrite = false, int row_lo = 0, int row_hi = 1 << 30,
+                 const int32_t* tokens = nullptr, int n_tokens = 0);
 
 }  // namespace moesrv::cuda

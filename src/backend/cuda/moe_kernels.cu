@@ -268,9 +268,10 @@ __global__ void expert_gemv_kernel(const float* x, int64_t x_stride, int x_div, 
 }
 
 __global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap, const float* weights,
-                               const float* extra, int k, int D, bool overwrite, int row_lo, int row_hi) {
+                               const float* extra, int k, int D, bool overwrite, int row_lo, int row_hi,
+                               const int32_t* tokens) {
   pdl_enter();
-  const int s = blockIdx.y;
+  const int s = tokens ? tokens[blockIdx.y] : blockIdx.y;
   if (!overwrite && !extra) {  // a token with no entry in this wave keeps its row
     bool any = false;
     for (int j = 0; j < k; ++j) {
@@ -371,11 +372,13 @@ void moe_gemv(const float* x, const int32_t* ids, int S, int k, int D, int I, co
 }
 
 void moe_combine(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int S,
-                 int k, int D, cudaStream_t st, bool overwrite, int row_lo, int row_hi) {
-  if (S <= 0) return;
+                 int k, int D, cudaStream_t st, bool overwrite, int row_lo, int row_hi, const int32_t* tokens,
+                 int n_tokens) {
+  const int blocks_y = tokens ? n_tokens : S;
+  if (S <= 0 || blocks_y <= 0) return;
   if (row_lo < 0) throw std::runtime_error("moe_combine: negative first row");
-  launch(combine_kernel, dim3(unsigned(ceil_div(D, 256)), unsigned(S)), 256, 0, st, out, y, rowmap, weights, extra, k,
-         D, overwrite, row_lo, row_hi);
+  launch(combine_kernel, dim3(unsigned(ceil_div(D, 256)), unsigned(blocks_y)), 256, 0, st, out, y, rowmap, weights,
+         extra, k, D, overwrite, row_lo, row_hi, tokens);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
