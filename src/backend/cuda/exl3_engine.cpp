@@ -266,14 +266,15 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   uint16_t* xh = s.x3_xh.as<uint16_t>();
   float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
   const size_t w16 = s.x3_w16.bytes() / 2;
-  // Each piece goes through the grouped GEMM (one launch per projection over every grouped piece's tiles of
-  // exl3_gemm_tile_rows() rows, the trellis decoded per tile, the output rotation in its epilogue) or its own
-  // dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads back). MOESRV_EXL3_GROUPED_GEMM unset
-  // or 1: every piece grouped (docs/perf-cuda.md, nineteenth round), =N > 1: pieces of at most N rows, 0: none.
+  // Each piece goes through its own dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads
+  // back) or, opt-in, the grouped GEMM (one launch per projection over every grouped piece's tiles of
+  // exl3_gemm_tile_rows() rows, the trellis decoded per tile; with every piece in it, the output rotation in its
+  // epilogue). MOESRV_EXL3_GROUPED_GEMM=1: every piece grouped, =N > 1: pieces of at most N rows, unset or 0: none.
+  // The grouped form stayed ~6% behind in the slice (docs/perf-cuda.md, sixth, twelfth and nineteenth rounds).
   const int64_t tile_rows = exl3_gemm_tile_rows();
   static const int64_t grouped_max = [] {
     const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
-    const long long n = v && v[0] ? std::atoll(v) : 1;
+    const long long n = v && v[0] ? std::atoll(v) : 0;
     return n == 1 ? std::numeric_limits<int64_t>::max() : int64_t(std::max(0LL, n));
   }();
   auto grouped = [&](const ExpertPiece& pc) { return pc.cnt <= grouped_max; };
