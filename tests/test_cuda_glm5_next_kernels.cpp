@@ -731,7 +731,8 @@ void run_kpool_case(const KpoolCase& kc) {
         double acc = 0;
         for (int h = 0; h < nh; ++h) {
           double dot = 0;
-          for (int j = 0; j < d; ++j) dot += double(qv[size_t((s * nh + h) * d + j)]) * st[StateSlot::PoolK][size_t(P * d + j)];
+          for (int j = 0; j < d; ++j)
+            dot += double(qv[size_t((s * nh + h) * d + j)]) * st[StateSlot::PoolK][size_t(P * d + j)];
           acc += double(hwv[size_t(s * nh + h)]) * std::max(dot / std::sqrt(double(d)), 0.0);
         }
         sc[size_t(P)] = acc;

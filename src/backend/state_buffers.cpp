@@ -36,8 +36,8 @@ std::vector<LayerLayout> state_layout(const ModelSpec& c, StateStore store, bool
       if (!device || x.growth != Growth::PerToken) continue;
       s.elem_bytes = x.indexer ? 2 : kv_q8 ? 1 : 2;
       if (x.int8_scale && kv_q8)
-        slot(x.slot == StateSlot::V ? StateSlot::VScale : StateSlot::KvScale) = {
-            Growth::PerToken, 1, 4, what(StateSlot::KvScale)};
+        slot(x.slot == StateSlot::V ? StateSlot::VScale : StateSlot::KvScale) = {Growth::PerToken, 1, 4,
+                                                                                 what(StateSlot::KvScale)};
     }
     if (device) {
       slot(StateSlot::Kv).width += slot(StateSlot::KRope).width;

@@ -87,8 +87,8 @@ template <class Store>
 void copy_state(const Store& store, const LayerLayout& lay, const LayerBuffers<typename Store::Buffer>& from,
                 LayerBuffers<typename Store::Buffer>& to, int64_t n) {
   for_each_slot(lay, [&](size_t i, const SlotShape& s) {
-    const size_t bytes = s.growth == Growth::Fixed ? store.bytes(from.buf[i])
-                                                   : size_t(lay.rows(s.growth, n) * s.width * s.elem_bytes);
+    const size_t bytes =
+        s.growth == Growth::Fixed ? store.bytes(from.buf[i]) : size_t(lay.rows(s.growth, n) * s.width * s.elem_bytes);
     store.copy(to.buf[i], from.buf[i], bytes);
   });
 }

@@ -53,7 +53,8 @@ void gqa_attend(const ModelSpec& c, const Rope& rope, GqaProjection& p, int64_t 
   float* q = p.q.data() + r0 * H * hd;
   float* k = p.k.data() + r0 * KV * hd;
   const float* v = p.v.data() + r0 * KV * hd;
-  std::vector<float>&k_cache = cache[StateSlot::Kv], &v_cache = cache[StateSlot::V];
+  std::vector<float>& k_cache = cache[StateSlot::Kv];
+  std::vector<float>& v_cache = cache[StateSlot::V];
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t h = 0; h < H; ++h) rope.apply(q + (s * H + h) * hd, pos0 + s, c.rope.layout);
     for (int64_t h = 0; h < KV; ++h) rope.apply(k + (s * KV + h) * hd, pos0 + s, c.rope.layout);

@@ -43,7 +43,8 @@ void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const
   const float* kv = p.kv.data() + r0 * (r + dr);
   const float* q_latent = p.q_latent.empty() ? nullptr : p.q_latent.data() + r0 * c.q_lora_rank;
   const int64_t T0 = pos0, T = pos0 + S;
-  std::vector<float>&latent = cache[StateSlot::Kv], &k_rope = cache[StateSlot::KRope];
+  std::vector<float>& latent = cache[StateSlot::Kv];
+  std::vector<float>& k_rope = cache[StateSlot::KRope];
   latent.resize(size_t(T * r));
   k_rope.resize(size_t(T * dr));
   for (int64_t s = 0; s < S; ++s) {

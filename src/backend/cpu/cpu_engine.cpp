@@ -272,7 +272,8 @@ void CpuSequence::repeat_rows_to(int64_t tokens) {
       if (s.growth == Growth::Fixed || v.empty()) return;
       const int64_t rows0 = layout_[l].rows(s.growth, t0), rows = layout_[l].rows(s.growth, tokens);
       v.resize(size_t(rows * s.width));
-      for (int64_t r = rows0; r < rows; ++r) std::copy_n(v.begin() + (r % rows0) * s.width, s.width, v.begin() + r * s.width);
+      for (int64_t r = rows0; r < rows; ++r)
+        std::copy_n(v.begin() + (r % rows0) * s.width, s.width, v.begin() + r * s.width);
     });
   length_ = tokens;
 }

@@ -33,7 +33,9 @@ void pool_key(const float* k, const float* g, const float* ape, int64_t kp, int6
 TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const float* x, const float* q_latent,
                             int64_t S, int64_t pos0, LayerState& st) {
   const int64_t nh = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
-  std::vector<float>&pool_k = st[StateSlot::PoolK], &open_k = st[StateSlot::Open], &open_g = st[StateSlot::OpenG];
+  std::vector<float>& pool_k = st[StateSlot::PoolK];
+  std::vector<float>& open_k = st[StateSlot::Open];
+  std::vector<float>& open_g = st[StateSlot::OpenG];
   std::vector<float> q(size_t(S * nh * d)), k(size_t(S * d)), g(size_t(S * d)), hw(size_t(S * nh));
   w.wq_b->forward(q_latent, S, q.data());
   w.wk->forward(x, S, k.data());
@@ -77,7 +79,8 @@ TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const f
         if (P < pools) {
           acc = 0;
           for (int64_t h = 0; h < nh; ++h)
-            acc += hw[size_t(s * nh + h)] * std::max(dot(q.data() + (s * nh + h) * d, pool_k.data() + P * d, d) * scale, 0.0f);
+            acc += hw[size_t(s * nh + h)] *
+                   std::max(dot(q.data() + (s * nh + h) * d, pool_k.data() + P * d, d) * scale, 0.0f);
         }
         ranked[size_t(P)] = {acc, P};
       }

@@ -15,8 +15,8 @@ void delta_rule_layer(const DeltaRuleShape& sh, int64_t S, const float* q, const
   const int64_t H = sh.heads, qk = H * sh.dk, vs = H * sh.dv, gs = sh.per_channel_decay ? qk : H;
   const int64_t P = int64_t(conv_before.size()) / C;  // conv taps carried: kernel - 1
   for (int64_t s = 0; s < S; ++s) {
-    delta_rule_recurrent(sh, 1, q + s * qk, k + s * qk, v + s * vs, g + s * gs, beta + s * H, st[StateSlot::Recurrent].data(),
-                         out + s * vs);
+    delta_rule_recurrent(sh, 1, q + s * qk, k + s * qk, v + s * vs, g + s * gs, beta + s * H,
+                         st[StateSlot::Recurrent].data(), out + s * vs);
     if (s + 1 == S) break;
     StateBuffers& f = st.steps.emplace_back();
     f[StateSlot::Recurrent] = st[StateSlot::Recurrent];

@@ -36,7 +36,8 @@ class CudaSequence : public SequenceState {
       for_each_slot(layout_[size_t(l)], [&](size_t i, const SlotShape& s) {
         const int64_t rows = s.growth == Growth::PerToken ? e.max_ctx : s.growth == Growth::PerPool ? e.max_pools() : 1;
         L.buf[i] = DeviceBuffer(e.budget, size_t(rows * s.width * s.elem_bytes), s.what);
-        if (s.growth == Growth::Fixed) MOESRV_CUDA_OK(cudaMemsetAsync(L.buf[i].as<void>(), 0, L.buf[i].bytes(), e.stream));
+        if (s.growth == Growth::Fixed)
+          MOESRV_CUDA_OK(cudaMemsetAsync(L.buf[i].as<void>(), 0, L.buf[i].bytes(), e.stream));
         fixed_state_ |= s.growth == Growth::Fixed;
       });
       table[size_t(l)] = {L[StateSlot::Kv].as<void>(), L[StateSlot::KvScale].as<float>(), L[StateSlot::V].as<void>(),
@@ -197,17 +198,15 @@ class CudaSequence : public SequenceState {
         if (s.growth != Growth::Fixed || !to.bytes()) return;
         const char* from = steps_[l].buf[i].as<char>() + size_t(t) * to.bytes();
         if (StateSlot(i) == StateSlot::Recurrent)  // the steps hold delta_rule's layout
-          state_from_step(reinterpret_cast<const float*>(from), int(la.v_heads), int(la.dk), int(la.dv),
-                          to.as<float>(), owner->stream);
-        else
-          MOESRV_CUDA_OK(
-              cudaMemcpyAsync(to.as<void>(), from, to.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
+          state_from_step(reinterpret_cast<const float*>(from), int(la.v_heads), int(la.dk), int(la.dv), to.as<float>(),
+                          owner->stream);
+        else MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from, to.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
       });
   }
   std::shared_ptr<SequenceGraphs> graphs_;    // the engine's, kept alive by the sequence
   std::shared_ptr<std::recursive_mutex> mu_;  // the engine's device lock (CudaEngine::Impl::device_mu)
-  std::vector<LayerLayout> layout_;  // state_layout(StateStore::Device, kv_q8)
-  std::vector<Layer> steps_;         // rollback points of the fixed buffers (begin_forward)
+  std::vector<LayerLayout> layout_;           // state_layout(StateStore::Device, kv_q8)
+  std::vector<Layer> steps_;                  // rollback points of the fixed buffers (begin_forward)
   bool fixed_state_ = false;
   int64_t steps_from_ = -1, steps_rows_ = 0;  // the last forward's rollback points (rows 0: none)
   CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};
