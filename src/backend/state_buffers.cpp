@@ -4,22 +4,10 @@ namespace moesrv {
 
 namespace {
 
-const char* what(StateSlot s) {
-  switch (s) {
-    case StateSlot::Kv:
-    case StateSlot::KRope:
-    case StateSlot::V: return "KV cache";
-    case StateSlot::KvScale:
-    case StateSlot::VScale: return "KV cache scales";
-    case StateSlot::IndexK: return "indexer key cache";
-    case StateSlot::PoolK: return "indexer pooled keys";
-    case StateSlot::Open:
-    case StateSlot::OpenG: return "indexer open pool";
-    case StateSlot::Conv: return "conv state";
-    case StateSlot::Recurrent: return "recurrent state";
-  }
-  return "state";
-}
+// Names in allocation errors, by StateSlot.
+constexpr const char* kWhat[kStateSlots] = {
+    "KV cache",   "KV cache",        "KV cache",        "indexer key cache", "indexer pooled keys", "indexer open pool",
+    "conv state", "recurrent state", "KV cache scales", "KV cache scales",   "indexer open pool"};
 
 }  // namespace
 
@@ -32,12 +20,12 @@ std::vector<LayerLayout> state_layout(const ModelSpec& c, StateStore store, bool
     auto slot = [&L](StateSlot s) -> SlotShape& { return L.slots[size_t(s)]; };
     for (const StateBuffer& x : st.buffers) {
       SlotShape& s = slot(x.slot);
-      s = {x.growth, x.elems, 4, what(x.slot)};
+      s = {x.growth, x.elems, 4, kWhat[size_t(x.slot)]};
       if (!device || x.growth != Growth::PerToken) continue;
       s.elem_bytes = x.indexer ? 2 : kv_q8 ? 1 : 2;
       if (x.int8_scale && kv_q8)
         slot(x.slot == StateSlot::V ? StateSlot::VScale : StateSlot::KvScale) = {Growth::PerToken, 1, 4,
-                                                                                 what(StateSlot::KvScale)};
+                                                                                 kWhat[size_t(StateSlot::KvScale)]};
     }
     if (device) {
       slot(StateSlot::Kv).width += slot(StateSlot::KRope).width;

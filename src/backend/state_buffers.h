@@ -25,7 +25,6 @@ struct SlotShape {
 struct LayerLayout {
   int64_t pool = 1;
   std::array<SlotShape, kStateSlots> slots{};
-  const SlotShape& operator[](StateSlot s) const { return slots[size_t(s)]; }
   // Rows a buffer of `g` holds after `tokens` tokens (Fixed: 1).
   int64_t rows(Growth g, int64_t tokens) const {
     return g == Growth::PerToken ? tokens : g == Growth::PerPool ? tokens / pool : 1;
