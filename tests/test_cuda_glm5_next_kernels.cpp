@@ -355,8 +355,8 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
       };
       const std::vector<float> out = chain(dconv_state.get(), dstate.get());
       EXPECT_LT(rel_err(out, ref), 2e-4) << "H " << H << " d " << d << " S " << S;
-      EXPECT_LT(rel_err(dstate.host(), st.recurrent), 2e-4) << "H " << H << " d " << d << " S " << S;
-      EXPECT_LT(rel_err(dconv_state.host(), st.conv), 1e-6) << "H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(dstate.host(), st[StateSlot::Recurrent]), 2e-4) << "H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(dconv_state.host(), st[StateSlot::Conv]), 1e-6) << "H " << H << " d " << d << " S " << S;
       std::vector<float> fused;
       if (S == 1) {
         ASSERT_TRUE(cuda::kda_decode_supported(d, d, K));
@@ -375,8 +375,8 @@ TEST(CudaGlm5NextKernels, KdaLayerMatchesCpuKdaForward) {
       }
       EXPECT_LT(rel_err(fused, out), 1e-5) << "fused, H " << H << " d " << d << " S " << S;
       EXPECT_LT(rel_err(fused, ref), 2e-4) << "fused, H " << H << " d " << d << " S " << S;
-      EXPECT_LT(rel_err(fstate.host(), st.recurrent), 2e-4) << "fused, H " << H << " d " << d << " S " << S;
-      EXPECT_LT(rel_err(fconv_state.host(), st.conv), 1e-6) << "fused, H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(fstate.host(), st[StateSlot::Recurrent]), 2e-4) << "fused, H " << H << " d " << d << " S " << S;
+      EXPECT_LT(rel_err(fconv_state.host(), st[StateSlot::Conv]), 1e-6) << "fused, H " << H << " d " << d << " S " << S;
     }
   }
 }
@@ -432,8 +432,8 @@ TEST(CudaGlm5NextKernels, GatedDeltaLayerMatchesCpu) {
       cuda::delta_rule(a, nullptr);
       cuda::gdn_output_norm(dout.get(), dz.get(), dnorm.get(), S * Hv, dv, float(c.rms_eps), nullptr);
       EXPECT_LT(rel_err(dout.host(), ref), 2e-4) << "Hk " << Hk << " S " << S;
-      EXPECT_LT(rel_err(dstate.host(), st.recurrent), 2e-4) << "Hk " << Hk << " S " << S;
-      EXPECT_LT(rel_err(dconv_state.host(), st.conv), 1e-6) << "Hk " << Hk << " S " << S;
+      EXPECT_LT(rel_err(dstate.host(), st[StateSlot::Recurrent]), 2e-4) << "Hk " << Hk << " S " << S;
+      EXPECT_LT(rel_err(dconv_state.host(), st[StateSlot::Conv]), 1e-6) << "Hk " << Hk << " S " << S;
     }
   }
 }
@@ -696,12 +696,12 @@ void run_kpool_case(const KpoolCase& kc) {
 
     // State: pooled keys and the open pool's rows.
     const int pools = (pos0 + S) / kp, open = (pos0 + S) % kp;
-    ASSERT_EQ(st.pool_k.size(), size_t(pools) * d);
-    EXPECT_LT(rel_err(dpool.host(size_t(pools) * d), st.pool_k), 1e-5) << "pos0 " << pos0 << " S " << S;
+    ASSERT_EQ(st[StateSlot::PoolK].size(), size_t(pools) * d);
+    EXPECT_LT(rel_err(dpool.host(size_t(pools) * d), st[StateSlot::PoolK]), 1e-5) << "pos0 " << pos0 << " S " << S;
     const std::vector<float> ok_ = dopen_k.host(), og = dopen_g.host();
     for (int t = 0; t < open * d; ++t) {
-      ASSERT_EQ(ok_[size_t(t)], st.open_k[size_t(t)]) << "open key " << t;
-      ASSERT_EQ(og[size_t(t)], st.open_g[size_t(t)]) << "open gate " << t;
+      ASSERT_EQ(ok_[size_t(t)], st[StateSlot::Open][size_t(t)]) << "open key " << t;
+      ASSERT_EQ(og[size_t(t)], st[StateSlot::OpenG][size_t(t)]) << "open gate " << t;
     }
 
     // Selection: equal sets, except where the k-th best pool nearly ties with another (fp32 summation order).
@@ -731,7 +731,8 @@ void run_kpool_case(const KpoolCase& kc) {
         double acc = 0;
         for (int h = 0; h < nh; ++h) {
           double dot = 0;
-          for (int j = 0; j < d; ++j) dot += double(qv[size_t((s * nh + h) * d + j)]) * st.pool_k[size_t(P * d + j)];
+          for (int j = 0; j < d; ++j)
+            dot += double(qv[size_t((s * nh + h) * d + j)]) * st[StateSlot::PoolK][size_t(P * d + j)];
           acc += double(hwv[size_t(s * nh + h)]) * std::max(dot / std::sqrt(double(d)), 0.0);
         }
         sc[size_t(P)] = acc;

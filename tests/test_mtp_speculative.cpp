@@ -93,13 +93,9 @@ void expect_same_state(CpuSequence& a, CpuSequence& b) {
   ASSERT_EQ(a.length(), b.length());
   for (size_t l = 0; l < a.layers.size(); ++l) {
     const auto &x = a.layers[l], &y = b.layers[l];
-    EXPECT_EQ(x.recurrent, y.recurrent) << "layer " << l;  // bit for bit
-    EXPECT_EQ(x.conv, y.conv) << "layer " << l;
-    EXPECT_EQ(x.open_k, y.open_k) << "layer " << l;
-    EXPECT_EQ(x.open_g, y.open_g) << "layer " << l;
-    EXPECT_EQ(x.pool_k, y.pool_k) << "layer " << l;
-    EXPECT_EQ(x.latent, y.latent) << "layer " << l;
-    EXPECT_EQ(x.index_k, y.index_k) << "layer " << l;
+    for (StateSlot s : {StateSlot::Recurrent, StateSlot::Conv, StateSlot::Open, StateSlot::OpenG, StateSlot::PoolK,
+                        StateSlot::Kv, StateSlot::IndexK})
+      EXPECT_EQ(x[s], y[s]) << "layer " << l << " slot " << int(s);  // bit for bit
   }
 }
 
@@ -187,13 +183,11 @@ void expect_mtp_cache_of_committed_positions(int64_t tokens, const std::function
                     std::vector<float>(hidden.begin() + p * D, hidden.begin() + (p + 1) * D), g);
   const auto& a = dynamic_cast<const CpuSequence&>(dec.mtp_state()).layers[0];
   const auto& b = cpu(*mref).layers[0];
-  ASSERT_EQ(a.latent.size(), b.latent.size());
-  for (size_t i = 0; i < a.latent.size(); ++i) ASSERT_NEAR(a.latent[i], b.latent[i], 1e-5f) << i;
-  ASSERT_EQ(a.pool_k.size(), b.pool_k.size());
-  for (size_t i = 0; i < a.pool_k.size(); ++i) ASSERT_NEAR(a.pool_k[i], b.pool_k[i], 1e-5f) << i;
-  ASSERT_EQ(a.open_k.size(), b.open_k.size());
-  for (size_t i = 0; i < a.open_k.size(); ++i) ASSERT_NEAR(a.open_k[i], b.open_k[i], 1e-5f) << i;
-  ASSERT_EQ(a.open_g.size(), b.open_g.size());
+  for (StateSlot s : {StateSlot::Kv, StateSlot::PoolK, StateSlot::Open}) {
+    ASSERT_EQ(a[s].size(), b[s].size());
+    for (size_t i = 0; i < a[s].size(); ++i) ASSERT_NEAR(a[s][i], b[s][i], 1e-5f) << i;
+  }
+  ASSERT_EQ(a[StateSlot::OpenG].size(), b[StateSlot::OpenG].size());
 }
 
 TEST(MtpRollback, MtpCacheMatchesARunOverTheCommittedPositions) {

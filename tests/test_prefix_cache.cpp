@@ -164,7 +164,7 @@ TEST_P(HybridPrefixCache, SamePromptTwiceReusesAllButTheLastToken) {
   size_t live = 0, recurrent = 0;
   for (const auto& L : cpu.layers) {
     live += L.bytes();
-    recurrent += (L.conv.size() + L.recurrent.size()) * sizeof(float);
+    recurrent += (L[StateSlot::Conv].size() + L[StateSlot::Recurrent].size()) * sizeof(float);
   }
   const size_t checkpoints = size_t((n - 2) / 16) + 2;
   EXPECT_GT(recurrent, 0u);

@@ -34,28 +34,28 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
     st.layer = l;
     switch (L.mixer) {
       case Mixer::Mla:
-        st.buffers.push_back({"latent", Growth::PerToken, s.kv_lora_rank, false, true});
-        if (s.qk_rope_dim > 0) st.buffers.push_back({"k_rope", Growth::PerToken, s.qk_rope_dim});
+        st.buffers.push_back({StateSlot::Kv, Growth::PerToken, s.kv_lora_rank, false, true});
+        if (s.qk_rope_dim > 0) st.buffers.push_back({StateSlot::KRope, Growth::PerToken, s.qk_rope_dim});
         break;
       case Mixer::Gqa:
-        st.buffers.push_back({"k", Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
-        st.buffers.push_back({"v", Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
+        st.buffers.push_back({StateSlot::Kv, Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
+        st.buffers.push_back({StateSlot::V, Growth::PerToken, s.num_kv_heads * s.head_dim, false, true});
         break;
       case Mixer::Kda:
       case Mixer::GatedDelta:
         st.recurrent = true;
-        st.buffers.push_back({"conv", Growth::Fixed, (s.linear.conv_kernel - 1) * s.linear.conv_channels()});
-        st.buffers.push_back({"recurrent", Growth::Fixed, s.linear.state_floats()});
+        st.buffers.push_back({StateSlot::Conv, Growth::Fixed, (s.linear.conv_kernel - 1) * s.linear.conv_channels()});
+        st.buffers.push_back({StateSlot::Recurrent, Growth::Fixed, s.linear.state_floats()});
         break;
     }
     if (L.indexer == IndexerKind::Own) {
       if (s.index_kpool > 1) {
         st.pool = s.index_kpool;
-        st.buffers.push_back({"index_pool_k", Growth::PerPool, s.index_head_dim, true});
+        st.buffers.push_back({StateSlot::PoolK, Growth::PerPool, s.index_head_dim, true});
         // The open pool's raw keys and gate logits (at most kpool - 1 tokens).
-        st.buffers.push_back({"index_open", Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim, true});
+        st.buffers.push_back({StateSlot::Open, Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim, true});
       } else {
-        st.buffers.push_back({"index_k", Growth::PerToken, s.index_head_dim, true});
+        st.buffers.push_back({StateSlot::IndexK, Growth::PerToken, s.index_head_dim, true});
       }
     }
     out.push_back(std::move(st));

@@ -2,7 +2,6 @@
 // recurrent and convolution state), read by the engines, planner, preflight, bench and prefix cache.
 #pragma once
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "model/spec.h"
@@ -11,8 +10,25 @@ namespace moesrv {
 
 enum class Growth { PerToken, PerPool, Fixed };
 
+// What a state buffer holds. The last three are companions an engine may store beside a buffer of the spec
+// (backend/state_buffers.h says which engine does): int8 scale rows, the open pool's gate logits kept apart.
+enum class StateSlot : uint8_t {
+  Kv,         // MLA normalised latent, or GQA keys
+  KRope,      // MLA roped shared key
+  V,          // GQA values
+  IndexK,     // DSA indexer keys
+  PoolK,      // k-pool indexer: one pooled key per completed pool
+  Open,       // k-pool indexer: the open pool's raw keys and gate logits
+  Conv,       // linear attention: the last kernel - 1 conv inputs
+  Recurrent,  // linear attention: delta-rule state
+  KvScale,    // companions: fp32 scale per int8 row of Kv, of V
+  VScale,
+  OpenG,  // the open pool's gate logits, when not stored with its keys
+};
+inline constexpr size_t kStateSlots = 11;
+
 struct StateBuffer {
-  std::string name;
+  StateSlot slot;
   Growth growth;
   int64_t elems;  // per token, per completed pool, or in total
   bool indexer = false;  // DSA indexer keys (may be stored at another precision than the KV cache)

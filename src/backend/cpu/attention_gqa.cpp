@@ -53,14 +53,16 @@ void gqa_attend(const ModelSpec& c, const Rope& rope, GqaProjection& p, int64_t 
   float* q = p.q.data() + r0 * H * hd;
   float* k = p.k.data() + r0 * KV * hd;
   const float* v = p.v.data() + r0 * KV * hd;
+  std::vector<float>& k_cache = cache[StateSlot::Kv];
+  std::vector<float>& v_cache = cache[StateSlot::V];
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t h = 0; h < H; ++h) rope.apply(q + (s * H + h) * hd, pos0 + s, c.rope.layout);
     for (int64_t h = 0; h < KV; ++h) rope.apply(k + (s * KV + h) * hd, pos0 + s, c.rope.layout);
   }
-  cache.k.resize(size_t(T * KV * hd));
-  cache.v.resize(size_t(T * KV * hd));
-  std::copy(k, k + S * KV * hd, cache.k.begin() + pos0 * KV * hd);
-  std::copy(v, v + S * KV * hd, cache.v.begin() + pos0 * KV * hd);
+  k_cache.resize(size_t(T * KV * hd));
+  v_cache.resize(size_t(T * KV * hd));
+  std::copy(k, k + S * KV * hd, k_cache.begin() + pos0 * KV * hd);
+  std::copy(v, v + S * KV * hd, v_cache.begin() + pos0 * KV * hd);
 
   const float scale = float(c.softmax_scale);
   const int64_t group = H / KV;
@@ -70,11 +72,11 @@ void gqa_attend(const ModelSpec& c, const Rope& rope, GqaProjection& p, int64_t 
       const int64_t s = i / H, h = i % H, kvh = h / group, pos = pos0 + s;
       const float* qh = q + (s * H + h) * hd;
       scores.resize(size_t(pos + 1));
-      for (int64_t t = 0; t <= pos; ++t) scores[size_t(t)] = dot(qh, cache.k.data() + (t * KV + kvh) * hd, hd) * scale;
+      for (int64_t t = 0; t <= pos; ++t) scores[size_t(t)] = dot(qh, k_cache.data() + (t * KV + kvh) * hd, hd) * scale;
       softmax(scores.data(), pos + 1);
       float* oh = attn + (s * H + h) * hd;
       std::fill(oh, oh + hd, 0.0f);
-      for (int64_t t = 0; t <= pos; ++t) axpy(scores[size_t(t)], cache.v.data() + (t * KV + kvh) * hd, hd, oh);
+      for (int64_t t = 0; t <= pos; ++t) axpy(scores[size_t(t)], v_cache.data() + (t * KV + kvh) * hd, hd, oh);
     }
   });
 }

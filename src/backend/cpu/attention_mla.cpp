@@ -43,11 +43,13 @@ void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const
   const float* kv = p.kv.data() + r0 * (r + dr);
   const float* q_latent = p.q_latent.empty() ? nullptr : p.q_latent.data() + r0 * c.q_lora_rank;
   const int64_t T0 = pos0, T = pos0 + S;
-  cache.latent.resize(size_t(T * r));
-  cache.k_rope.resize(size_t(T * dr));
+  std::vector<float>& latent = cache[StateSlot::Kv];
+  std::vector<float>& k_rope = cache[StateSlot::KRope];
+  latent.resize(size_t(T * r));
+  k_rope.resize(size_t(T * dr));
   for (int64_t s = 0; s < S; ++s) {
-    rms_norm(kv + s * (r + dr), w.kv_a_norm.weight.data(), 1, r, 1e-6, cache.latent.data() + (T0 + s) * r);
-    float* kr = cache.k_rope.data() + (T0 + s) * dr;
+    rms_norm(kv + s * (r + dr), w.kv_a_norm.weight.data(), 1, r, 1e-6, latent.data() + (T0 + s) * r);
+    float* kr = k_rope.data() + (T0 + s) * dr;
     std::copy(kv + s * (r + dr) + r, kv + (s + 1) * (r + dr), kr);
     rope.apply(kr, pos0 + s, c.rope.layout);
   }
@@ -74,7 +76,7 @@ void mla_attend(const MlaWeights& w, const ModelSpec& c, const Rope& rope, const
   const float scale = float(c.softmax_scale);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t pos = pos0 + s;
-    const float *kl = cache.latent.data(), *kr = cache.k_rope.data();
+    const float *kl = latent.data(), *kr = k_rope.data();
     int64_t n = pos + 1;
     if (!selection.empty()) {  // DSA: gather the selected keys
       const auto& sel = selection[size_t(s)];

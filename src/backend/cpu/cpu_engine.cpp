@@ -15,7 +15,8 @@
 
 namespace moesrv {
 
-CpuSequence::CpuSequence(const ModelSpec& c, const void* engine) : layers(size_t(c.num_layers)), owner(engine), c_(&c) {
+CpuSequence::CpuSequence(const ModelSpec& c, const void* engine)
+    : layers(size_t(c.num_layers)), owner(engine), c_(&c), layout_(state_layout(c, StateStore::Host)) {
   for (const StateSpec& st : state_specs(c)) {
     recurrent_ |= st.recurrent;
     fixed_state_ |= st.recurrent || st.pool > 1;
@@ -40,7 +41,7 @@ int64_t CpuSequence::resume_point(int64_t n) const {
 void CpuSequence::checkpoint() {
   if (!fixed_state_ || !checkpoints_.wants(length_)) return;
   auto cp = std::make_shared<FixedState>(layers.size());
-  for (size_t l = 0; l < layers.size(); ++l) (*cp)[l] = layers[l].fixed();
+  for (size_t l = 0; l < layers.size(); ++l) (*cp)[l] = save_fixed(cpu::HostStore{}, layout_[l], layers[l]);
   checkpoints_.push(length_, std::move(cp));
 }
 
@@ -65,19 +66,11 @@ void CpuSequence::truncate(int64_t n) {
   if (!resumable(n)) fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
   const FixedState* cp = checkpoints_.at(n);
   const int64_t step = steps_from_ >= 0 && n > steps_from_ ? n - steps_from_ - 1 : -1;  // a rollback point
-  const int64_t pool = std::max<int64_t>(1, c_->index_kpool);
   for (size_t l = 0; l < layers.size(); ++l) {
     cpu::LayerState& L = layers[l];
-    L.for_each_growing([&](std::vector<float>& v, bool pooled) {  // the first n tokens' rows
-      if (!v.empty()) v.resize(v.size() / size_t(pooled ? length_ / pool : length_) * size_t(pooled ? n / pool : n));
-    });
-    if (step >= 0) {
-      if (!L.steps.empty()) L.fixed() = L.steps[size_t(step)];
-    } else if (cp) {
-      L.fixed() = (*cp)[l];
-    } else {  // n == 0, or a pool boundary of a model without recurrent layers
-      L.fixed() = {};
-    }
+    const cpu::StateBuffers* from = cp ? &(*cp)[l] : nullptr;  // nullptr: n == 0, or a pool boundary of a k-pool model
+    if (step >= 0) from = L.steps.empty() ? &L : &L.steps[size_t(step)];  // a rollback point
+    cut_to(cpu::HostStore{}, layout_[l], L, n, from);
   }
   checkpoints_.drop_after(n);
   length_ = n;
@@ -88,7 +81,7 @@ size_t CpuSequence::bytes() const {
   size_t b = 0;
   for (const auto& L : layers) b += L.bytes();
   checkpoints_.for_each([&b](int64_t, const FixedState& f) {
-    for (const auto& L : f) b += L.bytes();
+    for (const auto& L : f) b += layer_bytes(cpu::HostStore{}, L);
   });
   return b;
 }
@@ -273,14 +266,14 @@ void CpuSequence::repeat_rows_to(int64_t tokens) {
   const int64_t t0 = length_, pool = std::max<int64_t>(1, c_->index_kpool);
   if (t0 <= 0 || tokens < t0 || t0 % pool || tokens % pool)
     fail("repeat_rows_to: {} -> {} tokens (pool {})", t0, tokens, pool);
-  for (cpu::LayerState& L : layers)
-    L.for_each_growing([&](std::vector<float>& v, bool pooled) {
-      const int64_t rows0 = pooled ? t0 / pool : t0, rows = pooled ? tokens / pool : tokens;
-      if (v.empty()) return;
-      const size_t width = v.size() / size_t(rows0);
-      v.resize(size_t(rows) * width);
+  for (size_t l = 0; l < layers.size(); ++l)
+    for_each_slot(layout_[l], [&](size_t i, const SlotShape& s) {
+      std::vector<float>& v = layers[l].buf[i];
+      if (s.growth == Growth::Fixed || v.empty()) return;
+      const int64_t rows0 = layout_[l].rows(s.growth, t0), rows = layout_[l].rows(s.growth, tokens);
+      v.resize(size_t(rows * s.width));
       for (int64_t r = rows0; r < rows; ++r)
-        std::copy_n(v.begin() + (r % rows0) * int64_t(width), width, v.begin() + r * int64_t(width));
+        std::copy_n(v.begin() + (r % rows0) * s.width, s.width, v.begin() + r * s.width);
     });
   length_ = tokens;
 }

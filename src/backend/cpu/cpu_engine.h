@@ -15,8 +15,8 @@ namespace moesrv {
 
 class CpuSequence : public SequenceState {
  public:
-  // The fixed-size parts of every layer's state at one length.
-  using FixedState = std::vector<cpu::FixedState>;
+  // The fixed-size buffers of every layer's state at one length.
+  using FixedState = std::vector<cpu::StateBuffers>;
   static constexpr size_t kMaxCheckpoints = 16;
 
   CpuSequence(const ModelSpec& c, const void* owner);
@@ -40,6 +40,7 @@ class CpuSequence : public SequenceState {
  private:
   bool resumable(int64_t n) const;
   const ModelSpec* c_;
+  std::vector<LayerLayout> layout_;  // state_layout(StateStore::Host)
   bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
   bool recurrent_ = false;
   int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)

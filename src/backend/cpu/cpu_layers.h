@@ -3,50 +3,44 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/state_buffers.h"
 #include "backend/usage_stats.h"
 #include "model/rope.h"
 #include "model/weights.h"
 
 namespace moesrv::cpu {
 
-// The parts of a layer's state that per-token truncation cannot rewind: what checkpoints and rollback points copy.
-struct FixedState {
-  std::vector<float> conv;            // linear attention: the last kernel-1 conv inputs [kernel - 1, channels]
-  std::vector<float> recurrent;       // linear attention: delta-rule state [heads, dk, dv]
-  std::vector<float> open_k, open_g;  // k-pool: keys and gate logits of the open pool's tokens [< kpool, d]
-  size_t bytes() const { return (conv.size() + recurrent.size() + open_k.size() + open_g.size()) * sizeof(float); }
+// The host storage of backend/state_buffers.h's operations: fp32 vectors the blocks allocate (fixed state: zero on
+// first use) and grow with the sequence.
+struct HostStore {
+  using Buffer = std::vector<float>;
+  void keep(Buffer& b, size_t elems) const {
+    if (!b.empty()) b.resize(elems);
+  }
+  void assign(Buffer& to, const Buffer& from) const { to = from; }
+  void zero(Buffer& b) const { b.clear(); }
+  Buffer saved(const Buffer& b) const { return b; }
+  size_t bytes(const Buffer& b) const { return b.size() * sizeof(float); }
 };
+using StateBuffers = LayerBuffers<std::vector<float>>;
 
-// Per-layer state, fp32 (the buffers model/state.h describes): the fixed part, and the buffers that grow with the
-// sequence. MLA keeps only the normalised latent and the roped shared key (absorbed attention); recurrent layers
-// keep only the fixed part.
-struct LayerState : FixedState {
-  std::vector<float> latent, k_rope;  // MLA: [T, kv_lora_rank], [T, qk_rope_dim]
-  std::vector<float> index_k;         // DSA indexer keys [T, index_head_dim]
-  std::vector<float> pool_k;          // k-pool indexer: one pooled key per completed pool [P, index_head_dim]
-  std::vector<float> k, v;            // GQA: [T, kv_heads * head_dim]
+// Per-layer state, fp32, by slot (state_buffers.h's StateStore::Host): MLA keeps only the normalised latent (Kv) and
+// the roped shared key (absorbed attention); GQA Kv and V; DSA IndexK; the k-pool indexer PoolK [P, d] and the open
+// pool's keys and gate logits (Open, OpenG [< kpool, d]); recurrent layers Conv [kernel - 1, channels] and Recurrent
+// [heads, dk, dv].
+struct LayerState : StateBuffers {
   // Rollback points (speculative verify): with record_steps set, a forward of S tokens runs its recurrence token by
-  // token (as S single-token steps would, bit for bit) and keeps the fixed state after each of its first S - 1
+  // token (as S single-token steps would, bit for bit) and keeps the fixed buffers after each of its first S - 1
   // tokens in `steps` (the state after the last one is the live state).
   bool record_steps = false;
-  std::vector<FixedState> steps;
+  std::vector<StateBuffers> steps;
 
-  FixedState& fixed() { return *this; }
-  const FixedState& fixed() const { return *this; }
-  // f(buffer, pooled) for every buffer that grows with the sequence: a row per token, or (pooled) per completed pool.
-  template <class F>
-  void for_each_growing(F&& f) {
-    for (auto* x : {&latent, &k_rope, &index_k, &k, &v}) f(*x, false);
-    f(pool_k, true);
-  }
   size_t bytes() const {
-    size_t b = fixed().bytes() +
-               (latent.size() + k_rope.size() + index_k.size() + pool_k.size() + k.size() + v.size()) * sizeof(float);
-    for (const FixedState& f : steps) b += f.bytes();
+    size_t b = layer_bytes(HostStore{}, *this);
+    for (const StateBuffers& f : steps) b += layer_bytes(HostStore{}, f);
     return b;
   }
 };
-using LayerCache = LayerState;
 
 // Key positions each query token may attend to (DSA top-k); empty = dense causal attention.
 using TokenSelection = std::vector<std::vector<int32_t>>;

@@ -34,8 +34,8 @@ void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const Gated
   const LinearAttnDims& la = c.linear;
   const int64_t Hk = la.k_heads, Hv = la.v_heads, dk = la.dk, dv = la.dv, r = Hv / Hk, K = la.conv_kernel;
   const int64_t C = la.conv_channels(), group = 2 * dk + 2 * r * dv, QK = Hk * dk, V = Hv * dv;
-  if (st.conv.empty()) st.conv.assign(size_t((K - 1) * C), 0.0f);
-  if (st.recurrent.empty()) st.recurrent.assign(size_t(Hv * dk * dv), 0.0f);
+  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t((K - 1) * C), 0.0f);
+  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(Hv * dk * dv), 0.0f);
   const float* qkvz = p.qkvz.data() + r0 * Hk * group;
   const float* ba = p.ba.data() + r0 * 2 * Hv;
   // Regroup per token into conv channels q | k | v (all heads), and z, b, a per value head.
@@ -57,8 +57,8 @@ void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const Gated
       }
     }
   std::vector<float> conv(size_t(S * C));
-  const std::vector<float> conv_before = st.conv;
-  causal_conv1d_silu(mixed.data(), S, C, w.conv.data(), K, st.conv.data(), conv.data());
+  const std::vector<float> conv_before = st[StateSlot::Conv];
+  causal_conv1d_silu(mixed.data(), S, C, w.conv.data(), K, st[StateSlot::Conv].data(), conv.data());
 
   // q, k per value head (each key head serves r value heads), L2-normalised; q scaled by dk^-0.5.
   std::vector<float> q(size_t(S * Hv * dk)), k(size_t(S * Hv * dk)), v(size_t(S * V));

@@ -63,16 +63,16 @@ void kda_mix(const KdaWeights& w, const ModelSpec& c, const KdaProjection& p, in
              float* o) {
   const LinearAttnDims& la = c.linear;
   const int64_t H = la.v_heads, d = la.dk, Hd = H * d, C = 3 * Hd, K = la.conv_kernel;
-  if (st.conv.empty()) st.conv.assign(size_t((K - 1) * C), 0.0f);
-  if (st.recurrent.empty()) st.recurrent.assign(size_t(H * d * d), 0.0f);
+  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t((K - 1) * C), 0.0f);
+  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(H * d * d), 0.0f);
   const float* qkv = p.qkv.data() + r0 * C;
   const float* g = p.g.data() + r0 * Hd;
   const float* beta = p.beta.data() + r0 * H;
   const float* gate = p.gate.data() + r0 * Hd;
 
   std::vector<float> mixed(size_t(S * C));
-  const std::vector<float> conv_before = st.conv;
-  causal_conv1d_silu(qkv, S, C, w.conv.data(), K, st.conv.data(), mixed.data());
+  const std::vector<float> conv_before = st[StateSlot::Conv];
+  causal_conv1d_silu(qkv, S, C, w.conv.data(), K, st[StateSlot::Conv].data(), mixed.data());
   std::vector<float> q(size_t(S * Hd)), k(size_t(S * Hd)), v(size_t(S * Hd));
   for (int64_t s = 0; s < S; ++s) {
     const float* m = mixed.data() + s * C;

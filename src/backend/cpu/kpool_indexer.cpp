@@ -33,6 +33,9 @@ void pool_key(const float* k, const float* g, const float* ape, int64_t kp, int6
 TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const float* x, const float* q_latent,
                             int64_t S, int64_t pos0, LayerState& st) {
   const int64_t nh = c.index_n_heads, d = c.index_head_dim, kp = c.index_kpool;
+  std::vector<float>& pool_k = st[StateSlot::PoolK];
+  std::vector<float>& open_k = st[StateSlot::Open];
+  std::vector<float>& open_g = st[StateSlot::OpenG];
   std::vector<float> q(size_t(S * nh * d)), k(size_t(S * d)), g(size_t(S * d)), hw(size_t(S * nh));
   w.wq_b->forward(q_latent, S, q.data());
   w.wk->forward(x, S, k.data());
@@ -43,19 +46,22 @@ TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const f
   for (float& v : hw) v *= head_scale;
 
   // Extend the pooled keys: the open pool's tokens, then this batch's; every kp tokens close a pool.
-  if (int64_t(st.open_k.size()) != (pos0 % kp) * d || int64_t(st.pool_k.size()) != pos0 / kp * d)
-    fail("k-pool indexer: state holds {} pools + {} open tokens, batch starts at {}", st.pool_k.size() / size_t(d),
-         st.open_k.size() / size_t(d), pos0);
+  if (int64_t(open_k.size()) != (pos0 % kp) * d || int64_t(pool_k.size()) != pos0 / kp * d)
+    fail("k-pool indexer: state holds {} pools + {} open tokens, batch starts at {}", pool_k.size() / size_t(d),
+         open_k.size() / size_t(d), pos0);
   for (int64_t s = 0; s < S; ++s) {
-    st.open_k.insert(st.open_k.end(), k.begin() + s * d, k.begin() + (s + 1) * d);
-    st.open_g.insert(st.open_g.end(), g.begin() + s * d, g.begin() + (s + 1) * d);
-    if (int64_t(st.open_k.size()) == kp * d) {
-      st.pool_k.resize(st.pool_k.size() + size_t(d));
-      pool_key(st.open_k.data(), st.open_g.data(), w.pool_ape.data(), kp, d, st.pool_k.data() + st.pool_k.size() - size_t(d));
-      st.open_k.clear();
-      st.open_g.clear();
+    open_k.insert(open_k.end(), k.begin() + s * d, k.begin() + (s + 1) * d);
+    open_g.insert(open_g.end(), g.begin() + s * d, g.begin() + (s + 1) * d);
+    if (int64_t(open_k.size()) == kp * d) {
+      pool_k.resize(pool_k.size() + size_t(d));
+      pool_key(open_k.data(), open_g.data(), w.pool_ape.data(), kp, d, pool_k.data() + pool_k.size() - size_t(d));
+      open_k.clear();
+      open_g.clear();
     }
-    if (st.record_steps && s + 1 < S) st.steps.push_back({.open_k = st.open_k, .open_g = st.open_g});
+    if (st.record_steps && s + 1 < S) {
+      StateBuffers& f = st.steps.emplace_back();
+      f[StateSlot::Open] = open_k, f[StateSlot::OpenG] = open_g;
+    }
   }
 
   const float scale = 1.0f / std::sqrt(float(d));
@@ -73,7 +79,8 @@ TokenSelection kpool_select(const IndexerWeights& w, const ModelSpec& c, const f
         if (P < pools) {
           acc = 0;
           for (int64_t h = 0; h < nh; ++h)
-            acc += hw[size_t(s * nh + h)] * std::max(dot(q.data() + (s * nh + h) * d, st.pool_k.data() + P * d, d) * scale, 0.0f);
+            acc += hw[size_t(s * nh + h)] *
+                   std::max(dot(q.data() + (s * nh + h) * d, pool_k.data() + P * d, d) * scale, 0.0f);
         }
         ranked[size_t(P)] = {acc, P};
       }

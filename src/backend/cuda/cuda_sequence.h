@@ -9,6 +9,7 @@
 
 #include "backend/checkpoint_list.h"
 #include "backend/cuda/engine_internal.h"
+#include "backend/state_buffers.h"
 
 namespace moesrv::cuda {
 
@@ -19,44 +20,35 @@ namespace moesrv::cuda {
 class CudaSequence : public SequenceState {
  public:
   explicit CudaSequence(const CudaEngine::Impl& e)
-      : owner(&e), id(next_id()), graphs_(e.sequence_graphs), mu_(e.device_mu) {
+      : owner(&e),
+        id(next_id()),
+        graphs_(e.sequence_graphs),
+        mu_(e.device_mu),
+        layout_(state_layout(e.c, StateStore::Device, e.opt.kv_q8)) {
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(e.opt.device);
     const ModelSpec& c = e.c;
-    const size_t elem = e.opt.kv_q8 ? 1 : 2, T = size_t(e.max_ctx);
     layers.resize(size_t(c.num_layers));
+    steps_.resize(size_t(c.num_layers));
     table.resize(size_t(c.num_layers));
     for (int64_t l = e.layer_begin; l < e.layer_end; ++l) {  // a pipeline stage's layers only
-      const LayerSpec& spec = c.layers[size_t(l)];
       auto& L = layers[size_t(l)];
-      if (spec.recurrent()) {
-        L.conv = fixed(e, size_t((c.linear.conv_kernel - 1) * c.linear.conv_channels()), "conv state");
-        L.recurrent = fixed(e, size_t(c.linear.state_floats()), "recurrent state");
-      } else {
-        L.kv = DeviceBuffer(e.budget, T * size_t(e.kv_row) * elem, "KV cache");
-        if (e.opt.kv_q8) L.kv_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
-        if (e.v_row) {
-          L.v = DeviceBuffer(e.budget, T * size_t(e.v_row) * elem, "KV cache");
-          if (e.opt.kv_q8) L.v_scale = DeviceBuffer(e.budget, T * 4, "KV cache scales");
-        }
-      }
-      if (spec.indexer == IndexerKind::Own) {
-        if (c.index_kpool > 1) {
-          L.pool_k = DeviceBuffer(e.budget, size_t(e.max_pools() * c.index_head_dim) * 4, "indexer pooled keys");
-          L.open = fixed(e, size_t(2 * c.index_kpool * c.index_head_dim), "indexer open pool");
-        } else {
-          L.index_k = DeviceBuffer(e.budget, T * size_t(c.index_head_dim) * 2, "indexer key cache");
-        }
-      }
-      table[size_t(l)] = {L.kv.as<void>(), L.kv_scale.as<float>(), L.v.as<void>(), L.v_scale.as<float>(),
-                          L.index_k.as<uint16_t>()};
-      fixed_state_ |= bool(L.conv.bytes()) || bool(L.open.bytes());
+      for_each_slot(layout_[size_t(l)], [&](size_t i, const SlotShape& s) {
+        const int64_t rows = s.growth == Growth::PerToken ? e.max_ctx : s.growth == Growth::PerPool ? e.max_pools() : 1;
+        L.buf[i] = DeviceBuffer(e.budget, size_t(rows * s.width * s.elem_bytes), s.what);
+        if (s.growth == Growth::Fixed)
+          MOESRV_CUDA_OK(cudaMemsetAsync(L.buf[i].as<void>(), 0, L.buf[i].bytes(), e.stream));
+        fixed_state_ |= s.growth == Growth::Fixed;
+      });
+      table[size_t(l)] = {L[StateSlot::Kv].as<void>(), L[StateSlot::KvScale].as<float>(), L[StateSlot::V].as<void>(),
+                          L[StateSlot::VScale].as<float>(), L[StateSlot::IndexK].as<uint16_t>()};
     }
     MOESRV_CUDA_OK(cudaStreamSynchronize(e.stream));  // the zeroed state is visible to every stream
   }
   ~CudaSequence() override {
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     layers.clear();  // device memory freed under the lock
+    steps_.clear();
     checkpoints_.drop_after(-1);
     if (!fixed_state_) return;
     for (int64_t n = 1; n <= CudaEngine::Impl::kMaxGraphRows; ++n) {
@@ -89,12 +81,7 @@ class CudaSequence : public SequenceState {
       if (resume_point(n) != n)
         fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
       const FixedState* cp = checkpoints_.at(n);
-      for (size_t l = 0; l < layers.size(); ++l)
-        for (auto [buf, i] : fixed_buffers(l)) {
-          if (!buf->bytes()) continue;
-          if (cp) copy((*cp)[l * 3 + i], *buf);
-          else MOESRV_CUDA_OK(cudaMemsetAsync(buf->as<void>(), 0, buf->bytes(), owner->stream));
-        }
+      for (size_t l = 0; l < layers.size(); ++l) cut_to(store(), layout_[l], layers[l], n, cp ? &(*cp)[l] : nullptr);
       checkpoints_.drop_after(n);
     }
     length_ = n;  // later positions are overwritten by the next forward
@@ -105,34 +92,15 @@ class CudaSequence : public SequenceState {
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(owner->opt.device);
     checkpoints_.make_room();  // the oldest copy's memory is freed before the next is allocated
-    auto cp = std::make_shared<FixedState>(layers.size() * 3);
-    for (size_t l = 0; l < layers.size(); ++l)
-      for (auto [buf, i] : fixed_buffers(l)) {
-        if (!buf->bytes()) continue;
-        (*cp)[l * 3 + i] = DeviceBuffer(owner->budget, buf->bytes(), "state checkpoint");
-        copy(*buf, (*cp)[l * 3 + i]);
-      }
+    auto cp = std::make_shared<FixedState>(layers.size());
+    for (size_t l = 0; l < layers.size(); ++l) (*cp)[l] = save_fixed(store(), layout_[l], layers[l]);
     checkpoints_.push(length_, std::move(cp));
   }
   std::unique_ptr<SequenceState> clone() const override {
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(owner->opt.device);
     auto s = std::make_unique<CudaSequence>(*owner);
-    const size_t T = size_t(owner->max_ctx), n = size_t(length_);
-    auto rows = [&](const DeviceBuffer& from, DeviceBuffer& to) {  // per-token caches: the first n rows
-      if (from.bytes())
-        MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes() / T * n, cudaMemcpyDeviceToDevice,
-                                       owner->stream));
-    };
-    for (size_t l = 0; l < layers.size(); ++l) {
-      rows(layers[l].kv, s->layers[l].kv);
-      rows(layers[l].kv_scale, s->layers[l].kv_scale);
-      rows(layers[l].v, s->layers[l].v);
-      rows(layers[l].v_scale, s->layers[l].v_scale);
-      rows(layers[l].index_k, s->layers[l].index_k);
-      if (layers[l].pool_k.bytes()) copy(layers[l].pool_k, s->layers[l].pool_k);
-      for (auto [buf, i] : fixed_buffers(l)) copy(*buf, *s->fixed_buffers(l)[size_t(i)].first);
-    }
+    for (size_t l = 0; l < layers.size(); ++l) copy_state(store(), layout_[l], layers[l], s->layers[l], length_);
     s->checkpoints_ = checkpoints_;  // immutable: shared with the clone
     MOESRV_CUDA_OK(cudaStreamSynchronize(owner->stream));
     s->length_ = length_;
@@ -140,24 +108,21 @@ class CudaSequence : public SequenceState {
   }
   size_t bytes() const override {
     size_t b = 0;
-    for (const auto& L : layers)
-      b += L.kv.bytes() + L.kv_scale.bytes() + L.v.bytes() + L.v_scale.bytes() + L.index_k.bytes() + L.pool_k.bytes() +
-           L.open.bytes() + L.conv.bytes() + L.recurrent.bytes() + L.conv_steps.bytes() + L.rec_steps.bytes() +
-           L.open_steps.bytes();
-    checkpoints_.for_each([&b](int64_t, const FixedState& cp) {
-      for (const auto& f : cp) b += f.bytes();
+    for (size_t l = 0; l < layers.size(); ++l) b += layer_bytes(store(), layers[l]) + layer_bytes(store(), steps_[l]);
+    checkpoints_.for_each([&](int64_t, const FixedState& cp) {
+      for (const Layer& L : cp) b += layer_bytes(store(), L);
     });
     return b;
   }
   // Raw pointers of the fixed-size and pooled state for the engine's pass (with the rollback points' buffers when
   // `steps`).
   CudaEngine::Impl::LayerState state(size_t l, bool steps = false) const {
-    const Layer& L = layers[l];
-    CudaEngine::Impl::LayerState st{L.conv.as<float>(), L.recurrent.as<float>(), L.pool_k.as<float>(),
-                                    L.open.as<float>()};
+    const Layer &L = layers[l], &P = steps_[l];
+    CudaEngine::Impl::LayerState st{L[StateSlot::Conv].as<float>(), L[StateSlot::Recurrent].as<float>(),
+                                    L[StateSlot::PoolK].as<float>(), L[StateSlot::Open].as<float>()};
     if (steps)
-      st.conv_steps = L.conv_steps.as<float>(), st.rec_steps = L.rec_steps.as<float>(),
-      st.open_steps = L.open_steps.as<float>();
+      st.conv_steps = P[StateSlot::Conv].as<float>(), st.rec_steps = P[StateSlot::Recurrent].as<float>(),
+      st.open_steps = P[StateSlot::Open].as<float>();
     return st;
   }
   bool has_fixed_state() const override { return fixed_state_; }
@@ -171,27 +136,20 @@ class CudaSequence : public SequenceState {
       fail("forward: rollback points for {} tokens (at most {})", S, CudaEngine::Impl::kMaxRollbackRows);
     const DeviceGuard on(owner->opt.device);
     const size_t steps = size_t(CudaEngine::Impl::kMaxRollbackRows - 1);
-    for (Layer& L : layers) {
-      auto make = [&](const DeviceBuffer& of, DeviceBuffer& steps_buf) {
-        if (of.bytes() && !steps_buf.bytes())
+    for (size_t l = 0; l < layers.size(); ++l)
+      for_each_slot(layout_[l], [&](size_t i, const SlotShape& s) {
+        const DeviceBuffer& of = layers[l].buf[i];
+        DeviceBuffer& steps_buf = steps_[l].buf[i];
+        if (s.growth == Growth::Fixed && of.bytes() && !steps_buf.bytes())
           steps_buf = DeviceBuffer(owner->budget, steps * of.bytes(), "rollback points");
-      };
-      make(L.conv, L.conv_steps);
-      make(L.recurrent, L.rec_steps);
-      make(L.open, L.open_steps);
-    }
+      });
     return true;
   }
   void end_forward(int64_t pos0, int64_t S, bool rollback) {
     if (rollback && fixed_state_ && S > 1) steps_from_ = pos0, steps_rows_ = S;
   }
 
-  struct Layer {
-    DeviceBuffer kv, kv_scale, v, v_scale, index_k;  // per token
-    DeviceBuffer pool_k;                             // per completed pool (fp32)
-    DeviceBuffer open, conv, recurrent;              // fixed size (fp32)
-    DeviceBuffer conv_steps, rec_steps, open_steps;  // rollback points (begin_forward)
-  };
+  using Layer = LayerBuffers<DeviceBuffer>;  // by slot: state_layout(StateStore::Device)
   const CudaEngine::Impl* owner;
   const uint64_t id;  // never reused: keys the sequence's decode graph
   std::vector<Layer> layers;
@@ -203,44 +161,52 @@ class CudaSequence : public SequenceState {
     static std::atomic<uint64_t> n{0};
     return ++n;
   }
-  using FixedState = std::vector<DeviceBuffer>;  // [layer * 3 + i]: open, conv, recurrent (empty where none)
-  static DeviceBuffer fixed(const CudaEngine::Impl& e, size_t floats, const char* what) {
-    DeviceBuffer b(e.budget, floats * 4, what);
-    MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), e.stream));
-    return b;
-  }
+  using FixedState = std::vector<Layer>;  // per layer, its fixed buffers
+  // The device storage of state_buffers.h's operations, on the engine's stream.
+  struct Store {
+    const CudaEngine::Impl* e;
+    using Buffer = DeviceBuffer;
+    void keep(Buffer&, size_t) const {}  // later rows are overwritten by the next forward
+    void assign(Buffer& to, const Buffer& from) const {
+      if (to.bytes()) copy(to, from, from.bytes());
+    }
+    void zero(Buffer& b) const {
+      if (b.bytes()) MOESRV_CUDA_OK(cudaMemsetAsync(b.as<void>(), 0, b.bytes(), e->stream));
+    }
+    Buffer saved(const Buffer& b) const {
+      if (!b.bytes()) return {};
+      DeviceBuffer c(e->budget, b.bytes(), "state checkpoint");
+      copy(c, b, b.bytes());
+      return c;
+    }
+    void copy(Buffer& to, const Buffer& from, size_t bytes) const {
+      if (from.bytes())
+        MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from.as<void>(), bytes, cudaMemcpyDeviceToDevice, e->stream));
+    }
+    size_t bytes(const Buffer& b) const { return b.bytes(); }
+  };
+  Store store() const { return {owner}; }
   // Lengths a rollback forward left points for: (steps_from_, steps_from_ + steps_rows_).
   bool in_steps(int64_t n) const { return steps_rows_ > 1 && n > steps_from_ && n < steps_from_ + steps_rows_; }
   // The fixed-size state after token t of the last rollback forward back in place.
   void restore_step(int64_t t) {
     const ModelSpec& c = owner->c;
     const LinearAttnDims& la = c.linear;
-    for (Layer& L : layers) {
-      auto from = [&](const DeviceBuffer& steps, const DeviceBuffer& of) {
-        return reinterpret_cast<const char*>(steps.as<void>()) + size_t(t) * of.bytes();
-      };
-      if (L.conv.bytes())
-        MOESRV_CUDA_OK(cudaMemcpyAsync(L.conv.as<void>(), from(L.conv_steps, L.conv), L.conv.bytes(),
-                                       cudaMemcpyDeviceToDevice, owner->stream));
-      if (L.open.bytes())
-        MOESRV_CUDA_OK(cudaMemcpyAsync(L.open.as<void>(), from(L.open_steps, L.open), L.open.bytes(),
-                                       cudaMemcpyDeviceToDevice, owner->stream));
-      if (L.recurrent.bytes())
-        state_from_step(reinterpret_cast<const float*>(from(L.rec_steps, L.recurrent)), int(la.v_heads), int(la.dk),
-                        int(la.dv), L.recurrent.as<float>(), owner->stream);
-    }
-  }
-  void copy(const DeviceBuffer& from, DeviceBuffer& to) const {
-    if (from.bytes())
-      MOESRV_CUDA_OK(
-          cudaMemcpyAsync(to.as<void>(), from.as<void>(), from.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
-  }
-  std::array<std::pair<DeviceBuffer*, int>, 3> fixed_buffers(size_t l) const {
-    Layer& L = const_cast<Layer&>(layers[l]);
-    return {{{&L.open, 0}, {&L.conv, 1}, {&L.recurrent, 2}}};
+    for (size_t l = 0; l < layers.size(); ++l)
+      for_each_slot(layout_[l], [&](size_t i, const SlotShape& s) {
+        DeviceBuffer& to = layers[l].buf[i];
+        if (s.growth != Growth::Fixed || !to.bytes()) return;
+        const char* from = steps_[l].buf[i].as<char>() + size_t(t) * to.bytes();
+        if (StateSlot(i) == StateSlot::Recurrent)  // the steps hold delta_rule's layout
+          state_from_step(reinterpret_cast<const float*>(from), int(la.v_heads), int(la.dk), int(la.dv), to.as<float>(),
+                          owner->stream);
+        else MOESRV_CUDA_OK(cudaMemcpyAsync(to.as<void>(), from, to.bytes(), cudaMemcpyDeviceToDevice, owner->stream));
+      });
   }
   std::shared_ptr<SequenceGraphs> graphs_;    // the engine's, kept alive by the sequence
   std::shared_ptr<std::recursive_mutex> mu_;  // the engine's device lock (CudaEngine::Impl::device_mu)
+  std::vector<LayerLayout> layout_;           // state_layout(StateStore::Device, kv_q8)
+  std::vector<Layer> steps_;                  // rollback points of the fixed buffers (begin_forward)
   bool fixed_state_ = false;
   int64_t steps_from_ = -1, steps_rows_ = 0;  // the last forward's rollback points (rows 0: none)
   CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};
