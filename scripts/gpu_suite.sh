@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repo root, after `scripts/gpu_carry.sh` here and `tar -cJf .gpurun/gpu.tar.xz
-# .gpu` (carry .gpurun): the CUDA suites and, with BENCH=1, the real-width glm5_next slice whose JSON lands in
-# $OUT/glm5-next-h200.json (copy it to docs/perf/). Logs go to $OUT; a summary is printed.
+# Runs on the GPU machine, from the repo root, after `scripts/gpu_carry.sh` here and
+# `tar -cf - .gpu | xz -T1 --lzma2=preset=6,dict=256MiB > .gpurun/gpu.tar.xz` (~49 MB: the test binaries' identical
+# CUDA fatbins deduplicate within the 256 MiB window; `xz -9`'s 64 MiB window gives ~62 MiB, over the 64 MiB carry
+# limit with the tree) (carry .gpurun): the CUDA suites and, with BENCH=1, the real-width glm5_next slice whose JSON
+# lands in $OUT/glm5-next-h200.json (copy it to docs/perf/). Logs go to $OUT; a summary is printed.
 #   scripts/gpu_suite.sh            kernels + MTP + batch + engine + pipeline + EXL3 suites (~45 s on an H100)
 #   KBENCH=1 scripts/gpu_suite.sh   + the per-kernel decode bench (cuda_kernel_bench; $OUT/kernels.json);
 #                                   GEMV_SWEEP="8 16 16tc" also times the EXL3 rows at those GEMV blocks per SM (tc: tensor cores at 1 row)
