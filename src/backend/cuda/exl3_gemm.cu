@@ -37,7 +37,8 @@ struct GemmArgs {
   const uint16_t* xh;  // fp16 [rows][in_pad]
   float* yr;           // [rows][out_pad]
   int in_pad, out_pad;
-  // form 1 with y: the output rotation in the epilogue (rotate_out's math), y[row][o] for o < out, rows y_ld apart
+  // register-B forms with y: the output rotation in the epilogue (rotate_out's math), y[row][o] for o < out, rows
+  // y_ld apart
   float* y;
   int64_t y_ld;
   int out;
