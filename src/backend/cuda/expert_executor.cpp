@@ -361,10 +361,15 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   if (prefetch_layer >= 0)
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(h_pred.as<void>(), s.pred_ids.as<void>(), size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
-  if (any_cpu) {
+  // The pass's rows for CPU experts: with the routing when the pass is short (decode: a few KB in the same round
+  // trip), after the plan and only if it has CPU experts when it is long (a prefill pass streams its cold experts to
+  // the GPU, so it rarely has any, and its rows are n x D floats: 128 MB for 8K GLM-5.3-Flash tokens).
+  auto copy_rows = [&] {
     if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(group_rows() * D) * 4);  // on first use
     MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
-  }
+  };
+  const bool rows_early = any_cpu && n < kStreamPassTokens;
+  if (rows_early) copy_rows();
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
 
   // Plan (backend/expert_pass.h): VRAM experts and those already in a slot run on the GPU, Cache experts too
@@ -395,6 +400,10 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   const bool slot_grouped = slot_grouped_on && m.exl3 && m.x3_slot_base >= 0 && pass.cpu_experts.empty() &&
                             n <= kExl3MaxGemvRows && s0 == 0 && in_slots <= expert_cache->usable_slots(int32_t(l));
   if (slot_grouped) order_gpu_runs(pass, k, home);  // the experts ready to run first, the copied ones last
+  if (!rows_early && !pass.cpu_experts.empty()) {  // (nothing of this pass is queued yet: the copy alone)
+    copy_rows();
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  }
   const auto& by_expert = pass.by_expert;
   const auto& gpu_runs = pass.gpu_runs;
   const auto& cpu_experts = pass.cpu_experts;
