@@ -595,8 +595,8 @@ constexpr int kPrefillExperts = 16, kPrefillRows = 192;
 struct PrefillBufs {
   uint16_t *xh = nullptr, *w16 = nullptr;
   float *yr = nullptr, *y = nullptr;
-  Exl3GemmTile* tiles = nullptr;
-  int n_tiles = 0;
+  Exl3GemmTile *tiles = nullptr, *tiles128 = nullptr;  // tiles128: form 3's 128-row tiles
+  int n_tiles = 0, n_tiles128 = 0;
 } P;
 void prefill_setup() {
   if (P.xh) return;
@@ -610,13 +610,19 @@ void prefill_setup() {
     for (int r = 0; r < kPrefillRows; r += tr)
       tiles.push_back({e, e * kPrefillRows + r, std::min(tr, kPrefillRows - r), 0});
   P.xh = upload(x), P.tiles = upload(tiles), P.n_tiles = int(tiles.size());
+  std::vector<Exl3GemmTile> tiles128;
+  for (int e = 0; e < kPrefillExperts; ++e)
+    for (int r = 0; r < kPrefillRows; r += kExl3GemmRows)
+      tiles128.push_back({e, e * kPrefillRows + r, std::min(kExl3GemmRows, kPrefillRows - r), 0});
+  P.tiles128 = upload(tiles128), P.n_tiles128 = int(tiles128.size());
   P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
   P.y = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I);
 }
 void prefill_grouped(int form, bool rotate_out = false) {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
-  exl3_grouped_gemm(W.expert_shape[0], W.tab, P.tiles, P.n_tiles, P.xh, P.yr, g_st, exl3_gemm_tile_rows(), form,
-                    rotate_out ? P.y : nullptr, I);
+  const bool t128 = form == 3;  // (form 3 takes 128-row tiles only)
+  exl3_grouped_gemm(W.expert_shape[0], W.tab, t128 ? P.tiles128 : P.tiles, t128 ? P.n_tiles128 : P.n_tiles, P.xh, P.yr,
+                    g_st, t128 ? kExl3GemmRows : exl3_gemm_tile_rows(), form, rotate_out ? P.y : nullptr, I);
 }
 void prefill_cublas() {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
@@ -905,7 +911,8 @@ void run_all(const std::vector<Ctx>& ctxs) {
   if (selected("prefill")) {
     prefill_setup();
     bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(-1); });
-    for (int form : {0, 1, 2})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 0 = session 12's)
+    for (int form : {0, 1, 2, 3})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 3 = paired
+                                   // register B, 128-row tiles; 0 = session 12's)
       bench("prefill EXL3 grouped GEMM form " + std::to_string(form) + ", 16 experts x 192 rows, gate 2048x4096",
             [form](int) { prefill_grouped(form); });
     bench("prefill EXL3 grouped GEMM form 1 + output rotation, 16 experts x 192 rows, gate 2048x4096",

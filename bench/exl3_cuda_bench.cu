@@ -206,7 +206,7 @@ void correctness(bool quick) {
       auto x = randn(size_t(rows) * gin, uint32_t(K + 5));
       std::vector<uint16_t> xh(x.size());
       for (size_t i = 0; i < x.size(); ++i) xh[i] = f32_to_f16(x[i]);
-      for (int form : {0, 1, 2}) {
+      for (int form : {0, 1, 2, 3}) {
         const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh, form);
         double num = 0, den = 0;
         int r0 = 0;
@@ -226,7 +226,7 @@ void correctness(bool quick) {
                               ": grouped GEMM form " + std::to_string(form) + ", 5 pieces over 3 experts, rel err " +
                               std::to_string(err));
         if (form == 0) continue;
-        // forms 1 and 2 with the output rotation in its epilogue: H(yr) ⊙ svh of its own yr rows (the CPU's Hadamard)
+        // forms 1-3 with the output rotation in its epilogue: H(yr) ⊙ svh of its own yr rows (the CPU's Hadamard)
         const std::vector<float> yo = exl3_cuda_grouped_gemm(experts, pieces, xh, form, true);
         double worst = 0, top = 1e-30;
         r0 = 0;

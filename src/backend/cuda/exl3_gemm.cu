@@ -177,20 +177,20 @@ constexpr int kRbOutLd = 128 + 4;  // the fused output rotation's rows in shared
 template <int K>
 constexpr int kRbWordsPerStage = kStageTiles* kRbTiles * 8 * K;  // one warp's trellis words per stage
 
-template <int BM>
+template <int BM, int kThreads = kRbWarps * 32>
 __device__ __forceinline__ void rb_load_x(const GemmArgs& g, const Exl3GemmTile& t, int st, half* a) {
-  for (int i = threadIdx.x; i < BM * 8; i += kRbWarps * 32) {
+  for (int i = threadIdx.x; i < BM * 8; i += kThreads) {
     const int r = i >> 3, c = i & 7;
     const bool live = r < t.rows;
     const uint16_t* src = g.xh + size_t(t.row0 + (live ? r : 0)) * g.in_pad + st * kStageTiles * 16 + c * 8;
     cp_async16(a + r * 64 + ((c ^ (r & 7)) << 3), src, live);
   }
 }
-// The warp's kRbTiles adjacent column tiles (contiguous in the trellis for each k-tile) of stage st's k-tiles.
-template <int K>
+// The warp's kTiles adjacent column tiles (contiguous in the trellis for each k-tile) of stage st's k-tiles.
+template <int K, int kTiles = kRbTiles>
 __device__ __forceinline__ void rb_load_words(const uint4* trellis, int tiles_n, int nt0, int st, int lane,
                                               uint32_t* ws) {
-  constexpr int kChunks = kRbTiles * 2 * K;  // uint4 per k-tile
+  constexpr int kChunks = kTiles * 2 * K;  // uint4 per k-tile
   for (int c = lane; c < kStageTiles * kChunks; c += 32) {
     const int u = c / kChunks;
     cp_async16(ws + 4 * c, trellis + (size_t(st * kStageTiles + u) * tiles_n + nt0) * (2 * K) + (c - u * kChunks),
@@ -296,6 +296,116 @@ __global__ __launch_bounds__(kRbWarps * 32, MINB) void grouped_gemm_rb_kernel(Ge
     }
 }
 
+// Form 3 (paired register B, 128-row tiles only): 8 warps as 4 pairs; the pair of columns tiles 2p, 2p + 1 is
+// shared by warps p (rows 0-63) and p + 4 (rows 64-127). Each warp decodes one of the pair's two tiles per k-tile
+// (half of form 1's decode per product) and hands its fragments to its partner through shared memory (a named
+// barrier per pair); each warp then multiplies its 64 rows by both tiles, as in form 1.
+constexpr int kPairWarps = 8, kPairRows = 128;
+constexpr size_t kPairBWords = size_t(kStageTiles) * 8 * 32 * 4;  // [k-tile][column tile][lane] uint4
+
+__device__ __forceinline__ void pair_barrier(int pair) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
+}
+
+template <int K, int CB>
+__global__ __launch_bounds__(kPairWarps * 32) void grouped_gemm_pair_kernel(GemmArgs g) {
+  constexpr int BM = kPairRows, MT = 4;        // each warp: 4 m16 row blocks
+  constexpr int kWords = kStageTiles * 8 * K;  // one warp's trellis words per stage (one column tile)
+  pdl_enter();
+  extern __shared__ __align__(16) uint32_t smem[];
+  half* as = reinterpret_cast<half*>(smem);                                     // [kRbStages][kAStageHalves<128>]
+  uint32_t* wsm = smem + kRbStages * kAStageHalves<BM> / 2;                     // [kRbStages][warps][kWords]
+  uint4* bs = reinterpret_cast<uint4*>(wsm + kRbStages * kPairWarps * kWords);  // [k-tile][tile][lane]
+  const Exl3GemmTile t = g.tiles[blockIdx.y];
+  const uint4* trellis = static_cast<const uint4*>(g.tab[t.e].trellis);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pair = warp & 3, half_ = warp >> 2;
+  const int tiles_n = g.out_pad / 16, ct0 = 2 * pair, mine = ct0 + half_;  // column tiles in the block
+  const int nt_mine = blockIdx.x * 8 + mine, stages = g.in_pad / (kStageTiles * 16);
+  auto words_at = [&](int st) { return wsm + ((st % kRbStages) * kPairWarps + warp) * kWords; };
+  auto load_stage = [&](int st) {
+    if (st < stages) {
+      rb_load_x<BM, kPairWarps * 32>(g, t, st, as + (st % kRbStages) * kAStageHalves<BM>);
+      rb_load_words<K, 1>(trellis, tiles_n, nt_mine, st, lane, words_at(st));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  for (int st = 0; st < kRbStages - 1; ++st) load_stage(st);
+  const LanePos<K> pos(lane);
+  float acc[MT][4][4] = {};
+  for (int st = 0; st < stages; ++st) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kRbStages - 2));
+    __syncthreads();  // stage st in place; the previous stage's fragments read by both warps of every pair
+    load_stage(st + kRbStages - 1);
+    const uint32_t* ws = words_at(st);
+#pragma unroll
+    for (int u = 0; u < kStageTiles; ++u) {
+      uint32_t sv[8];
+      pos.states(ws + u * 8 * K, sv);
+      bs[(u * 8 + mine) * 32 + lane] = make_uint4(decode_state2<CB>(sv[0], sv[1]), decode_state2<CB>(sv[2], sv[3]),
+                                                  decode_state2<CB>(sv[4], sv[5]), decode_state2<CB>(sv[6], sv[7]));
+    }
+    pair_barrier(pair);  // both tiles of the pair decoded
+    const half* a = as + (st % kRbStages) * kAStageHalves<BM>;
+#pragma unroll
+    for (int u = 0; u < kStageTiles; ++u) {
+      const uint4 f[2] = {bs[(u * 8 + ct0) * 32 + lane], bs[(u * 8 + ct0 + 1) * 32 + lane]};
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const int r = half_ * 64 + m * 16 + (lane & 15), c = 2 * u + (lane >> 4);
+        uint32_t af[4];
+        ldmatrix_x4(a + r * 64 + ((c ^ (r & 7)) << 3), af[0], af[1], af[2], af[3]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          mma_m16n8k16_f16(acc[m][2 * q], af[0], af[1], af[2], af[3], f[q].x, f[q].y);
+          mma_m16n8k16_f16(acc[m][2 * q + 1], af[0], af[1], af[2], af[3], f[q].z, f[q].w);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::);
+  const int c0 = ct0 * 16 + 2 * (lane & 3);  // the pair's first column in the block
+  if (g.y) {                                 // as form 1: the block's 128 columns through shared memory, a warp per row
+    __syncthreads();
+    float* ot = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = half_ * 64 + m * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
+              make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+      }
+    __syncthreads();
+    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
+    const int e = blockIdx.x * 128 + 4 * lane;
+    for (int r = warp; r < t.rows; r += kPairWarps) {
+      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
+      hadamard128_lane(v, lane);
+      const float o[4] = {v.x, v.y, v.z, v.w};
+      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
+    }
+    return;
+  }
+  const int col0 = blockIdx.x * kCols + c0;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = half_ * 64 + m * 16 + (lane >> 2) + 8 * h;
+      if (r >= t.rows) continue;
+      float* y = g.yr + size_t(t.row0 + r) * g.out_pad + col0;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        *reinterpret_cast<float2*>(y + (n >> 1) * 16 + (n & 1) * 8) =
+            make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+    }
+}
+
 using GemmFn = void (*)(GemmArgs);
 // [form][128-row tiles][codebook][K - 1]; form 2 = the register-B kernel at 5 blocks per multiprocessor
 #define EXL3_GEMM_K_TABLE(kernel, cb, bm, ...)                                                          \
@@ -318,13 +428,21 @@ const GemmFn kGemm[3][2][3][8] = {EXL3_GEMM_FORM_TABLE(grouped_gemm_kernel),
                                   EXL3_GEMM_FORM_TABLE(grouped_gemm_rb_kernel, , 5)};
 #undef EXL3_GEMM_FORM_TABLE
 #undef EXL3_GEMM_K_TABLE
+#define EXL3_GEMM_PAIR_TABLE(cb)                                                                              \
+  {                                                                                                           \
+    &grouped_gemm_pair_kernel<1, cb>, &grouped_gemm_pair_kernel<2, cb>, &grouped_gemm_pair_kernel<3, cb>,     \
+        &grouped_gemm_pair_kernel<4, cb>, &grouped_gemm_pair_kernel<5, cb>, &grouped_gemm_pair_kernel<6, cb>, \
+        &grouped_gemm_pair_kernel<7, cb>, &grouped_gemm_pair_kernel<8, cb>                                    \
+  }
+const GemmFn kGemmPair[3][8] = {EXL3_GEMM_PAIR_TABLE(0), EXL3_GEMM_PAIR_TABLE(1), EXL3_GEMM_PAIR_TABLE(2)};
+#undef EXL3_GEMM_PAIR_TABLE
 
 }  // namespace
 
 int exl3_gemm_tile_rows() {
   static const int rows = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_ROWS");
-    return v && std::atoi(v) == kExl3GemmRows ? kExl3GemmRows : 64;
+    return (v && std::atoi(v) == kExl3GemmRows) || exl3_gemm_form() == 3 ? kExl3GemmRows : 64;
   }();
   return rows;
 }
@@ -332,7 +450,7 @@ int exl3_gemm_tile_rows() {
 int exl3_gemm_form() {
   static const int form = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
-    return v && (v[0] == '0' || v[0] == '2') && !v[1] ? v[0] - '0' : 1;
+    return v && (v[0] == '0' || v[0] == '2' || v[0] == '3') && !v[1] ? v[0] - '0' : 1;
   }();
   return form;
 }
@@ -344,7 +462,21 @@ void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmT
     throw std::runtime_error("EXL3 grouped GEMM: unsupported shape, K, codebook or tile rows");
   if (n_tiles <= 0) return;
   if (form < 0) form = exl3_gemm_form();
-  if (form < 0 || form > 2) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
+  if (form < 0 || form > 3) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
+  if (form == 3) {  // paired register B: 128-row tiles
+    if (tile_rows != kPairRows) throw std::runtime_error("EXL3 grouped GEMM form 3: needs 128-row tiles");
+    const size_t stages = (kRbStages * size_t(kAStageHalves<kPairRows>) / 2 +
+                           size_t(kRbStages) * kPairWarps * kStageTiles * 8 * shape.K + kPairBWords) *
+                          4;
+    const size_t smem = y ? std::max(stages, size_t(kPairRows) * kRbOutLd * 4) : stages;
+    const GemmFn fn = kGemmPair[shape.cb][shape.K - 1];
+    reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM");
+    launch(fn, dim3(shape.out_pad / kCols, n_tiles), kPairWarps * 32, smem, static_cast<cudaStream_t>(stream),
+           GemmArgs{tab, tiles, reinterpret_cast<const uint16_t*>(xh16), yr, shape.in_pad, shape.out_pad, y, y_ld,
+                    shape.out});
+    EXL3_CHECK(cudaGetLastError());
+    return;
+  }
   if (y && form == 0) throw std::runtime_error("EXL3 grouped GEMM: the output rotation needs the register-B kernel");
   const GemmFn fn = kGemm[form][tile_rows == 128][shape.cb][shape.K - 1];
   const size_t a_words = (tile_rows == 128 ? kAStageHalves<128> : kAStageHalves<64>) / 2;

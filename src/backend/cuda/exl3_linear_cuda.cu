@@ -127,7 +127,8 @@ std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear
   for (const Exl3CudaLinear* e : experts) tab.push_back(e->impl_->w);
   std::vector<cuda::Exl3GemmTile> tiles;
   int rows = 0;
-  const int tile_rows = cuda::exl3_gemm_tile_rows();
+  if (form < 0) form = cuda::exl3_gemm_form();
+  const int tile_rows = form == 3 ? cuda::kExl3GemmRows : cuda::exl3_gemm_tile_rows();  // (form 3: 128-row tiles)
   for (const auto& [e, n] : pieces) {
     for (int r = 0; r < n; r += tile_rows) tiles.push_back({e, rows + r, std::min(tile_rows, n - r), 0});
     rows += n;
