@@ -400,7 +400,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   const bool slot_grouped = slot_grouped_on && m.exl3 && m.x3_slot_base >= 0 && pass.cpu_experts.empty() &&
                             n <= kExl3MaxGemvRows && s0 == 0 && in_slots <= expert_cache->usable_slots(int32_t(l));
   if (slot_grouped) order_gpu_runs(pass, k, home);  // the experts ready to run first, the copied ones last
-  if (!rows_early && !pass.cpu_experts.empty()) {  // (nothing of this pass is queued yet: the copy alone)
+  if (!rows_early && !pass.cpu_experts.empty()) {   // (nothing of this pass is queued yet: the copy alone)
     copy_rows();
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   }
