@@ -198,6 +198,54 @@ __device__ __forceinline__ void rb_load_words(const uint4* trellis, int tiles_n,
   }
 }
 
+// The register-B kernels' epilogue: a warp's acc[m][n] (rows r0 + 16 m + lane / 4 (+ 8), block columns c0 + 16 (n / 2)
+// + 8 (n % 2) + {0, 1}; c0 includes 2 (lane % 4)) into yr, or with g.y the block's 128 columns (one Hadamard block)
+// through shared memory `ot`, a warp per row: rotated, scaled by svh, into y (rotate_out's math).
+template <int MT, int kWarps>
+__device__ __forceinline__ void store_rb_out(const GemmArgs& g, const Exl3GemmTile& t, const float (&acc)[MT][4][4],
+                                             int r0, int c0, float* ot) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (g.y) {
+    __syncthreads();  // every warp is done with the stages
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + m * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
+              make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+      }
+    __syncthreads();
+    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
+    const int e = blockIdx.x * 128 + 4 * lane;
+    for (int r = warp; r < t.rows; r += kWarps) {
+      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
+      hadamard128_lane(v, lane);
+      const float o[4] = {v.x, v.y, v.z, v.w};
+      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
+    }
+    return;
+  }
+  const int col0 = blockIdx.x * kCols + c0;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + m * 16 + (lane >> 2) + 8 * h;
+      if (r >= t.rows) continue;
+      float* y = g.yr + size_t(t.row0 + r) * g.out_pad + col0;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        *reinterpret_cast<float2*>(y + (n >> 1) * 16 + (n & 1) * 8) =
+            make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+    }
+}
+
 // MINB: blocks per multiprocessor the registers must allow (4: 128 registers; 5 (form 2): 96, a few spilled at K=3)
 template <int K, int CB, int BM, int MINB>
 __global__ __launch_bounds__(kRbWarps * 32, MINB) void grouped_gemm_rb_kernel(GemmArgs g) {
@@ -252,48 +300,7 @@ __global__ __launch_bounds__(kRbWarps * 32, MINB) void grouped_gemm_rb_kernel(Ge
     }
   }
   asm volatile("cp.async.wait_all;\n" ::);
-  // acc[m][n][0..1]: row 16 m + lane / 4, columns 2 (lane % 4) + {0, 1} of n8 block n; [2..3]: row + 8
-  if (g.y) {          // the block's 128 columns are one Hadamard block: its rows through shared memory, a warp per row
-    __syncthreads();  // every warp is done with the stages
-    float* ot = reinterpret_cast<float*>(smem);
-    const int c0 = warp * kRbTiles * 16 + 2 * (lane & 3);
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = m * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-        for (int n = 0; n < 2 * kRbTiles; ++n)
-          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
-              make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
-      }
-    __syncthreads();
-    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
-    const int e = blockIdx.x * 128 + 4 * lane;
-    for (int r = warp; r < t.rows; r += kRbWarps) {
-      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
-      hadamard128_lane(v, lane);
-      const float o[4] = {v.x, v.y, v.z, v.w};
-      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
-    }
-    return;
-  }
-  const int col0 = nt0 * 16 + 2 * (lane & 3);
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = m * 16 + (lane >> 2) + 8 * h;
-      if (r >= t.rows) continue;
-      float* y = g.yr + size_t(t.row0 + r) * g.out_pad + col0;
-#pragma unroll
-      for (int n = 0; n < 2 * kRbTiles; ++n)
-        *reinterpret_cast<float2*>(y + (n >> 1) * 16 + (n & 1) * 8) =
-            make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
-    }
+  store_rb_out<MT, kRbWarps>(g, t, acc, 0, warp * kRbTiles * 16 + 2 * (lane & 3), reinterpret_cast<float*>(smem));
 }
 
 // Form 3 (paired register B, 128-row tiles only): 8 warps as 4 pairs; the pair of columns tiles 2p, 2p + 1 is
@@ -363,47 +370,7 @@ __global__ __launch_bounds__(kPairWarps * 32) void grouped_gemm_pair_kernel(Gemm
     }
   }
   asm volatile("cp.async.wait_all;\n" ::);
-  const int c0 = ct0 * 16 + 2 * (lane & 3);  // the pair's first column in the block
-  if (g.y) {                                 // as form 1: the block's 128 columns through shared memory, a warp per row
-    __syncthreads();
-    float* ot = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = half_ * 64 + m * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
-              make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
-      }
-    __syncthreads();
-    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
-    const int e = blockIdx.x * 128 + 4 * lane;
-    for (int r = warp; r < t.rows; r += kPairWarps) {
-      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
-      hadamard128_lane(v, lane);
-      const float o[4] = {v.x, v.y, v.z, v.w};
-      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
-    }
-    return;
-  }
-  const int col0 = blockIdx.x * kCols + c0;
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = half_ * 64 + m * 16 + (lane >> 2) + 8 * h;
-      if (r >= t.rows) continue;
-      float* y = g.yr + size_t(t.row0 + r) * g.out_pad + col0;
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-        *reinterpret_cast<float2*>(y + (n >> 1) * 16 + (n & 1) * 8) =
-            make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
-    }
+  store_rb_out<MT, kPairWarps>(g, t, acc, half_ * 64, ct0 * 16 + 2 * (lane & 3), reinterpret_cast<float*>(smem));
 }
 
 using GemmFn = void (*)(GemmArgs);
