@@ -246,9 +246,10 @@ __device__ __forceinline__ void store_rb_out(const GemmArgs& g, const Exl3GemmTi
     }
 }
 
-// MINB: blocks per multiprocessor the registers must allow (4: 128 registers; 5 (form 2): 96, a few spilled at K=3)
+// MINB: blocks per multiprocessor the registers must allow with 64-row tiles (4: 128 registers; 5 (form 2): 96, a few
+// spilled at K=3). 128-row tiles hold twice the accumulators (~200 registers): 2 blocks, whatever MINB says.
 template <int K, int CB, int BM, int MINB>
-__global__ __launch_bounds__(kRbWarps * 32, MINB) void grouped_gemm_rb_kernel(GemmArgs g) {
+__global__ __launch_bounds__(kRbWarps * 32, BM == 64 ? MINB : 2) void grouped_gemm_rb_kernel(GemmArgs g) {
   constexpr int MT = BM / 16;  // m16 row blocks
   pdl_enter();
   extern __shared__ __align__(16) uint32_t smem[];
