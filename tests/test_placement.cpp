@@ -1,4 +1,5 @@
-// Placement: budgets respected, slot policies, pinning by usage, the CPU/PCIe split of cold experts.
+// Placement: budgets respected, slot policies, pinning by usage, the CPU/PCIe split of cold experts; the device
+// engine's placement arithmetic (backend/expert_plan.h): slot counts, the in-order fill, fitting a given plan.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -6,6 +7,7 @@
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cpu/linear.h"
+#include "backend/expert_plan.h"
 #include "backend/usage_stats.h"
 #include "format/package.h"
 #include "model/synthetic_model.h"
@@ -292,6 +294,88 @@ TEST(SyntheticRouting, RouterSkewConcentratesRecordedSelections) {
   EXPECT_GT(skewed, 0.8);
   ASSERT_EQ(hot.size(), 4u);
   EXPECT_NE(hot[0], hot[1]);  // each layer has its own hot set
+}
+
+constexpr size_t kMiB = size_t(1) << 20;
+using P = ExpertPlacement;
+
+ExpertLayer experts(std::vector<size_t> mib, std::vector<ExpertPlacement> placement = {}, bool streams = false,
+                    int64_t wanted_slots = 2) {
+  for (size_t& b : mib) b *= kMiB;
+  return {mib, placement, streams, wanted_slots};
+}
+
+TEST(ExpertPlan, SlotCount) {
+  EXPECT_EQ(cache_slot_count(0, 5, 4), 2);  // nothing cached: 2 for streaming
+  EXPECT_EQ(cache_slot_count(0, 1, 4), 1);  // never more than the experts
+  EXPECT_EQ(cache_slot_count(0, 0, 4), 0);
+  EXPECT_EQ(cache_slot_count(10, 0, 4), 4);  // as wanted
+  EXPECT_EQ(cache_slot_count(3, 0, 4), 3);
+  EXPECT_EQ(cache_slot_count(10, 5, 1), 2);  // at least 2 with streaming
+  EXPECT_EQ(cache_slot_count(10, 0, 0), 1);
+}
+
+TEST(ExpertPlan, SlotUseCountsCacheAndStreamingExperts) {
+  const std::vector<P> homes = {P::Vram, P::Cache, P::Cpu, P::Cpu};
+  const ExpertLayer streaming = experts({4, 4, 6, 4}, homes, true, 4);
+  const SlotUse u = streaming.slot_use();
+  EXPECT_EQ(u.cached, 1);
+  EXPECT_EQ(u.streamable, 2);
+  EXPECT_EQ(u.slot_bytes, 6 * kMiB);
+  EXPECT_EQ(u.slots, 3);
+  EXPECT_EQ(streaming.device_bytes(), (4 + 3 * 6 + 1) * kMiB);  // VRAM expert + slots + tables
+  const ExpertLayer cpu_only = experts({4, 4, 6, 4}, homes, false, 4);
+  EXPECT_FALSE(cpu_only.uses_slots(2));
+  EXPECT_EQ(cpu_only.slot_use().slots, 1);
+  EXPECT_EQ(cpu_only.device_bytes(), (4 + 4 + 1) * kMiB);
+}
+
+TEST(ExpertPlan, FillInOrderReservesStreamingSlotsWhenNotAllFit) {
+  auto layers = [] { return std::vector<ExpertLayer>{{}, experts({4, 4, 4, 4}), experts({4, 4, 4, 4}, {}, true)}; };
+  std::vector<ExpertLayer> all = layers();  // 32 MiB of experts fit: every expert in VRAM, no slots set aside
+  EXPECT_EQ(fill_in_order(all, 10 * kMiB, 42 * kMiB), 42 * kMiB);
+  EXPECT_TRUE(all[0].placement.empty());
+  EXPECT_EQ(all[1].placement, std::vector<P>(4, P::Vram));
+  EXPECT_EQ(all[2].placement, std::vector<P>(4, P::Vram));
+  // 24 MiB left: 2 streaming slots of layer 2 (8 MiB) first, then layer 1 fills the rest.
+  std::vector<ExpertLayer> part = layers();
+  EXPECT_EQ(fill_in_order(part, 10 * kMiB, 34 * kMiB), 34 * kMiB);
+  EXPECT_EQ(part[1].placement, std::vector<P>(4, P::Vram));
+  EXPECT_EQ(part[2].placement, std::vector<P>(4, P::Cpu));
+}
+
+TEST(ExpertPlan, FillInOrderSkipsWhatDoesNotFitAndKeepsGivenLayers) {
+  std::vector<ExpertLayer> layers = {experts({2, 6, 2}), experts({2, 2}, {P::Cache, P::Cpu})};
+  EXPECT_EQ(fill_in_order(layers, 0, 5 * kMiB), 4 * kMiB);
+  EXPECT_EQ(layers[0].placement, (std::vector<P>{P::Vram, P::Cpu, P::Vram}));
+  EXPECT_EQ(layers[1].placement, (std::vector<P>{P::Cache, P::Cpu}));
+}
+
+TEST(ExpertPlan, FitMovesVramExpertsFromTheLastLayerUntilItFits) {
+  // 17 MiB each: layer 1's second Cache expert saves nothing (a second slot), its third does (2 slots at most).
+  std::vector<ExpertLayer> layers = {experts({4, 4, 4, 4}, std::vector<P>(4, P::Vram)),
+                                     experts({4, 4, 4, 4}, {P::Vram, P::Vram, P::Vram, P::Cache})};
+  EXPECT_EQ(fit_to_budget(layers, 0, 26 * kMiB), 3);
+  EXPECT_EQ(layers[0].placement, (std::vector<P>{P::Vram, P::Vram, P::Vram, P::Cpu}));
+  EXPECT_EQ(layers[1].placement, (std::vector<P>{P::Vram, P::Cache, P::Cache, P::Cache}));
+  EXPECT_EQ(layers[0].device_bytes() + layers[1].device_bytes(), 26 * kMiB);
+  EXPECT_EQ(fit_to_budget(layers, 0, 26 * kMiB), 0);  // fits already
+}
+
+TEST(ExpertPlan, PlaceExpertsFitsOnlyGivenPlans) {
+  const std::vector<P> vram(2, P::Vram);
+  auto layers = [&] { return std::vector<ExpertLayer>{experts({4, 4}, vram), experts({4, 4}, vram)}; };
+  std::vector<ExpertLayer> kept = layers();
+  EXPECT_EQ(place_experts(kept, 0, 12 * kMiB, false), 0);
+  EXPECT_EQ(kept[0].placement, vram);
+  EXPECT_EQ(kept[1].placement, vram);
+  std::vector<ExpertLayer> fitted = layers();  // 9 + 9 MiB over 12: one expert of each layer leaves
+  EXPECT_EQ(place_experts(fitted, 0, 12 * kMiB, true), 2);
+  EXPECT_EQ(fitted[0].placement, (std::vector<P>{P::Vram, P::Cpu}));
+  EXPECT_EQ(fitted[1].placement, (std::vector<P>{P::Vram, P::Cpu}));
+  std::vector<ExpertLayer> mixed = {experts({4, 4}, vram), experts({4, 4})};  // the filled layer counts once
+  EXPECT_EQ(place_experts(mixed, 0, 12 * kMiB, true), 2);
+  EXPECT_EQ(mixed[1].placement, (std::vector<P>{P::Vram, P::Cpu}));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "backend/expert_plan.h"
 #include "backend/stage_activations.h"
 #include "format/package.h"
 
@@ -26,13 +27,6 @@ constexpr bool cuda_delta_rule_supports(int64_t dk) {
 }
 // Visible CUDA devices (0 in CPU builds).
 int cuda_device_count();
-
-// Where one routed expert's weights live and run.
-enum class ExpertPlacement : uint8_t {
-  Vram,   // resident on the GPU
-  Cache,  // host memory (EXL3 as stored, page-locked), copied into a per-layer LRU VRAM cache on use
-  Cpu,    // computed on the host from the stored weights, overlapped with GPU work
-};
 
 // LRU slots a prefill pass streams cold experts through (each miss recycles the pass's own last admissions).
 constexpr int32_t kPrefillStreamSlots = 4;
@@ -52,7 +46,8 @@ struct CudaEngineOptions {
   bool use_graph = true;         // replay single-token decode from one CUDA graph
   bool kv_q8 = false;            // attention cache as int8 with a per-token scale (else bf16)
   double vram_budget_gib = 0;    // 0: the device's free memory; every allocation is accounted against it
-  // [layer][expert] placement; empty: plan automatically (VRAM while the budget allows, then CPU).
+  // [layer][expert] placement; empty (or a layer's empty): plan automatically (fill_in_order in
+  // backend/expert_plan.h: VRAM while the budget allows, then CPU).
   std::vector<std::vector<ExpertPlacement>> placement;
   // Called once the engine's own memory is allocated (dense weights, activations and scratch for prefill_chunk
   // tokens, the reserved sequences: `engine_bytes`), before the experts are placed: it may set placement,

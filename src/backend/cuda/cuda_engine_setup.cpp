@@ -309,54 +309,50 @@ void CudaEngine::Impl::upload_weights() {
   }
 }
 
-// LRU slots of MoE layer l with `cached` Cache experts and `streamable` Cpu experts that may stream through them:
-// the configured count, at least 2 with streaming (one expert's copy overlaps the previous one's compute), and
-// just those 2 when nothing is cached.
-int64_t CudaEngine::Impl::slot_count(int64_t l, int64_t cached, int64_t streamable) const {
-  if (cached == 0) return std::min<int64_t>(streamable, 2);
-  int64_t want = opt.cache_slots;
+// Layer l's experts as the planning arithmetic sees them (backend/expert_plan.h), placed as `placement` says.
+ExpertLayer CudaEngine::Impl::expert_layer(int64_t l, std::vector<ExpertPlacement> placement) const {
+  const DevMoe& m = *layers[size_t(l)].moe;
+  int64_t wanted = opt.cache_slots;
   if (size_t(l) < opt.cache_slots_per_layer.size() && opt.cache_slots_per_layer[size_t(l)] > 0)
-    want = opt.cache_slots_per_layer[size_t(l)];
-  return std::min<int64_t>(cached + streamable, std::max<int64_t>(streamable > 0 ? 2 : 1, want));
+    wanted = opt.cache_slots_per_layer[size_t(l)];
+  // Only EXL3 experts stream: they are copied from the host weights as stored; a bf16 layer would need a second
+  // (pinned, converted) host copy of every CPU expert.
+  return {m.block_bytes, std::move(placement), m.exl3 && opt.stream_cold, wanted};
 }
 
-// Places routed experts: the caller's map where given, else VRAM while the budget (less `reserve_bytes` for
-// KV caches, and the LRU slots CPU experts stream through unless every expert fits) allows and the CPU after
-// that. Then uploads them.
-void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
+// Every MoE layer with the caller's placement where it gives one (else empty: placed by fill_in_order).
+std::vector<ExpertLayer> CudaEngine::Impl::given_expert_layers() const {
   const int64_t E = c.n_routed_experts;
-  placement.assign(size_t(c.num_layers), {});
-  size_t planned = budget->used() + reserve_bytes;
-  if (opt.plan_placement) opt.plan_placement(planned, opt);
   if (!opt.placement.empty() && int64_t(opt.placement.size()) != c.num_layers)
     fail("placement has {} layers, the model {}", opt.placement.size(), c.num_layers);
-  size_t auto_bytes = 0, stream_slot_bytes = 0;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const bool auto_layer = layers[size_t(l)].moe && (opt.placement.empty() || opt.placement[size_t(l)].empty());
-    if (!auto_layer) continue;
-    const std::vector<size_t>& bytes = layers[size_t(l)].moe->block_bytes;
-    for (size_t b : bytes) auto_bytes += b;
-    if (layers[size_t(l)].moe->exl3 && opt.stream_cold && !bytes.empty())
-      stream_slot_bytes += size_t(slot_count(l, 0, E)) * *std::max_element(bytes.begin(), bytes.end());
-  }
-  if (planned + auto_bytes > budget->limit()) planned += stream_slot_bytes;
+  std::vector<ExpertLayer> out(size_t(c.num_layers));
   for (int64_t l = 0; l < c.num_layers; ++l) {
     if (!layers[size_t(l)].moe) continue;
-    auto& p = placement[size_t(l)];
-    if (!opt.placement.empty() && !opt.placement[size_t(l)].empty()) {
-      p = opt.placement[size_t(l)];
-      if (int64_t(p.size()) != E) fail("placement of layer {} has {} experts, the model {}", l, p.size(), E);
-      continue;
-    }
-    p.assign(size_t(E), ExpertPlacement::Cpu);
-    const std::vector<size_t>& bytes = layers[size_t(l)].moe->block_bytes;  // as stored (EXL3) or bf16
-    for (int64_t e = 0; e < E; ++e)
-      if (planned + bytes[size_t(e)] <= budget->limit()) {
-        p[size_t(e)] = ExpertPlacement::Vram;
-        planned += bytes[size_t(e)];
-      }
+    std::vector<ExpertPlacement> given =
+        opt.placement.empty() ? std::vector<ExpertPlacement>{} : opt.placement[size_t(l)];
+    if (!given.empty() && int64_t(given.size()) != E)
+      fail("placement of layer {} has {} experts, the model {}", l, given.size(), E);
+    out[size_t(l)] = expert_layer(l, std::move(given));
   }
-  if (!opt.placement.empty()) fit_placement(planned);
+  return out;
+}
+
+// Places routed experts (backend/expert_plan.h): the caller's placement where given (or set by opt.plan_placement,
+// the runtime planner, once the engine's own memory is known), fitted to the budget; else VRAM in order while the
+// budget, less `reserve_bytes` for KV caches, allows, and the CPU after that. Then uploads them.
+void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
+  const int64_t E = c.n_routed_experts;
+  const size_t planned = budget->used() + reserve_bytes;
+  if (opt.plan_placement) opt.plan_placement(planned, opt);
+  std::vector<ExpertLayer> moe = given_expert_layers();
+  stats.placement_moved = place_experts(moe, planned, budget->limit(), !opt.placement.empty());
+  if (stats.placement_moved > 0)
+    fmt::print(stderr,
+               "placement: {} VRAM experts moved to host memory to fit the {:.2f} GiB budget (the plan left too "
+               "little room for the engine's activations and scratch)\n",
+               stats.placement_moved, double(budget->limit()) / double(1ull << 30));
+  placement.assign(size_t(c.num_layers), {});
+  for (int64_t l = 0; l < c.num_layers; ++l) placement[size_t(l)] = std::move(moe[size_t(l)].placement);
   if (lending) {  // the pass arena in equal shares to the MoE layers with experts outside VRAM
     int64_t cold_layers = 0;
     for (int64_t l = 0; l < c.num_layers; ++l)
@@ -416,58 +412,6 @@ void CudaEngine::Impl::map_host_experts() {
                  long(refused));
 }
 
-// A caller's placement (the runtime planner's) estimates the engine's own memory (activations, scratch) before the
-// engine exists; when its VRAM experts and cache slots do not fit what the budget leaves (`planned` bytes are taken),
-// VRAM experts move to host memory, one per layer in turn from the last layer's highest id, until they do: they join
-// the layer's LRU cache where it has one, else they are streamed or computed on the CPU (Cpu). The count is
-// reported in the stats and on stderr.
-void CudaEngine::Impl::fit_placement(size_t planned) {
-  const int64_t E = c.n_routed_experts;
-  auto layer_bytes = [&](int64_t l) {
-    const DevMoe& m = *layers[size_t(l)].moe;
-    const auto& p = placement[size_t(l)];
-    size_t vram = 0, slot = 0;
-    int64_t cached = 0, streamable = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      if (p[size_t(e)] == ExpertPlacement::Vram) {
-        vram += m.block_bytes[size_t(e)];
-        continue;
-      }
-      const bool streams = p[size_t(e)] == ExpertPlacement::Cpu && m.exl3 && opt.stream_cold;
-      if (p[size_t(e)] == ExpertPlacement::Cpu && !streams) continue;
-      slot = std::max(slot, m.block_bytes[size_t(e)]);
-      (streams ? streamable : cached)++;
-    }
-    return vram + size_t(slot_count(l, cached, streamable)) * slot + (size_t(1) << 20);  // + tables, slack
-  };
-  size_t need = planned;
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    if (layers[size_t(l)].moe) need += layer_bytes(l);
-  int64_t moved = 0;
-  for (bool any = true; need > budget->limit() && any;) {
-    any = false;
-    for (int64_t l = c.num_layers - 1; l >= 0 && need > budget->limit(); --l) {
-      if (!layers[size_t(l)].moe) continue;
-      auto& p = placement[size_t(l)];
-      int64_t e = E - 1;
-      while (e >= 0 && p[size_t(e)] != ExpertPlacement::Vram) --e;
-      if (e < 0) continue;
-      const size_t before = layer_bytes(l);
-      const bool has_cache = std::count(p.begin(), p.end(), ExpertPlacement::Cache) > 0;
-      p[size_t(e)] = has_cache ? ExpertPlacement::Cache : ExpertPlacement::Cpu;
-      need = need - before + layer_bytes(l);
-      ++moved;
-      any = true;
-    }
-  }
-  stats.placement_moved = moved;
-  if (moved > 0)
-    fmt::print(stderr,
-               "placement: {} VRAM experts moved to host memory to fit the {:.2f} GiB budget (the plan left too "
-               "little room for the engine's activations and scratch)\n",
-               moved, double(budget->limit()) / double(1ull << 30));
-}
-
 void CudaEngine::Impl::upload_moe(int64_t l) {
   DevMoe& m = *layers[size_t(l)].moe;
   const MoeWeights& hw = *weights->layers[size_t(l)].moe;
@@ -493,20 +437,15 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   std::vector<Exl3Dev> tab(m.exl3 ? size_t(3 * m.x3_stride) : 0);  // [projection][expert (+ shared)]
   if (m.shared_grouped)
     for (int j = 0; j < 3; ++j) tab[size_t(j * m.x3_stride + E)] = *shared_parts[j];
-  int64_t cached = 0, streamable = 0;
-  size_t slot_bytes = 0;
+  const ExpertLayer experts = expert_layer(l, m.placement);
+  const SlotUse use = experts.slot_use();
+  const int64_t slotted = use.cached + use.streamable;
   std::vector<bool> host(size_t(E), false);  // experts a slot may be filled from host memory with
   for (int64_t e = 0; e < E; ++e) {
     const ExpertPlacement p = m.placement[size_t(e)];
     m.all_vram &= p == ExpertPlacement::Vram;
     if (p != ExpertPlacement::Vram) {
-      // Only EXL3 experts stream: they are copied from the host weights as stored; a bf16 layer would need a
-      // second (pinned, converted) host copy of every CPU expert.
-      const bool streams = p == ExpertPlacement::Cpu && m.exl3 && opt.stream_cold;
-      if (p == ExpertPlacement::Cpu && !streams) continue;
-      host[size_t(e)] = true;
-      slot_bytes = std::max(slot_bytes, m.block_bytes[size_t(e)]);
-      (streams ? streamable : cached)++;
+      host[size_t(e)] = experts.uses_slots(size_t(e));
       continue;
     }
     std::vector<uint8_t> block;
@@ -523,19 +462,17 @@ void CudaEngine::Impl::upload_moe(int64_t l) {
   }
   // zero_copy_cold: a grouped EXL3 layer whose experts outside VRAM all have host copies reads those in place.
   static const bool zero_copy_env = switch_set("MOESRV_ZERO_COPY");
-  bool every_host = cached + streamable > 0;
+  bool every_host = slotted > 0;
   for (int64_t e = 0; e < E; ++e) every_host &= m.placement[size_t(e)] == ExpertPlacement::Vram || host[size_t(e)];
   const bool zero_copy = (opt.zero_copy_cold || zero_copy_env) && m.exl3 && m.x3_grouped && every_host;
   host_registration->mapped |= zero_copy;
-  if (cached + streamable > 0)
-    m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration, zero_copy);
+  if (slotted > 0) m.host = std::make_unique<HostExperts>(hw, m.exl3, m.x3_off, host, *host_registration, zero_copy);
   if (!m.exl3) {
     m.gate_up_ptrs = upload(budget, m.h_gate_up, "expert pointer table");
     m.down_ptrs = upload(budget, m.h_down, "expert pointer table");
   }
-  const int64_t n_slots = slot_count(l, cached, streamable);
-  for (int64_t i = 0; i < n_slots; ++i) add_slot(m, DeviceBuffer(budget, slot_bytes, "expert cache slot"));
-  lend_slots(l, zero_copy ? 0 : cached + streamable - n_slots, slot_bytes);
+  for (int64_t i = 0; i < use.slots; ++i) add_slot(m, DeviceBuffer(budget, use.slot_bytes, "expert cache slot"));
+  lend_slots(l, zero_copy ? 0 : slotted - use.slots, use.slot_bytes);
   if (!m.exl3 || !m.x3_grouped) return;
   // Slot entries: where every host expert's block has one layout (x3_off), entry x3_slot_base + i of each
   // projection is slot i's copy of it, whichever expert the slot holds, so a host-planned decode pass runs its slot

@@ -25,6 +25,7 @@
 #include "backend/cuda/kernels.h"
 #include "backend/expert_cache.h"
 #include "backend/expert_pass.h"
+#include "backend/expert_plan.h"
 #include "backend/pass_plan.h"
 #include "backend/usage_stats.h"
 #include "model/weights.h"
@@ -546,8 +547,9 @@ struct CudaEngine::Impl {
 
   // Setup (cuda_engine_setup.cpp).
   void upload_weights();
+  ExpertLayer expert_layer(int64_t l, std::vector<ExpertPlacement> placement) const;
+  std::vector<ExpertLayer> given_expert_layers() const;
   void plan_experts(size_t reserve_bytes);
-  void fit_placement(size_t planned);
   void upload_moe(int64_t layer);
   void allocate_scratch();
 
@@ -620,7 +622,6 @@ struct CudaEngine::Impl {
   void upload_ints(std::initializer_list<IntUpload> arrays);
   void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                         int64_t shared_rows, int64_t prefetch_layer);
-  int64_t slot_count(int64_t l, int64_t cached, int64_t streamable) const;
   ColdRates cold_rates;       // the per-pass cold-expert split's costs (options, else measured)
   void measure_cold_rates();  // at start, from one streamable expert
   void update_cpu_rate(int64_t tokens, double seconds);
