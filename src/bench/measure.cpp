@@ -7,6 +7,7 @@
 
 #include "backend/cuda/cuda_engine.h"
 #include "bench/common.h"
+#include "runtime/cuda_placement.h"
 
 namespace moesrv::bench {
 
@@ -41,19 +42,14 @@ void measure_gpu(const BenchOptions& opt, const std::shared_ptr<ModelPackage>& p
       break;
     }
   if (!tmpl) return;
-  auto map_home = [](ExpertHome h) {
-    return h == ExpertHome::Pinned ? ExpertPlacement::Vram
-           : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
-                                   : ExpertPlacement::Cache;
-  };
   struct Variant {
     std::string name;
     std::function<ExpertPlacement(size_t)> home;
   };
-  std::vector<Variant> variants = {
-      {"all-in-VRAM", [](size_t) { return ExpertPlacement::Vram; }},
-      {"hybrid (full plan's layer homes)", [&](size_t e) { return map_home(tmpl->home[e % tmpl->home.size()]); }},
-      {"baseline: GPU dense, CPU experts", [](size_t) { return ExpertPlacement::Cpu; }}};
+  std::vector<Variant> variants = {{"all-in-VRAM", [](size_t) { return ExpertPlacement::Vram; }},
+                                   {"hybrid (full plan's layer homes)",
+                                    [&](size_t e) { return engine_placement(tmpl->home[e % tmpl->home.size()]); }},
+                                   {"baseline: GPU dense, CPU experts", [](size_t) { return ExpertPlacement::Cpu; }}};
   const int64_t full_layers = opt.full_layers > 0 ? opt.full_layers : c.num_layers;
   const double head_s = double(fp.head_bytes) / (opt.hbm_gbps * 1e9);  // lm_head on the GPU, bandwidth-bound
   auto full = [&](double t) { return head_s + std::max(0.0, t - head_s) / double(c.num_layers) * double(full_layers); };

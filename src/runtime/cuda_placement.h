@@ -44,6 +44,13 @@ inline void apply_gpu_options(const EngineOptions& o, CudaEngineOptions& c) {
   c.cache_victim_window = o.cache_policy == "lru" ? 1 : CudaEngineOptions::kLfuVictimWindow;
 }
 
+// A planned home as the engine places it: pinned in VRAM, cached and fetched behind the LRU slots, cold on the CPU.
+inline ExpertPlacement engine_placement(ExpertHome h) {
+  return h == ExpertHome::Pinned ? ExpertPlacement::Vram
+         : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
+                                 : ExpertPlacement::Cache;
+}
+
 inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& opt) {
   opt.placement.assign(plan.layers.size(), {});
   opt.cache_slots_per_layer.assign(plan.layers.size(), 0);
@@ -52,10 +59,7 @@ inline void apply_placement_plan(const PlacementPlan& plan, CudaEngineOptions& o
   for (size_t l = 0; l < plan.layers.size(); ++l) {
     const LayerPlacement& lp = plan.layers[l];
     auto& out = opt.placement[l];
-    for (ExpertHome h : lp.home)
-      out.push_back(h == ExpertHome::Pinned ? ExpertPlacement::Vram
-                    : h == ExpertHome::Cpu  ? ExpertPlacement::Cpu
-                                            : ExpertPlacement::Cache);
+    for (ExpertHome h : lp.home) out.push_back(engine_placement(h));
     opt.cache_slots_per_layer[l] = int(std::max<int64_t>(1, lp.slots - lp.pinned));
   }
 }
