@@ -12,7 +12,12 @@
 // Widths: q_dim and v_dim multiples of 8 (q_dim zero padded to 16), v_dim <= 512 and <= q_dim, q_dim <= 640.
 // With `part` (decode, mla_split_attention's tensor-core path) block z takes key range z of kMlaSplits and leaves
 // its unnormalised values, max and sum per head there (mla_split.cu merges the ranges).
+// Prefill on a device with room for it (~187 KB per block: H100 / H200, not a 99 KB RTX 3090 / 4090) runs the
+// two-group form: 16 warps, two groups of 16 heads sharing each staged key tile (half the gathers and conversions per
+// head), and the next tile's bf16 rows gathered by cp.async into a second buffer while this tile is multiplied
+// (MOESRV_MLA_PREFILL_GROUPS=1: the one-group form, as decode's ranges run).
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -37,31 +42,55 @@ constexpr int kProbHalves = kKeys + 8;  // p rows
 constexpr int kPartRow = kKeys + 8;     // partial score rows (floats): conflict-free float2 stores
 constexpr int kParts = kWarps / 2;      // partial score slots: warps w and w + 4 share slot w
 
-constexpr size_t kStaticSmemBytes = 512;  // the kernel's __shared__ arrays (448 B), rounded up
-size_t prefill_smem_bytes(int q_dim) {
-  return size_t(kKeys) * row_halves(q_dim) * 2 + size_t(kHeads) * kProbHalves * 2 +
-         size_t(kParts) * kHeads * kPartRow * 4;
+constexpr size_t kStaticSmemBytes = 1024;  // the kernel's __shared__ arrays (448 B; two groups, prefetch: 896 B)
+// G: head groups of 16 per block (8 warps each); PF: the next tile's raw bf16 rows prefetched into a second buffer.
+size_t prefill_smem_bytes(int q_dim, int G = 1, bool PF = false) {
+  return size_t(kKeys) * row_halves(q_dim) * 2 + (PF ? size_t(kKeys) * q_dim * 2 : 0) +
+         size_t(G) * (size_t(kHeads) * kProbHalves * 2 + size_t(kParts) * kHeads * kPartRow * 4);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {  // fill false: 16 zero bytes
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
+}
+
+// 8 bf16 -> 8 fp16 (16 bytes)
+__device__ __forceinline__ uint4 bf16x8_to_half(uint4 raw) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t hw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
+    hw[j] =
+        pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)), __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
+  return make_uint4(hw[0], hw[1], hw[2], hw[3]);
 }
 
 // VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8); WS: the most 16-dim steps of q a
-// warp holds (4: q_dim <= 512, registers for 2 blocks per SM without spills; 5: q_dim <= 640).
-template <int VN, int WS>
-__global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs a, float* part) {
+// warp holds (4: q_dim <= 512, registers for 2 blocks per SM without spills; 5: q_dim <= 640). G, PF: as
+// prefill_smem_bytes (G * 8 warps; warp w serves head group w / 8 as warp w % 8 of the one-group form).
+template <int VN, int WS, int G, bool PF>
+__global__ void __launch_bounds__(G* kThreads, 2 / G) mla_prefill_kernel(AttentionArgs a, float* part) {
   pdl_enter();
+  static_assert(G == 1 || G == 2, "one or two head groups per block");
+  constexpr int NTH = G * kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int D = a.q_dim, D16 = padded_dim(D), RH = row_halves(D), RW = RH / 2;  // RW: 32-bit words per row
   const int NT = a.v_dim / 8;
+  const int tid = threadIdx.x, group = tid / kThreads, warp = (tid >> 5) % kWarps, lane = tid & 31;
   half* kv_h = reinterpret_cast<half*>(smem_raw);                     // [kKeys][RH]
-  half* p_h = kv_h + kKeys * RH;                                      // [kHeads][kProbHalves]
-  float* red = reinterpret_cast<float*>(p_h + kHeads * kProbHalves);  // [kParts][kHeads][kPartRow]
-  __shared__ int key_s[kKeys];
-  __shared__ float corr_s[kHeads], l_s[kHeads], m_s[kHeads];
+  uint16_t* raw = reinterpret_cast<uint16_t*>(kv_h + kKeys * RH);     // PF: [kKeys][D] the next tile, bf16
+  half* p_h = reinterpret_cast<half*>(raw + (PF ? kKeys * D : 0)) + group * kHeads * kProbHalves;  // [kHeads][...]
+  float* red =
+      reinterpret_cast<float*>(reinterpret_cast<half*>(raw + (PF ? kKeys * D : 0)) + G * kHeads * kProbHalves) +
+      group * kParts * kHeads * kPartRow;  // [kParts][kHeads][kPartRow]
+  __shared__ int key_buf[PF ? 2 : 1][kKeys];
+  __shared__ float corr_g[G * kHeads], l_g[G * kHeads], m_g[G * kHeads];
+  float *corr_s = corr_g + group * kHeads, *l_s = l_g + group * kHeads, *m_s = m_g + group * kHeads;
 
-  // Block x = (query s, head group): a query's head groups are neighbours in launch order, so they run at about the
-  // same time and share the gathered key rows through L2 (with the query fastest, each group gathered them from HBM).
-  const int groups = (a.H + kHeads - 1) / kHeads, split = int(blockIdx.y);
-  const int s = int(blockIdx.x) / groups, h0 = (int(blockIdx.x) % groups) * kHeads;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Block x = (query s, head block): a query's head blocks are neighbours in launch order, so they run at about the
+  // same time and share the gathered key rows through L2 (with the query fastest, each block gathered them from HBM).
+  const int blocks = (a.H + G * kHeads - 1) / (G * kHeads), split = int(blockIdx.y);
+  const int s = int(blockIdx.x) / blocks, h0 = (int(blockIdx.x) % blocks) * G * kHeads + group * kHeads;
   const int g = lane >> 2, t4 = lane & 3;
   const int pos = *a.pos0 + s;
   const uint16_t* kv = static_cast<const uint16_t*>(a.lc->kv);
@@ -86,9 +115,9 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
       }
       split_half2(v.x, v.y, qa[i][0][r], qa[i][1][r]);
     }
-  for (int i = tid; i < kKeys * (D16 - D); i += kThreads)  // the keys' padding columns, never gathered
+  for (int i = tid; i < kKeys * (D16 - D); i += NTH)  // the keys' padding columns, never gathered
     kv_h[(i / (D16 - D)) * RH + D + i % (D16 - D)] = __float2half_rn(0.0f);
-  if (tid < kHeads) l_s[tid] = 0.0f, m_s[tid] = -INFINITY;     // read at the end even when every tile is padding
+  if (tid < G * kHeads) l_g[tid] = 0.0f, m_g[tid] = -INFINITY;  // read at the end even when every tile is padding
   float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.0f, 0.0f};  // softmax state of heads 2 * warp + j (lane-uniform)
   float o[VN][4];
 #pragma unroll
@@ -97,37 +126,64 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
   const uint32_t* pw = reinterpret_cast<const uint32_t*>(p_h);
   const int chunks = D / 8;  // 16-byte pieces of a cache row
 
-  for (int base = k0; base < k1; base += kKeys) {
-    __syncthreads();  // the previous tile's kv_h / p_h / red are consumed
-    int t = -1;
-    if (tid < kKeys) {
-      const int idx = base + tid;
-      if (idx < k1) t = sel ? sel[idx] : idx;
-      if (t > pos) t = -1;
-      key_s[tid] = t;
+  // PF: key t of the tile at `base` (-1: padding, past the range or after the token), its row gathered by cp.async
+  auto key_at = [&](int base, int r) {
+    const int idx = base + r;
+    int t = idx < k1 ? (sel ? __ldg(sel + idx) : idx) : -1;
+    return t > pos ? -1 : t;
+  };
+  auto prefetch = [&](int base, int buf) {
+    if (tid < kKeys) key_buf[buf][tid] = key_at(base, tid);
+    for (int i = tid; i < kKeys * chunks; i += NTH) {
+      const int r = i / chunks, c = i - r * chunks, kt = key_at(base, r);
+      cp_async16(raw + r * D + c * 8, kv + int64_t(max(kt, 0)) * D + c * 8, kt >= 0);
     }
-    if (!__syncthreads_or(t >= 0)) continue;  // a tile of padding only
-    for (int i0 = tid; i0 < kKeys * chunks; i0 += kStageLoads * kThreads) {  // kStageLoads loads in flight
-      uint4 raw[kStageLoads];
-#pragma unroll
-      for (int u = 0; u < kStageLoads; ++u) {
-        const int i = i0 + u * kThreads, r = i / chunks, c = i - r * chunks, kt = i < kKeys * chunks ? key_s[r] : -1;
-        raw[u] = kt >= 0 ? __ldg(reinterpret_cast<const uint4*>(kv + int64_t(kt) * D) + c) : make_uint4(0, 0, 0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if constexpr (PF)
+    if (k0 < k1) prefetch(k0, 0);
+
+  for (int base = k0, it = 0; base < k1; base += kKeys, ++it) {
+    const int* key_s = key_buf[PF ? it & 1 : 0];
+    if constexpr (PF) {
+      asm volatile("cp.async.wait_all;\n" ::);
+      // (a barrier: this tile's rows landed; the previous tile's kv_h / p_h / red are consumed)
+      const bool any = __syncthreads_or(tid < kKeys && key_s[tid] >= 0);
+      if (any)
+        for (int i = tid; i < kKeys * chunks; i += NTH) {
+          const int r = i / chunks, c = i - r * chunks;
+          *reinterpret_cast<uint4*>(kv_h + r * RH + c * 8) =
+              bf16x8_to_half(*reinterpret_cast<const uint4*>(raw + r * D + c * 8));
+        }
+      __syncthreads();  // kv_h holds the tile; raw is free for the next one
+      if (base + kKeys < k1) prefetch(base + kKeys, (it + 1) & 1);
+      if (!any) continue;  // a tile of padding only
+    } else {
+      __syncthreads();  // the previous tile's kv_h / p_h / red are consumed
+      int t = -1;
+      if (tid < kKeys) {
+        const int idx = base + tid;
+        if (idx < k1) t = sel ? sel[idx] : idx;
+        if (t > pos) t = -1;
+        key_buf[0][tid] = t;
       }
+      if (!__syncthreads_or(t >= 0)) continue;                            // a tile of padding only
+      for (int i0 = tid; i0 < kKeys * chunks; i0 += kStageLoads * NTH) {  // kStageLoads loads in flight
+        uint4 raw_u[kStageLoads];
 #pragma unroll
-      for (int u = 0; u < kStageLoads; ++u) {
-        const int i = i0 + u * kThreads, r = i / chunks, c = i - r * chunks;
-        if (i >= kKeys * chunks) break;
-        const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-        uint32_t hw[4];
+        for (int u = 0; u < kStageLoads; ++u) {
+          const int i = i0 + u * NTH, r = i / chunks, c = i - r * chunks, kt = i < kKeys * chunks ? key_s[r] : -1;
+          raw_u[u] = kt >= 0 ? __ldg(reinterpret_cast<const uint4*>(kv + int64_t(kt) * D) + c) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-        for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
-          hw[j] = pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)),
-                             __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
-        *reinterpret_cast<uint4*>(kv_h + r * RH + c * 8) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+        for (int u = 0; u < kStageLoads; ++u) {
+          const int i = i0 + u * NTH, r = i / chunks, c = i - r * chunks;
+          if (i >= kKeys * chunks) break;
+          *reinterpret_cast<uint4*>(kv_h + r * RH + c * 8) = bf16x8_to_half(raw_u[u]);
+        }
       }
+      __syncthreads();
     }
-    __syncthreads();
 
     // this warp's part of the scores of all 64 keys for the 16 heads; warps 4-7 leave theirs in red[warp - 4], then
     // warps 0-3 add theirs (red[w] = part w + part w + 4)
@@ -235,7 +291,8 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
       if (lo_ok) *reinterpret_cast<float2*>(at(g) + col) = make_float2(o[n][0], o[n][1]);
       if (hi_ok) *reinterpret_cast<float2*>(at(g + 8) + col) = make_float2(o[n][2], o[n][3]);
     }
-    if (tid < kHeads && h0 + tid < a.H) at(tid)[R] = m_s[tid], at(tid)[R + 1] = l_s[tid];
+    const int ht = tid - group * kThreads;  // this group's head ht
+    if (ht < kHeads && h0 + ht < a.H) at(ht)[R] = m_s[ht], at(ht)[R + 1] = l_s[ht];
     return;
   }
   const float inv_lo = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f, inv_hi = l_s[g + 8] > 0.0f ? 1.0f / l_s[g + 8] : 0.0f;
@@ -250,32 +307,49 @@ __global__ void __launch_bounds__(kThreads, 2) mla_prefill_kernel(AttentionArgs 
   }
 }
 
-template <int VN, int WS>
+template <int VN, int WS, int G, bool PF>
 void launch_prefill(const AttentionArgs& a, float* part, cudaStream_t st) {
-  const size_t smem = prefill_smem_bytes(a.q_dim);
-  reserve_dynamic_smem(mla_prefill_kernel<VN, WS>, smem, "mla_prefill_attention");
-  launch(mla_prefill_kernel<VN, WS>, dim3(unsigned(a.S * ceil_div(a.H, kHeads)), part ? kMlaSplits : 1), kThreads, smem,
-         st, a, part);
+  const size_t smem = prefill_smem_bytes(a.q_dim, G, PF);
+  reserve_dynamic_smem(mla_prefill_kernel<VN, WS, G, PF>, smem, "mla_prefill_attention");
+  launch(mla_prefill_kernel<VN, WS, G, PF>, dim3(unsigned(a.S * ceil_div(a.H, G * kHeads)), part ? kMlaSplits : 1),
+         G * kThreads, smem, st, a, part);
 }
 
-template <int WS>
+template <int WS, int G, bool PF>
 void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
   switch ((a.v_dim / 8 + 7) / 8) {
-    case 1: launch_prefill<1, WS>(a, part, st); break;
-    case 2: launch_prefill<2, WS>(a, part, st); break;
-    case 3: launch_prefill<3, WS>(a, part, st); break;
-    case 4: launch_prefill<4, WS>(a, part, st); break;
-    case 5: launch_prefill<5, WS>(a, part, st); break;
-    case 6: launch_prefill<6, WS>(a, part, st); break;
-    case 7: launch_prefill<7, WS>(a, part, st); break;
-    default: launch_prefill<8, WS>(a, part, st); break;
+    case 1: launch_prefill<1, WS, G, PF>(a, part, st); break;
+    case 2: launch_prefill<2, WS, G, PF>(a, part, st); break;
+    case 3: launch_prefill<3, WS, G, PF>(a, part, st); break;
+    case 4: launch_prefill<4, WS, G, PF>(a, part, st); break;
+    case 5: launch_prefill<5, WS, G, PF>(a, part, st); break;
+    case 6: launch_prefill<6, WS, G, PF>(a, part, st); break;
+    case 7: launch_prefill<7, WS, G, PF>(a, part, st); break;
+    default: launch_prefill<8, WS, G, PF>(a, part, st); break;
   }
+}
+
+// The two-group prefetching form where it helps and fits: a prefill (no key ranges) of more than 16 heads on a
+// device with room for its ~187 KB block.
+bool two_groups(const AttentionArgs& a, const float* part) {
+  static const bool off = [] {
+    const char* v = std::getenv("MOESRV_MLA_PREFILL_GROUPS");
+    return v && std::atoi(v) == 1;
+  }();
+  return !off && !part && a.H > kHeads &&
+         prefill_smem_bytes(a.q_dim, 2, true) + kStaticSmemBytes <= device_block_smem_limit();
 }
 
 void launch_any(const AttentionArgs& a, float* part, cudaStream_t st) {
   static_assert(kMaxWarpSteps == 5, "launch_any picks 4 or 5 steps per warp");
-  if (padded_dim(a.q_dim) / 16 <= 4 * kWarps) launch_ws<4>(a, part, st);
-  else launch_ws<5>(a, part, st);
+  const bool ws4 = padded_dim(a.q_dim) / 16 <= 4 * kWarps;
+  if (two_groups(a, part)) {
+    if (ws4) launch_ws<4, 2, true>(a, part, st);
+    else launch_ws<5, 2, true>(a, part, st);
+  } else {
+    if (ws4) launch_ws<4, 1, false>(a, part, st);
+    else launch_ws<5, 1, false>(a, part, st);
+  }
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
