@@ -91,8 +91,9 @@ size_t mla_split_floats(int S, int H, int v_dim);
 void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st, MlaSplitPath path = MlaSplitPath::Auto);
 
 // MLA attention of a prefill pass on tensor cores (mla_prefill.cu): attention()'s result for a.mla with a bf16 cache,
-// each block one token and 16 heads sharing every staged key tile; fp16 MMAs with fp32 accumulation (q split into
-// two fp16 parts, the probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640.
+// each block one token and 16 heads (32 where the device gives a block ~187 KB: the next key tile prefetched) sharing
+// every staged key tile; fp16 MMAs with fp32 accumulation (q split into two fp16 parts, the probabilities rounded to
+// fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640.
 bool mla_prefill_supported(const AttentionArgs& a);  // shapes, and the block's shared memory on this device
 size_t mla_prefill_block_smem(int q_dim);            // that shared memory (dynamic + static), bytes
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st);
