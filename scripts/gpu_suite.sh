@@ -58,8 +58,9 @@
 #                                   kernel forms), the EXL3 suite with every prefill expert through it
 #                                   (MOESRV_EXL3_GROUPED_GEMM=1), the kernel bench's prefill rows at K=3 and 4 (64- and
 #                                   128-row tiles), the EXL3 suite with form 3, the all-VRAM slice (GEMM_CONTEXTS,
-#                                   default 8K) with the grouped GEMM (forms 1, 3) and with dequantization + cuBLAS
-#                                   ($OUT/gemm_NAME.json).
+#                                   default 8K) with pieces of <= 512 rows grouped and the rest through cuBLAS (the
+#                                   default), every piece grouped (forms 1, 3) and every piece through dequantization
+#                                   + cuBLAS ($OUT/gemm_NAME.json).
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -229,8 +230,8 @@ if [[ ${GEMM:-0} == 1 ]]; then  # docs/perf-cuda.md, nineteenth round
   MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 150 \
     .gpu/test_cuda_exl3_engine >"$OUT/exl3_gemm3.log" 2>&1
   echo "EXL3 suite, grouped GEMM form 3:"; summary "$OUT/exl3_gemm3.log"
-  for run in "g1 MOESRV_EXL3_GROUPED_GEMM=1" "g3 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3" \
-             "cublas MOESRV_EXL3_GROUPED_GEMM=0"; do
+  for run in "mix MOESRV_EXL3_GROUPED_GEMM=512" "g1 MOESRV_EXL3_GROUPED_GEMM=1" \
+             "g3 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3" "cublas MOESRV_EXL3_GROUPED_GEMM=0"; do
     set -- $run
     name=$1
     shift

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "backend/cpu/cpu_engine.h"
 #include "backend/cuda/cuda_engine.h"
@@ -195,6 +196,36 @@ TEST_P(CudaExl3, GraphEagerAndChunkedAgree) {
   auto sw = gw->new_sequence();
   s1 = g->new_sequence();
   expect_close(gw->forward(*sw, all, true), g->forward(*s1, all, true), V, 1e-2, "EXL3 MoE waves of 7 rows vs one");
+}
+
+// All-VRAM prefill experts through dequantization + cuBLAS (0), the grouped EXL3 GEMM (every piece) and both in one
+// wave (pieces of at most 6 or 24 rows grouped, the rest apart on the expert lanes): the same logits within the fp16
+// GEMMs' rounding (both multiply fp16 rows by the exact fp16 weights with fp32 sums; 1e-2 as the chunked runs above).
+TEST_P(CudaExl3, GroupedAndDequantGemmsAgree) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = exl3_tiny(GetParam());
+  const auto all = ids(GetParam().model, "gen_ids");
+  std::vector<float> none;
+  for (int64_t rows : {int64_t(0), int64_t(6), int64_t(24), std::numeric_limits<int64_t>::max()}) {
+    CudaEngineOptions o;
+    o.exl3_grouped_rows = rows;
+    auto g = gpu(dir, o);
+    auto sq = g->new_sequence();
+    auto out = g->forward(*sq, all, true);
+    const CudaEngineStats st = g->stats();
+    std::printf("[ info ] grouped rows <= %ld: %ld pieces grouped, %ld apart\n", long(std::min<int64_t>(rows, 1 << 30)),
+                long(st.grouped_gemm_pieces), long(st.dequant_gemm_pieces));
+    if (rows == 0) {
+      EXPECT_EQ(st.grouped_gemm_pieces, 0);
+      none = std::move(out);
+      continue;
+    }
+    EXPECT_GT(st.grouped_gemm_pieces, 0) << rows;
+    if (rows > 1000) {
+      EXPECT_EQ(st.dequant_gemm_pieces, 0);
+    }
+    expect_close(out, none, g->vocab_size(), 1e-2, "EXL3 prefill experts grouped vs dequantized");
+  }
 }
 
 // The decode overlaps (CudaEngineOptions::kpool_beside_query, shared_expert_beside_router; off by default until

@@ -153,6 +153,12 @@ struct CudaEngineOptions {
   // Sorted expert rows per wave of a host-planned MoE pass (tests: small values cut experts across waves); 0 or
   // more than the expert buffers hold: their height.
   int64_t moe_wave_rows = 0;
+  // All-VRAM EXL3 prefill experts: pieces of at most this many sorted rows go through the grouped EXL3 GEMM (the
+  // trellis decoded per 64-row tile), larger ones through dequantization + cuBLAS (decoded once per piece), both
+  // within one wave. -1: MOESRV_EXL3_GROUPED_GEMM (0: none, 1: every piece, N: at most N rows), else
+  // kExl3GroupedRowsDefault. (H100, 8K slice: experts phase 0.953 s at 512 rows, 1.086 with none; docs/perf-cuda.md.)
+  static constexpr int64_t kExl3GroupedRowsDefault = 512;
+  int64_t exl3_grouped_rows = -1;
 };
 
 // Block kinds of CudaEngineStats::phase_s. Residual: embedding, norms, mHC enter/leave; AttnProj: attention's
@@ -190,6 +196,9 @@ struct CudaEngineStats {
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
   int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)
+  // All-VRAM EXL3 prefill expert pieces through the grouped GEMM and through dequantization + cuBLAS
+  // (CudaEngineOptions::exl3_grouped_rows).
+  int64_t grouped_gemm_pieces = 0, dequant_gemm_pieces = 0;
   // The hybrid settings in effect (options and their environment overrides): lanes made (0: none), whether the copied
   // experts use them, the prefill copy window.
   int hybrid_lanes = 0, stream_window = 0;

@@ -267,16 +267,20 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   float *yr = s.x3_yr.as<float>(), *gu = s.mgu.as<float>();
   const size_t w16 = s.x3_w16.bytes() / 2;
   // Each piece goes through its own dequantization + cuBLAS (decoded once into an fp16 slab that the GEMM reads
-  // back) or, opt-in, the grouped GEMM (one launch per projection over every grouped piece's tiles of
-  // exl3_gemm_tile_rows() rows, the trellis decoded per tile; with every piece in it, the output rotation in its
-  // epilogue). MOESRV_EXL3_GROUPED_GEMM=1: every piece grouped, =N > 1: pieces of at most N rows, unset or 0: none.
-  // The grouped form stayed ~6% behind in the slice (docs/perf-cuda.md, sixth, twelfth and nineteenth rounds).
+  // back) or the grouped GEMM (one launch per projection over every grouped piece's tiles of exl3_gemm_tile_rows()
+  // rows, the trellis decoded per tile; with every piece in it, the output rotation in its epilogue): pieces of at
+  // most exl3_grouped_rows rows (CudaEngineOptions) go grouped, so the hot experts' long pieces decode their weights
+  // once and the many short ones share launches. Every piece through either path was slower than this mix in the
+  // 8K slice (docs/perf-cuda.md, sixth, twelfth, nineteenth and twentieth rounds).
   const int64_t tile_rows = exl3_gemm_tile_rows();
-  static const int64_t grouped_max = [] {
+  static const int64_t env_max = [] {
     const char* v = std::getenv("MOESRV_EXL3_GROUPED_GEMM");
-    const long long n = v && v[0] ? std::atoll(v) : 0;
-    return n == 1 ? std::numeric_limits<int64_t>::max() : int64_t(std::max(0LL, n));
+    const long long n = v && v[0] ? std::atoll(v) : -1;
+    return n == 1 ? std::numeric_limits<int64_t>::max() : int64_t(std::max(-1LL, n));
   }();
+  const int64_t grouped_max = opt.exl3_grouped_rows >= 0 ? opt.exl3_grouped_rows
+                              : env_max >= 0             ? env_max
+                                                         : CudaEngineOptions::kExl3GroupedRowsDefault;
   auto grouped = [&](const ExpertPiece& pc) { return pc.cnt <= grouped_max; };
   int64_t n_tiles = 0;
   for (const ExpertPiece& pc : pieces)
@@ -297,6 +301,8 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
   }
   for (const ExpertPiece& pc : pieces)
     if (!fused || !grouped(pc)) apart.push_back(&pc);
+  stats.dequant_gemm_pieces += int64_t(apart.size());
+  stats.grouped_gemm_pieces += int64_t(pieces.size() - apart.size());
   for (int p = 0; p < 3; ++p) {
     const Exl3Dev& shape = m.x3_off[0][size_t(p)];
     const Exl3Group g{tab + p * m.x3_stride, ids};
