@@ -1,9 +1,10 @@
 // Grouped EXL3 GEMM for prefill experts (exl3_ops.h: exl3_grouped_gemm): the trellis is decoded inside the GEMM's
 // main loop, straight into tensor-core B fragments, so a weight tile crosses HBM once per 64- (or 128-) row tile of
-// tokens and never exists as an fp16 matrix; one launch covers every expert piece of a wave. Opt-in
-// (MOESRV_EXL3_GROUPED_GEMM=1). Kernels: form 1 (the default, register B, the output rotation optionally in its
-// epilogue), form 2 (the same at 5 blocks per SM) and form 0 (session 12's, B through shared memory);
-// docs/perf-cuda.md, sixth and nineteenth rounds.
+// tokens and never exists as an fp16 matrix; one launch covers every grouped expert piece of a wave (by default the
+// pieces of <= 512 rows: CudaEngineOptions::exl3_grouped_rows). Kernels: form 1 (the default, register B, the output
+// rotation optionally in its epilogue), form 2 (the same at 5 blocks per SM), form 3 (warp pairs sharing decoded
+// tiles; slower on an H100) and form 0 (session 12's, B through shared memory); docs/perf-cuda.md, sixth,
+// nineteenth and twentieth rounds.
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
