@@ -631,6 +631,48 @@ void prefill_cublas() {
                       P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
 }
 
+// Skewed prefill pieces, as skewed routing leaves them in a wave (a few hot experts with long pieces, many short):
+// 16 experts of 1024, 1024, 512, 512, 4 x 128 and 8 x 32 rows (3,840 rows). Pieces of at most `grouped_max` rows go
+// through one grouped GEMM launch, the others each through dequantization + cuBLAS, all on one stream (the engine
+// runs those beside the grouped launch on its expert lanes).
+constexpr int kSkewRows[kPrefillExperts] = {1024, 1024, 512, 512, 128, 128, 128, 128, 32, 32, 32, 32, 32, 32, 32, 32};
+struct SkewBufs {
+  uint16_t* xh = nullptr;
+  float* yr = nullptr;
+  int row0[kPrefillExperts + 1] = {};
+  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per grouped_max: its tiles, their count
+} SK;
+void prefill_skewed(int grouped_max) {
+  if (!SK.xh) {
+    for (int e = 0; e < kPrefillExperts; ++e) SK.row0[e + 1] = SK.row0[e] + kSkewRows[e];
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd;
+    std::vector<uint16_t> x(size_t(SK.row0[kPrefillExperts]) * D);
+    for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
+    SK.xh = upload(x), SK.yr = dalloc<float>(size_t(SK.row0[kPrefillExperts]) * I);
+  }
+  auto it = std::find_if(SK.tiles.begin(), SK.tiles.end(), [&](const auto& t) { return t.first == grouped_max; });
+  if (it == SK.tiles.end()) {
+    std::vector<Exl3GemmTile> tiles;
+    const int tr = exl3_gemm_tile_rows();
+    for (int e = 0; e < kPrefillExperts; ++e)
+      if (kSkewRows[e] <= grouped_max)
+        for (int r = 0; r < kSkewRows[e]; r += tr)
+          tiles.push_back({e, SK.row0[e] + r, std::min(tr, kSkewRows[e] - r), 0});
+    SK.tiles.push_back({grouped_max, {tiles.empty() ? nullptr : upload(tiles), int(tiles.size())}});
+    it = SK.tiles.end() - 1;
+  }
+  g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
+  const auto [tiles, n_tiles] = it->second;
+  if (n_tiles)
+    exl3_grouped_gemm(W.expert_shape[0], W.tab, tiles, n_tiles, SK.xh, SK.yr, g_st, exl3_gemm_tile_rows(), -1, nullptr,
+                      I);
+  for (int e = 0; e < kPrefillExperts; ++e)
+    if (kSkewRows[e] > grouped_max)
+      exl3_gemm_rotated(W.shared_sep[0][e], SK.xh + size_t(SK.row0[e]) * D, kSkewRows[e],
+                        SK.yr + size_t(SK.row0[e]) * I, P.w16, size_t(I) * D, false, g_blas, g_st);
+}
+
 // Prefill attention and indexer (issue 20): kPrefillQueries query rows ending at the context's last position, as the
 // engine's pass calls them (mla_prefill_attention; kpool_select's tensor-core scores and top-k), each query with its
 // own random selection of 512 visible pools.
@@ -918,6 +960,10 @@ void run_all(const std::vector<Ctx>& ctxs) {
     bench("prefill EXL3 grouped GEMM form 1 + output rotation, 16 experts x 192 rows, gate 2048x4096",
           [](int) { prefill_grouped(1, true); });
     bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
+    for (int most : {0, 128, 512, 1 << 30})  // (CudaEngineOptions::exl3_grouped_rows)
+      bench("prefill EXL3 skewed 16 experts (32-1024 rows), pieces <= " +
+                (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",
+            [most](int) { prefill_skewed(most); });
     for (const Ctx& c : ctxs) {
       bench("prefill MLA attention, 512 queries x 2048 keys, ctx " + c.label, [&](int i) { prefill_mla(i, c); });
       bench("prefill IDX kpool_select, 512 queries, ctx " + c.label, [&](int i) { prefill_kpool(i, c); });
