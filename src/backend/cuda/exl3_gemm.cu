@@ -27,11 +27,6 @@ constexpr int kBStageWords = kStageTiles * 8 * 32 * 4;  // W_hat: [k-tile][colum
 template <int BM>
 constexpr int kAStageHalves = kStageTiles * 16 * BM;  // x: [row][64 k], 16-byte chunks XOR-swizzled by row
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
-}
-
 struct GemmArgs {
   const Exl3Dev* tab;
   const Exl3GemmTile* tiles;

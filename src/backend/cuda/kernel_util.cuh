@@ -76,6 +76,12 @@ __device__ __forceinline__ void ldmatrix_x2_trans(const void* p, uint32_t& r0, u
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(a));
 }
 
+// 16 bytes global -> shared without registers (cp.async, L2 only); fill false: 16 zero bytes, src not read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
+}
+
 __device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
   return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
 }

@@ -49,11 +49,6 @@ size_t prefill_smem_bytes(int q_dim, int G = 1, bool PF = false) {
          size_t(G) * (size_t(kHeads) * kProbHalves * 2 + size_t(kParts) * kHeads * kPartRow * 4);
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {  // fill false: 16 zero bytes
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
-}
-
 // 8 bf16 -> 8 fp16 (16 bytes)
 __device__ __forceinline__ uint4 bf16x8_to_half(uint4 raw) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -126,7 +121,7 @@ __global__ void __launch_bounds__(G* kThreads, 2 / G) mla_prefill_kernel(Attenti
   const uint32_t* pw = reinterpret_cast<const uint32_t*>(p_h);
   const int chunks = D / 8;  // 16-byte pieces of a cache row
 
-  // PF: key t of the tile at `base` (-1: padding, past the range or after the token), its row gathered by cp.async
+  // key t of the tile at `base` (-1: padding, past the range or after the token)
   auto key_at = [&](int base, int r) {
     const int idx = base + r;
     int t = idx < k1 ? (sel ? __ldg(sel + idx) : idx) : -1;
@@ -160,13 +155,8 @@ __global__ void __launch_bounds__(G* kThreads, 2 / G) mla_prefill_kernel(Attenti
       if (!any) continue;  // a tile of padding only
     } else {
       __syncthreads();  // the previous tile's kv_h / p_h / red are consumed
-      int t = -1;
-      if (tid < kKeys) {
-        const int idx = base + tid;
-        if (idx < k1) t = sel ? sel[idx] : idx;
-        if (t > pos) t = -1;
-        key_buf[0][tid] = t;
-      }
+      const int t = tid < kKeys ? key_at(base, tid) : -1;
+      if (tid < kKeys) key_buf[0][tid] = t;
       if (!__syncthreads_or(t >= 0)) continue;                            // a tile of padding only
       for (int i0 = tid; i0 < kKeys * chunks; i0 += kStageLoads * NTH) {  // kStageLoads loads in flight
         uint4 raw_u[kStageLoads];
