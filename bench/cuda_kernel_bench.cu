@@ -417,6 +417,28 @@ void hc_leave() {
   hc_join();
   hyper_leave(B.x, B.y, B.post, B.comb, 1, NS, D, g_st);
 }
+// Prefill mHC sites (--only prefill): kHcTokens tokens through the engine's calls, hyper_enter with cuBLAS (the
+// logits GEMM, the X . X dots, the per-token weights and h) and hyper_leave; GB/s of the bytes a fused site must move
+// (enter: x read once, h written; leave: x read and written, y read).
+constexpr int kHcTokens = 2048;
+struct HcPrefill {
+  float *x = nullptr, *y = nullptr, *h = nullptr, *post = nullptr, *comb = nullptr;
+} HP;
+void hc_prefill_setup() {
+  if (HP.x) return;
+  HP.x = randf(size_t(kHcTokens) * NS * D, 1.0f), HP.y = randf(size_t(kHcTokens) * D, 1.0f);
+  HP.h = dalloc<float>(size_t(kHcTokens) * D);
+  HP.post = randf(size_t(kHcTokens) * NS, 0.5f, 1.0f), HP.comb = randf(size_t(kHcTokens) * NS * NS, 0.05f, 0.2f);
+}
+void hc_prefill_enter(int i) {
+  g_bytes += double(kHcTokens) * (NS + 1) * D * 4;
+  hyper_enter(HP.x, kHcTokens, NS, D, W.hc_fn[i], W.hc_scale, W.hc_base, W.norm_w, RMS_EPS, HC_EPS, HC_ITERS, HP.h,
+              HP.post, HP.comb, nullptr, g_st, g_blas);
+}
+void hc_prefill_leave() {
+  g_bytes += double(kHcTokens) * (2 * NS + 1) * D * 4;
+  hyper_leave(HP.x, HP.y, HP.post, HP.comb, kHcTokens, NS, D, g_st);
+}
 void hc_step(int i) {  // the previous site's leave and this site's enter (CudaBlocks' decode path)
   if (!hyper_step_supported(1, NS, D)) return hc_leave(), hc_enter(i);  // MOESRV_MHC_UNFUSED=1
   hc_join();
@@ -964,6 +986,9 @@ void run_all(const std::vector<Ctx>& ctxs) {
       bench("prefill EXL3 skewed 16 experts (32-1024 rows), pieces <= " +
                 (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",
             [most](int) { prefill_skewed(most); });
+    hc_prefill_setup();
+    bench("prefill mHC hyper_enter, 2048 tokens (GEMM, dots, weights + h)", [](int i) { hc_prefill_enter(i); });
+    bench("prefill mHC hyper_leave, 2048 tokens", [](int) { hc_prefill_leave(); });
     for (const Ctx& c : ctxs) {
       bench("prefill MLA attention, 512 queries x 2048 keys, ctx " + c.label, [&](int i) { prefill_mla(i, c); });
       bench("prefill IDX kpool_select, 512 queries, ctx " + c.label, [&](int i) { prefill_kpool(i, c); });

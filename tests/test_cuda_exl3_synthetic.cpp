@@ -272,6 +272,7 @@ struct SliceRun {
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
   double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
   double prefetched = 0, prefetch_hits = 0;    // per decode token: experts copied ahead, and of those used
+  double prefill_fetched_bytes = 0;            // experts copied over PCIe by the (best) prefill, whole prompt
   int64_t zc_layers = 0;
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
@@ -305,6 +306,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
+  r.prefill_fetched_bytes = a.fetched_bytes - before.fetched_bytes;  // (+ the 4 warm decode steps' few)
   // The prefill's best of MOESRV_BENCH_PREFILL_RUNS (default 2) runs, with that run's phases: under a budget one
   // run's experts phase varies by up to ~30% (PCIe copies against the GPU's work), and the 45-layer projection
   // doubles the 4-layer slice's error (docs/perf-cuda.md, "Eighteenth round").
@@ -322,6 +324,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
     r.prefill_s = s;
     const CudaEngineStats s1 = e.stats();
     for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = s1.phase_s[p] - s0.phase_s[p];
+    r.prefill_fetched_bytes = s1.fetched_bytes - s0.fetched_bytes;
   }
   return r;
 }
@@ -557,6 +560,14 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
           phase_line += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " + std::to_string(v45).substr(0, 6);
         }
         std::printf("[ perf ] prefill device seconds per block kind, 45 layers projected:%s\n", phase_line.c_str());
+        // Issue 20's hybrid prefill floor: the experts the prompt's groups copy over PCIe (45 layers, projected as the
+        // time is) at the measured pinned H2D rate.
+        const double fl = (r8.prefill_fetched_bytes - r4.prefill_fetched_bytes) / 4;
+        const double prefill_pcie = std::max(0.0, r4.prefill_fetched_bytes - 4 * fl + kFull * fl);
+        const double prefill_floor_s = prefill_pcie / (bw.pcie_h2d * 1e9);
+        if (prefill_pcie > 0)
+          std::printf("[ perf ] prefill PCIe %.1f GB (45 layers): floor %.2f s (%.0f tok/s), TTFT %.2f s = %.1fx it\n",
+                      prefill_pcie / 1e9, prefill_floor_s, ctx / prefill_floor_s, p45, p45 / prefill_floor_s);
         for (const SliceRun* run : {&r4, &r8}) {
           std::string raw;
           for (size_t p = 0; p < run->prefill_phase_s.size(); ++p)
@@ -576,6 +587,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"hit_rate", hit},
             {"prefill_pass_tokens", base.prefill_chunk},
             {"prefill_group_tokens", group_tokens},
+            {"prefill_pcie_bytes", prefill_pcie},
+            {"prefill_pcie_floor_s", prefill_floor_s},
             {"hot_half_share", hot_half_share},
             {"decode_us_per_layer", dl * 1e6},
             {"graph_nodes_per_layer", nodes_per_layer},

@@ -101,6 +101,7 @@ CudaEngine::Impl::Impl(std::shared_ptr<ModelPackage> pkg, const CudaEngineOption
 void CudaEngine::Impl::open_device() {
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MOESRV_CUDA_OK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  MOESRV_CUDA_OK(cudaEventCreateWithFlags(&routing_copied, cudaEventDisableTiming));
   for (HyperSide* side : {&mhc_side, &proj_side}) open_side(*side);
   MOESRV_CUBLAS_OK(cublasCreate(&cublas));
   MOESRV_CUBLAS_OK(cublasSetStream(cublas, stream));
@@ -161,6 +162,7 @@ CudaEngine::Impl::~Impl() {
     if (lane.stream) cudaStreamDestroy(lane.stream);
   }
   if (lanes_fork) cudaEventDestroy(lanes_fork);
+  if (routing_copied) cudaEventDestroy(routing_copied);
   if (stream) cudaStreamDestroy(stream);
 }
 

@@ -344,6 +344,9 @@ struct CudaEngine::Impl {
   int64_t layer_begin = 0, layer_end = 0;  // the layers held (CudaEngineOptions); the whole model by default
   std::shared_ptr<cuda::DeviceBudget> budget;
   cudaStream_t stream = nullptr, copy_stream = nullptr;
+  // A long host-planned pass: its routing's copy to the host is done (the host plans while the GPU runs the shared
+  // expert queued behind it; moe_hybrid).
+  cudaEvent_t routing_copied = nullptr;
   cuda::HyperSide mhc_side;   // decode mHC: the Sinkhorn weights on their own stream (hyper_enter)
   cuda::HyperSide proj_side;  // decode: projections that read only s.h, beside the main chain (on_proj_side)
   // Prefill: a wave's per-expert EXL3 GEMMs (dequant slab + cuBLAS) spread round-robin over `stream` and these

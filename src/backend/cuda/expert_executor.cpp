@@ -370,7 +370,20 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   };
   const bool rows_early = any_cpu && n < kStreamPassTokens;
   if (rows_early) copy_rows();
-  MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  // A long pass (prefill) queues its shared expert behind the routing's copy and plans while the GPU runs it: the
+  // host plan of a 32K-token group (262K sorted rows) took the GPU's time in the router phase before.
+  // (MOESRV_SHARED_BEFORE_PLAN=0: after the plan, as before, for comparisons)
+  static const bool shared_early_on = switch_on("MOESRV_SHARED_BEFORE_PLAN");
+  bool shared_pending = shared_rows > 0;
+  if (shared_pending && n >= kStreamPassTokens && shared_early_on) {
+    MOESRV_CUDA_OK(cudaEventRecord(routing_copied, stream));
+    phase(CudaPhase::Experts);
+    shared_expert_into_y(m, shared_rows);
+    shared_pending = false;
+    MOESRV_CUDA_OK(cudaEventSynchronize(routing_copied));
+  } else {
+    MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
+  }
 
   // Plan (backend/expert_pass.h): VRAM experts and those already in a slot run on the GPU, Cache experts too
   // (fetched on a miss); a CPU expert with a host copy for the GPU is split between the PCIe link and the CPU for
@@ -446,7 +459,6 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
     int order = 0;  // its run_home
   };
   std::vector<GpuJob> gpu_jobs;
-  bool shared_pending = shared_rows > 0;
   auto run_shared = [&] {
     if (std::exchange(shared_pending, false)) shared_expert_into_y(m, shared_rows);
   };

@@ -86,6 +86,17 @@ __device__ __forceinline__ uint32_t pack_half2(half lo, half hi) {
   return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
 }
 
+// 8 bf16 -> 8 fp16 (16 bytes; exact for magnitudes in fp16's normal range)
+__device__ __forceinline__ uint4 bf16x8_to_half(uint4 raw) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t hw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
+    hw[j] =
+        pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)), __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
+  return make_uint4(hw[0], hw[1], hw[2], hw[3]);
+}
+
 // (x, y) as fp16 pairs hi = fp16(v) and lo = fp16(v - hi): hi + lo carries ~22 bits, so products of split operands
 // (hi.hi + hi.lo + lo.hi) reach fp32-like accuracy on fp16 tensor cores.
 __device__ __forceinline__ void split_half2(float x, float y, uint32_t& hi, uint32_t& lo) {

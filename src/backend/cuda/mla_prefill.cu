@@ -14,8 +14,9 @@
 // its unnormalised values, max and sum per head there (mla_split.cu merges the ranges).
 // Prefill on a device with room for it (~187 KB per block: H100 / H200, not a 99 KB RTX 3090 / 4090) runs the
 // two-group form: 16 warps, two groups of 16 heads sharing each staged key tile (half the gathers and conversions per
-// head), and the next tile's bf16 rows gathered by cp.async into a second buffer while this tile is multiplied
-// (MOESRV_MLA_PREFILL_GROUPS=1: the one-group form, as decode's ranges run).
+// head), and the next tile's bf16 rows gathered by cp.async into a second buffer while this tile is multiplied; a
+// q_dim <= 512 with more than 32 heads runs the wide form (mla_prefill_wide.cu: 64 heads per staged tile).
+// MOESRV_MLA_PREFILL_GROUPS=1 / 2 caps prefill at one / two groups (decode's ranges run the one-group form).
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -47,17 +48,6 @@ constexpr size_t kStaticSmemBytes = 1024;  // the kernel's __shared__ arrays (44
 size_t prefill_smem_bytes(int q_dim, int G = 1, bool PF = false) {
   return size_t(kKeys) * row_halves(q_dim) * 2 + (PF ? size_t(kKeys) * q_dim * 2 : 0) +
          size_t(G) * (size_t(kHeads) * kProbHalves * 2 + size_t(kParts) * kHeads * kPartRow * 4);
-}
-
-// 8 bf16 -> 8 fp16 (16 bytes)
-__device__ __forceinline__ uint4 bf16x8_to_half(uint4 raw) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t hw[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)  // two bf16 -> two fp16
-    hw[j] =
-        pack_half2(__float2half_rn(__uint_as_float(w[j] << 16)), __float2half_rn(__uint_as_float(w[j] & 0xFFFF0000u)));
-  return make_uint4(hw[0], hw[1], hw[2], hw[3]);
 }
 
 // VN: value n8-tiles per warp (warp w owns tiles w, w + 8, ... of the v_dim / 8); WS: the most 16-dim steps of q a
@@ -319,26 +309,33 @@ void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
   }
 }
 
-// The two-group prefetching form where it helps and fits: a prefill (no key ranges) of more than 16 heads on a
-// device with room for its ~187 KB block.
-bool two_groups(const AttentionArgs& a, const float* part) {
-  static const bool off = [] {
+// Groups of 16 heads sharing each staged key tile, for a prefill (no key ranges): 4 (mla_prefill_wide.cu) or 2 (the
+// prefetching two-group form, ~187 KB per block) where the shape and the device allow and the heads fill them, else
+// 1; `asked` (or MOESRV_MLA_PREFILL_GROUPS when 0) caps it.
+int head_groups(const AttentionArgs& a, const float* part, int asked) {
+  static const int env = [] {
     const char* v = std::getenv("MOESRV_MLA_PREFILL_GROUPS");
-    return v && std::atoi(v) == 1;
+    return v && v[0] ? std::atoi(v) : 0;
   }();
-  return !off && !part && a.H > kHeads &&
-         prefill_smem_bytes(a.q_dim, 2, true) + kStaticSmemBytes <= device_block_smem_limit();
+  const int cap = asked > 0 ? asked : env > 0 ? env : 4;
+  if (part || a.H <= kHeads) return 1;
+  if (cap >= 4 && a.H > 2 * kHeads && mla_prefill_wide_supported(a)) return 4;
+  if (cap >= 2 && prefill_smem_bytes(a.q_dim, 2, true) + kStaticSmemBytes <= device_block_smem_limit()) return 2;
+  return 1;
 }
 
-void launch_any(const AttentionArgs& a, float* part, cudaStream_t st) {
+void launch_any(const AttentionArgs& a, float* part, cudaStream_t st, int asked = 0) {
   static_assert(kMaxWarpSteps == 5, "launch_any picks 4 or 5 steps per warp");
   const bool ws4 = padded_dim(a.q_dim) / 16 <= 4 * kWarps;
-  if (two_groups(a, part)) {
-    if (ws4) launch_ws<4, 2, true>(a, part, st);
-    else launch_ws<5, 2, true>(a, part, st);
-  } else {
-    if (ws4) launch_ws<4, 1, false>(a, part, st);
-    else launch_ws<5, 1, false>(a, part, st);
+  switch (head_groups(a, part, asked)) {
+    case 4: return mla_prefill_wide(a, st);
+    case 2:
+      if (ws4) launch_ws<4, 2, true>(a, part, st);
+      else launch_ws<5, 2, true>(a, part, st);
+      break;
+    default:
+      if (ws4) launch_ws<4, 1, false>(a, part, st);
+      else launch_ws<5, 1, false>(a, part, st);
   }
   MOESRV_CUDA_LAUNCH_CHECK();
 }
@@ -355,11 +352,11 @@ bool mla_prefill_supported(const AttentionArgs& a) {
 
 size_t mla_prefill_block_smem(int q_dim) { return prefill_smem_bytes(q_dim) + kStaticSmemBytes; }
 
-void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st) {
+void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int head_groups) {
   if (!mla_prefill_supported(a))
     throw std::runtime_error("mla_prefill_attention: unsupported shape, or its shared memory exceeds the device's");
   if (a.S <= 0) return;
-  launch_any(a, nullptr, st);
+  launch_any(a, nullptr, st, head_groups);
 }
 
 void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st) {
