@@ -693,6 +693,8 @@ void CudaEngine::Impl::allocate_scratch() {
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
     moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
+    if (const char* v = std::getenv("MOESRV_MOE_ROWS"))  // (taller expert buffers and waves, for comparisons)
+      moe_rows = std::clamp<int64_t>(std::atoll(v), 8, R);
     moe_pass_rows = RG;
     if (const char* v = std::getenv("MOESRV_MOE_PASS_ROWS")) moe_pass_rows = std::clamp<int64_t>(std::atoll(v), 1, RG);
     // Rows of expert work: moe_rows tokens x k, or (grouped decode with the shared expert) 8 tokens x (1 + k).
