@@ -456,7 +456,8 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
   SKIP_WITHOUT_DEVICE();
   // S = 1, 6: the sums spread over blocks, h and the weights from different blocks (decode path, the weights also on
   // a side stream as the engine runs them; or one block per token without scratch); S = 40: one block per token, or
-  // (with a cuBLAS handle, as the engine runs prefill) the logits from one GEMM.
+  // (with a cuBLAS handle, as the engine runs prefill) the logits from one GEMM, the streams in registers (1, 2 and 4
+  // values per thread at D = 128, 2048, 4096).
   cublasHandle_t blas = nullptr;
   ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
   cuda::HyperSide side;
@@ -472,7 +473,7 @@ TEST(CudaGlm5NextKernels, HyperConnectionsMatchResidual) {
        {Shape{128, 6, false, false}, Shape{4096, 6, false, false}, Shape{4096, 1, false, false},
         Shape{4096, 1, false, false, true}, Shape{4096, 6, false, false, true}, Shape{4096, 6, false, true},
         Shape{128, 40, false, false}, Shape{4096, 40, false, false}, Shape{128, 40, true, false},
-        Shape{4096, 40, true, false}}) {
+        Shape{4096, 40, true, false}, Shape{2048, 40, true, false}}) {
     const int n = 4, W = n * D, mix = (2 + n) * n;
     const ModelSpec c = hyper_spec(D, n);
     HyperWeights hw;

@@ -228,6 +228,57 @@ __global__ void __launch_bounds__(kEnterThreads)
   for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) hs[d] = (hs[d] * inv) * norm_w[d];
 }
 
+// Prefill after the logits GEMM (h[s][kk] = fn[kk] . X_s, kk < mix): one block per token keeps the token's n <= 4
+// streams in registers (Q = ceil(D / kEnterThreads) <= 4 values each), so X is read once for both X . X and h;
+// otherwise as hyper_enter_kernel (the same sums for h; X . X in another order than hyper_dot_kernel's).
+template <int Q>
+__global__ void __launch_bounds__(kEnterThreads)
+    hyper_enter_regs_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
+                            float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post_out,
+                            float* comb_out) {
+  pdl_enter();
+  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
+  const int s = blockIdx.x, tid = threadIdx.x, mix = (2 + n) * n;
+  const int64_t W = int64_t(n) * D;
+  const float* X = x + s * W;
+  float xv[4][Q], ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const int d = tid + q * kEnterThreads;
+      xv[i][q] = i < n && d < D ? X[int64_t(i) * D + d] : 0.0f;
+      ss += xv[i][q] * xv[i][q];
+    }
+  ss = block_sum(ss);
+  const float r = 1.0f / sqrtf(ss / float(W) + rms_eps);
+  if (tid < mix) m_s[tid] = h[int64_t(s) * D + tid] * r;
+  __syncthreads();
+  if (tid < 32)
+    mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
+                comb_out + int64_t(s) * n * n);
+  __syncthreads();
+  // h = rms_norm(sum_i pre_i X_i) * norm_w
+  float hv[Q], hss = 0.0f;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (i < n) v += pre_s[i] * xv[i][q];
+    hv[q] = v;
+    if (tid + q * kEnterThreads < D) hss += v * v;
+  }
+  hss = block_sum(hss);  // (its barrier: every thread has read its logit from h before h is written)
+  const float inv = 1.0f / sqrtf(hss / float(D) + rms_eps);
+  float* hs = h + int64_t(s) * D;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const int d = tid + q * kEnterThreads;
+    if (d < D) hs[d] = (hv[q] * inv) * norm_w[d];
+  }
+}
+
 // Decode (few tokens): grid (x, S) over the partial sums hyper_dot_kernel left in part (the mix logits, then the
 // n(n+1)/2 stream products X_i . X_j). Blocks below h_blocks make h over their share of D (its norm is
 // sum_ij pre_i pre_j X_i . X_j, so no block waits for another); a block at h_blocks makes post and comb (the Sinkhorn
@@ -585,6 +636,22 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
+    static const bool regs_on = [] {  // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel, for comparisons)
+      const char* v = std::getenv("MOESRV_MHC_ENTER_REGS");
+      return !(v && std::atoi(v) == 0);
+    }();
+    const int Q = (D + kEnterThreads - 1) / kEnterThreads;
+    if (regs_on && n <= 4 && Q <= 4) {
+      auto go = [&](auto kernel) {
+        launch(kernel, S, kEnterThreads, 0, st, x, n, D, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
+               comb);
+      };
+      if (Q == 1) go(hyper_enter_regs_kernel<1>);
+      else if (Q == 2) go(hyper_enter_regs_kernel<2>);
+      else go(hyper_enter_regs_kernel<4>);
+      MOESRV_CUDA_LAUNCH_CHECK();
+      return false;
+    }
     launch(hyper_dot_kernel, dim3(1, 1, unsigned(S)), kThreads, 0, st, x, n, D, fn, mix, mix, false, h, D);
     MOESRV_CUDA_LAUNCH_CHECK();
     chunks = 1;
