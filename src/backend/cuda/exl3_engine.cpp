@@ -314,27 +314,34 @@ void CudaEngine::Impl::moe_exl3_wave(DevMoe& m, int64_t a, int64_t rows, const s
     const size_t n = std::min(apart.size(), expert_lanes.size() + 1);
     if (n > 1) MOESRV_CUDA_OK(cudaEventRecord(lanes_fork, stream));
     for (size_t l = 1; l < n; ++l) MOESRV_CUDA_OK(cudaStreamWaitEvent(expert_lanes[l - 1].stream, lanes_fork, 0));
-    // every piece in the grouped GEMM (register-B forms): it rotates its outputs into gu / ysorted itself
+    // the grouped GEMM (register-B forms) rotates its pieces' outputs into gu / ysorted itself, each apart piece's
+    // rotation follows its GEMM on its lane (MOESRV_EXL3_ROTATE_APART=0: every row's rotation after the wave, for
+    // comparisons)
+    static const bool apart_rotations = switch_on("MOESRV_EXL3_ROTATE_APART");
     float* y_out = p < 2 ? gu + p * I : s.ysorted.as<float>();
     const int64_t y_ld = p < 2 ? 2 * I : D;
-    const bool out_rotated_in_gemm = fused && apart.empty() && exl3_gemm_form() != 0;
+    const bool gemm_rotates = fused && exl3_gemm_form() != 0 && (apart.empty() || apart_rotations);
     if (fused)
       exl3_grouped_gemm(shape, tab + p * m.x3_stride, d_tiles, int(n_tiles), xh, yr, stream, int(tile_rows), -1,
-                        out_rotated_in_gemm ? y_out : nullptr, y_ld);
+                        gemm_rotates ? y_out : nullptr, y_ld);
     for (size_t j = 0; j < apart.size(); ++j) {
       const ExpertPiece& pc = *apart[j];
       const int64_t b0 = pc.row0 - a;
       const Exl3Dev w = rebase(m.x3_off[size_t(pc.e)][size_t(p)], m.vram[size_t(pc.e)].as<void>());
       ExpertLane* lane = j % n ? &expert_lanes[j % n - 1] : nullptr;
+      cudaStream_t on = lane ? lane->stream : stream;
       exl3_gemm_rotated(w, xh + b0 * shape.in_pad, int(pc.cnt), yr + b0 * shape.out_pad,
                         lane ? lane->w16.as<uint16_t>() : s.x3_w16.as<uint16_t>(), lane ? lane->w16.bytes() / 2 : w16,
-                        false, lane ? lane->blas : cublas, lane ? lane->stream : stream);
+                        false, lane ? lane->blas : cublas, on);
+      if (gemm_rotates)
+        exl3_rotate_out(shape, Exl3Group{g.tab, ids + b0}, yr + b0 * shape.out_pad, int(pc.cnt), y_out + b0 * y_ld,
+                        y_ld, nullptr, on);
     }
     for (size_t l = 1; l < n; ++l) {
       MOESRV_CUDA_OK(cudaEventRecord(expert_lanes[l - 1].join, expert_lanes[l - 1].stream));
       MOESRV_CUDA_OK(cudaStreamWaitEvent(stream, expert_lanes[l - 1].join, 0));
     }
-    if (!out_rotated_in_gemm) exl3_rotate_out(shape, g, yr, int(rows), y_out, y_ld, nullptr, stream);
+    if (!gemm_rotates) exl3_rotate_out(shape, g, yr, int(rows), y_out, y_ld, nullptr, stream);
   }
 }
 
