@@ -692,7 +692,11 @@ void CudaEngine::Impl::allocate_scratch() {
   }
   if (c.n_routed_experts > 0) {
     const int64_t k = c.experts_per_token, I = c.moe_intermediate_size, E = c.n_routed_experts;
-    moe_rows = std::min(R, std::max<int64_t>(8, (int64_t(16) << 20) / (k * std::max(D, 2 * I))));
+    // Expert buffers of 16M elements, 32M when every expert is in VRAM (no budget, plan or planner): a planned prefill
+    // pass then runs in waves of twice the rows (GLM-5.3-Flash: 8,192), fewer launches and wave tails (8K slice,
+    // experts phase 0.92 -> 0.80 s; docs/perf-cuda.md, "Twenty-first round"); a budget keeps the VRAM for slots.
+    const int64_t buffer_elems = int64_t(hybrid_options() ? 16 : 32) << 20;
+    moe_rows = std::min(R, std::max<int64_t>(8, buffer_elems / (k * std::max(D, 2 * I))));
     if (const char* v = std::getenv("MOESRV_MOE_ROWS"))  // (taller expert buffers and waves, for comparisons)
       moe_rows = std::clamp<int64_t>(std::atoll(v), 8, R);
     moe_pass_rows = RG;
