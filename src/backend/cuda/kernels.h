@@ -93,12 +93,12 @@ void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st, M
 // MLA attention of a prefill pass on tensor cores (mla_prefill.cu): attention()'s result for a.mla with a bf16 cache,
 // each block one token and 16 heads (32 or 64 where the device gives a block ~187 / ~213 KB: the next key tile
 // prefetched) sharing every staged key tile; fp16 MMAs with fp32 accumulation (q split into two fp16 parts, the
-// probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640. head_groups: 16-head
+// probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640. max_groups: 16-head
 // groups sharing each staged key tile at most (1, 2 or 4; 0: the most the shape and device allow, unless
 // MOESRV_MLA_PREFILL_GROUPS caps it); the forms differ only in their scores' summation order.
 bool mla_prefill_supported(const AttentionArgs& a);  // shapes, and the block's shared memory on this device
 size_t mla_prefill_block_smem(int q_dim);            // that shared memory (dynamic + static), bytes
-void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int head_groups = 0);
+void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int max_groups = 0);
 // The wide form (mla_prefill_wide.cu, 4 groups: 64 heads per block): q_dim <= 512, v_dim / 16 in {2, 4, 8, 16, 32},
 // ~213 KB of shared memory per block (H100 / H200).
 bool mla_prefill_wide_supported(const AttentionArgs& a);

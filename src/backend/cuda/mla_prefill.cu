@@ -352,11 +352,11 @@ bool mla_prefill_supported(const AttentionArgs& a) {
 
 size_t mla_prefill_block_smem(int q_dim) { return prefill_smem_bytes(q_dim) + kStaticSmemBytes; }
 
-void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int head_groups) {
+void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int max_groups) {
   if (!mla_prefill_supported(a))
     throw std::runtime_error("mla_prefill_attention: unsupported shape, or its shared memory exceeds the device's");
   if (a.S <= 0) return;
-  launch_any(a, nullptr, st, head_groups);
+  launch_any(a, nullptr, st, max_groups);
 }
 
 void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st) {
