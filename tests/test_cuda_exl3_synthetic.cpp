@@ -273,6 +273,7 @@ struct SliceRun {
   double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
   double prefetched = 0, prefetch_hits = 0;    // per decode token: experts copied ahead, and of those used
   double prefill_fetched_bytes = 0;            // experts copied over PCIe by the (best) prefill, whole prompt
+  double prefill_cpu_bytes = 0;                // experts the host computed in that prefill (stored bytes)
   int64_t zc_layers = 0;
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
@@ -307,6 +308,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
   r.prefill_fetched_bytes = a.fetched_bytes - before.fetched_bytes;  // (+ the 4 warm decode steps' few)
+  r.prefill_cpu_bytes = a.cpu_expert_bytes - before.cpu_expert_bytes;
   // The prefill's best of MOESRV_BENCH_PREFILL_RUNS (default 2) runs, with that run's phases: under a budget one
   // run's experts phase varies by up to ~30% (PCIe copies against the GPU's work), and the 45-layer projection
   // doubles the 4-layer slice's error (docs/perf-cuda.md, "Eighteenth round").
@@ -325,6 +327,7 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
     const CudaEngineStats s1 = e.stats();
     for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = s1.phase_s[p] - s0.phase_s[p];
     r.prefill_fetched_bytes = s1.fetched_bytes - s0.fetched_bytes;
+    r.prefill_cpu_bytes = s1.cpu_expert_bytes - s0.cpu_expert_bytes;
   }
   return r;
 }
@@ -573,7 +576,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
           for (size_t p = 0; p < run->prefill_phase_s.size(); ++p)
             raw += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " +
                    std::to_string(run->prefill_phase_s[p]).substr(0, 6);
-          std::printf("[ perf ]   measured, %d layers:%s\n", run == &r4 ? 4 : 8, raw.c_str());
+          // (under a budget: the experts this slice's prefill copied and those the host computed, which the 45-layer
+          // projection of the experts phase is most sensitive to)
+          std::printf("[ perf ]   measured, %d layers:%s | PCIe %.2f GB, host experts %.3f GB\n", run == &r4 ? 4 : 8,
+                      raw.c_str(), run->prefill_fetched_bytes / 1e9, run->prefill_cpu_bytes / 1e9);
         }
         nlohmann::json row = {
             {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
