@@ -24,6 +24,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/mla_tile.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
@@ -36,9 +37,7 @@ constexpr int kStageLoads = 4;        // 16-byte key loads a thread has in fligh
 constexpr int kMaxWarpSteps = (kMaxQDim / 16 + kWarps - 1) / kWarps;  // 16-dim steps of q per warp (5)
 static_assert(kKeys == kWarps * 8, "softmax: each warp updates 2 of the 16 heads over 64 keys (2 per lane)");
 
-// fp16 key rows: q_dim rounded up to 16 (zero padded) + 8 halves apart, so 8 rows x 16 bytes hit 32 banks.
-__host__ __device__ constexpr int padded_dim(int q_dim) { return (q_dim + 15) / 16 * 16; }
-__host__ __device__ constexpr int row_halves(int q_dim) { return padded_dim(q_dim) + 8; }
+using mla_tile::padded_dim, mla_tile::row_halves;
 constexpr int kProbHalves = kKeys + 8;  // p rows
 constexpr int kPartRow = kKeys + 8;     // partial score rows (floats): conflict-free float2 stores
 constexpr int kParts = kWarps / 2;      // partial score slots: warps w and w + 4 share slot w
@@ -112,18 +111,9 @@ __global__ void __launch_bounds__(G* kThreads, 2 / G) mla_prefill_kernel(Attenti
   const int chunks = D / 8;  // 16-byte pieces of a cache row
 
   // key t of the tile at `base` (-1: padding, past the range or after the token)
-  auto key_at = [&](int base, int r) {
-    const int idx = base + r;
-    int t = idx < k1 ? (sel ? __ldg(sel + idx) : idx) : -1;
-    return t > pos ? -1 : t;
-  };
+  auto key_at = [&](int base, int r) { return mla_tile::key_at(sel, base + r, k1, pos); };
   auto prefetch = [&](int base, int buf) {
-    if (tid < kKeys) key_buf[buf][tid] = key_at(base, tid);
-    for (int i = tid; i < kKeys * chunks; i += NTH) {
-      const int r = i / chunks, c = i - r * chunks, kt = key_at(base, r);
-      cp_async16(raw + r * D + c * 8, kv + int64_t(max(kt, 0)) * D + c * 8, kt >= 0);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
+    mla_tile::gather_keys<kKeys, NTH>(key_buf[buf], raw, D, kv, D, sel, base, k1, pos);
   };
   if constexpr (PF)
     if (k0 < k1) prefetch(k0, 0);

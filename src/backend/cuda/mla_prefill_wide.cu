@@ -13,6 +13,7 @@
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/mla_tile.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
@@ -22,8 +23,7 @@ namespace {
 constexpr int kHeads = 64, kKeys = 32, kWarps = 8, kThreads = kWarps * 32, kMaxDim = 512;
 constexpr int kExRow = kKeys + 4;  // partial score rows (floats): conflict-free float2 stores
 
-__host__ __device__ constexpr int padded_dim(int q_dim) { return (q_dim + 15) / 16 * 16; }
-__host__ __device__ constexpr int row_halves(int q_dim) { return padded_dim(q_dim) + 8; }  // 16-byte bank offset
+using mla_tile::padded_dim, mla_tile::row_halves;
 
 size_t wide_smem_bytes(int q_dim) {
   return size_t(2 * kHeads + 2 * kKeys) * row_halves(q_dim) * 2 + size_t(kWarps) * 16 * kExRow * 4;
@@ -49,20 +49,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
   const int n_keys = a.selection ? a.sel_k : pos + 1;
   const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
 
-  // key r of the tile at `base` (-1: padding, past the keys or after the token)
-  auto key_at = [&](int base, int r) {
-    const int idx = base + r;
-    const int t = idx < n_keys ? (sel ? __ldg(sel + idx) : idx) : -1;
-    return t > pos ? -1 : t;
-  };
+  // keys [base, base + kKeys) and their rows into buffer buf (bf16, converted in place once they land)
   auto prefetch = [&](int base, int buf) {
-    if (tid < kKeys) key_buf[buf][tid] = key_at(base, tid);
-    half* dst = kv + buf * kKeys * RH;
-    for (int i = tid; i < kKeys * chunks; i += kThreads) {
-      const int r = i / chunks, c = i - r * chunks, kt = key_at(base, r);
-      cp_async16(dst + r * RH + c * 8, cache + int64_t(max(kt, 0)) * D + c * 8, kt >= 0);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
+    mla_tile::gather_keys<kKeys, kThreads>(key_buf[buf], kv + buf * kKeys * RH, RH, cache, D, sel, base, n_keys, pos);
   };
   if (n_keys > 0) prefetch(0, 0);
 
