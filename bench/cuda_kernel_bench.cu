@@ -456,16 +456,21 @@ void delta(int i) {
   delta_rule(a, g_st);
 }
 // A prefill's recurrence over kDeltaT tokens (the engine's linear_core phase per KDA layer).
+// form: 0 the recurrence; else the chunked form with scratch as the engine lends it (the pre-conv rows, 2/3 of the
+// run per launch pair): 1 whole, 2 its chunk-local kernels alone, 3 its state kernels alone.
 constexpr int kDeltaT = 1024;
-void delta_prefill(int i) {
+void delta_prefill(int i, int form) {
   static float *qkv = randf(size_t(kDeltaT) * KC, 0.05f), *g = randf(size_t(kDeltaT) * KHD, 0.02f, -0.05f),
-               *beta = randf(size_t(kDeltaT) * KH, 0.1f, 0.5f), *out = dalloc<float>(size_t(kDeltaT) * KHD);
+               *beta = randf(size_t(kDeltaT) * KH, 0.1f, 0.5f), *out = dalloc<float>(size_t(kDeltaT) * KHD),
+               *scratch = dalloc<float>(size_t(kDeltaT) * KC);
   DeltaRuleArgs a;
+  if (form) a.chunk_scratch = scratch, a.chunk_scratch_floats = int64_t(kDeltaT) * KC;
   a.T = kDeltaT, a.heads = KH, a.dk = KD, a.dv = KD, a.per_channel_decay = true;
   a.q = qkv, a.k = qkv + KHD, a.qk_stride = KC, a.v = qkv + 2 * KHD, a.v_stride = KC;
   a.g = g, a.beta = beta, a.state = W.rec_state[i], a.out = out;
   g_bytes += 2.0 * KH * KD * KD * 4 + double(kDeltaT) * (KC + KHD + KH + KHD) * 4;
-  delta_rule(a, g_st);
+  if (form >= 2) delta_rule_chunked(a, g_st, form - 1);
+  else delta_rule(a, g_st);
 }
 void l2norms() {
   l2norm_rows(B.lqkv, 1, KH, KC, KD, 1e-6f, 1.0f / std::sqrt(float(KD)), g_st);
@@ -651,6 +656,29 @@ void prefill_cublas() {
   for (int e = 0; e < kPrefillExperts; ++e)
     exl3_gemm_rotated(W.shared_sep[0][e], P.xh + size_t(e) * kPrefillRows * D, kPrefillRows,
                       P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
+}
+
+// A prefill's dense EXL3 linear as the engine runs it for 2,048 rows (exl3_forward's row block), one row per step:
+// input rotation (fp32 -> fp16 rows), W_hat dequantized into the slab, cuBLAS, output rotation. KDA's q (8192x4096).
+constexpr int kDenseRows = 2048;
+struct DenseBufs {
+  float *x = nullptr, *yr = nullptr, *y = nullptr;
+  uint16_t *xh = nullptr, *w16 = nullptr;
+} DN_;
+void dense_setup() {
+  if (DN_.x) return;
+  DN_.x = randf(size_t(kDenseRows) * D, 1.0f), DN_.xh = dalloc<uint16_t>(size_t(kDenseRows) * D);
+  DN_.yr = dalloc<float>(size_t(kDenseRows) * KHD), DN_.y = dalloc<float>(size_t(kDenseRows) * KHD);
+  DN_.w16 = dalloc<uint16_t>(size_t(KHD) * D);
+}
+void dense_step(int step) {
+  const Exl3Dev& w = W.qkv[0][0];
+  switch (step) {
+    case 0: exl3_rotate_in(w, {}, Exl3Src{DN_.x, D}, kDenseRows, DN_.xh, true, g_st); break;
+    case 1: exl3_dequant_rotated(w, 0, w.out_pad / 16, DN_.w16, g_st); break;
+    case 2: exl3_gemm_rotated(w, DN_.xh, kDenseRows, DN_.yr, DN_.w16, size_t(KHD) * D, true, g_blas, g_st); break;
+    default: exl3_rotate_out(w, {}, DN_.yr, kDenseRows, DN_.y, KHD, nullptr, g_st); break;
+  }
 }
 
 // Skewed prefill pieces, as skewed routing leaves them in a wave (a few hot experts with long pieces, many short):
@@ -928,7 +956,18 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("KDA EXL3 f_a|g_a, f_b|g_b (2 pairs)", [](int i) { fg_pairs(i); });
   bench("KDA kda_gates", [](int) { kda_gates(B.g, W.dt_bias, W.a_log, 1, KH, KD, true, -5.0f, B.beta, g_st); });
   bench("KDA delta_rule H=64 d=128", [](int i) { delta(i); });
-  bench("KDA delta_rule prefill 1024 tokens", [](int i) { delta_prefill(i); });
+  bench("KDA delta_rule prefill 1024 tokens (recurrence)", [](int i) { delta_prefill(i, 0); });
+  bench("KDA delta_rule prefill 1024 tokens (chunked)", [](int i) { delta_prefill(i, 1); });
+  bench("KDA delta_rule prefill 1024 tokens (chunked: chunk-local kernels)", [](int i) { delta_prefill(i, 2); });
+  bench("KDA delta_rule prefill 1024 tokens (chunked: state kernels)", [](int i) { delta_prefill(i, 3); });
+  setenv("MOESRV_DELTA_RULE_FACTOR", "0", 1);
+  bench("KDA delta_rule prefill 1024 tokens (chunked: chunk-local kernels, exps direct)",
+        [](int i) { delta_prefill(i, 2); });
+  unsetenv("MOESRV_DELTA_RULE_FACTOR");
+  setenv("MOESRV_DELTA_RULE_OVERLAP", "0", 1);
+  bench("KDA delta_rule prefill 1024 tokens (chunked: state kernels, copies not overlapped)",
+        [](int i) { delta_prefill(i, 3); });
+  unsetenv("MOESRV_DELTA_RULE_OVERLAP");
   bench("KDA kda_output_norm", [](int) { kda_output_norm(B.o, B.gate, W.o_norm, KH, KD, RMS_EPS, g_st); });
   if (kda_decode_supported(KD, KD, KCONV)) bench("KDA kda_decode (fused conv..norm)", [](int i) { kda_fused(i); });
   bench("KDA EXL3 o 4096x8192", [](int i) { exl3_linear(W.o_kda[i], B.o, B.y, D); });
@@ -986,6 +1025,11 @@ void run_all(const std::vector<Ctx>& ctxs) {
       bench("prefill EXL3 skewed 16 experts (32-1024 rows), pieces <= " +
                 (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",
             [most](int) { prefill_skewed(most); });
+    dense_setup();
+    const char* dense_steps[] = {"input rotation", "dequant W_hat", "cuBLAS", "output rotation"};
+    for (int step = 0; step < 4; ++step)
+      bench(std::string("prefill EXL3 dense 8192x4096, 2048 rows: ") + dense_steps[step],
+            [step](int) { dense_step(step); });
     hc_prefill_setup();
     bench("prefill mHC hyper_enter, 2048 tokens (GEMM, dots, weights + h)", [](int i) { hc_prefill_enter(i); });
     bench("prefill mHC hyper_leave, 2048 tokens", [](int) { hc_prefill_leave(); });

@@ -300,6 +300,25 @@ TEST_P(CudaVsCpu, TruncateAndCloneReplay) {
   EXPECT_EQ(first, from_clone);
 }
 
+// The recurrent state a long prefill leaves (the chunked delta rule for runs of >= 64 tokens: glm5_next's 160-token
+// input) is the state a clone (the prefix cache's snapshot) resumes from: the prompt's first part, a clone, its rest
+// from the clone, against one forward of the whole prompt.
+TEST_P(CudaVsCpu, LongPrefillResumesFromItsState) {
+  SKIP_WITHOUT_CUDA();
+  auto g = gpu_engine(GetParam());
+  auto in = ids(GetParam(), "input_ids");
+  const size_t cut = std::max(in.size() / 2, in.size() - 30);
+  auto whole = g->new_sequence(), part = g->new_sequence();
+  const auto ref = g->forward(*whole, in, true);
+  g->forward(*part, std::vector<int32_t>(in.begin(), in.begin() + int64_t(cut)));
+  auto snap = part->clone();
+  const auto rest = g->forward(*snap, std::vector<int32_t>(in.begin() + int64_t(cut), in.end()), true);
+  const int64_t V = g->vocab_size();
+  ASSERT_EQ(rest.size(), (in.size() - cut) * size_t(V));
+  expect_close(GetParam(), rest, std::vector<float>(ref.end() - int64_t(rest.size()), ref.end()), V, kBf16Tolerance,
+               "resumed from a clone vs one forward");
+}
+
 TEST_P(CudaVsCpu, ChunkedPrefillMatchesOnePass) {
   SKIP_WITHOUT_CUDA();
   CudaEngineOptions small;

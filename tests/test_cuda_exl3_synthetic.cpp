@@ -147,10 +147,10 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 }
 
 // GLM-5.3-Flash (glm5_next) at real width, EXL3 K=4 (random trellis; 288 experts aliasing 8 host weight sets, each
-// uploaded or cached as its own block): slices of 4 and 8 layers (i % 4 == 3 MLA with the k-pool indexer, the rest
-// KDA; all MoE; mHC 4 streams). The difference of the two slices is the time of 4 layers (3 KDA + 1 MLA, the full
-// model's 34:11 mix within 3%); the rest of the 4-layer slice is the embedding + head. Projection to 45 layers:
-// head + 45/4 x (4 layers).
+// uploaded or cached as its own block): slices of 4 and 8 layers (MOESRV_BENCH_SLICES=a,b: a and b, multiples of
+// 4; i % 4 == 3 MLA with the k-pool indexer, the rest KDA; all MoE; mHC 4 streams). The difference of the two slices
+// is the time of b - a layers (3 KDA : 1 MLA, the full model's 34:11 mix within 3%); the rest of the smaller slice is
+// the embedding + head. Projection to 45 layers: head + 45 x (one layer).
 // Placements: "all" (every expert in VRAM) and --vram-budget 22 / 44 GiB scaled to the slice: the planner
 // (runtime/placement.h) plans the whole 45-layer model (footprint and usage of the slice repeated every 4 layers)
 // at the largest context of the run, and the slice's layers get the plan's homes for its first layers (pinned ->
@@ -377,6 +377,11 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   const int64_t E = c45.n_routed_experts, K = c45.experts_per_token;
   nlohmann::json results = nlohmann::json::array(), concurrency = nlohmann::json::array();
   std::vector<int64_t> streams;  // MOESRV_BENCH_STREAMS (default 1,2,4,8; 0: none), at the first context
+  // MOESRV_BENCH_SLICES=a,b: the two slices' layer counts (multiples of 4, a < b; default 4,8). Larger ones let the
+  // MoE layers outweigh the first slice's (the budgeted 131K projection scatters with 4,8: "Twenty-first round").
+  const std::vector<std::string> slice_list = env_list("MOESRV_BENCH_SLICES", "4,8");
+  const int la = slice_list.size() == 2 ? std::stoi(slice_list[0]) : 0, lb = la ? std::stoi(slice_list[1]) : 0;
+  if (la < 4 || lb <= la || la % 4 || lb % 4) fail("MOESRV_BENCH_SLICES: two multiples of 4, the first smaller");
   for (const std::string& v : env_list("MOESRV_BENCH_STREAMS", "1,2,4,8"))
     if (std::stoll(v) > 0) streams.push_back(std::stoll(v));
 
@@ -385,7 +390,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     so.distinct_experts = 8;
     so.router_skew = routing == "skewed" ? 0.05 : 0.0;
     std::map<int, std::shared_ptr<ModelPackage>> pkg;
-    for (int layers : {4, 8}) pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4);
+    for (int layers : {4, la, lb})
+      if (!pkg.count(layers)) pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4);
     const ModelSpec c4 = ModelSpec::from_json(pkg[4]->config());
     const ModelFootprint fp4 = footprint_from_package(c4, *pkg[4]);
     // The whole model's footprint and usage: the slice's 4 layers repeated.
@@ -450,7 +456,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       std::map<int, std::map<int64_t, double>> per_step;  // layers -> streams -> seconds per batched step
       int64_t group_tokens = 0;  // tokens per prefill group (pass x passes per group), as the engine runs them
       nlohmann::json hybrid;     // the engine's hybrid settings in effect (rows under a budget)
-      for (int layers : {4, 8}) {
+      for (int layers : {la, lb}) {
         CudaEngineOptions opt = base;
         if (budget != "all") {
           opt.prefill_group = EngineOptions::default_prefill_group(std::stod(budget));  // as the factory sets it
@@ -467,7 +473,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             r.workspace_bytes = engine_bytes - std::min<uint64_t>(engine_bytes, counted.vram_dense + counted.vram_kv);
             PlacementPlan plan = plan_placement(c45, fp45, r, &usage45);
             if (!plan.fits) fail("plan at {} GiB: {}", budget, plan.note);
-            if (layers == 4)
+            if (layers == la)
               std::printf("[ perf ] plan at %s GiB, ctx %ld, workspace %.2f GiB: %s\n", budget.c_str(), long(max_ctx),
                           double(r.workspace_bytes) / double(kGiB), plan.summary().c_str());
             int cold_layers = 0;  // the whole model's MoE layers with experts outside VRAM share the lent arena
@@ -486,9 +492,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                   {"lanes_copied", setup.hybrid_lanes_copied},
                   {"stream_window", setup.stream_window},
                   {"lent_slots", setup.lent_slots}};
-        if (budget != "all" && layers == 4)
-          std::printf("[ perf ] %s GiB: %ld lent slots over the 4 layers (lend_pass_arena)\n", budget.c_str(),
-                      long(setup.lent_slots));
+        if (budget != "all" && layers == la)
+          std::printf("[ perf ] %s GiB: %ld lent slots over the %d layers (lend_pass_arena)\n", budget.c_str(),
+                      long(setup.lent_slots), la);
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)
@@ -507,7 +513,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         if (!streams.empty()) per_step[layers] = time_streams(e, contexts[0], streams);
       }
       for (int64_t B : streams) {  // projected to 45 layers as decode is
-        const double sl = (per_step[8][B] - per_step[4][B]) / 4, s45 = per_step[4][B] - 4 * sl + kFull * sl;
+        const double sl = (per_step[lb][B] - per_step[la][B]) / (lb - la), s45 = per_step[la][B] - la * sl + kFull * sl;
         std::printf("[ perf ] %ld streams, %s GiB, %s, ctx %ld: %.1f tok/s aggregate, %.1f per stream\n", long(B),
                     budget.c_str(), routing.c_str(), long(contexts[0]), double(B) / s45, 1 / s45);
         concurrency.push_back(
@@ -519,9 +525,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
              {"per_stream_tok_s", 1 / s45}});
       }
       for (size_t i = 0; i < contexts.size(); ++i) {
-        const SliceRun &r4 = t[4][i], &r8 = t[8][i];
-        const double pl = (r8.prefill_s - r4.prefill_s) / 4, dl = (r8.decode_s - r4.decode_s) / 4;  // per layer
-        const double p45 = r4.prefill_s - 4 * pl + kFull * pl, d45 = r4.decode_s - 4 * dl + kFull * dl;
+        const SliceRun &ra = t[la][i], &rb = t[lb][i];
+        const double span = lb - la, pl = (rb.prefill_s - ra.prefill_s) / span, dl = (rb.decode_s - ra.decode_s) / span;
+        const double p45 = ra.prefill_s - la * pl + kFull * pl, d45 = ra.decode_s - la * dl + kFull * dl;
         const double ctx = double(contexts[i]);
         // Bytes per decode token, 45 layers. Dense weights and the head from the footprint; state per 4 layers:
         // 3 KDA states read + written (fp32), one MLA layer's selected latent rows (bf16) and pooled keys (fp32).
@@ -531,24 +537,24 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                               double(c4.index_topk + c4.index_kpool) * double(c4.kv_lora_rank) * 2 +
                               ctx / double(c4.index_kpool) * double(c4.index_head_dim) * 4;
         const double per_layer_expert = double(fp4.expert_bytes[0]);
-        // Expert traffic of the 8-layer slice per layer: measured on host-planned passes, else all in VRAM.
+        // Expert traffic of the larger slice per layer: measured on host-planned passes, else all in VRAM.
         // (Zero copy: decode takes the grouped path, host experts read in place over PCIe, counted on the device.)
-        const double vram_sel = r8.hybrid ? r8.vram_selections / 8 : double(K) - r8.zc_selections / 8;
+        const double vram_sel = rb.hybrid ? rb.vram_selections / lb : double(K) - rb.zc_selections / lb;
         const double hbm =
             double(fp4.head_bytes) + kFull / 4.0 * (dense4 + state4) + kFull * vram_sel * per_layer_expert;
-        const double pcie = kFull * (r8.fetched_bytes + r8.zc_bytes) / 8, host = kFull * r8.cpu_bytes / 8;
+        const double pcie = kFull * (rb.fetched_bytes + rb.zc_bytes) / lb, host = kFull * rb.cpu_bytes / lb;
         // Cold experts' bytes (fetched or read by the CPU) at the rate of both paths together: the floor of any
         // split between them (issue 21); "as split" keeps each path's bytes of this run at its own rate.
         const double floor_s = std::max(hbm / (bw.device_copy * 1e9), (pcie + host) / (bw.host_and_pcie * 1e9));
         const double split_floor_s =
             std::max({hbm / (bw.device_copy * 1e9), pcie / (bw.pcie_h2d * 1e9), host / (bw.host * 1e9)});
-        const double hit =
-            r8.hybrid ? r8.vram_selections / std::max(1.0, r8.selections) : 1.0 - r8.zc_selections / (8.0 * double(K));
-        const double nodes_per_layer = double(r8.graph_nodes - r4.graph_nodes) / 4;
+        const double hit = rb.hybrid ? rb.vram_selections / std::max(1.0, rb.selections)
+                                     : 1.0 - rb.zc_selections / (double(lb) * double(K));
+        const double nodes_per_layer = double(rb.graph_nodes - ra.graph_nodes) / span;
         std::printf(
             "[ perf ] decode per layer %.1f us, head + embedding %.1f us, graph nodes per layer %.1f (%ld in "
-            "the 4-layer graph)\n",
-            dl * 1e6, (r4.decode_s - 4 * dl) * 1e6, nodes_per_layer, long(r4.graph_nodes));
+            "the %d-layer graph)\n",
+            dl * 1e6, (ra.decode_s - la * dl) * 1e6, nodes_per_layer, long(ra.graph_nodes), la);
         std::printf(
             "[ perf ] glm5_next 45 layers, %s GiB, %s, ctx %ld: decode %.1f tok/s (floor %.1f, %.0f%%; as split "
             "%.1f), prefill %.0f tok/s (TTFT %.1f s), hit rate %.3f, GB/token HBM %.2f PCIe %.3f host %.3f\n",
@@ -556,29 +562,29 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             1 / split_floor_s, ctx / p45, p45, hit, hbm / 1e9, pcie / 1e9, host / 1e9);
         nlohmann::json phases = nlohmann::json::object();
         std::string phase_line;
-        for (size_t p = 0; p < r4.prefill_phase_s.size(); ++p) {
-          const double per_layer = (r8.prefill_phase_s[p] - r4.prefill_phase_s[p]) / 4;
-          const double v45 = std::max(0.0, r4.prefill_phase_s[p] - 4 * per_layer + kFull * per_layer);
+        for (size_t p = 0; p < ra.prefill_phase_s.size(); ++p) {
+          const double per_layer = (rb.prefill_phase_s[p] - ra.prefill_phase_s[p]) / span;
+          const double v45 = std::max(0.0, ra.prefill_phase_s[p] - la * per_layer + kFull * per_layer);
           phases[cuda_phase_name(CudaPhase(p))] = v45;
           phase_line += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " + std::to_string(v45).substr(0, 6);
         }
         std::printf("[ perf ] prefill device seconds per block kind, 45 layers projected:%s\n", phase_line.c_str());
         // Issue 20's hybrid prefill floor: the experts the prompt's groups copy over PCIe (45 layers, projected as the
         // time is) at the measured pinned H2D rate.
-        const double fl = (r8.prefill_fetched_bytes - r4.prefill_fetched_bytes) / 4;
-        const double prefill_pcie = std::max(0.0, r4.prefill_fetched_bytes - 4 * fl + kFull * fl);
+        const double fl = (rb.prefill_fetched_bytes - ra.prefill_fetched_bytes) / span;
+        const double prefill_pcie = std::max(0.0, ra.prefill_fetched_bytes - la * fl + kFull * fl);
         const double prefill_floor_s = prefill_pcie / (bw.pcie_h2d * 1e9);
         if (prefill_pcie > 0)
           std::printf("[ perf ] prefill PCIe %.1f GB (45 layers): floor %.2f s (%.0f tok/s), TTFT %.2f s = %.1fx it\n",
                       prefill_pcie / 1e9, prefill_floor_s, ctx / prefill_floor_s, p45, p45 / prefill_floor_s);
-        for (const SliceRun* run : {&r4, &r8}) {
+        for (const SliceRun* run : {&ra, &rb}) {
           std::string raw;
           for (size_t p = 0; p < run->prefill_phase_s.size(); ++p)
             raw += " " + std::string(cuda_phase_name(CudaPhase(p))) + " " +
                    std::to_string(run->prefill_phase_s[p]).substr(0, 6);
           // (under a budget: the experts this slice's prefill copied and those the host computed, which the 45-layer
           // projection of the experts phase is most sensitive to)
-          std::printf("[ perf ]   measured, %d layers:%s | PCIe %.2f GB, host experts %.3f GB\n", run == &r4 ? 4 : 8,
+          std::printf("[ perf ]   measured, %d layers:%s | PCIe %.2f GB, host experts %.3f GB\n", run == &ra ? la : lb,
                       raw.c_str(), run->prefill_fetched_bytes / 1e9, run->prefill_cpu_bytes / 1e9);
         }
         nlohmann::json row = {
@@ -600,11 +606,11 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"graph_nodes_per_layer", nodes_per_layer},
             {"prefill_phase_s", phases},
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
-        if (r8.zc_layers) row["zero_copy_layers_of_8"] = r8.zc_layers;
+        if (rb.zc_layers) row["zero_copy_layers_of_" + std::to_string(lb)] = rb.zc_layers;
         if (budget != "all") row["hybrid"] = hybrid;
-        if (r8.prefetched >
-            0) {  // issue 21 item 3: per decode token; 7 of the slice's 8 layers have a next one, 44 of 45
-          const double ahead = (kFull - 1) * r8.prefetched / 7, used = (kFull - 1) * r8.prefetch_hits / 7;
+        if (rb.prefetched >
+            0) {  // issue 21 item 3: per decode token; lb - 1 of the slice's layers have a next one, 44 of 45
+          const double ahead = (kFull - 1) * rb.prefetched / (lb - 1), used = (kFull - 1) * rb.prefetch_hits / (lb - 1);
           row["prefetch"] = {{"experts_per_token", ahead}, {"used_per_token", used}};
           std::printf("[ perf ] prefetch: %.1f experts copied ahead per token (45 layers), %.1f of them used\n", ahead,
                       used);
@@ -615,9 +621,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         nlohmann::json mtp = nlohmann::json::array();
         std::string mtp_line;
         std::vector<double> step_s{d45};  // a step of k drafts, k = 0.. (for the adaptive draft length)
-        for (size_t k = 1; k <= r4.verify_s.size() && k <= r8.verify_s.size(); ++k) {
-          const double vl = (r8.verify_s[k - 1] - r4.verify_s[k - 1]) / 4;
-          const double v45 = r4.verify_s[k - 1] - 4 * vl + kFull * vl, head = r4.decode_s - 4 * dl;
+        for (size_t k = 1; k <= ra.verify_s.size() && k <= rb.verify_s.size(); ++k) {
+          const double vl = (rb.verify_s[k - 1] - ra.verify_s[k - 1]) / span;
+          const double v45 = ra.verify_s[k - 1] - la * vl + kFull * vl, head = ra.decode_s - la * dl;
           // (a draft's cost, one layer + the head, can come out below 0 from noisy hybrid timings: 0 then)
           const double draft = std::max(0.0, dl + head);
           mtp.push_back(mtp_projection_json(int(k), d45, v45, draft));
@@ -641,10 +647,12 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   if (const char* path = std::getenv("MOESRV_BENCH_JSON")) {
     nlohmann::json j = {
         {"model", "glm5_next"},
-        {"layers_measured", 8},
+        {"layers_measured", lb},
+        {"slices", {la, lb}},
         {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
         {"projection",
-         "per layer = (t8 - t4) / 4, head = t4 - 4 x per layer, 45 layers = head + 45 x per layer (prefill: the "
+         "slices of a < b layers: per layer = (t_b - t_a) / (b - a), head = t_a - a x per layer, 45 layers = head + "
+         "45 x per layer (prefill: the "
          "best of MOESRV_BENCH_PREFILL_RUNS runs, default 2); "
          "budgets: the 45-layer plan at the largest context, its first layers' homes on the slice"},
         {"bandwidth_gbps",

@@ -59,6 +59,7 @@ class Dev {
   Dev& operator=(const Dev&) = delete;
   ~Dev() { cudaFree(p_); }
   T* get() const { return p_; }
+  size_t size() const { return n_; }
   void put(const std::vector<T>& h, size_t offset = 0) {
     if (offset + h.size() > n_) throw std::runtime_error("Dev::put out of range");
     ok(cudaMemcpy(p_ + offset, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
@@ -234,6 +235,69 @@ TEST(CudaGlm5NextKernels, DeltaRuleMatchesRecurrence) {
                        dout.get(), nullptr);
       EXPECT_LT(rel_err(dout.host(), out), 1e-4) << what << " T " << T;
       EXPECT_LT(rel_err(dstate.host(), state), 1e-4) << what << " T " << T;
+    }
+  }
+}
+
+// The chunked form (prefill runs of >= 64 tokens) against the CPU recurrence: q | k | v in one conv-output row as
+// the engine passes them, a state carried in and through several calls, runs that end inside a chunk, scratch for
+// one or two chunks (several launch pairs per call) or all of them, KDA and Gated DeltaNet (shared q/k heads), and
+// strong decays (KDA's lower bound -5 per token; -12: 16-row spans past the factored form's limit) next to slow ones.
+TEST(CudaGlm5NextKernels, DeltaRuleChunkedMatchesRecurrence) {
+  SKIP_WITHOUT_DEVICE();
+  struct Case {
+    int H, dk, group;
+    bool per_channel;
+    int scratch_chunks;  // 0: enough for every chunk of the longest run
+    float g_lo;
+  };
+  for (const Case& cs :
+       {Case{4, 32, 1, true, 1, -0.4f}, Case{64, 128, 1, true, 0, -0.4f}, Case{8, 64, 1, true, 2, -5.0f},
+        Case{16, 128, 2, false, 2, -0.4f}, Case{64, 128, 1, true, 2, -5.0f}, Case{4, 32, 1, true, 0, -12.0f}}) {
+    const int H = cs.H, Hk = H / cs.group, d = cs.dk, QK = Hk * d, C = 2 * QK + H * d;
+    const cpu::DeltaRuleShape shape{H, d, d, cs.per_channel};
+    std::vector<float> state = uniform(size_t(H) * d * d, -0.1f, 0.1f, 81);
+    Dev<float> dstate(state);
+    const std::string what = "H " + std::to_string(H) + " d " + std::to_string(d) + (cs.per_channel ? " KDA" : " GDN") +
+                             " g >= " + std::to_string(cs.g_lo);
+    const int64_t per_chunk = cuda::delta_rule_chunk_floats(H, d, d);
+    ASSERT_GT(per_chunk, 0) << what;
+    Dev<float> scratch(size_t(per_chunk * (cs.scratch_chunks ? cs.scratch_chunks : 4)));
+    uint32_t seed = 90;
+    for (int T : {200, 64, 130}) {
+      // q / k per q/k head, v per value head (the CPU reference takes them per value head)
+      DeltaInputs in = delta_inputs(T, Hk, d, d, cs.per_channel, seed += 10);
+      const DeltaInputs vin = delta_inputs(T, H, d, d, cs.per_channel, seed += 10);
+      in.v = vin.v, in.beta = vin.beta;
+      in.g = uniform(size_t(T) * H * (cs.per_channel ? d : 1), cs.g_lo, 0.0f, seed + 5);
+      std::vector<float> row(size_t(T) * C), qr(size_t(T) * H * d), kr(qr.size());
+      for (int t = 0; t < T; ++t) {
+        std::copy_n(in.q.begin() + size_t(t) * QK, QK, row.begin() + size_t(t) * C);
+        std::copy_n(in.k.begin() + size_t(t) * QK, QK, row.begin() + size_t(t) * C + QK);
+        std::copy_n(in.v.begin() + size_t(t) * H * d, H * d, row.begin() + size_t(t) * C + 2 * QK);
+        for (int h = 0; h < H; ++h) {
+          std::copy_n(in.q.begin() + (size_t(t) * Hk + h / cs.group) * d, d, qr.begin() + (size_t(t) * H + h) * d);
+          std::copy_n(in.k.begin() + (size_t(t) * Hk + h / cs.group) * d, d, kr.begin() + (size_t(t) * H + h) * d);
+        }
+      }
+      std::vector<float> out(size_t(T) * H * d);
+      cpu::delta_rule_recurrent(shape, T, qr.data(), kr.data(), in.v.data(), in.g.data(), in.beta.data(), state.data(),
+                                out.data());
+      Dev<float> drow(row), dg(in.g), db(in.beta), dout(out.size());
+      cuda::DeltaRuleArgs a;
+      a.T = T, a.heads = H, a.dk = d, a.dv = d, a.qk_group = cs.group, a.per_channel_decay = cs.per_channel;
+      a.q = drow.get(), a.k = drow.get() + QK, a.qk_stride = C, a.v = drow.get() + 2 * QK, a.v_stride = C;
+      a.g = dg.get(), a.beta = db.get(), a.state = dstate.get(), a.out = dout.get();
+      a.chunk_scratch = scratch.get(), a.chunk_scratch_floats = int64_t(scratch.size());
+      // run 0 the defaults, run 1 the state kernel's copies one after another, run 2 every decay factor direct
+      const int run = T == 200 ? 0 : T == 64 ? 1 : 2;
+      setenv("MOESRV_DELTA_RULE_OVERLAP", run == 1 ? "0" : "1", 1);
+      setenv("MOESRV_DELTA_RULE_FACTOR", run == 2 ? "0" : "1", 1);
+      ASSERT_TRUE(cuda::delta_rule_chunked(a, nullptr)) << what;
+      unsetenv("MOESRV_DELTA_RULE_OVERLAP");
+      unsetenv("MOESRV_DELTA_RULE_FACTOR");
+      EXPECT_LT(rel_err(dout.host(), out), 1e-4) << what << " T " << T << " run " << run;
+      EXPECT_LT(rel_err(dstate.host(), state), 1e-4) << what << " T " << T << " run " << run;
     }
   }
 }

@@ -52,8 +52,19 @@ struct DeltaRuleArgs {
   // Rollback points (speculative verify, T <= 32): the state after each token t < T - 1 at steps + t * heads * dk *
   // dv, transposed per head ([heads][dv][dk]: a column's dk values contiguous); state_from_step() puts one back.
   float* steps = nullptr;
+  // Scratch for the chunked form (runs of >= kDeltaRuleChunkMinTokens tokens, dk == dv in {32, 64, 128}, no steps):
+  // at least delta_rule_chunk_floats() floats, more take more chunks per launch pair; null: the recurrence.
+  float* chunk_scratch = nullptr;
+  int64_t chunk_scratch_floats = 0;
 };
 void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
+// The chunked (WY) form, chunks of 64 tokens (delta_rule_chunked.cu; cpu::delta_rule_chunked): false when `a` does
+// not qualify (then nothing ran). delta_rule() tries it first. MOESRV_DELTA_RULE_CHUNKED=0 switches it off.
+// only (the kernel bench): 1 = the chunk-local kernels alone, 2 = the state kernels alone (over the scratch as left).
+constexpr int kDeltaRuleChunkMinTokens = 64;
+bool delta_rule_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only = 0);
+// Scratch floats per 64-token chunk for `heads` heads (0: dk / dv not supported by the chunked form).
+int64_t delta_rule_chunk_floats(int heads, int dk, int dv);
 // state [H, dk, dv] = one of delta_rule's steps ([H, dv, dk]).
 void state_from_step(const float* step, int H, int dk, int dv, float* state, cudaStream_t st);
 // Rollback points of causal_conv1d_silu (call it before, while `state` is the state before x): steps [T-1][K-1][C],

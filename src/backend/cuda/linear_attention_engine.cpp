@@ -87,6 +87,7 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S, const BatchRows* batch) {
   dr.T = int(S), dr.heads = H, dr.dk = d, dr.dv = d, dr.per_channel_decay = true;
   dr.q = qkv, dr.k = qkv + Hd, dr.qk_stride = C, dr.v = qkv + 2 * Hd, dr.v_stride = C;
   dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o, dr.steps = st.rec_steps;
+  dr.chunk_scratch = s.lraw.as<float>(), dr.chunk_scratch_floats = int64_t(s.lraw.bytes() / 4);  // (conv consumed it)
   phase(CudaPhase::LinearCore);
   delta_rule(dr, stream);
   phase(CudaPhase::LinearProj);
@@ -122,6 +123,7 @@ void CudaEngine::Impl::gated_delta(int64_t l, int64_t S) {
   dr.T = int(S), dr.heads = Hv, dr.dk = dk, dr.dv = dv, dr.qk_group = r, dr.per_channel_decay = false;
   dr.q = raw, dr.k = raw + QK, dr.qk_stride = C, dr.v = raw + 2 * QK, dr.v_stride = C;
   dr.g = g, dr.beta = beta, dr.state = st.recurrent, dr.out = o, dr.steps = st.rec_steps;
+  dr.chunk_scratch = mixed, dr.chunk_scratch_floats = int64_t(s.lqkv.bytes() / 4);  // (conv consumed it)
   delta_rule(dr, stream);
   gdn_output_norm(o, z, w.norm.w.as<float>(), int(S) * Hv, dv, float(c.rms_eps), stream);
   linear(w.out, o, S, s.y.as<float>());
