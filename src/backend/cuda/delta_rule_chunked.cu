@@ -363,9 +363,7 @@ template <int DK, int DV, bool Overlap>
 void launch_state(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t st) {
   constexpr int CW = DV < 64 ? DV : 64;
   const size_t smem = DcStateSmem<DK, DV, CW, Overlap>::floats * 4;
-  static const bool reserved =
-      (reserve_dynamic_smem(dc_state_kernel<DK, DV, CW, Overlap>, smem, "delta_rule_chunked"), true);
-  (void)reserved;
+  reserve_dynamic_smem(dc_state_kernel<DK, DV, CW, Overlap>, smem, "delta_rule_chunked");  // (per device)
   launch(dc_state_kernel<DK, DV, CW, Overlap>, dim3(unsigned(DV / CW), unsigned(a.heads)), kDcThreads, smem, st, a,
          t_first, chunks, static_cast<const float*>(a.chunk_scratch));
 }
@@ -379,28 +377,35 @@ bool prep_factored() {
 template <int DK, int DV, bool Factor>
 void launch_prep(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t st) {
   const size_t smem = DcPrepSmem<DK, Factor>::floats * 4;
-  static const bool reserved = (reserve_dynamic_smem(dc_prep_kernel<DK, DV, Factor>, smem, "delta_rule_chunked"), true);
-  (void)reserved;
+  reserve_dynamic_smem(dc_prep_kernel<DK, DV, Factor>, smem, "delta_rule_chunked");
   launch(dc_prep_kernel<DK, DV, Factor>, dim3(unsigned(chunks), unsigned(a.heads)), kDcThreads, smem, st, a, t_first,
          a.chunk_scratch);
 }
 
+// False when the device's blocks cannot have the kernels' shared memory (the 99 KB of an RTX 3090 / 4090 at dk 128):
+// the caller runs the recurrence.
 template <int DK, int DV>
-void run_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
+bool run_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
   using L = DcLayout<DK, DV>;
+  constexpr int CW = DV < 64 ? DV : 64;
+  const size_t limit = device_block_smem_limit();
+  const bool factor = prep_factored() && DcPrepSmem<DK, true>::floats * 4 <= limit;
+  const bool overlap = state_overlap() && DcStateSmem<DK, DV, CW, true>::floats * 4 <= limit;
+  if (DcPrepSmem<DK, false>::floats * 4 > limit || DcStateSmem<DK, DV, CW, false>::floats * 4 > limit) return false;
   const int64_t per_chunk = int64_t(a.heads) * L::size;
   const int total = ceil_div(a.T, kCh), seg = int(std::min<int64_t>(total, a.chunk_scratch_floats / per_chunk));
   for (int c0 = 0; c0 < total; c0 += seg) {
     const int chunks = std::min(seg, total - c0), t_first = c0 * kCh;
     if (only != 2) {
-      if (prep_factored()) launch_prep<DK, DV, true>(a, t_first, chunks, st);
+      if (factor) launch_prep<DK, DV, true>(a, t_first, chunks, st);
       else launch_prep<DK, DV, false>(a, t_first, chunks, st);
     }
     if (only == 1) continue;
-    if (state_overlap()) launch_state<DK, DV, true>(a, t_first, chunks, st);
+    if (overlap) launch_state<DK, DV, true>(a, t_first, chunks, st);
     else launch_state<DK, DV, false>(a, t_first, chunks, st);
   }
   MOESRV_CUDA_LAUNCH_CHECK();
+  return true;
 }
 
 int64_t chunk_record_floats(int dk, int dv) {
@@ -426,11 +431,10 @@ bool delta_rule_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
       a.chunk_scratch_floats < per_chunk)
     return false;
   switch (a.dk) {
-    case 32: run_chunked<32, 32>(a, st, only); break;
-    case 64: run_chunked<64, 64>(a, st, only); break;
-    default: run_chunked<128, 128>(a, st, only); break;
+    case 32: return run_chunked<32, 32>(a, st, only);
+    case 64: return run_chunked<64, 64>(a, st, only);
+    default: return run_chunked<128, 128>(a, st, only);
   }
-  return true;
 }
 
 }  // namespace moesrv::cuda
