@@ -469,7 +469,7 @@ void delta_prefill(int i, int form) {
   a.q = qkv, a.k = qkv + KHD, a.qk_stride = KC, a.v = qkv + 2 * KHD, a.v_stride = KC;
   a.g = g, a.beta = beta, a.state = W.rec_state[i], a.out = out;
   g_bytes += 2.0 * KH * KD * KD * 4 + double(kDeltaT) * (KC + KHD + KH + KHD) * 4;
-  if (form >= 2) delta_rule_chunked(a, g_st, form - 1);
+  if (form >= 1) delta_rule_chunked(a, g_st, form - 1);
   else delta_rule(a, g_st);
 }
 void l2norms() {

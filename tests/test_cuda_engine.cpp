@@ -308,15 +308,20 @@ TEST_P(CudaVsCpu, LongPrefillResumesFromItsState) {
   auto g = gpu_engine(GetParam());
   auto in = ids(GetParam(), "input_ids");
   const size_t cut = std::max(in.size() / 2, in.size() - 30);
-  auto whole = g->new_sequence(), part = g->new_sequence();
-  const auto ref = g->forward(*whole, in, true);
-  g->forward(*part, std::vector<int32_t>(in.begin(), in.begin() + int64_t(cut)));
-  auto snap = part->clone();
-  const auto rest = g->forward(*snap, std::vector<int32_t>(in.begin() + int64_t(cut), in.end()), true);
-  const int64_t V = g->vocab_size();
-  ASSERT_EQ(rest.size(), (in.size() - cut) * size_t(V));
-  expect_close(GetParam(), rest, std::vector<float>(ref.end() - int64_t(rest.size()), ref.end()), V, kBf16Tolerance,
-               "resumed from a clone vs one forward");
+  for (const char* chunked : {"0", "1"}) {  // the recurrence (default) and the chunked form (MOESRV_DELTA_RULE_CHUNKED)
+    setenv("MOESRV_DELTA_RULE_CHUNKED", chunked, 1);
+    auto whole = g->new_sequence(), part = g->new_sequence();
+    const auto ref = g->forward(*whole, in, true);
+    g->forward(*part, std::vector<int32_t>(in.begin(), in.begin() + int64_t(cut)));
+    auto snap = part->clone();
+    const auto rest = g->forward(*snap, std::vector<int32_t>(in.begin() + int64_t(cut), in.end()), true);
+    unsetenv("MOESRV_DELTA_RULE_CHUNKED");
+    const int64_t V = g->vocab_size();
+    ASSERT_EQ(rest.size(), (in.size() - cut) * size_t(V));
+    expect_close(
+        GetParam(), rest, std::vector<float>(ref.end() - int64_t(rest.size()), ref.end()), V, kBf16Tolerance,
+        chunked[0] == '1' ? "chunked: resumed from a clone vs one forward" : "resumed from a clone vs one forward");
+  }
 }
 
 TEST_P(CudaVsCpu, ChunkedPrefillMatchesOnePass) {

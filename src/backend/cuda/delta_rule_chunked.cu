@@ -421,13 +421,14 @@ int64_t chunk_record_floats(int dk, int dv) {
 
 int64_t delta_rule_chunk_floats(int heads, int dk, int dv) { return int64_t(heads) * chunk_record_floats(dk, dv); }
 
+bool delta_rule_chunked_on() {
+  const char* v = std::getenv("MOESRV_DELTA_RULE_CHUNKED");
+  return v && v[0] == '1';
+}
+
 bool delta_rule_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
-  static const bool off = [] {  // MOESRV_DELTA_RULE_CHUNKED=0: the recurrence kernels (comparisons)
-    const char* v = std::getenv("MOESRV_DELTA_RULE_CHUNKED");
-    return v && v[0] == '0';
-  }();
   const int64_t per_chunk = delta_rule_chunk_floats(a.heads, a.dk, a.dv);
-  if (off || a.steps || a.T < kDeltaRuleChunkMinTokens || per_chunk == 0 || !a.chunk_scratch ||
+  if (a.steps || a.T < kDeltaRuleChunkMinTokens || per_chunk == 0 || !a.chunk_scratch ||
       a.chunk_scratch_floats < per_chunk)
     return false;
   switch (a.dk) {

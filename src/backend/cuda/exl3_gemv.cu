@@ -90,6 +90,18 @@ __device__ __forceinline__ void rotate_out_warp(const Exl3Dev& w, const Exl3Grou
   hadamard128_lane(h, lane);
   const float v[4] = {h.x, h.y, h.z, h.w};
   float* y = y0 + (g.part_rows ? (row % g.part_rows) * y_ld + (row / g.part_rows) * g.part_out : size_t(row) * y_ld);
+  const bool whole = e + 4 <= w.out && reinterpret_cast<uintptr_t>(y + e) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(svh + e) % 8 == 0 &&
+                     (!bias || reinterpret_cast<uintptr_t>(bias + e) % 16 == 0);
+  if (whole) {  // one 16-byte store per lane (the scalar stores below wrote a quarter of each sector per instruction)
+    const uint2 sv = *reinterpret_cast<const uint2*>(svh + e);
+    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x)),
+                 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
+    const float4 b = bias ? *reinterpret_cast<const float4*>(bias + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<float4*>(y + e) =
+        make_float4(v[0] * s01.x + b.x, v[1] * s01.y + b.y, v[2] * s23.x + b.z, v[3] * s23.y + b.w);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     if (e + i < w.out) y[e + i] = v[i] * __half2float(svh[e + i]) + (bias ? bias[e + i] : 0.f);
