@@ -109,15 +109,27 @@ __global__ void __launch_bounds__(kDcThreads) dc_prep_kernel(DeltaRuleArgs a, in
   const int t0 = t_first + int(blockIdx.x) * kCh, n = min(kCh, a.T - t0);
   float* rec = scratch + (int64_t(blockIdx.x) * a.heads + h) * L::size;
 
-  for (int i = tid; i < kCh * DK; i += kDcThreads) {  // rows past the end: zero tokens, G stays
-    const int r = i / DK, c = i % DK;
-    float kv = 0.0f, qv = 0.0f, gv = 0.0f;
-    if (r < n) {
-      const int64_t t = t0 + r, qk = t * a.qk_stride + int64_t(hk) * DK + c, ti = t * a.heads + h;
-      kv = a.k[qk], qv = a.q[qk];
-      gv = a.per_channel_decay ? a.g[ti * DK + c] : a.g[ti];
+  // Element i = tid + m * kDcThreads of a [64][DK] array, m < kPer: the loops below have compile-time trip counts,
+  // and the loads go out kBatch at a time before their stores (one global round trip per batch, not per element).
+  constexpr int kPer = kCh * DK / kDcThreads, kBatch = 8;
+  static_assert(kPer % kBatch == 0, "whole batches");
+  for (int m0 = 0; m0 < kPer; m0 += kBatch) {  // rows past the end: zero tokens, G stays
+    float kv[kBatch], qv[kBatch], gv[kBatch];
+#pragma unroll
+    for (int m = 0; m < kBatch; ++m) {
+      const int i = tid + (m0 + m) * kDcThreads, r = i / DK, c = i % DK;
+      kv[m] = qv[m] = gv[m] = 0.0f;
+      if (r < n) {
+        const int64_t t = t0 + r, qk = t * a.qk_stride + int64_t(hk) * DK + c, ti = t * a.heads + h;
+        kv[m] = a.k[qk], qv[m] = a.q[qk];
+        gv[m] = a.per_channel_decay ? a.g[ti * DK + c] : a.g[ti];
+      }
     }
-    Ks[r * P + c] = kv, Qs[r * P + c] = qv, Gs[r * P + c] = gv;
+#pragma unroll
+    for (int m = 0; m < kBatch; ++m) {
+      const int i = tid + (m0 + m) * kDcThreads, r = i / DK, c = i % DK;
+      Ks[r * P + c] = kv[m], Qs[r * P + c] = qv[m], Gs[r * P + c] = gv[m];
+    }
   }
   if (tid < kCh) bs[tid] = tid < n ? a.beta[int64_t(t0 + tid) * a.heads + h] : 0.0f;
   __syncthreads();
@@ -131,8 +143,9 @@ __global__ void __launch_bounds__(kDcThreads) dc_prep_kernel(DeltaRuleArgs a, in
   if constexpr (Factor) {  // Ein, Kout, the sub-block pairs' factors F, the sub-blocks whose span is too wide
     auto R = [&](int b, int c) { return b ? Gs[(kSub * b - 1) * P + c] : 0.0f; };
     auto E = [&](int b, int c) { return Gs[(kSub * b + kSub - 1) * P + c]; };
-    for (int i = tid; i < kCh * DK; i += kDcThreads) {
-      const int r = i / DK, c = i % DK, b = r / kSub;
+#pragma unroll 4
+    for (int m = 0; m < kPer; ++m) {
+      const int i = tid + m * kDcThreads, r = i / DK, c = i % DK, b = r / kSub;
       dc_sm[M::ein + r * P + c] = expf(Gs[r * P + c] - R(b, c));
       dc_sm[M::kout + r * P + c] = Ks[r * P + c] * expf(E(b, c) - Gs[r * P + c]);
     }
@@ -205,12 +218,14 @@ __global__ void __launch_bounds__(kDcThreads) dc_prep_kernel(DeltaRuleArgs a, in
     }
   }
 
-  for (int i = tid; i < kCh * DK; i += kDcThreads) {  // QeT: consecutive threads, consecutive r
-    const int c = i / kCh, r = i % kCh;
+#pragma unroll 4
+  for (int m = 0; m < kPer; ++m) {  // QeT: consecutive threads, consecutive r
+    const int i = tid + m * kDcThreads, c = i / kCh, r = i % kCh;
     rec[L::qe + i] = Qs[r * P + c] * expf(Gs[r * P + c]);
   }
-  for (int i = tid; i < kCh * DK; i += kDcThreads) {
-    const int r = i / DK, c = i % DK;
+#pragma unroll 4
+  for (int m = 0; m < kPer; ++m) {
+    const int i = tid + m * kDcThreads, r = i / DK, c = i % DK;
     rec[L::kd + i] = Ks[r * P + c] * expf(Gs[(kCh - 1) * P + c] - Gs[r * P + c]);
   }
   for (int c = tid; c < DK; c += kDcThreads) rec[L::egl + c] = expf(Gs[(kCh - 1) * P + c]);
