@@ -8,7 +8,6 @@
 // order: Vn, O and the state update). The recurrence kernels in linear_attention.cu spend a sequential step per
 // token; here the sequential part is three small matrix products per 64 tokens.
 #include <algorithm>
-#include <cstdlib>
 
 #include "backend/cuda/glm5_next_kernels.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -367,13 +366,6 @@ __global__ void __launch_bounds__(kDcThreads)
   for (int i = tid; i < DK * CW; i += kDcThreads) state[int64_t(i / CW) * DV + j0 + i % CW] = S[i];
 }
 
-// MOESRV_DELTA_RULE_OVERLAP=0: the state kernel copies each chunk's record before its products (comparisons; read
-// per call, so that one process can time and test both).
-bool state_overlap() {
-  const char* v = std::getenv("MOESRV_DELTA_RULE_OVERLAP");
-  return !(v && v[0] == '0');
-}
-
 template <int DK, int DV, bool Overlap>
 void launch_state(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t st) {
   constexpr int CW = DV < 64 ? DV : 64;
@@ -381,12 +373,6 @@ void launch_state(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t 
   reserve_dynamic_smem(dc_state_kernel<DK, DV, CW, Overlap>, smem, "delta_rule_chunked");  // (per device)
   launch(dc_state_kernel<DK, DV, CW, Overlap>, dim3(unsigned(DV / CW), unsigned(a.heads)), kDcThreads, smem, st, a,
          t_first, chunks, static_cast<const float*>(a.chunk_scratch));
-}
-
-// MOESRV_DELTA_RULE_FACTOR=0: the chunk-local kernel takes every exp(G_r - G_s) directly (comparisons; read per call).
-bool prep_factored() {
-  const char* v = std::getenv("MOESRV_DELTA_RULE_FACTOR");
-  return !(v && v[0] == '0');
 }
 
 template <int DK, int DV, bool Factor>
@@ -404,8 +390,11 @@ bool run_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
   using L = DcLayout<DK, DV>;
   constexpr int CW = DV < 64 ? DV : 64;
   const size_t limit = device_block_smem_limit();
-  const bool factor = prep_factored() && DcPrepSmem<DK, true>::floats * 4 <= limit;
-  const bool overlap = state_overlap() && DcStateSmem<DK, DV, CW, true>::floats * 4 <= limit;
+  // Comparison switches, read per call so that one process can time and test both forms: MOESRV_DELTA_RULE_FACTOR=0
+  // takes every exp(G_r - G_s) directly, MOESRV_DELTA_RULE_OVERLAP=0 copies each chunk's record before its products.
+  const bool factor = env_choice("MOESRV_DELTA_RULE_FACTOR", 0, 1, 1) && DcPrepSmem<DK, true>::floats * 4 <= limit;
+  const bool overlap =
+      env_choice("MOESRV_DELTA_RULE_OVERLAP", 0, 1, 1) && DcStateSmem<DK, DV, CW, true>::floats * 4 <= limit;
   if (DcPrepSmem<DK, false>::floats * 4 > limit || DcStateSmem<DK, DV, CW, false>::floats * 4 > limit) return false;
   const int64_t per_chunk = int64_t(a.heads) * L::size;
   const int total = ceil_div(a.T, kCh), seg = int(std::min<int64_t>(total, a.chunk_scratch_floats / per_chunk));
@@ -436,10 +425,7 @@ int64_t chunk_record_floats(int dk, int dv) {
 
 int64_t delta_rule_chunk_floats(int heads, int dk, int dv) { return int64_t(heads) * chunk_record_floats(dk, dv); }
 
-bool delta_rule_chunked_on() {
-  const char* v = std::getenv("MOESRV_DELTA_RULE_CHUNKED");
-  return v && v[0] == '1';
-}
+bool delta_rule_chunked_on() { return env_flag("MOESRV_DELTA_RULE_CHUNKED"); }
 
 bool delta_rule_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
   const int64_t per_chunk = delta_rule_chunk_floats(a.heads, a.dk, a.dv);

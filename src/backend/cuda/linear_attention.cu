@@ -421,7 +421,8 @@ void delta_rule(const DeltaRuleArgs& args, cudaStream_t st) {
   if (a.v_stride == 0) a.v_stride = int64_t(a.heads) * a.dv;
   static const bool columns = env_flag("MOESRV_DELTA_RULE_COLUMNS");  // 1: the column-per-warp kernel always
   if (a.steps && a.T > kDqMinTokens) throw std::runtime_error("delta_rule: rollback points of more than 32 tokens");
-  if (delta_rule_chunked_on() && delta_rule_chunked(a, st)) return;
+  if (a.T >= kDeltaRuleChunkMinTokens && delta_rule_chunked_on() && delta_rule_chunked(a, st))
+    return;  // (no getenv per decode step)
   if (a.T >= kDqMinTokens && (a.dk == 64 || a.dk == 128) && !columns && !a.steps) {
     if (a.dk == 64) launch_delta_rule_quad<64>(a, st);
     else launch_delta_rule_quad<128>(a, st);
