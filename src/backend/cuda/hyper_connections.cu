@@ -636,10 +636,8 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
-    static const bool regs_on = [] {  // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel, for comparisons)
-      const char* v = std::getenv("MOESRV_MHC_ENTER_REGS");
-      return !(v && std::atoi(v) == 0);
-    }();
+    // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel, for comparisons)
+    static const bool regs_on = env_choice("MOESRV_MHC_ENTER_REGS", 0, 1, 1) != 0;
     const int Q = (D + kEnterThreads - 1) / kEnterThreads;
     if (regs_on && n <= 4 && Q <= 4) {
       auto go = [&](auto kernel) {

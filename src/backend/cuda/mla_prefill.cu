@@ -303,11 +303,8 @@ void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
 // prefetching two-group form, ~187 KB per block) where the shape and the device allow and the heads fill them, else
 // 1; `asked` (or MOESRV_MLA_PREFILL_GROUPS when 0) caps it.
 int head_groups(const AttentionArgs& a, const float* part, int asked) {
-  static const int env = [] {
-    const char* v = std::getenv("MOESRV_MLA_PREFILL_GROUPS");
-    return v && v[0] ? std::atoi(v) : 0;
-  }();
-  const int cap = asked > 0 ? asked : env > 0 ? env : 4;
+  static const int env = env_choice("MOESRV_MLA_PREFILL_GROUPS", 1, 4, 4);
+  const int cap = asked > 0 ? asked : env;
   if (part || a.H <= kHeads) return 1;
   if (cap >= 4 && a.H > 2 * kHeads && mla_prefill_wide_supported(a)) return 4;
   if (cap >= 2 && prefill_smem_bytes(a.q_dim, 2, true) + kStaticSmemBytes <= device_block_smem_limit()) return 2;
