@@ -36,31 +36,37 @@ struct DcLayout {
 constexpr int kSub = 16, kSubs = kCh / kSub;  // sub-blocks of rows for the factorized A
 constexpr float kMaxSpan = 80.0f;             // exp(80) ~ 5.5e34: a factor the diagonal sub-blocks may take
 
-template <int DK, bool Factor>
+// The chunk-local kernel takes the channels in passes of H <= 64 (their shared memory, ~103 KB at dk 128, lets two
+// blocks share an SM); the scores accumulate over the passes in registers. After the passes the staged values are
+// dead and the solve keeps its columns [64][DV + DK] (xs) where they were.
+template <int DK, int DV, bool Factor>
 struct DcPrepSmem {
-  static constexpr int P = DK + 1;  // k / q / G row pitch (odd: column walks are conflict-free)
-  static constexpr int PA = kCh + 4;
-  static constexpr int ks = 0, qs = ks + kCh * P, gs = qs + kCh * P, as = gs + kCh * P, bs = as + kCh * PA;
-  static constexpr int ein = bs + kCh, kout = ein + kCh * P, f = kout + kCh * P;  // Factor only
-  static constexpr int direct = f + kSubs * (kSubs + 1) / 2 * DK;
-  static constexpr size_t floats = Factor ? size_t(direct) + kSubs : size_t(ein);
+  static constexpr int H = DK < 64 ? DK : 64;  // channels per pass
+  static constexpr int P = H + 1;              // k / q / G row pitch (odd: column walks are conflict-free)
+  static constexpr int PA = kCh + 4;           // A^T row pitch (rows of 16-byte loads)
+  static constexpr int NC = DV + DK;           // the solve's columns
+  static constexpr int as = 0, bs = as + kCh * PA, ks = bs + kCh, qs = ks + kCh * P, gs = qs + kCh * P;
+  static constexpr int ein = gs + kCh * P, kout = ein + kCh * P, f = kout + kCh * P;  // Factor only
+  static constexpr int direct = f + kSubs * (kSubs + 1) / 2 * H;
+  static constexpr int xs = ks;
+  static constexpr size_t floats = std::max(Factor ? size_t(direct) + kSubs : size_t(ein), size_t(xs + kCh * NC));
 };
 
-// A[r][s] (keys, scaled by -beta_r below) and Aqk[r][s] (queries) over the pairs of a 4 x 4 tile, from k / q / G in
-// shared memory. Direct: exp(G_r - G_s) per channel and pair. Factored (Factor): with R_b = G at the row before
-// sub-block b (0 for b = 0) and E_b = G at b's last row, exp(G_r - G_s) = Ein_r F Kout_s / k_s, where Ein_r =
-// exp(G_r - R_bi) <= 1, Kout_s = k_s exp(E_bj - G_s) <= |k_s|, and F = exp(R_bi - E_bj) <= 1 for bj < bi or
-// exp(R_b - E_b) (the sub-block's span, <= exp(kMaxSpan); wider spans take the direct form) on the diagonal.
+// A[r][s] (keys, scaled by -beta_r below) and Aqk[r][s] (queries) over the pairs of a 4 x 4 tile, added up over one
+// pass's H channels from k / q / G in shared memory. Direct: exp(G_r - G_s) per channel and pair. Factored (Factor):
+// with R_b = G at the row before sub-block b (0 for b = 0) and E_b = G at b's last row, exp(G_r - G_s) = Ein_r F Kout_s
+// / k_s, where Ein_r = exp(G_r - R_bi) <= 1, Kout_s = k_s exp(E_bj - G_s) <= |k_s|, and F = exp(R_bi - E_bj) <= 1 for
+// bj < bi or exp(R_b - E_b) (the sub-block's span, <= exp(kMaxSpan); wider spans take the direct form) on the diagonal.
 template <int DK, bool Factor>
 __device__ __forceinline__ void dc_tile_scores(const float* sm, int r0, int s0, float (&ak)[4][4], float (&aq)[4][4]) {
-  using M = DcPrepSmem<DK, Factor>;
-  constexpr int P = M::P;
+  using M = DcPrepSmem<DK, DK, Factor>;
+  constexpr int P = M::P, H = M::H;
   const float *Ks = sm + M::ks, *Qs = sm + M::qs, *Gs = sm + M::gs;
   const int bi = r0 / kSub, bj = s0 / kSub;
   if constexpr (Factor) {
     if (bi != bj || sm[M::direct + bi] == 0.0f) {
-      const float *Ein = sm + M::ein, *Ko = sm + M::kout, *F = sm + M::f + (bi * (bi + 1) / 2 + bj) * DK;
-      for (int c = 0; c < DK; ++c) {
+      const float *Ein = sm + M::ein, *Ko = sm + M::kout, *F = sm + M::f + (bi * (bi + 1) / 2 + bj) * H;
+      for (int c = 0; c < H; ++c) {
         float kr[4], qr[4], ts[4];
         const float fc = F[c];
 #pragma unroll
@@ -77,7 +83,7 @@ __device__ __forceinline__ void dc_tile_scores(const float* sm, int r0, int s0, 
       return;
     }
   }
-  for (int c = 0; c < DK; ++c) {
+  for (int c = 0; c < H; ++c) {
     float kr[4], qr[4], gr[4], ks[4], gs[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -95,139 +101,166 @@ __device__ __forceinline__ void dc_tile_scores(const float* sm, int r0, int s0, 
   }
 }
 
-// Everything of a chunk that does not depend on the state. Block (chunk, head); 8 warps.
+// Everything of a chunk that does not depend on the state. Block (chunk, head); 8 warps, two blocks per SM. Each pass
+// over H channels stages k / q / G, adds their share of A / Aqk to the tile sums and writes their QeT, Kd, exp(G_last)
+// and the W right-hand side (-beta k exp(G), into WnT: the solve reads it back and writes -W over it).
 template <int DK, int DV, bool Factor>
-__global__ void __launch_bounds__(kDcThreads) dc_prep_kernel(DeltaRuleArgs a, int t_first, float* scratch) {
+__global__ void __launch_bounds__(kDcThreads, 2) dc_prep_kernel(DeltaRuleArgs a, int t_first, float* scratch) {
   using L = DcLayout<DK, DV>;
-  using M = DcPrepSmem<DK, Factor>;
-  constexpr int P = M::P, PA = M::PA;
+  using M = DcPrepSmem<DK, DV, Factor>;
+  constexpr int H = M::H, P = M::P, PA = M::PA, NC = M::NC;
+  static_assert(DK % H == 0, "whole passes");
+  static_assert(DK == DV, "dc_tile_scores' layout");
   extern __shared__ __align__(16) float dc_sm[];
   float *Ks = dc_sm + M::ks, *Qs = dc_sm + M::qs, *Gs = dc_sm + M::gs, *As = dc_sm + M::as, *bs = dc_sm + M::bs;
   pdl_enter();
   const int h = blockIdx.y, hk = h / a.qk_group, tid = threadIdx.x;
   const int t0 = t_first + int(blockIdx.x) * kCh, n = min(kCh, a.T - t0);
   float* rec = scratch + (int64_t(blockIdx.x) * a.heads + h) * L::size;
-
-  // Element i = tid + m * kDcThreads of a [64][DK] array, m < kPer: the loops below have compile-time trip counts,
-  // and the loads go out kBatch at a time before their stores (one global round trip per batch, not per element).
-  constexpr int kPer = kCh * DK / kDcThreads, kBatch = 8;
-  static_assert(kPer % kBatch == 0, "whole batches");
-  for (int m0 = 0; m0 < kPer; m0 += kBatch) {  // rows past the end: zero tokens, G stays
-    float kv[kBatch], qv[kBatch], gv[kBatch];
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      const int i = tid + (m0 + m) * kDcThreads, r = i / DK, c = i % DK;
-      kv[m] = qv[m] = gv[m] = 0.0f;
-      if (r < n) {
-        const int64_t t = t0 + r, qk = t * a.qk_stride + int64_t(hk) * DK + c, ti = t * a.heads + h;
-        kv[m] = a.k[qk], qv[m] = a.q[qk];
-        gv[m] = a.per_channel_decay ? a.g[ti * DK + c] : a.g[ti];
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      const int i = tid + (m0 + m) * kDcThreads, r = i / DK, c = i % DK;
-      Ks[r * P + c] = kv[m], Qs[r * P + c] = qv[m], Gs[r * P + c] = gv[m];
-    }
-  }
   if (tid < kCh) bs[tid] = tid < n ? a.beta[int64_t(t0 + tid) * a.heads + h] : 0.0f;
-  __syncthreads();
-  for (int c = tid; c < DK; c += kDcThreads) {  // G: the cumulative sum over the chunk's rows
-    float acc = 0.0f;
-    for (int r = 0; r < kCh; ++r) acc = Gs[r * P + c] += acc;
-  }
-  if constexpr (Factor)
-    if (tid < kSubs) dc_sm[M::direct + tid] = 0.0f;
-  __syncthreads();
-  if constexpr (Factor) {  // Ein, Kout, the sub-block pairs' factors F, the sub-blocks whose span is too wide
-    auto R = [&](int b, int c) { return b ? Gs[(kSub * b - 1) * P + c] : 0.0f; };
-    auto E = [&](int b, int c) { return Gs[(kSub * b + kSub - 1) * P + c]; };
-#pragma unroll 4
-    for (int m = 0; m < kPer; ++m) {
-      const int i = tid + m * kDcThreads, r = i / DK, c = i % DK, b = r / kSub;
-      dc_sm[M::ein + r * P + c] = expf(Gs[r * P + c] - R(b, c));
-      dc_sm[M::kout + r * P + c] = Ks[r * P + c] * expf(E(b, c) - Gs[r * P + c]);
-    }
-    for (int i = tid; i < kSubs * (kSubs + 1) / 2 * DK; i += kDcThreads) {
-      const int p = i / DK, c = i % DK;
-      int bi = 0;
-      while ((bi + 1) * (bi + 2) / 2 <= p) ++bi;
-      const int bj = p - bi * (bi + 1) / 2;
-      const float span = R(bi, c) - E(bj, c);
-      dc_sm[M::f + i] = expf(fminf(span, kMaxSpan));
-      if (bi == bj && span > kMaxSpan) dc_sm[M::direct + bi] = 1.0f;  // (benign race: all write 1)
+
+  // this thread's 4 x 4 tile of A / Aqk on or below the diagonal (136 tiles, triangular order)
+  int ty = 0;
+  while ((ty + 1) * (ty + 2) / 2 <= tid) ++ty;
+  const int tx = tid - ty * (ty + 1) / 2, tr = 4 * ty, ts = 4 * tx;
+  const bool active = tid < 136;
+  float ak[4][4] = {}, aq[4][4] = {};
+
+  // Element i = tid + m * kDcThreads of a [64][H] array, m < kPer: the loops below have compile-time trip counts,
+  // and the loads go out kBatch at a time before their stores (one global round trip per batch, not per element).
+  constexpr int kPer = kCh * H / kDcThreads, kBatch = 8;
+  static_assert(kPer % kBatch == 0, "whole batches");
+  for (int cb = 0; cb < DK; cb += H) {           // this pass's channels [cb, cb + H)
+    if (cb) __syncthreads();                     // the previous pass is done with the staged values
+    for (int m0 = 0; m0 < kPer; m0 += kBatch) {  // rows past the end: zero tokens, G stays
+      float kv[kBatch], qv[kBatch], gv[kBatch];
+#pragma unroll
+      for (int m = 0; m < kBatch; ++m) {
+        const int i = tid + (m0 + m) * kDcThreads, r = i / H, c = cb + i % H;
+        kv[m] = qv[m] = gv[m] = 0.0f;
+        if (r < n) {
+          const int64_t t = t0 + r, qk = t * a.qk_stride + int64_t(hk) * DK + c, ti = t * a.heads + h;
+          kv[m] = a.k[qk], qv[m] = a.q[qk];
+          gv[m] = a.per_channel_decay ? a.g[ti * DK + c] : a.g[ti];
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < kBatch; ++m) {
+        const int i = tid + (m0 + m) * kDcThreads, r = i / H, c = i % H;
+        Ks[r * P + c] = kv[m], Qs[r * P + c] = qv[m], Gs[r * P + c] = gv[m];
+      }
     }
     __syncthreads();
-  }
-
-  {  // A and Aqk over the 136 4 x 4 tiles on or below the diagonal, one per thread (triangular order)
-    float ak[4][4] = {}, aq[4][4] = {};
-    int ty = 0;
-    while ((ty + 1) * (ty + 2) / 2 <= tid) ++ty;
-    const int tx = tid - ty * (ty + 1) / 2, r0 = 4 * ty, s0 = 4 * tx;
-    const bool active = tid < 136;
-    if (active) dc_tile_scores<DK, Factor>(dc_sm, r0, s0, ak, aq);
-    if (active)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = r0 + i, s = s0 + j;
-          As[r * PA + s] = s < r ? -bs[r] * ak[i][j] : 0.0f;
-          rec[L::aqk + s * kCh + r] = s <= r ? aq[i][j] : 0.0f;
-        }
-    for (int i = tid; i < kCh * kCh; i += kDcThreads) {  // the tiles above the diagonal: zeros
-      const int r = i / kCh, s = i % kCh;
-      if (s / 4 > r / 4) As[r * PA + s] = 0.0f, rec[L::aqk + s * kCh + r] = 0.0f;
+    for (int c = tid; c < H; c += kDcThreads) {  // G: the cumulative sum over the chunk's rows
+      float acc = 0.0f;
+      for (int r = 0; r < kCh; ++r) acc = Gs[r * P + c] += acc;
     }
-  }
-  __syncthreads();
-
-  // [U | -W]: one column of [beta v | -beta k exp(G)] per thread, solved by forward substitution through I - A
-  // (x_i = rhs_i + sum_{m < i} A[i][m] x_m; A is zero from column i on, so whole float4s of a row are summed).
-  for (int j = tid; j < DV + DK; j += kDcThreads) {
-    float x[kCh];
-    if (j < DV) {
-#pragma unroll
-      for (int r = 0; r < kCh; ++r)
-        x[r] = r < n ? bs[r] * a.v[int64_t(t0 + r) * a.v_stride + int64_t(h) * DV + j] : 0.0f;
-    } else {
-      const int c = j - DV;
-#pragma unroll
-      for (int r = 0; r < kCh; ++r) x[r] = -bs[r] * Ks[r * P + c] * expf(Gs[r * P + c]);
-    }
-#pragma unroll
-    for (int i = 1; i < kCh; ++i) {
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-      for (int m = 0; m < i; m += 4) {
-        const float4 a4 = *reinterpret_cast<const float4*>(As + i * PA + m);
-        s0 += a4.x * x[m] + a4.z * x[m + 2];
-        s1 += a4.y * x[m + 1] + a4.w * x[m + 3];
+    if constexpr (Factor)
+      if (tid < kSubs) dc_sm[M::direct + tid] = 0.0f;
+    __syncthreads();
+    if constexpr (Factor) {  // Ein, Kout, the sub-block pairs' factors F, the sub-blocks whose span is too wide
+      auto R = [&](int b, int c) { return b ? Gs[(kSub * b - 1) * P + c] : 0.0f; };
+      auto E = [&](int b, int c) { return Gs[(kSub * b + kSub - 1) * P + c]; };
+#pragma unroll 4
+      for (int m = 0; m < kPer; ++m) {
+        const int i = tid + m * kDcThreads, r = i / H, c = i % H, b = r / kSub;
+        dc_sm[M::ein + r * P + c] = expf(Gs[r * P + c] - R(b, c));
+        dc_sm[M::kout + r * P + c] = Ks[r * P + c] * expf(E(b, c) - Gs[r * P + c]);
       }
-      x[i] += s0 + s1;
+      for (int i = tid; i < kSubs * (kSubs + 1) / 2 * H; i += kDcThreads) {
+        const int p = i / H, c = i % H;
+        int bi = 0;
+        while ((bi + 1) * (bi + 2) / 2 <= p) ++bi;
+        const int bj = p - bi * (bi + 1) / 2;
+        const float span = R(bi, c) - E(bj, c);
+        dc_sm[M::f + i] = expf(fminf(span, kMaxSpan));
+        if (bi == bj && span > kMaxSpan) dc_sm[M::direct + bi] = 1.0f;  // (benign race: all write 1)
+      }
+      __syncthreads();
+    }
+    if (active) dc_tile_scores<DK, Factor>(dc_sm, tr, ts, ak, aq);
+
+#pragma unroll 4
+    for (int m = 0; m < kPer; ++m) {  // QeT and the W right-hand side: consecutive threads, consecutive r
+      const int i = tid + m * kDcThreads, c = i / kCh, r = i % kCh;
+      const float e = expf(Gs[r * P + c]);
+      rec[L::qe + cb * kCh + i] = Qs[r * P + c] * e;
+      rec[L::wn + cb * kCh + i] = -bs[r] * Ks[r * P + c] * e;
+    }
+#pragma unroll 4
+    for (int m = 0; m < kPer; ++m) {
+      const int i = tid + m * kDcThreads, r = i / H, c = i % H;
+      rec[L::kd + r * DK + cb + c] = Ks[r * P + c] * expf(Gs[(kCh - 1) * P + c] - Gs[r * P + c]);
+    }
+    for (int c = tid; c < H; c += kDcThreads) rec[L::egl + cb + c] = expf(Gs[(kCh - 1) * P + c]);
+  }
+
+  if (active)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = tr + i, s = ts + j;
+        As[s * PA + r] = s < r ? -bs[r] * ak[i][j] : 0.0f;  // (transposed: A^T)
+        rec[L::aqk + s * kCh + r] = s <= r ? aq[i][j] : 0.0f;
+      }
+  for (int i = tid; i < kCh * kCh; i += kDcThreads) {  // the tiles above the diagonal: zeros
+    const int r = i / kCh, s = i % kCh;
+    if (s / 4 > r / 4) As[s * PA + r] = 0.0f, rec[L::aqk + s * kCh + r] = 0.0f;
+  }
+  __syncthreads();  // (also makes the block's W right-hand sides in rec visible to the solving threads)
+
+  // [U | -W]: one column j of [beta v | -beta k exp(G)] per thread, solved through I - A (x_i = rhs_i + sum_{m < i}
+  // A[i][m] x_m) in blocks of 16 rows: a block's rows in registers take the earlier blocks' solved rows from xs (the
+  // thread's own column: no barriers), then the block's own triangle column by column.
+  float* X = dc_sm + M::xs;
+  for (int j = tid; j < NC; j += kDcThreads) {
+    if (j < DV) {
+#pragma unroll 8
+      for (int r = 0; r < kCh; ++r)
+        X[r * NC + j] = r < n ? bs[r] * a.v[int64_t(t0 + r) * a.v_stride + int64_t(h) * DV + j] : 0.0f;
+    } else {  // written by this block's passes above
+      const float4* w4 = reinterpret_cast<const float4*>(rec + L::wn + (j - DV) * kCh);
+#pragma unroll 4
+      for (int r = 0; r < kCh; r += 4) {
+        const float4 v = w4[r / 4];
+        X[r * NC + j] = v.x, X[(r + 1) * NC + j] = v.y, X[(r + 2) * NC + j] = v.z, X[(r + 3) * NC + j] = v.w;
+      }
+    }
+#pragma unroll 1
+    for (int b0 = 0; b0 < kCh; b0 += kSub) {
+      float x[kSub];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) x[i] = X[(b0 + i) * NC + j];
+#pragma unroll 2
+      for (int m = 0; m < b0; ++m) {  // the solved rows above the block
+        const float xm = X[m * NC + j];
+        const float4* a4 = reinterpret_cast<const float4*>(As + m * PA + b0);
+#pragma unroll
+        for (int q = 0; q < kSub / 4; ++q) {
+          const float4 v = a4[q];
+          x[4 * q] += v.x * xm, x[4 * q + 1] += v.y * xm, x[4 * q + 2] += v.z * xm, x[4 * q + 3] += v.w * xm;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < kSub - 1; ++m) {  // the block's own triangle (A^T row b0 + m, entries below the diagonal)
+        const float* am = As + (b0 + m) * PA + b0;
+#pragma unroll
+        for (int i = m + 1; i < kSub; ++i) x[i] += am[i] * x[m];
+      }
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) X[(b0 + i) * NC + j] = x[i];
     }
     if (j < DV) {
-#pragma unroll
-      for (int r = 0; r < kCh; ++r) rec[L::u + r * DV + j] = x[r];
+#pragma unroll 8
+      for (int r = 0; r < kCh; ++r) rec[L::u + r * DV + j] = X[r * NC + j];
     } else {
       float4* w4 = reinterpret_cast<float4*>(rec + L::wn + (j - DV) * kCh);
-#pragma unroll
-      for (int r = 0; r < kCh; r += 4) w4[r / 4] = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
+#pragma unroll 4
+      for (int r = 0; r < kCh; r += 4)
+        w4[r / 4] = make_float4(X[r * NC + j], X[(r + 1) * NC + j], X[(r + 2) * NC + j], X[(r + 3) * NC + j]);
     }
   }
-
-#pragma unroll 4
-  for (int m = 0; m < kPer; ++m) {  // QeT: consecutive threads, consecutive r
-    const int i = tid + m * kDcThreads, c = i / kCh, r = i % kCh;
-    rec[L::qe + i] = Qs[r * P + c] * expf(Gs[r * P + c]);
-  }
-#pragma unroll 4
-  for (int m = 0; m < kPer; ++m) {
-    const int i = tid + m * kDcThreads, r = i / DK, c = i % DK;
-    rec[L::kd + i] = Ks[r * P + c] * expf(Gs[(kCh - 1) * P + c] - Gs[r * P + c]);
-  }
-  for (int c = tid; c < DK; c += kDcThreads) rec[L::egl + c] = expf(Gs[(kCh - 1) * P + c]);
 }
 
 template <int DK, int DV, int CW, bool Overlap>
@@ -377,7 +410,7 @@ void launch_state(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t 
 
 template <int DK, int DV, bool Factor>
 void launch_prep(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t st) {
-  const size_t smem = DcPrepSmem<DK, Factor>::floats * 4;
+  const size_t smem = DcPrepSmem<DK, DV, Factor>::floats * 4;
   reserve_dynamic_smem(dc_prep_kernel<DK, DV, Factor>, smem, "delta_rule_chunked");
   launch(dc_prep_kernel<DK, DV, Factor>, dim3(unsigned(chunks), unsigned(a.heads)), kDcThreads, smem, st, a, t_first,
          a.chunk_scratch);
@@ -392,10 +425,10 @@ bool run_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
   const size_t limit = device_block_smem_limit();
   // Comparison switches, read per call so that one process can time and test both forms: MOESRV_DELTA_RULE_FACTOR=0
   // takes every exp(G_r - G_s) directly, MOESRV_DELTA_RULE_OVERLAP=0 copies each chunk's record before its products.
-  const bool factor = env_choice("MOESRV_DELTA_RULE_FACTOR", 0, 1, 1) && DcPrepSmem<DK, true>::floats * 4 <= limit;
+  const bool factor = env_choice("MOESRV_DELTA_RULE_FACTOR", 0, 1, 1) && DcPrepSmem<DK, DV, true>::floats * 4 <= limit;
   const bool overlap =
       env_choice("MOESRV_DELTA_RULE_OVERLAP", 0, 1, 1) && DcStateSmem<DK, DV, CW, true>::floats * 4 <= limit;
-  if (DcPrepSmem<DK, false>::floats * 4 > limit || DcStateSmem<DK, DV, CW, false>::floats * 4 > limit) return false;
+  if (DcPrepSmem<DK, DV, false>::floats * 4 > limit || DcStateSmem<DK, DV, CW, false>::floats * 4 > limit) return false;
   const int64_t per_chunk = int64_t(a.heads) * L::size;
   const int total = ceil_div(a.T, kCh), seg = int(std::min<int64_t>(total, a.chunk_scratch_floats / per_chunk));
   for (int c0 = 0; c0 < total; c0 += seg) {
@@ -425,7 +458,7 @@ int64_t chunk_record_floats(int dk, int dv) {
 
 int64_t delta_rule_chunk_floats(int heads, int dk, int dv) { return int64_t(heads) * chunk_record_floats(dk, dv); }
 
-bool delta_rule_chunked_on() { return env_flag("MOESRV_DELTA_RULE_CHUNKED"); }
+bool delta_rule_chunked_on() { return env_choice("MOESRV_DELTA_RULE_CHUNKED", 0, 1, 1) != 0; }
 
 bool delta_rule_chunked(const DeltaRuleArgs& a, cudaStream_t st, int only) {
   const int64_t per_chunk = delta_rule_chunk_floats(a.heads, a.dk, a.dv);

@@ -60,8 +60,8 @@ struct DeltaRuleArgs {
 void delta_rule(const DeltaRuleArgs& a, cudaStream_t st);
 // The chunked (WY) form, chunks of 64 tokens (delta_rule_chunked.cu; cpu::delta_rule_chunked): false when `a` does
 // not qualify or a block cannot have its shared memory (dk 64 / 128 on a 99 KB RTX 3090 / 4090); then nothing ran.
-// Opt-in: delta_rule() tries it first only under MOESRV_DELTA_RULE_CHUNKED=1 (read per long run), because it is not yet
-// faster than the recurrence (its chunk-local kernel: docs/perf-cuda.md, "Twenty-second round").
+// delta_rule() tries it first for runs of >= kDeltaRuleChunkMinTokens tokens unless MOESRV_DELTA_RULE_CHUNKED=0 (read
+// per long run; comparisons: the recurrence).
 // only (the kernel bench): 1 = the chunk-local kernels alone, 2 = the state kernels alone (over the scratch as left).
 constexpr int kDeltaRuleChunkMinTokens = 64;
 bool delta_rule_chunked_on();
