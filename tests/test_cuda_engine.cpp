@@ -308,8 +308,8 @@ TEST_P(CudaVsCpu, LongPrefillResumesFromItsState) {
   auto g = gpu_engine(GetParam());
   auto in = ids(GetParam(), "input_ids");
   const size_t cut = std::max(in.size() / 2, in.size() - 30);
-  for (const char* chunked :
-       {"0", "1"}) {  // the recurrence and the chunked form (the default; MOESRV_DELTA_RULE_CHUNKED)
+  // the recurrence and the chunked form (the default; MOESRV_DELTA_RULE_CHUNKED)
+  for (const char* chunked : {"0", "1"}) {
     setenv("MOESRV_DELTA_RULE_CHUNKED", chunked, 1);
     auto whole = g->new_sequence(), part = g->new_sequence();
     const auto ref = g->forward(*whole, in, true);
