@@ -61,6 +61,10 @@
 #                                   default 8K) with pieces of <= 512 rows grouped and the rest through cuBLAS (the
 #                                   default), every piece grouped (forms 1, 3) and every piece through dequantization
 #                                   + cuBLAS ($OUT/gemm_NAME.json).
+#   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
+#                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
+#                                   and the 4-layer slice's prefill at NCU_CONTEXT, default 8192) summed by kernel name
+#                                   (scripts/ncu_by_kernel.py) into $OUT/ncu_by_kernel.txt; raw rows $OUT/ncu_raw.csv.
 #   CPU_EXPERTS=1 scripts/gpu_suite.sh + the host CPU's EXL3 expert kernels (issue 21; ~5 min, no GPU): every GEMV path
 #                                   one thread per strip (exl3_strip_bench) and experts at 1, 8 and 16 threads
 #                                   (exl3_expert_bench, with the opt-in avx512-int8 path's column), 16 threads again
@@ -248,4 +252,13 @@ if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   echo "== the same at 16 threads without the pool's polling (MOESRV_POOL_SPIN_US=0)" >>"$OUT/cpu_experts.log"
   MOESRV_POOL_SPIN_US=0 timeout 150 .gpu/exl3_expert_bench --pool-mb 4096 --threads 16 >>"$OUT/cpu_experts.log" 2>&1
   tail -7 "$OUT/cpu_experts.log"
+fi
+if [[ ${PREFILL_NCU:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-third round"
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
+  env MOESRV_CUDA_BENCH=1 MOESRV_BENCH_CONTEXTS="${NCU_CONTEXT:-8192}" MOESRV_BENCH_ROUTING=skewed MOESRV_BENCH_BUDGETS=all \
+    MOESRV_BENCH_STREAMS=0 MOESRV_BENCH_PREFILL_RUNS=1 timeout "${NCU_LIMIT:-300}" "$NCU" --csv \
+    --metrics gpu__time_duration.sum --launch-count "${NCU_LAUNCHES:-3500}" .gpu/test_cuda_exl3_synthetic \
+    --gtest_filter='*Glm5Next*' >"$OUT/ncu_raw.csv" 2>"$OUT/ncu_err.log"
+  echo "prefill ncu rc=$? lines $(wc -l <"$OUT/ncu_raw.csv")"
+  python3 scripts/ncu_by_kernel.py "$OUT/ncu_raw.csv" | tee "$OUT/ncu_by_kernel.txt"
 fi

@@ -1,0 +1,23 @@
+#!/usr/bin/env python3
+"""Sums `ncu --csv --metrics gpu__time_duration.sum` rows (argv[1]) by kernel name: the 45 largest, then the time per
+window of 500 launches (to see where a phase ends). Used by scripts/gpu_suite.sh's PREFILL_NCU mode."""
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]
+name_i, value_i, unit_i, id_i = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit", "ID"))
+total, count, order = collections.defaultdict(float), collections.Counter(), []
+for r in rows[1:]:
+    try:
+        us = float(r[value_i].replace(",", "")) * {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[unit_i], 1.0)
+    except ValueError:
+        continue
+    name = r[name_i].split("(")[0][:90]
+    total[name] += us
+    count[name] += 1
+    order.append(us)
+all_us = sum(total.values()) or 1.0
+print(f"launches {len(order)}, total {all_us / 1e3:.2f} ms")
+for name, us in sorted(total.items(), key=lambda x: -x[1])[:45]:
+    print(f"{us / 1e3:9.3f} ms {100 * us / all_us:5.1f}% {count[name]:6d}x  {name}")
+for w in range(0, len(order), 500):
+    print("launches", w, f"{sum(order[w:w + 500]) / 1e3:.2f} ms")
