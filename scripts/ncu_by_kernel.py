@@ -2,9 +2,11 @@
 """Sums `ncu --csv --metrics gpu__time_duration.sum` rows (argv[1]) by kernel name: the 45 largest, then the time per
 window of 500 launches (to see where a phase ends). Used by scripts/gpu_suite.sh's PREFILL_NCU mode."""
 import collections, csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]  # (ncu's own messages are shorter lines)
+if not rows or "Kernel Name" not in rows[0]:
+    sys.exit(f"{sys.argv[1]}: no ncu CSV rows (see the ncu log beside it)")
 head = rows[0]
-name_i, value_i, unit_i, id_i = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit", "ID"))
+name_i, value_i, unit_i = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit"))
 total, count, order = collections.defaultdict(float), collections.Counter(), []
 for r in rows[1:]:
     try:
