@@ -647,7 +647,7 @@ void prefill_setup() {
 }
 void prefill_grouped(int form, bool rotate_out = false) {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
-  const bool t128 = form == 3;  // (form 3 takes 128-row tiles only)
+  const bool t128 = form >= 3;  // (forms 3 and 4 take 128-row tiles only)
   exl3_grouped_gemm(W.expert_shape[0], W.tab, t128 ? P.tiles128 : P.tiles, t128 ? P.n_tiles128 : P.n_tiles, P.xh, P.yr,
                     g_st, t128 ? kExl3GemmRows : exl3_gemm_tile_rows(), form, rotate_out ? P.y : nullptr, I);
 }
@@ -690,9 +690,9 @@ struct SkewBufs {
   uint16_t* xh = nullptr;
   float* yr = nullptr;
   int row0[kPrefillExperts + 1] = {};
-  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per grouped_max: its tiles, their count
+  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per grouped_max x tile rows: tiles, count
 } SK;
-void prefill_skewed(int grouped_max) {
+void prefill_skewed(int grouped_max, int form = -1) {
   if (!SK.xh) {
     for (int e = 0; e < kPrefillExperts; ++e) SK.row0[e + 1] = SK.row0[e] + kSkewRows[e];
     std::mt19937 rng(9);
@@ -701,22 +701,20 @@ void prefill_skewed(int grouped_max) {
     for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
     SK.xh = upload(x), SK.yr = dalloc<float>(size_t(SK.row0[kPrefillExperts]) * I);
   }
-  auto it = std::find_if(SK.tiles.begin(), SK.tiles.end(), [&](const auto& t) { return t.first == grouped_max; });
+  const int tr = form >= 3 ? kExl3GemmRows : exl3_gemm_tile_rows(), key = grouped_max ^ (tr << 24);
+  auto it = std::find_if(SK.tiles.begin(), SK.tiles.end(), [&](const auto& t) { return t.first == key; });
   if (it == SK.tiles.end()) {
     std::vector<Exl3GemmTile> tiles;
-    const int tr = exl3_gemm_tile_rows();
     for (int e = 0; e < kPrefillExperts; ++e)
       if (kSkewRows[e] <= grouped_max)
         for (int r = 0; r < kSkewRows[e]; r += tr)
           tiles.push_back({e, SK.row0[e] + r, std::min(tr, kSkewRows[e] - r), 0});
-    SK.tiles.push_back({grouped_max, {tiles.empty() ? nullptr : upload(tiles), int(tiles.size())}});
+    SK.tiles.push_back({key, {tiles.empty() ? nullptr : upload(tiles), int(tiles.size())}});
     it = SK.tiles.end() - 1;
   }
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
   const auto [tiles, n_tiles] = it->second;
-  if (n_tiles)
-    exl3_grouped_gemm(W.expert_shape[0], W.tab, tiles, n_tiles, SK.xh, SK.yr, g_st, exl3_gemm_tile_rows(), -1, nullptr,
-                      I);
+  if (n_tiles) exl3_grouped_gemm(W.expert_shape[0], W.tab, tiles, n_tiles, SK.xh, SK.yr, g_st, tr, form, nullptr, I);
   for (int e = 0; e < kPrefillExperts; ++e)
     if (kSkewRows[e] > grouped_max)
       exl3_gemm_rotated(W.shared_sep[0][e], SK.xh + size_t(SK.row0[e]) * D, kSkewRows[e],
@@ -1014,17 +1012,26 @@ void run_all(const std::vector<Ctx>& ctxs) {
   if (selected("prefill")) {
     prefill_setup();
     bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(-1); });
-    for (int form : {0, 1, 2, 3})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 3 = paired
-                                   // register B, 128-row tiles; 0 = session 12's)
-      bench("prefill EXL3 grouped GEMM form " + std::to_string(form) + ", 16 experts x 192 rows, gate 2048x4096",
-            [form](int) { prefill_grouped(form); });
-    bench("prefill EXL3 grouped GEMM form 1 + output rotation, 16 experts x 192 rows, gate 2048x4096",
-          [](int) { prefill_grouped(1, true); });
+    for (int form : {0, 1, 2, 3, 4})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 3 =
+                                      // paired register B, 128-row tiles; 4 = wgmma; 0 = session 12's)
+      if (form != 4 || exl3_gemm_wgmma_built())
+        bench("prefill EXL3 grouped GEMM form " + std::to_string(form) + ", 16 experts x 192 rows, gate 2048x4096",
+              [form](int) { prefill_grouped(form); });
+    for (int form : {1, 4})
+      if (form != 4 || exl3_gemm_wgmma_built())
+        bench("prefill EXL3 grouped GEMM form " + std::to_string(form) +
+                  " + output rotation, 16 experts x 192 rows, gate 2048x4096",
+              [form](int) { prefill_grouped(form, true); });
     bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
     for (int most : {0, 128, 512, 1 << 30})  // (CudaEngineOptions::exl3_grouped_rows)
       bench("prefill EXL3 skewed 16 experts (32-1024 rows), pieces <= " +
                 (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",
             [most](int) { prefill_skewed(most); });
+    if (exl3_gemm_wgmma_built())
+      for (int most : {512, 1 << 30})
+        bench("prefill EXL3 skewed 16 experts (32-1024 rows), form 4, pieces <= " +
+                  (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",
+              [most](int) { prefill_skewed(most, 4); });
     dense_setup();
     const char* dense_steps[] = {"input rotation", "dequant W_hat", "cuBLAS", "output rotation"};
     for (int step = 0; step < 4; ++step)

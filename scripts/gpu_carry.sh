@@ -9,7 +9,7 @@
 # JOBS=N limits the build's parallelism (default: all cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOESRV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOESRV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
       -DMOESRV_NATIVE=OFF -DCMAKE_CXX_FLAGS="-march=x86-64-v3 -Wno-psabi" >/dev/null
 cmake --build build-gpu -j"${JOBS:-$(nproc)}" --target moesrv test_cuda_engine test_cuda_exl3_engine test_cuda_exl3_synthetic \
       test_cuda_glm5_next_kernels test_cuda_pipeline test_cuda_mtp test_cuda_batch bench exl3_cuda_bench \

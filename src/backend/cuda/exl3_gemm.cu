@@ -10,35 +10,20 @@
 #include <stdexcept>
 #include <string>
 
-#include "backend/cuda/exl3_device.cuh"
-#include "backend/cuda/exl3_ops.h"
+#include "backend/cuda/exl3_gemm.cuh"
 #include "backend/cuda/pdl.cuh"
 
 namespace moesrv::cuda {
 
 using namespace exl3;
+using namespace exl3gemm;
 
 namespace {
 
-constexpr int kCols = 128;      // output columns per block: 8 EXL3 column tiles, one decoded by each warp
-constexpr int kStageTiles = 4;  // k-tiles (of 16) per pipeline stage
 constexpr int kWarps = 8;
 constexpr int kBStageWords = kStageTiles * 8 * 32 * 4;  // W_hat: [k-tile][column tile][lane][4 fragment words]
 template <int BM>
 constexpr int kAStageHalves = kStageTiles * 16 * BM;  // x: [row][64 k], 16-byte chunks XOR-swizzled by row
-
-struct GemmArgs {
-  const Exl3Dev* tab;
-  const Exl3GemmTile* tiles;
-  const uint16_t* xh;  // fp16 [rows][in_pad]
-  float* yr;           // [rows][out_pad]
-  int in_pad, out_pad;
-  // register-B forms with y: the output rotation in the epilogue (rotate_out's math), y[row][o] for o < out, rows
-  // y_ld apart
-  float* y;
-  int64_t y_ld;
-  int out;
-};
 
 // Stage st of the block's x rows (zeros past the tile's rows) into a: BM rows x 8 chunks of 8 halves.
 template <int BM>
@@ -169,7 +154,6 @@ __global__ __launch_bounds__(kWarps * 32) void grouped_gemm_kernel(GemmArgs g) {
 // in a ring of kRbStages stages (kStageTiles k-tiles each); a k-tile's decode sits right before its products, so
 // the decode of one warp overlaps the tensor cores of the others.
 constexpr int kRbWarps = 4, kRbTiles = 2, kRbStages = 3;
-constexpr int kRbOutLd = 128 + 4;  // the fused output rotation's rows in shared memory (floats; padded)
 template <int K>
 constexpr int kRbWordsPerStage = kStageTiles* kRbTiles * 8 * K;  // one warp's trellis words per stage
 
@@ -182,25 +166,13 @@ __device__ __forceinline__ void rb_load_x(const GemmArgs& g, const Exl3GemmTile&
     cp_async16(a + r * 64 + ((c ^ (r & 7)) << 3), src, live);
   }
 }
-// The warp's kTiles adjacent column tiles (contiguous in the trellis for each k-tile) of stage st's k-tiles.
-template <int K, int kTiles = kRbTiles>
-__device__ __forceinline__ void rb_load_words(const uint4* trellis, int tiles_n, int nt0, int st, int lane,
-                                              uint32_t* ws) {
-  constexpr int kChunks = kTiles * 2 * K;  // uint4 per k-tile
-  for (int c = lane; c < kStageTiles * kChunks; c += 32) {
-    const int u = c / kChunks;
-    cp_async16(ws + 4 * c, trellis + (size_t(st * kStageTiles + u) * tiles_n + nt0) * (2 * K) + (c - u * kChunks),
-               true);
-  }
-}
-
 // The register-B kernels' epilogue: a warp's acc[m][n] (rows r0 + 16 m + lane / 4 (+ 8), block columns c0 + 16 (n / 2)
 // + 8 (n % 2) + {0, 1}; c0 includes 2 (lane % 4)) into yr, or with g.y the block's 128 columns (one Hadamard block)
 // through shared memory `ot`, a warp per row: rotated, scaled by svh, into y (rotate_out's math).
 template <int MT, int kWarps>
 __device__ __forceinline__ void store_rb_out(const GemmArgs& g, const Exl3GemmTile& t, const float (&acc)[MT][4][4],
                                              int r0, int c0, float* ot) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   if (g.y) {
     __syncthreads();  // every warp is done with the stages
 #pragma unroll
@@ -210,21 +182,11 @@ __device__ __forceinline__ void store_rb_out(const GemmArgs& g, const Exl3GemmTi
         const int r = r0 + m * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
         for (int n = 0; n < 4; ++n)
-          *reinterpret_cast<float2*>(ot + r * kRbOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
+          *reinterpret_cast<float2*>(ot + r * kOutLd + c0 + (n >> 1) * 16 + (n & 1) * 8) =
               make_float2(acc[m][n][2 * h], acc[m][n][2 * h + 1]);
       }
     __syncthreads();
-    const half* svh = reinterpret_cast<const half*>(g.tab[t.e].svh);
-    const int e = blockIdx.x * 128 + 4 * lane;
-    for (int r = warp; r < t.rows; r += kWarps) {
-      float4 v = *reinterpret_cast<const float4*>(ot + r * kRbOutLd + 4 * lane);
-      hadamard128_lane(v, lane);
-      const float o[4] = {v.x, v.y, v.z, v.w};
-      float* y = g.y + size_t(t.row0 + r) * g.y_ld;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (e + i < g.out) y[e + i] = o[i] * __half2float(svh[e + i]);
-    }
+    store_out_rows(g, t, ot, kWarps);
     return;
   }
   const int col0 = blockIdx.x * kCols + c0;
@@ -260,7 +222,7 @@ __global__ __launch_bounds__(kRbWarps * 32, BM == 64 ? MINB : 2) void grouped_ge
   auto load_stage = [&](int st) {
     if (st < stages) {
       rb_load_x<BM>(g, t, st, as + (st % kRbStages) * kAStageHalves<BM>);
-      rb_load_words<K>(trellis, tiles_n, nt0, st, lane, words_at(st));
+      load_stage_words<K, kRbTiles>(trellis, tiles_n, nt0, st, lane, words_at(st));
     }
     asm volatile("cp.async.commit_group;\n" ::);  // (empty past the end: the group count stays uniform)
   };
@@ -329,7 +291,7 @@ __global__ __launch_bounds__(kPairWarps * 32) void grouped_gemm_pair_kernel(Gemm
   auto load_stage = [&](int st) {
     if (st < stages) {
       rb_load_x<BM, kPairWarps * 32>(g, t, st, as + (st % kRbStages) * kAStageHalves<BM>);
-      rb_load_words<K, 1>(trellis, tiles_n, nt_mine, st, lane, words_at(st));
+      load_stage_words<K, 1>(trellis, tiles_n, nt_mine, st, lane, words_at(st));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -406,7 +368,7 @@ const GemmFn kGemmPair[3][8] = {EXL3_GEMM_PAIR_TABLE(0), EXL3_GEMM_PAIR_TABLE(1)
 int exl3_gemm_tile_rows() {
   static const int rows = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_ROWS");
-    return (v && std::atoi(v) == kExl3GemmRows) || exl3_gemm_form() == 3 ? kExl3GemmRows : 64;
+    return (v && std::atoi(v) == kExl3GemmRows) || exl3_gemm_form() >= 3 ? kExl3GemmRows : 64;
   }();
   return rows;
 }
@@ -414,7 +376,8 @@ int exl3_gemm_tile_rows() {
 int exl3_gemm_form() {
   static const int form = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
-    return v && (v[0] == '0' || v[0] == '2' || v[0] == '3') && !v[1] ? v[0] - '0' : 1;
+    const int f = v && v[0] >= '0' && v[0] <= '4' && !v[1] ? v[0] - '0' : 1;
+    return f == 4 && !exl3_gemm_wgmma_built() ? 1 : f;
   }();
   return form;
 }
@@ -426,13 +389,18 @@ void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmT
     throw std::runtime_error("EXL3 grouped GEMM: unsupported shape, K, codebook or tile rows");
   if (n_tiles <= 0) return;
   if (form < 0) form = exl3_gemm_form();
-  if (form < 0 || form > 3) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
+  if (form < 0 || form > 4) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
+  if (form == 4) {  // warpgroup MMA: 128-row tiles
+    if (tile_rows != kExl3GemmRows) throw std::runtime_error("EXL3 grouped GEMM form 4: needs 128-row tiles");
+    exl3_grouped_gemm_wgmma(shape, tab, tiles, n_tiles, xh16, yr, stream, y, y_ld);
+    return;
+  }
   if (form == 3) {  // paired register B: 128-row tiles
     if (tile_rows != kPairRows) throw std::runtime_error("EXL3 grouped GEMM form 3: needs 128-row tiles");
     const size_t stages = (kRbStages * size_t(kAStageHalves<kPairRows>) / 2 +
                            size_t(kRbStages) * kPairWarps * kStageTiles * 8 * shape.K + kPairBWords) *
                           4;
-    const size_t smem = y ? std::max(stages, size_t(kPairRows) * kRbOutLd * 4) : stages;
+    const size_t smem = y ? std::max(stages, size_t(kPairRows) * kOutLd * 4) : stages;
     const GemmFn fn = kGemmPair[shape.cb][shape.K - 1];
     reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM");
     launch(fn, dim3(shape.out_pad / kCols, n_tiles), kPairWarps * 32, smem, static_cast<cudaStream_t>(stream),
@@ -447,7 +415,7 @@ void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmT
   const size_t rb_stages =
       (kRbStages * a_words + size_t(kRbStages) * kRbWarps * kStageTiles * kRbTiles * 8 * shape.K) * 4;
   const size_t smem = form != 0
-                          ? (y ? std::max(rb_stages, size_t(tile_rows) * kRbOutLd * 4) : rb_stages)
+                          ? (y ? std::max(rb_stages, size_t(tile_rows) * kOutLd * 4) : rb_stages)
                           : (2 * a_words + 2 * size_t(kBStageWords) + size_t(kWarps) * kStageTiles * 8 * shape.K) * 4;
   reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM");
   launch(fn, dim3(shape.out_pad / kCols, n_tiles), (form != 0 ? kRbWarps : kWarps) * 32, smem,

@@ -128,7 +128,7 @@ std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear
   std::vector<cuda::Exl3GemmTile> tiles;
   int rows = 0;
   if (form < 0) form = cuda::exl3_gemm_form();
-  const int tile_rows = form == 3 ? cuda::kExl3GemmRows : cuda::exl3_gemm_tile_rows();  // (form 3: 128-row tiles)
+  const int tile_rows = form >= 3 ? cuda::kExl3GemmRows : cuda::exl3_gemm_tile_rows();  // (forms 3, 4: 128-row tiles)
   for (const auto& [e, n] : pieces) {
     for (int r = 0; r < n; r += tile_rows) tiles.push_back({e, rows + r, std::min(tile_rows, n - r), 0});
     rows += n;
