@@ -617,45 +617,47 @@ void moe(int i) {  // Impl::moe, all experts in VRAM
   moe_combine(B.y, B.ysorted, nullptr, B.w, nullptr, 1, KK, D, g_st, true);
 }
 // Prefill experts (issue 20): 16 experts x 192 rows through the gate projection (2048x4096, fp16 rotated input), the
-// grouped GEMM (tiles of exl3_gemm_tile_rows()) vs each expert's dequantization + cuBLAS (the engine's other path).
-constexpr int kPrefillExperts = 16, kPrefillRows = 192;
+// grouped GEMM (tiles of exl3_gemm_tile_rows()) vs each expert's dequantization + cuBLAS (the engine's other path);
+// form 4 also with 512 rows per expert (kPrefillRowsMax).
+constexpr int kPrefillExperts = 16, kPrefillRows = 192, kPrefillRowsMax = 512;
 struct PrefillBufs {
   uint16_t *xh = nullptr, *w16 = nullptr;
   float *yr = nullptr, *y = nullptr;
-  Exl3GemmTile *tiles = nullptr, *tiles128 = nullptr;  // tiles128: form 3's 128-row tiles
-  int n_tiles = 0, n_tiles128 = 0;
+  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per tile rows x rows per expert: tiles, count
 } P;
 void prefill_setup() {
   if (P.xh) return;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
-  std::vector<uint16_t> x(size_t(kPrefillExperts) * kPrefillRows * D);
+  std::vector<uint16_t> x(size_t(kPrefillExperts) * kPrefillRowsMax * D);
   for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
+  P.xh = upload(x);
+  P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRowsMax * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
+  P.y = dalloc<float>(size_t(kPrefillExperts) * kPrefillRowsMax * I);
+}
+std::pair<Exl3GemmTile*, int> prefill_tiles(int tile_rows, int rows) {
+  const int key = tile_rows | (rows << 12);
+  for (const auto& [k, t] : P.tiles)
+    if (k == key) return t;
   std::vector<Exl3GemmTile> tiles;
-  const int tr = exl3_gemm_tile_rows();
   for (int e = 0; e < kPrefillExperts; ++e)
-    for (int r = 0; r < kPrefillRows; r += tr)
-      tiles.push_back({e, e * kPrefillRows + r, std::min(tr, kPrefillRows - r), 0});
-  P.xh = upload(x), P.tiles = upload(tiles), P.n_tiles = int(tiles.size());
-  std::vector<Exl3GemmTile> tiles128;
-  for (int e = 0; e < kPrefillExperts; ++e)
-    for (int r = 0; r < kPrefillRows; r += kExl3GemmRows)
-      tiles128.push_back({e, e * kPrefillRows + r, std::min(kExl3GemmRows, kPrefillRows - r), 0});
-  P.tiles128 = upload(tiles128), P.n_tiles128 = int(tiles128.size());
-  P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
-  P.y = dalloc<float>(size_t(kPrefillExperts) * kPrefillRows * I);
+    for (int r = 0; r < rows; r += tile_rows) tiles.push_back({e, e * rows + r, std::min(tile_rows, rows - r), 0});
+  P.tiles.push_back({key, {upload(tiles), int(tiles.size())}});
+  return P.tiles.back().second;
 }
-void prefill_grouped(int form, bool rotate_out = false) {
+// tile_rows 0: the form's (exl3_gemm_form_rows)
+void prefill_grouped(int form, bool rotate_out = false, int tile_rows = 0, int rows = kPrefillRows) {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
-  const bool t128 = form >= 3;  // (forms 3 and 4 take 128-row tiles only)
-  exl3_grouped_gemm(W.expert_shape[0], W.tab, t128 ? P.tiles128 : P.tiles, t128 ? P.n_tiles128 : P.n_tiles, P.xh, P.yr,
-                    g_st, t128 ? kExl3GemmRows : exl3_gemm_tile_rows(), form, rotate_out ? P.y : nullptr, I);
+  if (!tile_rows) tile_rows = exl3_gemm_form_rows(form < 0 ? exl3_gemm_form() : form);
+  const auto [tiles, n_tiles] = prefill_tiles(tile_rows, rows);
+  exl3_grouped_gemm(W.expert_shape[0], W.tab, tiles, n_tiles, P.xh, P.yr, g_st, tile_rows, form,
+                    rotate_out ? P.y : nullptr, I);
 }
-void prefill_cublas() {
+void prefill_cublas(int rows = kPrefillRows) {
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
   for (int e = 0; e < kPrefillExperts; ++e)
-    exl3_gemm_rotated(W.shared_sep[0][e], P.xh + size_t(e) * kPrefillRows * D, kPrefillRows,
-                      P.yr + size_t(e) * kPrefillRows * I, P.w16, size_t(I) * D, false, g_blas, g_st);
+    exl3_gemm_rotated(W.shared_sep[0][e], P.xh + size_t(e) * rows * D, rows, P.yr + size_t(e) * rows * I, P.w16,
+                      size_t(I) * D, false, g_blas, g_st);
 }
 
 // A prefill's dense EXL3 linear as the engine runs it for 2,048 rows (exl3_forward's row block), one row per step:
@@ -701,7 +703,7 @@ void prefill_skewed(int grouped_max, int form = -1) {
     for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
     SK.xh = upload(x), SK.yr = dalloc<float>(size_t(SK.row0[kPrefillExperts]) * I);
   }
-  const int tr = form >= 3 ? kExl3GemmRows : exl3_gemm_tile_rows(), key = grouped_max ^ (tr << 24);
+  const int tr = form >= 0 ? exl3_gemm_form_rows(form) : exl3_gemm_tile_rows(), key = grouped_max ^ (tr << 24);
   auto it = std::find_if(SK.tiles.begin(), SK.tiles.end(), [&](const auto& t) { return t.first == key; });
   if (it == SK.tiles.end()) {
     std::vector<Exl3GemmTile> tiles;
@@ -1017,12 +1019,19 @@ void run_all(const std::vector<Ctx>& ctxs) {
       if (form != 4 || exl3_gemm_wgmma_built())
         bench("prefill EXL3 grouped GEMM form " + std::to_string(form) + ", 16 experts x 192 rows, gate 2048x4096",
               [form](int) { prefill_grouped(form); });
-    for (int form : {1, 4})
-      if (form != 4 || exl3_gemm_wgmma_built())
-        bench("prefill EXL3 grouped GEMM form " + std::to_string(form) +
-                  " + output rotation, 16 experts x 192 rows, gate 2048x4096",
-              [form](int) { prefill_grouped(form, true); });
+    bench("prefill EXL3 grouped GEMM form 1 + output rotation, 16 experts x 192 rows, gate 2048x4096",
+          [](int) { prefill_grouped(1, true); });
+    if (exl3_gemm_wgmma_built())
+      for (int rows : {128, 256})
+        for (int per : {kPrefillRows, kPrefillRowsMax}) {
+          const std::string what = "prefill EXL3 grouped GEMM form 4, tiles of " + std::to_string(rows) +
+                                   ", 16 experts x " + std::to_string(per) + " rows, gate 2048x4096";
+          bench(what, [rows, per](int) { prefill_grouped(4, false, rows, per); });
+          bench(what + " + output rotation", [rows, per](int) { prefill_grouped(4, true, rows, per); });
+        }
     bench("prefill EXL3 dequant + cuBLAS, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_cublas(); });
+    bench("prefill EXL3 dequant + cuBLAS, 16 experts x 512 rows, gate 2048x4096",
+          [](int) { prefill_cublas(kPrefillRowsMax); });
     for (int most : {0, 128, 512, 1 << 30})  // (CudaEngineOptions::exl3_grouped_rows)
       bench("prefill EXL3 skewed 16 experts (32-1024 rows), pieces <= " +
                 (most > 1024 ? std::string("all") : std::to_string(most)) + " rows grouped, gate 2048x4096",

@@ -184,8 +184,8 @@ void correctness(bool quick) {
       double eg = gpu_vs_cpu(g, h->w, 37, true);
       check(eg < 3e-3, tag + ": GEMM (fp16 dequant + cuBLAS) n=37 rel err " + std::to_string(eg));
     }
-  // The prefill experts' grouped GEMM: pieces of 1..100 rows (tiles of 64) over three experts vs the CPU's W_hat in
-  // double on the same fp16 input (the GEMM's fp32 accumulation is the only difference).
+  // The prefill experts' grouped GEMM: pieces of 1..300 rows (tiles of the form's height) over three experts vs the
+  // CPU's W_hat in double on the same fp16 input (the GEMM's fp32 accumulation is the only difference).
   for (auto cb : {Exl3Codebook::Inst3, Exl3Codebook::Mul1})
     for (int K : {2, 3, 4, 6}) {
       const int64_t gin = 512, gout = 384;
@@ -200,15 +200,19 @@ void correctness(bool quick) {
         what.emplace_back(size_t(gin * gout));
         exl3_decode_rotated(hw.back()->w, 0, gout, what.back().data());
       }
-      const std::vector<std::pair<int, int>> pieces = {{0, 1}, {1, 37}, {2, 64}, {0, 100}, {2, 65}};
+      const std::vector<std::pair<int, int>> pieces = {{0, 1}, {1, 37}, {2, 64}, {0, 100}, {2, 65}, {1, 150}, {0, 300}};
       int rows = 0;
       for (const auto& p : pieces) rows += p.second;
       auto x = randn(size_t(rows) * gin, uint32_t(K + 5));
       std::vector<uint16_t> xh(x.size());
       for (size_t i = 0; i < x.size(); ++i) xh[i] = f32_to_f16(x[i]);
-      for (int form : {0, 1, 2, 3, 4}) {
-        if (form == 4 && !cuda::exl3_gemm_wgmma_built()) continue;  // (sm_90a builds on Hopper only)
-        const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh, form);
+      // form 4 (sm_90a builds on Hopper only) with tiles of 256 rows (its default: MMAs of 64, 128, 192 and 256 rows
+      // here) and of 128 (5)
+      for (int form : {0, 1, 2, 3, 4, 5}) {
+        if (form >= 4 && !cuda::exl3_gemm_wgmma_built()) continue;
+        const int kernel = std::min(form, 4), tile_rows = form == 5 ? 128 : 0;
+        const std::string name = "grouped GEMM form " + std::to_string(kernel) + (form == 5 ? " (128-row tiles)" : "");
+        const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh, kernel, false, tile_rows);
         double num = 0, den = 0;
         int r0 = 0;
         for (const auto& [e, n] : pieces) {
@@ -223,12 +227,11 @@ void correctness(bool quick) {
           r0 += n;
         }
         const double err = std::sqrt(num / std::max(den, 1e-30));
-        check(err < 1e-5, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
-                              ": grouped GEMM form " + std::to_string(form) + ", 5 pieces over 3 experts, rel err " +
-                              std::to_string(err));
+        check(err < 1e-5, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) + ": " + name +
+                              ", 7 pieces over 3 experts, rel err " + std::to_string(err));
         if (form == 0) continue;
-        // forms 1-3 with the output rotation in its epilogue: H(yr) ⊙ svh of its own yr rows (the CPU's Hadamard)
-        const std::vector<float> yo = exl3_cuda_grouped_gemm(experts, pieces, xh, form, true);
+        // forms 1-4 with the output rotation in its epilogue: H(yr) ⊙ svh of its own yr rows (the CPU's Hadamard)
+        const std::vector<float> yo = exl3_cuda_grouped_gemm(experts, pieces, xh, kernel, true, tile_rows);
         double worst = 0, top = 1e-30;
         r0 = 0;
         for (const auto& [e, n] : pieces) {
@@ -243,8 +246,7 @@ void correctness(bool quick) {
           }
           r0 += n;
         }
-        check(worst / top < 1e-6, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) +
-                                      ": grouped GEMM form " + std::to_string(form) +
+        check(worst / top < 1e-6, "K=" + std::to_string(K) + " " + std::string(exl3_codebook_name(cb)) + ": " + name +
                                       ", output rotation in the epilogue, worst diff / largest " +
                                       std::to_string(worst / top));
       }

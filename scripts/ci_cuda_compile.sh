@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Compiles every target of the CUDA build (all .cu files for sm_86 and sm_90, CUDA engine, tests, tools) with
+# Compiles every target of the CUDA build (all .cu files for sm_86 and sm_90a, CUDA engine, tests, tools) with
 # nvcc, no GPU needed, then runs the CUDA test binaries to check that they skip cleanly without a device.
 #   CUDA_BUILD_DIR (default build-cuda-compile)  JOBS (default nproc)  NVCC (default /usr/local/cuda/bin/nvcc)
-#   CUDA_ARCHS (default "86;90")
+#   CUDA_ARCHS (default "86;90a": 90a for the wgmma kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${CUDA_BUILD_DIR:-build-cuda-compile}
 JOBS=${JOBS:-$(nproc)}
 NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
-CUDA_ARCHS=${CUDA_ARCHS:-86;90}
+CUDA_ARCHS=${CUDA_ARCHS:-86;90a}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 if [[ ! -x $NVCC ]]; then
   echo "ci_cuda_compile: nvcc not found at $NVCC (set NVCC=...)" >&2

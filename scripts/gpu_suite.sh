@@ -63,9 +63,9 @@
 #                                   + cuBLAS ($OUT/gemm_NAME.json).
 #   WGMMA=1 scripts/gpu_suite.sh    + form 4 of the grouped EXL3 GEMM (wgmma, sm_90a; ~6 min): exl3_cuda_bench's checks,
 #                                   the EXL3 suite with every prefill expert through form 4, the kernel bench's prefill
-#                                   rows at K=3 and 4, the all-VRAM slice (WGMMA_CONTEXTS, default 8K) with form 1's
-#                                   default mix, form 4 with pieces of <= 512 rows grouped and with every piece
-#                                   grouped ($OUT/wg_NAME.json).
+#                                   rows at K=3 and 4, the all-VRAM slice (WGMMA_CONTEXTS, default 8K) with form 1,
+#                                   form 4 with pieces of <= 512 rows grouped and with every piece grouped (tiles of
+#                                   256 rows, and of 128) ($OUT/wg_NAME.json).
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
 #                                   and the 4-layer slice's prefill at NCU_CONTEXT, default 8192) summed by kernel name
@@ -255,11 +255,12 @@ if [[ ${WGMMA:-0} == 1 ]]; then  # docs/perf-cuda.md, twenty-fourth round
     .gpu/test_cuda_exl3_engine >"$OUT/exl3_wg.log" 2>&1
   echo "EXL3 suite, every prefill expert through form 4:"; summary "$OUT/exl3_wg.log"
   for bits in ${WGMMA_BITS:-3 4}; do
-    timeout 120 .gpu/cuda_kernel_bench --bits $bits --only "prefill EXL3" >"$OUT/kb_wg_$bits.log" 2>/dev/null
+    timeout 120 .gpu/cuda_kernel_bench --bits $bits --only prefill >"$OUT/kb_wg_$bits.log" 2>/dev/null
     echo "kernel bench K=$bits rc=$?:"; grep -E "^prefill EXL3" "$OUT/kb_wg_$bits.log"
   done
   for run in "f1 MOESRV_EXL3_GEMM_FORM=1" "f4 MOESRV_EXL3_GEMM_FORM=4" \
-             "f4all MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1"; do
+             "f4all MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1" \
+             "f4all128 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_ROWS=128"; do
     set -- $run
     name=$1
     shift

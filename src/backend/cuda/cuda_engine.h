@@ -154,8 +154,8 @@ struct CudaEngineOptions {
   // more than the expert buffers hold: their height.
   int64_t moe_wave_rows = 0;
   // All-VRAM EXL3 prefill experts: pieces of at most this many sorted rows go through the grouped EXL3 GEMM (the
-  // trellis decoded per 64-row tile), larger ones through dequantization + cuBLAS (decoded once per piece), both
-  // within one wave. -1: MOESRV_EXL3_GROUPED_GEMM (0: none, 1: every piece, N: at most N rows), else
+  // trellis decoded per tile of exl3_gemm_tile_rows()), larger ones through dequantization + cuBLAS (decoded once per
+  // piece), both within one wave. -1: MOESRV_EXL3_GROUPED_GEMM (0: none, 1: every piece, N: at most N rows), else
   // kExl3GroupedRowsDefault. (H100, 8K slice: experts phase 0.953 s at 512 rows, 1.086 with none; docs/perf-cuda.md.)
   static constexpr int64_t kExl3GroupedRowsDefault = 512;
   int64_t exl3_grouped_rows = -1;

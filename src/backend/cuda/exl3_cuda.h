@@ -44,7 +44,7 @@ class Exl3CudaLinear {
  private:
   friend std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>&,
                                                    const std::vector<std::pair<int, int>>&,
-                                                   const std::vector<uint16_t>&, int, bool);
+                                                   const std::vector<uint16_t>&, int, bool, int);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -53,10 +53,11 @@ class Exl3CudaLinear {
 // the next pieces[i].second rows of xh16 (fp16 bits, [rows][in_pad], the rotated input) through the weights of
 // experts[pieces[i].first]; returns those rows times W_hat, [rows][out_pad] (checks against the CPU). form: the
 // kernel (exl3_gemm_form; -1: the default); rotate_out (forms 1, 2): the rows' outputs rotated back (H, svh) by the
-// GEMM.
+// GEMM; tile_rows: 0 = the form's (exl3_gemm_form_rows), else tiles of that many rows.
 std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>& experts,
                                           const std::vector<std::pair<int, int>>& pieces,
-                                          const std::vector<uint16_t>& xh16, int form = -1, bool rotate_out = false);
+                                          const std::vector<uint16_t>& xh16, int form = -1, bool rotate_out = false,
+                                          int tile_rows = 0);
 
 // Decodes all 65536 states of a codebook on the device; host_out receives fp16 bits (bit-exactness checks).
 void exl3_cuda_decode_codebook(Exl3Codebook cb, uint16_t* host_out);

@@ -1,10 +1,11 @@
 // Grouped EXL3 GEMM for prefill experts (exl3_ops.h: exl3_grouped_gemm): the trellis is decoded inside the GEMM's
 // main loop, straight into tensor-core B fragments, so a weight tile crosses HBM once per 64- (or 128-) row tile of
 // tokens and never exists as an fp16 matrix; one launch covers every grouped expert piece of a wave (by default the
-// pieces of <= 512 rows: CudaEngineOptions::exl3_grouped_rows). Kernels: form 1 (the default, register B, the output
-// rotation optionally in its epilogue), form 2 (the same at 5 blocks per SM), form 3 (warp pairs sharing decoded
-// tiles; slower on an H100) and form 0 (session 12's, B through shared memory); docs/perf-cuda.md, sixth,
-// nineteenth and twentieth rounds.
+// pieces of <= 512 rows: CudaEngineOptions::exl3_grouped_rows). Kernels: form 4 (exl3_gemm_wgmma.cu: Hopper's
+// warpgroup MMA, the default where the build and the device have it), form 1 (the default elsewhere: register B,
+// the output rotation optionally in its epilogue), form 2 (the same at 5 blocks per SM), form 3 (warp pairs sharing
+// decoded tiles; slower on an H100) and form 0 (session 12's, B through shared memory); docs/perf-cuda.md, sixth,
+// nineteenth, twentieth and twenty-fourth rounds.
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
@@ -365,18 +366,23 @@ const GemmFn kGemmPair[3][8] = {EXL3_GEMM_PAIR_TABLE(0), EXL3_GEMM_PAIR_TABLE(1)
 
 }  // namespace
 
-int exl3_gemm_tile_rows() {
-  static const int rows = [] {
+int exl3_gemm_form_rows(int form) {
+  static const bool rows128 = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_ROWS");
-    return (v && std::atoi(v) == kExl3GemmRows) || exl3_gemm_form() >= 3 ? kExl3GemmRows : 64;
+    return v && std::atoi(v) == 128;
   }();
+  return form == 4 ? (rows128 ? 128 : 256) : form == 3 || rows128 ? 128 : 64;
+}
+
+int exl3_gemm_tile_rows() {
+  static const int rows = exl3_gemm_form_rows(exl3_gemm_form());
   return rows;
 }
 
 int exl3_gemm_form() {
   static const int form = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
-    const int f = v && v[0] >= '0' && v[0] <= '4' && !v[1] ? v[0] - '0' : 1;
+    const int f = v && v[0] >= '0' && v[0] <= '4' && !v[1] ? v[0] - '0' : 4;  // default: form 4 where it runs
     return f == 4 && !exl3_gemm_wgmma_built() ? 1 : f;
   }();
   return form;
@@ -384,15 +390,14 @@ int exl3_gemm_form() {
 
 void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
                        const uint16_t* xh16, float* yr, void* stream, int tile_rows, int form, float* y, int64_t y_ld) {
+  if (form < 0) form = exl3_gemm_form();
   if (shape.K < 1 || shape.K > 8 || shape.cb < 0 || shape.cb > 2 || shape.in_pad % 128 || shape.out_pad % 128 ||
-      (tile_rows != 64 && tile_rows != 128))
+      (tile_rows != 64 && tile_rows != 128 && (tile_rows != 256 || form != 4)))
     throw std::runtime_error("EXL3 grouped GEMM: unsupported shape, K, codebook or tile rows");
   if (n_tiles <= 0) return;
-  if (form < 0) form = exl3_gemm_form();
   if (form < 0 || form > 4) throw std::runtime_error("EXL3 grouped GEMM: unknown form");
-  if (form == 4) {  // warpgroup MMA: 128-row tiles
-    if (tile_rows != kExl3GemmRows) throw std::runtime_error("EXL3 grouped GEMM form 4: needs 128-row tiles");
-    exl3_grouped_gemm_wgmma(shape, tab, tiles, n_tiles, xh16, yr, stream, y, y_ld);
+  if (form == 4) {  // warpgroup MMA: 128- or 256-row tiles
+    exl3_grouped_gemm_wgmma(shape, tab, tiles, n_tiles, tile_rows, xh16, yr, stream, y, y_ld);
     return;
   }
   if (form == 3) {  // paired register B: 128-row tiles

@@ -120,7 +120,7 @@ void Exl3CudaLinear::forward_gemv(const float* d_x, int n, float* d_y, void* str
 
 std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>& experts,
                                           const std::vector<std::pair<int, int>>& pieces,
-                                          const std::vector<uint16_t>& xh16, int form, bool rotate_out) {
+                                          const std::vector<uint16_t>& xh16, int form, bool rotate_out, int tile_rows) {
   if (experts.empty()) return {};
   const Exl3Dev& shape = experts[0]->impl_->w;
   std::vector<Exl3Dev> tab;
@@ -128,7 +128,7 @@ std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear
   std::vector<cuda::Exl3GemmTile> tiles;
   int rows = 0;
   if (form < 0) form = cuda::exl3_gemm_form();
-  const int tile_rows = form >= 3 ? cuda::kExl3GemmRows : cuda::exl3_gemm_tile_rows();  // (forms 3, 4: 128-row tiles)
+  if (tile_rows <= 0) tile_rows = cuda::exl3_gemm_form_rows(form);
   for (const auto& [e, n] : pieces) {
     for (int r = 0; r < n; r += tile_rows) tiles.push_back({e, rows + r, std::min(tile_rows, n - r), 0});
     rows += n;

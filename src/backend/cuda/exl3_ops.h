@@ -123,18 +123,23 @@ bool exl3_fits_whole(const Exl3Dev& w, size_t w16_elems);
 void exl3_gemm_rotated(const Exl3Dev& w, const uint16_t* xh16, int n, float* yr, uint16_t* w16, size_t w16_elems,
                        bool w16_ready, void* cublas, void* stream);
 // Grouped GEMM over expert pieces (prefill): tile i multiplies rows [row0, row0 + rows) of xh16 (fp16 [.][in_pad],
-// rows <= tile_rows, 64 or 128) by W_hat of tab[e] (device table; shape gives K, codebook and sizes, shared by all)
-// into the same rows of yr ([.][out_pad], fp32). The trellis is decoded inside the GEMM (no fp16 W_hat, one launch).
-constexpr int kExl3GemmRows = 128;  // the largest tile (exl3_gemm_tile_rows: 64 unless MOESRV_EXL3_GEMM_ROWS=128)
+// rows <= tile_rows: 64, 128 or, form 4 only, 256) by W_hat of tab[e] (device table; shape gives K, codebook and sizes,
+// shared by all) into the same rows of yr ([.][out_pad], fp32). The trellis is decoded inside the GEMM (no fp16 W_hat,
+// one launch).
+constexpr int kExl3GemmRows = 256;  // the largest tile (exl3_gemm_form_rows)
 struct Exl3GemmTile {
   int32_t e, row0, rows, pad;
 };
-int exl3_gemm_tile_rows();  // the tile height callers use: 64 (MOESRV_EXL3_GEMM_ROWS=128 or forms 3, 4: 128), read once
-// The kernel: 1 (default) = each warp decodes the B fragments it multiplies (register B, 4 warps x 32 columns);
-// 2 (MOESRV_EXL3_GEMM_FORM=2) = the same at 5 blocks per multiprocessor (fewer registers); 3 = paired register B (8
-// warps, 128-row tiles only: two warps share each decoded tile through shared memory); 4 = Hopper's warpgroup MMA
-// with the decoded weights as its register operand (128-row tiles; where exl3_gemm_wgmma_built(), else form 1);
-// 0 = session 12's form (8 warps decode a column tile each into shared memory).
+int exl3_gemm_tile_rows();  // the tile height callers use: exl3_gemm_form_rows of exl3_gemm_form(), read once
+// A form's tile height: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128) for forms 0-2, 128 for form 3, 256 (MOESRV_EXL3_GEMM_ROWS
+// =128: 128) for form 4.
+int exl3_gemm_form_rows(int form);
+// The kernel (MOESRV_EXL3_GEMM_FORM): 4 (the default where exl3_gemm_wgmma_built(); elsewhere 4 means 1) = Hopper's
+// warpgroup MMA with the decoded weights as its register operand (tiles of 256 or 128 rows); 1 (the default
+// elsewhere) = each warp decodes the B fragments it multiplies (register B, 4 warps x 32 columns); 2 = the same at 5
+// blocks per multiprocessor (fewer registers); 3 = paired register B (8 warps, 128-row tiles only: two warps share
+// each decoded tile through shared memory); 0 = session 12's form (8 warps decode a column tile each into shared
+// memory).
 int exl3_gemm_form();
 bool exl3_gemm_wgmma_built();  // form 4 can run here: an sm_90a build on a compute capability 9 device
 // y (forms 1-4): the output rotation as exl3_rotate_out makes it (svh of each tile's expert, no bias) into
@@ -143,7 +148,8 @@ void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmT
                        const uint16_t* xh16, float* yr, void* stream, int tile_rows, int form = -1, float* y = nullptr,
                        int64_t y_ld = 0);
 void exl3_grouped_gemm_wgmma(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
-                             const uint16_t* xh16, float* yr, void* stream, float* y, int64_t y_ld);  // (form 4)
+                             int tile_rows, const uint16_t* xh16, float* yr, void* stream, float* y,
+                             int64_t y_ld);  // (form 4)
 // y[r][o] = (H(yr[r]) ⊙ svh)[o] (+ bias[o]) for o < out; y rows y_ld apart. parts: yr holds that many K parts of
 // the n rows (exl3_gemv_in), summed in part order.
 void exl3_rotate_out(const Exl3Dev& w, Exl3Group g, const float* yr, int n, float* y, int64_t y_ld, const float* bias,
