@@ -206,12 +206,12 @@ void correctness(bool quick) {
       auto x = randn(size_t(rows) * gin, uint32_t(K + 5));
       std::vector<uint16_t> xh(x.size());
       for (size_t i = 0; i < x.size(); ++i) xh[i] = f32_to_f16(x[i]);
-      // form 4 (sm_90a builds on Hopper only) with tiles of 256 rows (its default: MMAs of 64, 128, 192 and 256 rows
-      // here) and of 128 (5)
+      // form 4 (sm_90a builds on Hopper only) with tiles of 128 rows (its default: MMAs of 64 and 128 rows) and of 256
+      // (5: MMAs of 64, 128, 192 and 256 rows here)
       for (int form : {0, 1, 2, 3, 4, 5}) {
         if (form >= 4 && !cuda::exl3_gemm_wgmma_built()) continue;
-        const int kernel = std::min(form, 4), tile_rows = form == 5 ? 128 : 0;
-        const std::string name = "grouped GEMM form " + std::to_string(kernel) + (form == 5 ? " (128-row tiles)" : "");
+        const int kernel = std::min(form, 4), tile_rows = form == 5 ? 256 : 0;
+        const std::string name = "grouped GEMM form " + std::to_string(kernel) + (form == 5 ? " (256-row tiles)" : "");
         const std::vector<float> y = exl3_cuda_grouped_gemm(experts, pieces, xh, kernel, false, tile_rows);
         double num = 0, den = 0;
         int r0 = 0;

@@ -65,7 +65,7 @@
 #                                   the EXL3 suite with every prefill expert through form 4, the kernel bench's prefill
 #                                   rows at K=3 and 4, the all-VRAM slice (WGMMA_CONTEXTS, default 8K) with form 1,
 #                                   form 4 with pieces of <= 512 rows grouped and with every piece grouped (tiles of
-#                                   256 rows, and of 128) ($OUT/wg_NAME.json).
+#                                   128 rows, and of 256) ($OUT/wg_NAME.json).
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
 #                                   and the 4-layer slice's prefill at NCU_CONTEXT, default 8192) summed by kernel name
@@ -251,16 +251,19 @@ fi
 if [[ ${WGMMA:-0} == 1 ]]; then  # docs/perf-cuda.md, twenty-fourth round
   timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_wg.log" 2>&1
   echo "exl3_cuda_bench rc=$?:"; grep -E "FAIL|checks|form 4" "$OUT/exl3_bench_wg.log" | head -24
-  MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 150 \
-    .gpu/test_cuda_exl3_engine >"$OUT/exl3_wg.log" 2>&1
-  echo "EXL3 suite, every prefill expert through form 4:"; summary "$OUT/exl3_wg.log"
+  for rows in 128 256; do
+    MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GEMM_ROWS=$rows MOESRV_EXL3_CACHE=.gpu/testdata/exl3 \
+      timeout 150 .gpu/test_cuda_exl3_engine >"$OUT/exl3_wg$rows.log" 2>&1
+    echo "EXL3 suite, every prefill expert through form 4, $rows-row tiles:"; summary "$OUT/exl3_wg$rows.log"
+  done
   for bits in ${WGMMA_BITS:-3 4}; do
     timeout 120 .gpu/cuda_kernel_bench --bits $bits --only prefill >"$OUT/kb_wg_$bits.log" 2>/dev/null
     echo "kernel bench K=$bits rc=$?:"; grep -E "^prefill EXL3" "$OUT/kb_wg_$bits.log"
   done
   for run in "f1 MOESRV_EXL3_GEMM_FORM=1" "f4 MOESRV_EXL3_GEMM_FORM=4" \
              "f4all MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1" \
-             "f4all128 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_ROWS=128"; do
+             "f4all256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_ROWS=256" \
+             "f4r256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GEMM_ROWS=256"; do
     set -- $run
     name=$1
     shift

@@ -367,11 +367,12 @@ const GemmFn kGemmPair[3][8] = {EXL3_GEMM_PAIR_TABLE(0), EXL3_GEMM_PAIR_TABLE(1)
 }  // namespace
 
 int exl3_gemm_form_rows(int form) {
-  static const bool rows128 = [] {
+  static const int env = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_ROWS");
-    return v && std::atoi(v) == 128;
+    return v ? std::atoi(v) : 0;
   }();
-  return form == 4 ? (rows128 ? 128 : 256) : form == 3 || rows128 ? 128 : 64;
+  if (form == 4) return env == 256 ? 256 : 128;  // (256: one block per SM; measured so far: 128)
+  return form == 3 || env == 128 ? 128 : 64;
 }
 
 int exl3_gemm_tile_rows() {

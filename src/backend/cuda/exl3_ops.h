@@ -131,11 +131,11 @@ struct Exl3GemmTile {
   int32_t e, row0, rows, pad;
 };
 int exl3_gemm_tile_rows();  // the tile height callers use: exl3_gemm_form_rows of exl3_gemm_form(), read once
-// A form's tile height: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128) for forms 0-2, 128 for form 3, 256 (MOESRV_EXL3_GEMM_ROWS
-// =128: 128) for form 4.
+// A form's tile height: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128) for forms 0-2, 128 for form 3, 128
+// (MOESRV_EXL3_GEMM_ROWS=256: 256) for form 4.
 int exl3_gemm_form_rows(int form);
 // The kernel (MOESRV_EXL3_GEMM_FORM): 4 (the default where exl3_gemm_wgmma_built(); elsewhere 4 means 1) = Hopper's
-// warpgroup MMA with the decoded weights as its register operand (tiles of 256 or 128 rows); 1 (the default
+// warpgroup MMA with the decoded weights as its register operand (tiles of 128 or 256 rows); 1 (the default
 // elsewhere) = each warp decodes the B fragments it multiplies (register B, 4 warps x 32 columns); 2 = the same at 5
 // blocks per multiprocessor (fewer registers); 3 = paired register B (8 warps, 128-row tiles only: two warps share
 // each decoded tile through shared memory); 0 = session 12's form (8 warps decode a column tile each into shared
