@@ -91,6 +91,18 @@ slice() {
     >"$OUT/slice_$name.log" 2>&1
   echo "slice $name rc=$?:"; grep -E "perf \] (glm5_next 45|MTP)" "$OUT/slice_$name.log" | head -8
 }
+# Named slices: slices PREFIX CONTEXTS TIMEOUT "NAME VAR=value ..." ... ($OUT/slice_PREFIXNAME.log, PREFIXNAME.json)
+slices() {
+  local prefix=$1 contexts=$2 limit=$3 run name
+  shift 3
+  for run in "$@"; do
+    set -- $run
+    name=$prefix$1
+    shift
+    slice "$name" "$contexts" "$limit" "$@" MOESRV_BENCH_JSON="$OUT/$name.json"
+    grep -E "perf \] prefill device" "$OUT/slice_$name.log" | head -2
+  done
+}
 if [[ ${SUITES:-1} == 1 ]]; then  # SUITES=0: measurements only
   timeout 60 .gpu/test_cuda_glm5_next_kernels >"$OUT/kernels.log" 2>&1; summary "$OUT/kernels.log"
   timeout 200 .gpu/test_cuda_mtp >"$OUT/mtp.log" 2>&1; summary "$OUT/mtp.log"
@@ -239,14 +251,9 @@ if [[ ${GEMM:-0} == 1 ]]; then  # docs/perf-cuda.md, nineteenth round
   MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3 MOESRV_EXL3_CACHE=.gpu/testdata/exl3 timeout 150 \
     .gpu/test_cuda_exl3_engine >"$OUT/exl3_gemm3.log" 2>&1
   echo "EXL3 suite, grouped GEMM form 3:"; summary "$OUT/exl3_gemm3.log"
-  for run in "mix MOESRV_EXL3_GROUPED_GEMM=512" "g1 MOESRV_EXL3_GROUPED_GEMM=1" \
-             "g3 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3" "cublas MOESRV_EXL3_GROUPED_GEMM=0"; do
-    set -- $run
-    name=$1
-    shift
-    slice "gemm_$name" "${GEMM_CONTEXTS:-8192}" "${GEMM_TIMEOUT:-150}" "$@" MOESRV_BENCH_JSON="$OUT/gemm_$name.json"
-    grep -E "perf \] prefill device" "$OUT/slice_gemm_$name.log" | head -2
-  done
+  slices gemm_ "${GEMM_CONTEXTS:-8192}" "${GEMM_TIMEOUT:-150}" "mix MOESRV_EXL3_GROUPED_GEMM=512" \
+    "g1 MOESRV_EXL3_GROUPED_GEMM=1" "g3 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_FORM=3" \
+    "cublas MOESRV_EXL3_GROUPED_GEMM=0"
 fi
 if [[ ${WGMMA:-0} == 1 ]]; then  # docs/perf-cuda.md, twenty-fourth round
   timeout 200 .gpu/exl3_cuda_bench --quick >"$OUT/exl3_bench_wg.log" 2>&1
@@ -260,16 +267,10 @@ if [[ ${WGMMA:-0} == 1 ]]; then  # docs/perf-cuda.md, twenty-fourth round
     timeout 120 .gpu/cuda_kernel_bench --bits $bits --only prefill >"$OUT/kb_wg_$bits.log" 2>/dev/null
     echo "kernel bench K=$bits rc=$?:"; grep -E "^prefill EXL3" "$OUT/kb_wg_$bits.log"
   done
-  for run in "f1 MOESRV_EXL3_GEMM_FORM=1" "f4 MOESRV_EXL3_GEMM_FORM=4" \
-             "f4all MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1" \
-             "f4all256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_ROWS=256" \
-             "f4r256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GEMM_ROWS=256"; do
-    set -- $run
-    name=$1
-    shift
-    slice "wg_$name" "${WGMMA_CONTEXTS:-8192}" "${WGMMA_TIMEOUT:-150}" "$@" MOESRV_BENCH_JSON="$OUT/wg_$name.json"
-    grep -E "perf \] prefill device" "$OUT/slice_wg_$name.log" | head -2
-  done
+  slices wg_ "${WGMMA_CONTEXTS:-8192}" "${WGMMA_TIMEOUT:-150}" "f1 MOESRV_EXL3_GEMM_FORM=1" \
+    "f4 MOESRV_EXL3_GEMM_FORM=4" "f4all MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1" \
+    "f4all256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GROUPED_GEMM=1 MOESRV_EXL3_GEMM_ROWS=256" \
+    "f4r256 MOESRV_EXL3_GEMM_FORM=4 MOESRV_EXL3_GEMM_ROWS=256"
 fi
 if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|MHz|L2|L3" >"$OUT/cpu_experts.log"
