@@ -733,6 +733,7 @@ void CudaEngine::Impl::allocate_scratch() {
     const size_t gemm_tiles = size_t(P / 64 + 2 * E + 64) * sizeof(cuda::Exl3GemmTile);  // 64: the lowest tile
     s.gemm_tiles = DeviceBuffer(budget, gemm_tiles, "EXL3 grouped GEMM tiles");
     h_gemm_tiles = PinnedBuffer(gemm_tiles);
+    (void)cuda::exl3_gemm_form();  // probes form 4 on this device now, not inside a later graph capture
     d_usage = DeviceBuffer(budget, size_t(c.num_layers * E) * 4, "expert usage counters");
     d_usage_tokens = DeviceBuffer(budget, size_t(c.num_layers) * 4, "expert usage counters");
     MOESRV_CUDA_OK(cudaMemsetAsync(d_usage.as<void>(), 0, d_usage.bytes(), stream));

@@ -1,6 +1,6 @@
 // Grouped EXL3 GEMM for prefill experts (exl3_ops.h: exl3_grouped_gemm): the trellis is decoded inside the GEMM's
-// main loop, straight into tensor-core B fragments, so a weight tile crosses HBM once per 64- (or 128-) row tile of
-// tokens and never exists as an fp16 matrix; one launch covers every grouped expert piece of a wave (by default the
+// main loop, straight into tensor-core fragments, so a weight tile crosses HBM once per tile of tokens (64-256 rows)
+// and never exists as an fp16 matrix; one launch covers every grouped expert piece of a wave (by default the
 // pieces of <= 512 rows: CudaEngineOptions::exl3_grouped_rows). Kernels: form 4 (exl3_gemm_wgmma.cu: Hopper's
 // warpgroup MMA, the default where the build and the device have it), form 1 (the default elsewhere: register B,
 // the output rotation optionally in its epilogue), form 2 (the same at 5 blocks per SM), form 3 (warp pairs sharing
@@ -375,18 +375,14 @@ int exl3_gemm_form_rows(int form) {
   return form == 3 || env == 128 ? 128 : 64;
 }
 
-int exl3_gemm_tile_rows() {
-  static const int rows = exl3_gemm_form_rows(exl3_gemm_form());
-  return rows;
-}
+int exl3_gemm_tile_rows() { return exl3_gemm_form_rows(exl3_gemm_form()); }
 
 int exl3_gemm_form() {
-  static const int form = [] {
+  static const int env = [] {
     const char* v = std::getenv("MOESRV_EXL3_GEMM_FORM");
-    const int f = v && v[0] >= '0' && v[0] <= '4' && !v[1] ? v[0] - '0' : 4;  // default: form 4 where it runs
-    return f == 4 && !exl3_gemm_wgmma_built() ? 1 : f;
+    return v && v[0] >= '0' && v[0] <= '4' && !v[1] ? v[0] - '0' : 4;  // default: form 4 where it runs
   }();
-  return form;
+  return env == 4 && !exl3_gemm_wgmma_built() ? 1 : env;  // (per device: a mixed host falls back where needed)
 }
 
 void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,

@@ -8,6 +8,7 @@
 // multiprocessor; R = 256: one, the decode per MMA halved); the output rotation optionally in the epilogue. Needs
 // sm_90a (the build's CUDA architectures 90a); elsewhere exl3_gemm_wgmma_built() is false.
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #include "backend/cuda/exl3_gemm.cuh"
@@ -172,21 +173,25 @@ constexpr size_t wg_smem(int K) {
 }  // namespace
 
 bool exl3_gemm_wgmma_built() {
-  static const bool built = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9)
-      return false;
+  static std::atomic<int> known[64];  // per device: 0 = not probed yet, 1 = runs form 4, -1 = does not
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {  // (the engines probe while they set up, outside any graph capture)
+    int major = 0, h = 0;
     int* d = nullptr;
-    int h = 0;
-    if (cudaMalloc(&d, sizeof(int)) != cudaSuccess) return false;
-    wgmma_probe_kernel<<<1, 1>>>(d);
-    const bool ok = cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && h == 1;
-    cudaFree(d);
+    const bool hopper =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9;
+    if (hopper && cudaMalloc(&d, sizeof(int)) == cudaSuccess) {
+      wgmma_probe_kernel<<<1, 1>>>(d);
+      if (cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) h = 0;
+      cudaFree(d);
+    }
     (void)cudaGetLastError();
-    return ok;
-  }();
-  return built;
+    k = h == 1 ? 1 : -1;
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k == 1;
 }
 
 void exl3_grouped_gemm_wgmma(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,

@@ -130,7 +130,7 @@ constexpr int kExl3GemmRows = 256;  // the largest tile (exl3_gemm_form_rows)
 struct Exl3GemmTile {
   int32_t e, row0, rows, pad;
 };
-int exl3_gemm_tile_rows();  // the tile height callers use: exl3_gemm_form_rows of exl3_gemm_form(), read once
+int exl3_gemm_tile_rows();  // the tile height callers use: exl3_gemm_form_rows of exl3_gemm_form()
 // A form's tile height: 64 (MOESRV_EXL3_GEMM_ROWS=128: 128) for forms 0-2, 128 for form 3, 128
 // (MOESRV_EXL3_GEMM_ROWS=256: 256) for form 4.
 int exl3_gemm_form_rows(int form);
@@ -140,8 +140,10 @@ int exl3_gemm_form_rows(int form);
 // blocks per multiprocessor (fewer registers); 3 = paired register B (8 warps, 128-row tiles only: two warps share
 // each decoded tile through shared memory); 0 = session 12's form (8 warps decode a column tile each into shared
 // memory).
-int exl3_gemm_form();
-bool exl3_gemm_wgmma_built();  // form 4 can run here: an sm_90a build on a compute capability 9 device
+int exl3_gemm_form();  // for the current device
+// Form 4 can run on the current device: an sm_90a build on compute capability 9 (probed once per device by a kernel:
+// call it first where no graph is being captured, e.g. while an engine sets up).
+bool exl3_gemm_wgmma_built();
 // y (forms 1-4): the output rotation as exl3_rotate_out makes it (svh of each tile's expert, no bias) into
 // y[row][o], o < shape.out, rows y_ld apart, instead of yr.
 void exl3_grouped_gemm(const Exl3Dev& shape, const Exl3Dev* tab, const Exl3GemmTile* tiles, int n_tiles,
