@@ -52,7 +52,7 @@ class Exl3CudaLinear {
 // The prefill experts' grouped GEMM (exl3_grouped_gemm) over `experts` (one shape, K and codebook): piece i takes
 // the next pieces[i].second rows of xh16 (fp16 bits, [rows][in_pad], the rotated input) through the weights of
 // experts[pieces[i].first]; returns those rows times W_hat, [rows][out_pad] (checks against the CPU). form: the
-// kernel (exl3_gemm_form; -1: the default); rotate_out (forms 1, 2): the rows' outputs rotated back (H, svh) by the
+// kernel (exl3_gemm_form; -1: the default); rotate_out (forms 1-4): the rows' outputs rotated back (H, svh) by the
 // GEMM; tile_rows: 0 = the form's (exl3_gemm_form_rows), else tiles of that many rows.
 std::vector<float> exl3_cuda_grouped_gemm(const std::vector<const Exl3CudaLinear*>& experts,
                                           const std::vector<std::pair<int, int>>& pieces,
