@@ -412,10 +412,7 @@ template <int DK, int DV, bool Factor>
 void launch_prep(const DeltaRuleArgs& a, int t_first, int chunks, cudaStream_t st) {
   const size_t smem = DcPrepSmem<DK, DV, Factor>::floats * 4;
   reserve_dynamic_smem(dc_prep_kernel<DK, DV, Factor>, smem, "delta_rule_chunked");
-  // two blocks per SM: ask for the largest shared-memory carveout (a hint; ignoring its result keeps one block)
-  if (cudaFuncSetAttribute(dc_prep_kernel<DK, DV, Factor>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess)
-    (void)cudaGetLastError();
+  prefer_max_shared_carveout(dc_prep_kernel<DK, DV, Factor>);  // (two blocks per SM)
   launch(dc_prep_kernel<DK, DV, Factor>, dim3(unsigned(chunks), unsigned(a.heads)), kDcThreads, smem, st, a, t_first,
          a.chunk_scratch);
 }

@@ -203,11 +203,7 @@ void exl3_grouped_gemm_wgmma(const Exl3Dev& shape, const Exl3Dev* tab, const Exl
   const GemmFn fn = kGemmWg[tall][shape.cb][shape.K - 1];
   const size_t smem = tall ? wg_smem<256>(shape.K) : wg_smem<128>(shape.K);
   reserve_dynamic_smem(fn, smem, "EXL3 grouped GEMM form 4");
-  // two blocks per multiprocessor (128-row tiles): ask for the largest shared-memory carveout (a hint; its failure
-  // keeps one block)
-  if (cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared)) !=
-      cudaSuccess)
-    (void)cudaGetLastError();
+  prefer_max_shared_carveout(fn);  // (two blocks per multiprocessor with 128-row tiles)
   launch(fn, dim3(shape.out_pad / kCols, n_tiles), kWgWarps * 32, smem, static_cast<cudaStream_t>(stream),
          GemmArgs{tab, tiles, xh16, yr, shape.in_pad, shape.out_pad, y, y_ld, shape.out});
   EXL3_CHECK(cudaGetLastError());

@@ -122,6 +122,14 @@ void reserve_dynamic_smem(Kernel kernel, size_t bytes, const char* who) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) != cudaSuccess)
     throw std::runtime_error(std::string(who) + ": cannot reserve " + std::to_string(bytes) + " B of shared memory");
 }
+// Asks for the largest shared-memory carveout for `kernel`, so that several of its blocks with large shared memory can
+// share a multiprocessor. A hint: if the call fails the kernel still runs, at fewer blocks per multiprocessor.
+template <typename Kernel>
+void prefer_max_shared_carveout(Kernel kernel) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess)
+    (void)cudaGetLastError();
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
