@@ -135,14 +135,33 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     float* wf = s.w_absorb.as<float>();
     const float one = 1.0f, zero = 0.0f;
     phase(CudaPhase::AttnAbsorb);
+    // The absorption GEMMs run per head over the n tokens: fp32 in cuBLAS's SIMT kernels, or (tf32, the default
+    // where the scratch fits) as two TF32 tensor-core GEMMs: W (bf16, exact in TF32) times the activations' TF32 part,
+    // then times their remainder, accumulated (MOESRV_MLA_ABSORB_TF32=0: the fp32 GEMMs).
+    static const bool tf32_env = switch_on("MOESRV_MLA_ABSORB_TF32");
+    auto absorb = [&](cublasOperation_t op_w, int m, int k, const float* w, int ldw, int64_t w_stride, float* x,
+                      int ldx, int64_t x_stride, float* lo, bool tf32, float* out, int ldo, int64_t o_stride) {
+      if (!tf32) {
+        MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, w, ldw, w_stride, x, ldx,
+                                                   x_stride, &zero, out, ldo, o_stride, H));
+        return;
+      }
+      split_tf32(x, int64_t(n) * H, k, x_stride, lo, k, stream);  // x's rows: [t][h], x_stride apart
+      for (int part = 0; part < 2; ++part)
+        MOESRV_CUBLAS_OK(cublasGemmStridedBatchedEx(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, w, CUDA_R_32F, ldw,
+                                                    w_stride, part ? lo : x, CUDA_R_32F, part ? H * k : ldx,
+                                                    part ? k : x_stride, part ? &one : &zero, out, CUDA_R_32F, ldo,
+                                                    o_stride, H, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+    };
     if (gemm) {  // qcat[t][h][:r] = q[t][h][:dn] . W_uk[h] ([dn][r]); the rope part copied
       from_bf16(a.w_uk.as<uint16_t>(), int64_t(H) * dn * r, wf, stream);
-      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_N, CUBLAS_OP_N, r, n, dn, &one, wf, r,
-                                                 int64_t(dn) * r, q + s0 * H * qk, H * qk, qk, &zero,
-                                                 s.qcat.as<float>(), H * lat, lat, H));
+      // q_nope's remainder in olat (free until attend writes it); the rope part is copied before the split
       if (dr > 0)
         MOESRV_CUDA_OK(cudaMemcpy2DAsync(s.qcat.as<float>() + r, size_t(lat) * 4, q + s0 * H * qk + dn, size_t(qk) * 4,
                                          size_t(dr) * 4, size_t(n) * H, cudaMemcpyDeviceToDevice, stream));
+      const bool tf32 = tf32_env && s.olat.bytes() >= size_t(n) * H * dn * 4;
+      absorb(CUBLAS_OP_N, r, dn, wf, r, int64_t(dn) * r, q + s0 * H * qk, H * qk, qk, s.olat.as<float>(), tf32,
+             s.qcat.as<float>(), H * lat, lat);
     } else {
       mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
     }
@@ -152,9 +171,10 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     phase(CudaPhase::AttnAbsorb);
     if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]
       from_bf16(a.w_uv.as<uint16_t>(), int64_t(H) * dv * r, wf, stream);
-      MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, CUBLAS_OP_T, CUBLAS_OP_N, dv, n, r, &one, wf, r,
-                                                 int64_t(dv) * r, s.olat.as<float>(), H * r, r, &zero,
-                                                 s.attn_out.as<float>() + s0 * H * dv, H * dv, dv, H));
+      // olat's remainder in qcat (attend has read it)
+      const bool tf32 = tf32_env && s.qcat.bytes() >= size_t(n) * H * r * 4;
+      absorb(CUBLAS_OP_T, dv, r, wf, r, int64_t(dv) * r, s.olat.as<float>(), H * r, r, s.qcat.as<float>(), tf32,
+             s.attn_out.as<float>() + s0 * H * dv, H * dv, dv);
     } else {
       mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
     }

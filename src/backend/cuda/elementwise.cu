@@ -120,6 +120,18 @@ __global__ void from_bf16_kernel(const uint16_t* x, int64_t n, float* y) {
     y[i] = bf16_to_f32(x[i]);
 }
 
+// x = hi + lo, hi = x rounded to TF32's 10-bit mantissa (to nearest, ties away): hi in place, lo = x - hi (exact).
+__global__ void split_tf32_kernel(float* x, int64_t rows, int cols, int64_t x_ld, float* lo, int64_t lo_ld) {
+  pdl_enter();
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      float* p = x + r * x_ld + c;
+      const float v = *p, hi = __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
+      *p = hi;
+      lo[r * lo_ld + c] = v - hi;
+    }
+}
+
 __global__ void add_bias_kernel(float* y, const float* b, int64_t n, int cols) {
   pdl_enter();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -260,6 +272,12 @@ void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st) {
 void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st) {
   if (n == 0) return;
   launch(from_bf16_kernel, grid_for(n), 256, 0, st, x, n, y);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void split_tf32(float* x, int64_t rows, int cols, int64_t x_ld, float* lo, int64_t lo_ld, cudaStream_t st) {
+  if (rows <= 0 || cols <= 0) return;
+  launch(split_tf32_kernel, int(std::min<int64_t>(rows, 65535)), 256, 0, st, x, rows, cols, x_ld, lo, lo_ld);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

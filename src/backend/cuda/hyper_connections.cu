@@ -279,6 +279,81 @@ __global__ void __launch_bounds__(kEnterThreads)
   }
 }
 
+// Prefill after the logits GEMM, the weights apart: a block of kEnterHThreads per token holds its n <= 4 streams in
+// registers (NV float4 each per thread) and makes r, pre and h; it leaves the scaled post and comb logits in
+// post_out / comb_out, which hyper_weights_inplace_kernel turns into the weights (a warp per token). The block does
+// not wait for the Sinkhorn chain, so an SM keeps several tokens' reads in flight (hyper_enter_regs_kernel's 1024
+// threads ran one chain per token while the other 31 warps waited).
+constexpr int kEnterHThreads = 256, kEnterHMaxVec = 4;
+template <int NV>
+__global__ void __launch_bounds__(kEnterHThreads)
+    hyper_enter_h_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
+                         float rms_eps, float hc_eps, float* h, float* post_out, float* comb_out) {
+  pdl_enter();
+  __shared__ float pre_s[kMaxStreams];
+  const int s = blockIdx.x, tid = threadIdx.x, D4 = D / 4;
+  const float* X = x + int64_t(s) * n * D;
+  float4 xv[4][NV];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const int j = tid + v * kEnterHThreads;
+      xv[i][v] = i < n && j < D4 ? *reinterpret_cast<const float4*>(X + int64_t(i) * D + 4 * j)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+      ss += xv[i][v].x * xv[i][v].x + xv[i][v].y * xv[i][v].y + xv[i][v].z * xv[i][v].z + xv[i][v].w * xv[i][v].w;
+    }
+  ss = block_sum(ss);
+  const float r = 1.0f / sqrtf(ss / float(int64_t(n) * D) + rms_eps);
+  const float* m = h + int64_t(s) * D;  // the logits GEMM's row
+  if (tid < (2 + n) * n) {
+    const float ms = m[tid] * r;
+    if (tid < n) pre_s[tid] = sigmoidf(ms * scale[0] + base[tid]) + hc_eps;
+    else if (tid < 2 * n) post_out[int64_t(s) * n + tid - n] = ms;
+    else comb_out[int64_t(s) * n * n + tid - 2 * n] = ms;
+  }
+  __syncthreads();
+  // h = rms_norm(sum_i pre_i X_i) * norm_w
+  float4 hv[NV];
+  float hss = 0.0f;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (i < n) {
+        const float p = pre_s[i];
+        a.x += p * xv[i][v].x, a.y += p * xv[i][v].y, a.z += p * xv[i][v].z, a.w += p * xv[i][v].w;
+      }
+    hv[v] = a;
+    if (tid + v * kEnterHThreads < D4) hss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+  }
+  hss = block_sum(hss);  // (its barriers: every thread has read its logit from h before h is written)
+  const float inv = 1.0f / sqrtf(hss / float(D) + rms_eps);
+  float* hs = h + int64_t(s) * D;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int j = tid + v * kEnterHThreads;
+    if (j >= D4) continue;
+    const float4 w = *reinterpret_cast<const float4*>(norm_w + 4 * j);
+    *reinterpret_cast<float4*>(hs + 4 * j) =
+        make_float4((hv[v].x * inv) * w.x, (hv[v].y * inv) * w.y, (hv[v].z * inv) * w.z, (hv[v].w * inv) * w.w);
+  }
+}
+
+// post and comb from the scaled logits hyper_enter_h_kernel left in them, in place: a warp (block) per token.
+__global__ void hyper_weights_inplace_kernel(int n, const float* scale, const float* base, float hc_eps,
+                                             int sinkhorn_iters, float* post, float* comb) {
+  pdl_enter();
+  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
+  const int s = blockIdx.x, nn = n * n;
+  for (int kk = threadIdx.x; kk < (2 + n) * n; kk += 32)
+    m_s[kk] = kk < n ? 0.0f : kk < 2 * n ? post[int64_t(s) * n + kk - n] : comb[int64_t(s) * nn + kk - 2 * n];
+  __syncwarp();
+  mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post + int64_t(s) * n, comb + int64_t(s) * nn);
+}
+
 // Decode (few tokens): grid (x, S) over the partial sums hyper_dot_kernel left in part (the mix logits, then the
 // n(n+1)/2 stream products X_i . X_j). Blocks below h_blocks make h over their share of D (its norm is
 // sum_ij pre_i pre_j X_i . X_j, so no block waits for another); a block at h_blocks makes post and comb (the Sinkhorn
@@ -515,6 +590,35 @@ __global__ void hyper_leave_kernel(float* x, const float* y, const float* post, 
   }
 }
 
+// The same with 4 adjacent values per thread (D % 4 == 0, 16-byte aligned rows), post and comb read once.
+__global__ void __launch_bounds__(kThreads)
+    hyper_leave4_kernel(float* x, const float* y, const float* post, const float* comb, int n, int D) {
+  pdl_enter();
+  const int s = blockIdx.y, d = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  if (d >= D) return;
+  float* X = x + int64_t(s) * n * D + d;
+  const float* ps = post + int64_t(s) * n;
+  const float* cs = comb + int64_t(s) * n * n;
+  float4 old[kStepMaxStreams];
+#pragma unroll
+  for (int i = 0; i < kStepMaxStreams; ++i)
+    if (i < n) old[i] = *reinterpret_cast<const float4*>(X + int64_t(i) * D);
+  const float4 yv = *reinterpret_cast<const float4*>(y + int64_t(s) * D + d);
+#pragma unroll
+  for (int j = 0; j < kStepMaxStreams; ++j) {
+    if (j >= n) break;
+    const float p = ps[j];
+    float4 v = make_float4(p * yv.x, p * yv.y, p * yv.z, p * yv.w);
+#pragma unroll
+    for (int i = 0; i < kStepMaxStreams; ++i)
+      if (i < n) {
+        const float c = cs[i * n + j];
+        v.x += c * old[i].x, v.y += c * old[i].y, v.z += c * old[i].z, v.w += c * old[i].w;
+      }
+    *reinterpret_cast<float4*>(X + int64_t(j) * D) = v;
+  }
+}
+
 __global__ void hyper_expand_kernel(const float* e, int n, int D, float* x) {
   pdl_enter();
   const int s = blockIdx.y;
@@ -636,10 +740,25 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
-    // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel, for comparisons)
-    static const bool regs_on = env_choice("MOESRV_MHC_ENTER_REGS", 0, 1, 1) != 0;
+    // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel; 1: hyper_enter_regs_kernel, the weights in the same
+    // block; for comparisons)
+    static const int regs = env_choice("MOESRV_MHC_ENTER_REGS", 0, 2, 2);
+    const int NV = ceil_div(D / 4, kEnterHThreads);
+    auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (regs == 2 && n <= 4 && D % 4 == 0 && NV <= kEnterHMaxVec && al(x) && al(h) && al(norm_w)) {
+      auto go = [&](auto kernel) {
+        launch(kernel, S, kEnterHThreads, 0, st, x, n, D, scale, base, norm_w, rms_eps, hc_eps, h, post, comb);
+      };
+      if (NV == 1) go(hyper_enter_h_kernel<1>);
+      else if (NV == 2) go(hyper_enter_h_kernel<2>);
+      else go(hyper_enter_h_kernel<4>);
+      MOESRV_CUDA_LAUNCH_CHECK();
+      launch(hyper_weights_inplace_kernel, S, 32, 0, st, n, scale, base, hc_eps, sinkhorn_iters, post, comb);
+      MOESRV_CUDA_LAUNCH_CHECK();
+      return false;
+    }
     const int Q = (D + kEnterThreads - 1) / kEnterThreads;
-    if (regs_on && n <= 4 && Q <= 4) {
+    if (regs != 0 && n <= 4 && Q <= 4) {
       auto go = [&](auto kernel) {
         launch(kernel, S, kEnterThreads, 0, st, x, n, D, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
                comb);
@@ -663,8 +782,13 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st) {
   check_streams(n, "hyper_leave");
   if (S <= 0) return;
-  launch(hyper_leave_kernel, dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st, x, y, post, comb, n,
-         D);
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (n <= kStepMaxStreams && D % 4 == 0 && al(x) && al(y))
+    launch(hyper_leave4_kernel, dim3(unsigned(ceil_div(D / 4, kThreads)), unsigned(S)), kThreads, 0, st, x, y, post,
+           comb, n, D);
+  else
+    launch(hyper_leave_kernel, dim3(unsigned(ceil_div(D, kThreads)), unsigned(S)), kThreads, 0, st, x, y, post, comb, n,
+           D);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

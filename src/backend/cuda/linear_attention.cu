@@ -33,6 +33,52 @@ __global__ void conv1d_silu_kernel(const float* x, int64_t x_stride, int T, int 
   }
 }
 
+// The same sums for prefill: a thread owns 4 adjacent channels of kConvTokens consecutive tokens and slides the
+// window of its last K inputs through registers, so each input row is read about once (the kernel above re-reads
+// it K times and spends most of its time on 64-bit index division). x, y, the state and x_stride are 16-byte aligned
+// with C % 4 == 0 (conv_vec_ok). Same products in the same order as conv1d_silu_kernel: bit-identical.
+constexpr int kConvTokens = 16, kConvThreads = 128;
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv1d_silu_vec_kernel(const float* x, int64_t x_stride, int T, int C,
+                                                                       const float* w, const float* state, float* y) {
+  pdl_enter();
+  constexpr int P = K - 1;
+  const int c = (blockIdx.x * kConvThreads + threadIdx.x) * 4, t0 = blockIdx.y * kConvTokens;
+  if (c >= C) return;
+  float wk[4][K];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int j = 0; j < K; ++j) wk[q][j] = w[int64_t(c + q) * K + j];
+  auto input = [&](int i) {  // input row i at channels c..c+3; < 0 reads the carried state
+    return *reinterpret_cast<const float4*>(i < 0 ? state + int64_t(P + i) * C + c : x + int64_t(i) * x_stride + c);
+  };
+  float4 win[K];  // win[j] = input row t - P + j
+#pragma unroll
+  for (int j = 0; j < P; ++j) win[j] = input(t0 - P + j);
+  const int t1 = min(T, t0 + kConvTokens);
+  for (int t = t0; t < t1; ++t) {
+    win[P] = input(t);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const float v[4] = {win[j].x, win[j].y, win[j].z, win[j].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[q] += wk[q][j] * v[q];
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] = acc[q] / (1.0f + expf(-acc[q]));
+    *reinterpret_cast<float4*>(y + int64_t(t) * C + c) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+    for (int j = 0; j < P; ++j) win[j] = win[j + 1];
+  }
+}
+
+bool conv_vec_ok(const float* x, int64_t x_stride, int C, const float* state, const float* y) {
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return C % 4 == 0 && x_stride % 4 == 0 && al(x) && al(state) && al(y);
+}
+
 __global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int C, int K, float* state) {
   pdl_enter();
   const int P = K - 1;
@@ -374,7 +420,15 @@ void causal_conv1d_silu(const float* x, int64_t x_stride, int T, int C, const fl
                         cudaStream_t st) {
   if (T <= 0 || C <= 0) return;
   if (K < 1) throw std::runtime_error("causal_conv1d_silu: kernel size " + std::to_string(K));
-  launch(conv1d_silu_kernel, grid_1d(int64_t(T) * C, 256), 256, 0, st, x, x_stride, T, C, w, K, state, y);
+  if (K >= 2 && K <= 4 && conv_vec_ok(x, x_stride, C, state, y)) {
+    const dim3 grid(unsigned(ceil_div(C / 4, kConvThreads)), unsigned(ceil_div(T, kConvTokens)));
+    auto go = [&](auto kernel) { launch(kernel, grid, kConvThreads, 0, st, x, x_stride, T, C, w, state, y); };
+    if (K == 2) go(conv1d_silu_vec_kernel<2>);
+    else if (K == 3) go(conv1d_silu_vec_kernel<3>);
+    else go(conv1d_silu_vec_kernel<4>);
+  } else {
+    launch(conv1d_silu_kernel, grid_1d(int64_t(T) * C, 256), 256, 0, st, x, x_stride, T, C, w, K, state, y);
+  }
   MOESRV_CUDA_LAUNCH_CHECK();
   if (K == 1) return;
   launch(conv1d_state_kernel, grid_1d(C, 256), 256, 0, st, x, x_stride, T, C, K, state);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/kernels.h"
@@ -267,26 +268,43 @@ __global__ void expert_gemv_kernel(const float* x, int64_t x_stride, int x_div, 
   if ((threadIdx.x & 31) == 0) y[int64_t(entry) * rows + row] = v;
 }
 
-__global__ void combine_kernel(float* out, const float* y, const int32_t* rowmap, const float* weights,
-                               const float* extra, int k, int D, bool overwrite, int row_lo, int row_hi,
-                               const int32_t* tokens) {
+// Block (column chunk, token): the token's k entries (row, weight) go to shared memory once, then each thread adds
+// V adjacent columns at a time (V = 4: 16-byte rows). The sums run in entry order, as the CPU's.
+constexpr int kCombineThreads = 256, kCombineMaxK = 64;
+__device__ __forceinline__ float vec_add(float a, float b) { return a + b; }
+__device__ __forceinline__ float4 vec_add(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+__device__ __forceinline__ float vec_fma(float w, float y, float v) { return fmaf(w, y, v); }
+__device__ __forceinline__ float4 vec_fma(float w, float4 y, float4 v) {
+  return make_float4(fmaf(w, y.x, v.x), fmaf(w, y.y, v.y), fmaf(w, y.z, v.z), fmaf(w, y.w, v.w));
+}
+template <int V>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(float* out, const float* y, const int32_t* rowmap, const float* weights, const float* extra, int k,
+                   int D, int cols, bool overwrite, int row_lo, int row_hi, const int32_t* tokens) {
   pdl_enter();
+  using Vec = std::conditional_t<V == 4, float4, float>;
+  __shared__ int row_s[kCombineMaxK];
+  __shared__ float w_s[kCombineMaxK];
   const int s = tokens ? tokens[blockIdx.y] : blockIdx.y;
-  if (!overwrite && !extra) {  // a token with no entry in this wave keeps its row
-    bool any = false;
-    for (int j = 0; j < k; ++j) {
-      const int row = rowmap ? rowmap[s * k + j] : s * k + j;
-      any |= row >= row_lo && row < row_hi;
-    }
-    if (!any) return;
+  bool mine = false;
+  if (threadIdx.x < k) {
+    const int e = s * k + threadIdx.x, row = rowmap ? rowmap[e] : e;
+    mine = row >= row_lo && row < row_hi;
+    row_s[threadIdx.x] = mine ? row - row_lo : -1;
+    w_s[threadIdx.x] = mine ? weights[e] : 0.0f;
   }
-  for (int d = blockIdx.x * blockDim.x + threadIdx.x; d < D; d += gridDim.x * blockDim.x) {
-    float v = (overwrite ? 0.0f : out[int64_t(s) * D + d]) + (extra ? extra[int64_t(s) * D + d] : 0.0f);
-    for (int j = 0; j < k; ++j) {
-      const int e = s * k + j, row = rowmap ? rowmap[e] : e;
-      if (row >= row_lo && row < row_hi) v += weights[e] * y[int64_t(row - row_lo) * D + d];
-    }
-    out[int64_t(s) * D + d] = v;
+  // a token with no entry in this wave keeps its row
+  if (!__syncthreads_or(mine) && !overwrite && !extra) return;
+  const int d1 = min(D, (blockIdx.x + 1) * cols);
+  for (int d = blockIdx.x * cols + threadIdx.x * V; d < d1; d += kCombineThreads * V) {
+    const int64_t o = int64_t(s) * D + d;
+    Vec v = overwrite ? Vec{} : *reinterpret_cast<const Vec*>(out + o);
+    if (extra) v = vec_add(v, *reinterpret_cast<const Vec*>(extra + o));
+    for (int j = 0; j < k; ++j)
+      if (const int r = row_s[j]; r >= 0) v = vec_fma(w_s[j], *reinterpret_cast<const Vec*>(y + int64_t(r) * D + d), v);
+    *reinterpret_cast<Vec*>(out + o) = v;
   }
 }
 
@@ -377,8 +395,18 @@ void moe_combine(float* out, const float* y, const int32_t* rowmap, const float*
   const int blocks_y = tokens ? n_tokens : S;
   if (S <= 0 || blocks_y <= 0) return;
   if (row_lo < 0) throw std::runtime_error("moe_combine: negative first row");
-  launch(combine_kernel, dim3(unsigned(ceil_div(D, 256)), unsigned(blocks_y)), 256, 0, st, out, y, rowmap, weights,
-         extra, k, D, overwrite, row_lo, row_hi, tokens);
+  if (k < 0 || k > kCombineMaxK) throw std::runtime_error("moe_combine: " + std::to_string(k) + " entries per token");
+  auto al = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = D % 4 == 0 && al(out) && al(y) && al(extra);
+  // a block per token and column chunk: a few chunks of a row when tokens are few (decode), the whole row otherwise
+  const int cols = blocks_y >= 256 ? D : kCombineThreads * (vec ? 4 : 1);
+  const dim3 grid(unsigned(ceil_div(D, cols)), unsigned(blocks_y));
+  if (vec)
+    launch(combine_kernel<4>, grid, kCombineThreads, 0, st, out, y, rowmap, weights, extra, k, D, cols, overwrite,
+           row_lo, row_hi, tokens);
+  else
+    launch(combine_kernel<1>, grid, kCombineThreads, 0, st, out, y, rowmap, weights, extra, k, D, cols, overwrite,
+           row_lo, row_hi, tokens);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
