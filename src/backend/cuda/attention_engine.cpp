@@ -4,6 +4,7 @@
 #if defined(MOESRV_HAS_CUDA) && MOESRV_HAS_CUDA
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "backend/cuda/cuda_blocks.h"
 
@@ -132,36 +133,58 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     const int32_t* pos = slice_pos0(s0);
     // Absorption: per-head kernels for a few tokens (graph-captured decode), per-head fp32 GEMMs for more (prefill).
     const bool gemm = n > kMlaSplitMaxTokens;
-    float* wf = s.w_absorb.as<float>();
     const float one = 1.0f, zero = 0.0f;
     phase(CudaPhase::AttnAbsorb);
-    // The absorption GEMMs run per head over the n tokens: fp32 in cuBLAS's SIMT kernels, or (tf32, the default
-    // where the scratch fits) as two TF32 tensor-core GEMMs: W (bf16, exact in TF32) times the activations' TF32 part,
-    // then times their remainder, accumulated (MOESRV_MLA_ABSORB_TF32=0: the fp32 GEMMs).
-    static const bool tf32_env = switch_on("MOESRV_MLA_ABSORB_TF32");
-    auto absorb = [&](cublasOperation_t op_w, int m, int k, const float* w, int ldw, int64_t w_stride, float* x,
-                      int ldx, int64_t x_stride, float* lo, bool tf32, float* out, int ldo, int64_t o_stride) {
-      if (!tf32) {
-        MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, w, ldw, w_stride, x, ldx,
+    // The absorption GEMMs run per head over the n tokens (MOESRV_MLA_ABSORB picks the form, for comparisons):
+    //   2 (default where the scratch fits): one bf16 GEMM over a doubled K, [W | W] . [x_hi ; x_lo] (split_bf16x2:
+    //     x to ~16 bits, the weights are bf16 already);
+    //   1: two TF32 GEMMs, W (exact in TF32) times x's TF32 part, then times its remainder (split_tf32);
+    //   0: fp32 in cuBLAS's SIMT kernels (~8x slower than 2 at 2K tokens x 64 heads).
+    // w: the bf16 weights, `reps` rows of `row` values per head-batch layout (the copies for 2 go to w_absorb);
+    // x: n x H rows of k values, x_stride apart (x_ld between tokens); xs: the split's scratch (n H k floats).
+    static const int absorb_form = [] {
+      const char* v = std::getenv("MOESRV_MLA_ABSORB");
+      const int f = v && v[0] ? std::atoi(v) : 2;
+      return f >= 0 && f <= 2 ? f : 2;
+    }();
+    auto absorb = [&](cublasOperation_t op_w, int m, int k, const uint16_t* w, int64_t reps, int64_t row, int ldw,
+                      int64_t w_stride, float* x, int ldx, int64_t x_stride, float* xs, size_t xs_bytes, float* out,
+                      int ldo, int64_t o_stride) {
+      const int form = xs_bytes >= size_t(n) * H * k * 4 ? absorb_form : 0;
+      if (form == 2) {
+        uint16_t* w2 = s.w_absorb.as<uint16_t>();  // each row of `row` values twice: [W | W] along K
+        for (int half = 0; half < 2; ++half)
+          MOESRV_CUDA_OK(cudaMemcpy2DAsync(w2 + half * row, size_t(2 * row) * 2, w, size_t(row) * 2, size_t(row) * 2,
+                                           size_t(reps), cudaMemcpyDeviceToDevice, stream));
+        uint16_t* x2 = reinterpret_cast<uint16_t*>(xs);
+        split_bf16x2(x, int64_t(n) * H, k, x_stride, x2, stream);
+        MOESRV_CUBLAS_OK(cublasGemmStridedBatchedEx(cublas, op_w, CUBLAS_OP_N, m, n, 2 * k, &one, w2, CUDA_R_16BF,
+                                                    op_w == CUBLAS_OP_N ? ldw : 2 * ldw, 2 * w_stride, x2, CUDA_R_16BF,
+                                                    H * 2 * k, 2 * k, &zero, out, CUDA_R_32F, ldo, o_stride, H,
+                                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        return;
+      }
+      float* wf = s.w_absorb.as<float>();
+      from_bf16(w, int64_t(H) * w_stride, wf, stream);
+      if (form == 0) {
+        MOESRV_CUBLAS_OK(cublasSgemmStridedBatched(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, wf, ldw, w_stride, x, ldx,
                                                    x_stride, &zero, out, ldo, o_stride, H));
         return;
       }
-      split_tf32(x, int64_t(n) * H, k, x_stride, lo, k, stream);  // x's rows: [t][h], x_stride apart
+      split_tf32(x, int64_t(n) * H, k, x_stride, x, x_stride, xs, k, stream);
       for (int part = 0; part < 2; ++part)
-        MOESRV_CUBLAS_OK(cublasGemmStridedBatchedEx(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, w, CUDA_R_32F, ldw,
-                                                    w_stride, part ? lo : x, CUDA_R_32F, part ? H * k : ldx,
+        MOESRV_CUBLAS_OK(cublasGemmStridedBatchedEx(cublas, op_w, CUBLAS_OP_N, m, n, k, &one, wf, CUDA_R_32F, ldw,
+                                                    w_stride, part ? xs : x, CUDA_R_32F, part ? H * k : ldx,
                                                     part ? k : x_stride, part ? &one : &zero, out, CUDA_R_32F, ldo,
                                                     o_stride, H, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
     };
     if (gemm) {  // qcat[t][h][:r] = q[t][h][:dn] . W_uk[h] ([dn][r]); the rope part copied
-      from_bf16(a.w_uk.as<uint16_t>(), int64_t(H) * dn * r, wf, stream);
-      // q_nope's remainder in olat (free until attend writes it); the rope part is copied before the split
+      // the split's scratch: olat (free until attend writes it); the rope part is copied before the split
       if (dr > 0)
         MOESRV_CUDA_OK(cudaMemcpy2DAsync(s.qcat.as<float>() + r, size_t(lat) * 4, q + s0 * H * qk + dn, size_t(qk) * 4,
                                          size_t(dr) * 4, size_t(n) * H, cudaMemcpyDeviceToDevice, stream));
-      const bool tf32 = tf32_env && s.olat.bytes() >= size_t(n) * H * dn * 4;
-      absorb(CUBLAS_OP_N, r, dn, wf, r, int64_t(dn) * r, q + s0 * H * qk, H * qk, qk, s.olat.as<float>(), tf32,
-             s.qcat.as<float>(), H * lat, lat);
+      absorb(CUBLAS_OP_N, r, dn, a.w_uk.as<uint16_t>(), H, int64_t(dn) * r, r, int64_t(dn) * r, q + s0 * H * qk, H * qk,
+             qk, s.olat.as<float>(), s.olat.bytes(), s.qcat.as<float>(), H * lat, lat);
     } else {
       mla_query(q + s0 * H * qk, a.w_uk.as<uint16_t>(), n, H, dn, dr, r, s.qcat.as<float>(), stream);
     }
@@ -170,11 +193,9 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     attend(n, s0, pos);
     phase(CudaPhase::AttnAbsorb);
     if (gemm) {  // out[t][h] = W_uv[h] ([dv][r]) . olat[t][h]
-      from_bf16(a.w_uv.as<uint16_t>(), int64_t(H) * dv * r, wf, stream);
-      // olat's remainder in qcat (attend has read it)
-      const bool tf32 = tf32_env && s.qcat.bytes() >= size_t(n) * H * r * 4;
-      absorb(CUBLAS_OP_T, dv, r, wf, r, int64_t(dv) * r, s.olat.as<float>(), H * r, r, s.qcat.as<float>(), tf32,
-             s.attn_out.as<float>() + s0 * H * dv, H * dv, dv);
+      // the split's scratch: qcat (attend has read it)
+      absorb(CUBLAS_OP_T, dv, r, a.w_uv.as<uint16_t>(), int64_t(H) * dv, r, r, int64_t(dv) * r, s.olat.as<float>(),
+             H * r, r, s.qcat.as<float>(), s.qcat.bytes(), s.attn_out.as<float>() + s0 * H * dv, H * dv, dv);
     } else {
       mla_output(s.olat.as<float>(), a.w_uv.as<uint16_t>(), n, H, dv, r, s.attn_out.as<float>() + s0 * H * dv, stream);
     }

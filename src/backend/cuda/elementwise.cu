@@ -120,15 +120,27 @@ __global__ void from_bf16_kernel(const uint16_t* x, int64_t n, float* y) {
     y[i] = bf16_to_f32(x[i]);
 }
 
-// x = hi + lo, hi = x rounded to TF32's 10-bit mantissa (to nearest, ties away): hi in place, lo = x - hi (exact).
-__global__ void split_tf32_kernel(float* x, int64_t rows, int cols, int64_t x_ld, float* lo, int64_t lo_ld) {
+// x = hi + lo, hi = x rounded to TF32's 10-bit mantissa (to nearest, ties away), lo = x - hi (exact); hi may be x.
+__global__ void split_tf32_kernel(const float* x, int64_t rows, int cols, int64_t x_ld, float* hi, int64_t hi_ld,
+                                  float* lo, int64_t lo_ld) {
   pdl_enter();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-      float* p = x + r * x_ld + c;
-      const float v = *p, hi = __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
-      *p = hi;
-      lo[r * lo_ld + c] = v - hi;
+      const float v = x[r * x_ld + c], h = __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
+      hi[r * hi_ld + c] = h;
+      lo[r * lo_ld + c] = v - h;
+    }
+}
+
+// Row r of x (cols values) -> out row r: [bf16(x) | bf16(x - bf16(x))] (2 cols values).
+__global__ void split_bf16x2_kernel(const float* x, int64_t rows, int cols, int64_t x_ld, uint16_t* out) {
+  pdl_enter();
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = x[r * x_ld + c];
+      const uint16_t hi = f32_to_bf16(v);
+      out[r * 2 * cols + c] = hi;
+      out[r * 2 * cols + cols + c] = f32_to_bf16(v - bf16_to_f32(hi));
     }
 }
 
@@ -275,9 +287,16 @@ void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st) {
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
-void split_tf32(float* x, int64_t rows, int cols, int64_t x_ld, float* lo, int64_t lo_ld, cudaStream_t st) {
+void split_tf32(const float* x, int64_t rows, int cols, int64_t x_ld, float* hi, int64_t hi_ld, float* lo,
+                int64_t lo_ld, cudaStream_t st) {
   if (rows <= 0 || cols <= 0) return;
-  launch(split_tf32_kernel, int(std::min<int64_t>(rows, 65535)), 256, 0, st, x, rows, cols, x_ld, lo, lo_ld);
+  launch(split_tf32_kernel, int(std::min<int64_t>(rows, 65535)), 256, 0, st, x, rows, cols, x_ld, hi, hi_ld, lo, lo_ld);
+  MOESRV_CUDA_LAUNCH_CHECK();
+}
+
+void split_bf16x2(const float* x, int64_t rows, int cols, int64_t x_ld, uint16_t* out, cudaStream_t st) {
+  if (rows <= 0 || cols <= 0) return;
+  launch(split_bf16x2_kernel, int(std::min<int64_t>(rows, 65535)), 256, 0, st, x, rows, cols, x_ld, out);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 

@@ -107,24 +107,35 @@ __device__ __forceinline__ void rotate_out_warp(const Exl3Dev& w, const Exl3Grou
     if (e + i < w.out) y[e + i] = v[i] * __half2float(svh[e + i]) + (bias ? bias[e + i] : 0.f);
 }
 
-// out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, one 128-block each.
-template <bool kHalfOut>
+// out[row] = H(x[src row] ⊙ suh) over in_pad (zero beyond the logical `in`). 4 warps per block, P 128-blocks per
+// warp (its loads issued together, the row's table lookups made once: with one block per warp, rows of 8K tokens
+// ran as tens of thousands of tiny blocks bound by those lookups' latency).
+template <bool kHalfOut, int P>
 __global__ void rotate_in_kernel(RotArgs a) {
   pdl_enter();
-  const int dim = a.w.in_pad, lane = threadIdx.x & 31, blk = blockIdx.x * 4 + (threadIdx.x >> 5), row = blockIdx.y;
+  const int dim = a.w.in_pad, lane = threadIdx.x & 31, blk0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * P;
+  const int row = blockIdx.y;
   if (a.zero)  // the blocks of this row share its GEMV output row
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.w.out_pad; i += gridDim.x * blockDim.x)
       a.zero[size_t(row) * a.w.out_pad + i] = 0.f;
-  if (blk * 128 >= dim) return;
-  const int e = blk * 128 + lane * 4;
-  float4 h = scaled_in4(a.w, a.src, row_in(a.w, a.g, a.src, row), e);
-  hadamard128_lane(h, lane);
-  if constexpr (kHalfOut) {
-    half2* o = reinterpret_cast<half2*>(static_cast<half*>(a.out) + size_t(row) * dim + e);
-    o[0] = __floats2half2_rn(h.x, h.y);
-    o[1] = __floats2half2_rn(h.z, h.w);
-  } else {
-    *reinterpret_cast<float4*>(static_cast<float*>(a.out) + size_t(row) * dim + e) = h;
+  if (blk0 * 128 >= dim) return;
+  const RowIn rin = row_in(a.w, a.g, a.src, row);
+  float4 h[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i)
+    if ((blk0 + i) * 128 < dim) h[i] = scaled_in4(a.w, a.src, rin, (blk0 + i) * 128 + lane * 4);
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    if ((blk0 + i) * 128 >= dim) break;  // (warp-uniform: the Hadamard's shuffles see every lane)
+    const int e = (blk0 + i) * 128 + lane * 4;
+    hadamard128_lane(h[i], lane);
+    if constexpr (kHalfOut) {
+      half2* o = reinterpret_cast<half2*>(static_cast<half*>(a.out) + size_t(row) * dim + e);
+      o[0] = __floats2half2_rn(h[i].x, h[i].y);
+      o[1] = __floats2half2_rn(h[i].z, h[i].w);
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(a.out) + size_t(row) * dim + e) = h[i];
+    }
   }
 }
 
@@ -1138,9 +1149,12 @@ void exl3_rotate_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh,
   check_shape(w);
   if (n <= 0) return;
   RotArgs a{w, g, src, nullptr, nullptr, 0, nullptr, xh, zero_yr, 1};
-  const dim3 grid((w.in_pad / 128 + 3) / 4, n);
-  if (half_out) launch(rotate_in_kernel<true>, grid, 128, 0, static_cast<cudaStream_t>(stream), a);
-  else launch(rotate_in_kernel<false>, grid, 128, 0, static_cast<cudaStream_t>(stream), a);
+  // many rows (prefill): 4 128-blocks per warp; few (decode): one, so a row's blocks spread over more SMs
+  const int blks = w.in_pad / 128, per = n >= 64 ? 4 : 1;
+  const dim3 grid(unsigned(ceil_div(blks, 4 * per)), unsigned(n));
+  auto go = [&](auto kernel) { launch(kernel, grid, 128, 0, static_cast<cudaStream_t>(stream), a); };
+  if (per == 4) half_out ? go(rotate_in_kernel<true, 4>) : go(rotate_in_kernel<false, 4>);
+  else half_out ? go(rotate_in_kernel<true, 1>) : go(rotate_in_kernel<false, 1>);
   EXL3_CHECK(cudaGetLastError());
 }
 

@@ -179,9 +179,30 @@ void CudaEngine::Impl::route_rows(const DevMoe& m, int64_t S, const RouterArgs& 
     return;
   }
   const float one = 1.0f, zero = 0.0f;
-  MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
-                               int(D), &zero, s.logits_r.as<float>(), int(E)));
-  route(s.logits_r.as<float>(), m.router_bias.as<float>(), int(S), ra, ids, weights, stream);
+  float* logits = s.logits_r.as<float>();
+  // Many rows (prefill): fp32 accuracy on TF32 tensor cores, as W_lo h_hi + W_hi h_lo + W_hi h_hi (split_tf32; the
+  // dropped W_lo h_lo is ~2^-22 of the logit), the parts in ysorted (free until the experts run), h in slices of
+  // the rows that fit; MOESRV_ROUTER_TF32=0: one fp32 GEMM (cuBLAS's SIMT kernels, ~6x slower at 4K rows).
+  static const bool tf32_env = switch_on("MOESRV_ROUTER_TF32");
+  const int64_t room = int64_t(s.ysorted.bytes() / 4) - 2 * E * D, slice = std::min(S, room / (2 * D));
+  if (tf32_env && S >= 16 && slice >= 16) {  // (16: the tiny models' 40-token prefills take it too)
+    float *wh = s.ysorted.as<float>(), *wl = wh + E * D, *hh = wl + E * D, *hl = hh + slice * D;
+    split_tf32(router, E, int(D), D, wh, D, wl, D, stream);
+    for (int64_t r0 = 0; r0 < S; r0 += slice) {
+      const int64_t rows = std::min(slice, S - r0);
+      split_tf32(h + r0 * D, rows, int(D), D, hh, D, hl, D, stream);
+      const float* parts[3][2] = {{wl, hh}, {wh, hl}, {wh, hh}};
+      for (int p = 0; p < 3; ++p)
+        MOESRV_CUBLAS_OK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(rows), int(D), &one, parts[p][0],
+                                      CUDA_R_32F, int(D), parts[p][1], CUDA_R_32F, int(D), p ? &one : &zero,
+                                      logits + r0 * E, CUDA_R_32F, int(E), CUBLAS_COMPUTE_32F_FAST_TF32,
+                                      CUBLAS_GEMM_DEFAULT));
+    }
+  } else {
+    MOESRV_CUBLAS_OK(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(E), int(S), int(D), &one, router, int(D), h,
+                                 int(D), &zero, logits, int(E)));
+  }
+  route(logits, m.router_bias.as<float>(), int(S), ra, ids, weights, stream);
 }
 
 // Routes this layer's MoE input (s.h, S <= kRouteFusedMaxTokens rows) through the next MoE layer's router into

@@ -40,10 +40,14 @@ void silu_mul_clamped(const float* gu, int rows, int I, float limit, float* out,
 void sigmoid_gate_rows(float* x, const float* gate, int64_t gate_stride, int rows, int n, cudaStream_t st);
 void to_bf16(const float* x, int64_t n, uint16_t* y, cudaStream_t st);
 void from_bf16(const uint16_t* x, int64_t n, float* y, cudaStream_t st);
-// x = hi + lo with hi exactly representable in TF32 (10-bit mantissa): hi in place, lo = x - hi into `lo`; rows of
-// `cols` values, x_ld / lo_ld apart. A GEMM whose other operand is TF32-exact (bf16 weights) then runs as two TF32
-// GEMMs (hi, then lo accumulated) at about fp32 accuracy.
-void split_tf32(float* x, int64_t rows, int cols, int64_t x_ld, float* lo, int64_t lo_ld, cudaStream_t st);
+// x = hi + lo with hi exactly representable in TF32 (10-bit mantissa) and lo = x - hi; rows of `cols` values, x_ld /
+// hi_ld / lo_ld apart (hi may be x: in place). A GEMM then runs on TF32 tensor cores at about fp32 accuracy as
+// W hi + W lo when W is TF32-exact (bf16 weights), else as W_hi hi + W_hi lo + W_lo hi.
+void split_tf32(const float* x, int64_t rows, int cols, int64_t x_ld, float* hi, int64_t hi_ld, float* lo,
+                int64_t lo_ld, cudaStream_t st);
+// out row r (2 cols bf16 values, rows 2 cols apart) = [hi | lo], hi = bf16(x[r]), lo = bf16(x[r] - hi): x to ~16 bits
+// as two bf16 parts, so that W x (W bf16) is one bf16 GEMM over the doubled K against [W | W].
+void split_bf16x2(const float* x, int64_t rows, int cols, int64_t x_ld, uint16_t* out, cudaStream_t st);
 // y[t][o] = w[o] . x[t] (+ bias[o]) for n <= kBf16GemvMaxRows tokens: bf16 weights [out][in], fp32 inputs, one
 // launch (the decode path of bf16 linears; more rows go through cuBLAS).
 constexpr int kBf16GemvMaxRows = 8;
