@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <numeric>
@@ -1099,6 +1100,59 @@ TEST(CudaGlm5NextKernels, SiluMulClamped) {
     cuda::silu_mul_clamped(dgu.get(), rows, I, limit, dout.get(), nullptr);
     EXPECT_LT(rel_err(dout.host(), ref), 1e-6) << "limit " << limit;
   }
+}
+
+// ---------------------------------------------------------------- operand splits for tensor-core GEMMs
+
+// split_tf32: hi has TF32's 10-bit mantissa (the low 13 bits zero), hi + lo == x exactly, hi is x rounded to nearest
+// (|lo| <= half a TF32 ulp); in place and into other rows; split_bf16x2: [hi | lo] rows, hi = bf16(x), lo =
+// bf16(x - hi), so hi + lo is x to ~2^-16. Strided rows (the absorption splits q's first dn values of each head).
+TEST(CudaGlm5NextKernels, TensorCoreOperandSplits) {
+  SKIP_WITHOUT_DEVICE();
+  const int rows = 37, cols = 300, ld = 320;
+  std::vector<float> x = uniform(size_t(rows) * ld, -3.0f, 3.0f, 123);
+  for (size_t i = 0; i < x.size(); i += 7) x[i] *= 1e-6f;  // small magnitudes too
+  x[0] = 0.0f, x[1] = -0.0f, x[2] = 1.0f;
+  auto bits = [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+  };
+  for (bool in_place : {false, true}) {
+    Dev<float> dx(x), dhi(size_t(rows) * cols), dlo(size_t(rows) * cols);
+    float* hi_p = in_place ? dx.get() : dhi.get();
+    cuda::split_tf32(dx.get(), rows, cols, ld, hi_p, in_place ? ld : cols, dlo.get(), cols, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> hx = dx.host(), hh = dhi.host(), hl = dlo.host();
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        const float v = x[size_t(r) * ld + c];
+        const float h = in_place ? hx[size_t(r) * ld + c] : hh[size_t(r) * cols + c], l = hl[size_t(r) * cols + c];
+        ASSERT_EQ(bits(h) & 0x1fffu, 0u) << r << " " << c;
+        ASSERT_EQ(h + l, v) << r << " " << c;
+        ASSERT_LE(std::fabs(l), std::ldexp(std::fabs(v), -11)) << r << " " << c;
+      }
+    if (!in_place) {  // the rows past cols are left alone
+      for (int r = 0; r < rows; ++r) ASSERT_EQ(hx[size_t(r) * ld + cols], x[size_t(r) * ld + cols]);
+    }
+  }
+  Dev<float> dx(x);
+  Dev<uint16_t> d2(size_t(rows) * 2 * cols);
+  cuda::split_bf16x2(dx.get(), rows, cols, ld, d2.get(), nullptr);
+  const std::vector<uint16_t> h2 = d2.host();
+  auto bf = [](uint16_t u) {
+    const uint32_t w = uint32_t(u) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const float v = x[size_t(r) * ld + c], h = bf(h2[size_t(r) * 2 * cols + c]);
+      const float l = bf(h2[size_t(r) * 2 * cols + cols + c]);
+      ASSERT_LE(std::fabs(v - h), std::ldexp(std::fabs(v), -8)) << r << " " << c;
+      ASSERT_LE(std::fabs(v - (h + l)), std::ldexp(std::fabs(v), -16)) << r << " " << c;
+    }
 }
 
 // ---------------------------------------------------------------- greedy argmax on the device
