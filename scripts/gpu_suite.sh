@@ -69,8 +69,7 @@
 #   PREFILL_AB=1 scripts/gpu_suite.sh + the all-VRAM slice (PAB_CONTEXTS, default 8K) with the prefill kernels of the
 #                                   twenty-fifth round (default), with its opt-ins (the MLA absorption as one bf16 GEMM
 #                                   MOESRV_MLA_ABSORB=2, the router's logits on TF32 MOESRV_ROUTER_TF32=1, both), and
-#                                   with the opt-outs that have a switch (the mHC entry's one-block form
-#                                   MOESRV_MHC_ENTER_REGS=1, the fp32 MLA absorption MOESRV_MLA_ABSORB=0),
+#                                   with the fp32 MLA absorption (MOESRV_MLA_ABSORB=0),
 #                                   $OUT/pab_NAME.json; ~5 min. Before it, the suites with the opt-ins:
 #                                   MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1 scripts/gpu_suite.sh
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
@@ -291,7 +290,7 @@ if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
 fi
 if [[ ${PREFILL_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-fifth round"
   slices pab_ "${PAB_CONTEXTS:-8192}" 150 "new" "bf16x2 MOESRV_MLA_ABSORB=2" "router MOESRV_ROUTER_TF32=1" \
-    "both MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1" "old MOESRV_MHC_ENTER_REGS=1 MOESRV_MLA_ABSORB=0"
+    "both MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1" "old MOESRV_MLA_ABSORB=0"
 fi
 if [[ ${PREFILL_NCU:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-third round"
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)

@@ -228,62 +228,11 @@ __global__ void __launch_bounds__(kEnterThreads)
   for (int d = tid + kKeep * kEnterThreads; d < D; d += kEnterThreads) hs[d] = (hs[d] * inv) * norm_w[d];
 }
 
-// Prefill after the logits GEMM (h[s][kk] = fn[kk] . X_s, kk < mix): one block per token keeps the token's n <= 4
-// streams in registers (Q = ceil(D / kEnterThreads) <= 4 values each), so X is read once for both X . X and h;
-// otherwise as hyper_enter_kernel (the same sums for h; X . X in another order than hyper_dot_kernel's).
-template <int Q>
-__global__ void __launch_bounds__(kEnterThreads)
-    hyper_enter_regs_kernel(const float* x, int n, int D, const float* scale, const float* base, const float* norm_w,
-                            float rms_eps, float hc_eps, int sinkhorn_iters, float* h, float* post_out,
-                            float* comb_out) {
-  pdl_enter();
-  __shared__ float m_s[(2 + kMaxStreams) * kMaxStreams], pre_s[kMaxStreams];
-  const int s = blockIdx.x, tid = threadIdx.x, mix = (2 + n) * n;
-  const int64_t W = int64_t(n) * D;
-  const float* X = x + s * W;
-  float xv[4][Q], ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int q = 0; q < Q; ++q) {
-      const int d = tid + q * kEnterThreads;
-      xv[i][q] = i < n && d < D ? X[int64_t(i) * D + d] : 0.0f;
-      ss += xv[i][q] * xv[i][q];
-    }
-  ss = block_sum(ss);
-  const float r = 1.0f / sqrtf(ss / float(W) + rms_eps);
-  if (tid < mix) m_s[tid] = h[int64_t(s) * D + tid] * r;
-  __syncthreads();
-  if (tid < 32)
-    mix_weights(m_s, n, scale, base, hc_eps, sinkhorn_iters, pre_s, post_out + int64_t(s) * n,
-                comb_out + int64_t(s) * n * n);
-  __syncthreads();
-  // h = rms_norm(sum_i pre_i X_i) * norm_w
-  float hv[Q], hss = 0.0f;
-#pragma unroll
-  for (int q = 0; q < Q; ++q) {
-    float v = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (i < n) v += pre_s[i] * xv[i][q];
-    hv[q] = v;
-    if (tid + q * kEnterThreads < D) hss += v * v;
-  }
-  hss = block_sum(hss);  // (its barrier: every thread has read its logit from h before h is written)
-  const float inv = 1.0f / sqrtf(hss / float(D) + rms_eps);
-  float* hs = h + int64_t(s) * D;
-#pragma unroll
-  for (int q = 0; q < Q; ++q) {
-    const int d = tid + q * kEnterThreads;
-    if (d < D) hs[d] = (hv[q] * inv) * norm_w[d];
-  }
-}
-
 // Prefill after the logits GEMM, the weights apart: a block of kEnterHThreads per token holds its n <= 4 streams in
 // registers (NV float4 each per thread) and makes r, pre and h; it leaves the scaled post and comb logits in
 // post_out / comb_out, which hyper_weights_inplace_kernel turns into the weights (a warp per token). The block does
-// not wait for the Sinkhorn chain, so an SM keeps several tokens' reads in flight (hyper_enter_regs_kernel's 1024
-// threads ran one chain per token while the other 31 warps waited).
+// not wait for the Sinkhorn chain, so an SM keeps several tokens' reads in flight (the form it replaced, 1024
+// threads per token with the weights in the block, ran one chain per token while the other 31 warps waited).
 constexpr int kEnterHThreads = 256, kEnterHMaxVec = 4;
 template <int NV>
 __global__ void __launch_bounds__(kEnterHThreads)
@@ -740,12 +689,13 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
     if (cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, mix, S, int(W), &one, fn, int(W), x, int(W), &zero, h, D) !=
         CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("hyper_enter: cublasSgemm failed");
-    // (MOESRV_MHC_ENTER_REGS=0: X . X by hyper_dot_kernel; 1: hyper_enter_regs_kernel, the weights in the same
-    // block; for comparisons)
-    static const int regs = env_choice("MOESRV_MHC_ENTER_REGS", 0, 2, 2);
+    // h by hyper_enter_h_kernel, the weights by hyper_weights_inplace_kernel; where they do not apply (more than 4
+    // streams, D > 4096, unaligned rows) or with MOESRV_MHC_ENTER_REGS=0 (comparisons), X . X by hyper_dot_kernel and
+    // the rest by hyper_enter_kernel. (Session 33 removed the form between them, one 1024-thread block per token
+    // with the weights in it: 490 us at 4K tokens against 131 + 19, docs/perf-cuda.md, twenty-fifth round.)
+    static const bool regs = env_choice("MOESRV_MHC_ENTER_REGS", 0, 1, 1) != 0;
     const int NV = ceil_div(D / 4, kEnterHThreads);
-    auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (regs == 2 && n <= 4 && D % 4 == 0 && NV <= kEnterHMaxVec && al(x) && al(h) && al(norm_w)) {
+    if (regs && n <= 4 && D % 4 == 0 && NV <= kEnterHMaxVec && aligned16(x) && aligned16(h) && aligned16(norm_w)) {
       auto go = [&](auto kernel) {
         launch(kernel, S, kEnterHThreads, 0, st, x, n, D, scale, base, norm_w, rms_eps, hc_eps, h, post, comb);
       };
@@ -754,18 +704,6 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
       else go(hyper_enter_h_kernel<4>);
       MOESRV_CUDA_LAUNCH_CHECK();
       launch(hyper_weights_inplace_kernel, S, 32, 0, st, n, scale, base, hc_eps, sinkhorn_iters, post, comb);
-      MOESRV_CUDA_LAUNCH_CHECK();
-      return false;
-    }
-    const int Q = (D + kEnterThreads - 1) / kEnterThreads;
-    if (regs != 0 && n <= 4 && Q <= 4) {
-      auto go = [&](auto kernel) {
-        launch(kernel, S, kEnterThreads, 0, st, x, n, D, scale, base, norm_w, rms_eps, hc_eps, sinkhorn_iters, h, post,
-               comb);
-      };
-      if (Q == 1) go(hyper_enter_regs_kernel<1>);
-      else if (Q == 2) go(hyper_enter_regs_kernel<2>);
-      else go(hyper_enter_regs_kernel<4>);
       MOESRV_CUDA_LAUNCH_CHECK();
       return false;
     }
@@ -782,8 +720,7 @@ bool hyper_enter(const float* x, int S, int n, int D, const float* fn, const flo
 void hyper_leave(float* x, const float* y, const float* post, const float* comb, int S, int n, int D, cudaStream_t st) {
   check_streams(n, "hyper_leave");
   if (S <= 0) return;
-  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (n <= kStepMaxStreams && D % 4 == 0 && al(x) && al(y))
+  if (n <= kStepMaxStreams && D % 4 == 0 && aligned16(x) && aligned16(y))
     launch(hyper_leave4_kernel, dim3(unsigned(ceil_div(D / 4, kThreads)), unsigned(S)), kThreads, 0, st, x, y, post,
            comb, n, D);
   else

@@ -191,6 +191,9 @@ __device__ __forceinline__ float dot_float4(const float4* a, const float4* b, in
   return (c[0] + c[1]) + (c[2] + c[3]);
 }
 
+// Whether p is 16-byte aligned (null counts: float4 paths check their optional pointers with it).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Whether the comparison switch `name` (an environment variable) is set to a nonzero number.
 inline bool env_flag(const char* name) {
   const char* v = std::getenv(name);

@@ -75,8 +75,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_vec_kernel(const flo
 }
 
 bool conv_vec_ok(const float* x, int64_t x_stride, int C, const float* state, const float* y) {
-  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return C % 4 == 0 && x_stride % 4 == 0 && al(x) && al(state) && al(y);
+  return C % 4 == 0 && x_stride % 4 == 0 && aligned16(x) && aligned16(state) && aligned16(y);
 }
 
 __global__ void conv1d_state_kernel(const float* x, int64_t x_stride, int T, int C, int K, float* state) {

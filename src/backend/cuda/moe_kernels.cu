@@ -396,8 +396,7 @@ void moe_combine(float* out, const float* y, const int32_t* rowmap, const float*
   if (S <= 0 || blocks_y <= 0) return;
   if (row_lo < 0) throw std::runtime_error("moe_combine: negative first row");
   if (k < 0 || k > kCombineMaxK) throw std::runtime_error("moe_combine: " + std::to_string(k) + " entries per token");
-  auto al = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vec = D % 4 == 0 && al(out) && al(y) && al(extra);
+  const bool vec = D % 4 == 0 && aligned16(out) && aligned16(y) && aligned16(extra);
   // a block per token and column chunk: a few chunks of a row when tokens are few (decode), the whole row otherwise
   const int cols = blocks_y >= 256 ? D : kCombineThreads * (vec ? 4 : 1);
   const dim3 grid(unsigned(ceil_div(D, cols)), unsigned(blocks_y));
