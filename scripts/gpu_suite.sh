@@ -69,8 +69,9 @@
 #   PREFILL_AB=1 scripts/gpu_suite.sh + the all-VRAM slice (PAB_CONTEXTS, default 8K) with the prefill kernels of the
 #                                   twenty-fifth round (default), with its opt-ins (the MLA absorption as one bf16 GEMM
 #                                   MOESRV_MLA_ABSORB=2, the router's logits on TF32 MOESRV_ROUTER_TF32=1, both), and
-#                                   with the fp32 MLA absorption (MOESRV_MLA_ABSORB=0),
-#                                   $OUT/pab_NAME.json; ~5 min. Before it, the suites with the opt-ins:
+#                                   with the fp32 MLA absorption (MOESRV_MLA_ABSORB=0), and with expert pieces of up to
+#                                   1024 rows through the grouped GEMM (form 4 made tall pieces cheaper; default 512),
+#                                   $OUT/pab_NAME.json; ~6 min. Before it, the suites with the opt-ins:
 #                                   MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1 scripts/gpu_suite.sh
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
@@ -290,7 +291,7 @@ if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
 fi
 if [[ ${PREFILL_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-fifth round"
   slices pab_ "${PAB_CONTEXTS:-8192}" 150 "new" "bf16x2 MOESRV_MLA_ABSORB=2" "router MOESRV_ROUTER_TF32=1" \
-    "both MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1" "old MOESRV_MLA_ABSORB=0"
+    "both MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1" "old MOESRV_MLA_ABSORB=0" "g1024 MOESRV_EXL3_GROUPED_GEMM=1024"
 fi
 if [[ ${PREFILL_NCU:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-third round"
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
