@@ -620,10 +620,11 @@ void moe(int i) {  // Impl::moe, all experts in VRAM
 // grouped GEMM (tiles of exl3_gemm_tile_rows()) vs each expert's dequantization + cuBLAS (the engine's other path);
 // form 4 also with 512 rows per expert (kPrefillRowsMax).
 constexpr int kPrefillExperts = 16, kPrefillRows = 192, kPrefillRowsMax = 512;
+using TileCache = std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>>;  // key -> device tiles, their count
 struct PrefillBufs {
   uint16_t *xh = nullptr, *w16 = nullptr;
   float *yr = nullptr, *y = nullptr;
-  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per tile rows x rows per expert: tiles, count
+  TileCache tiles;  // per tile rows x rows per expert
 } P;
 void prefill_setup() {
   if (P.xh) return;
@@ -635,15 +636,22 @@ void prefill_setup() {
   P.yr = dalloc<float>(size_t(kPrefillExperts) * kPrefillRowsMax * I), P.w16 = dalloc<uint16_t>(size_t(I) * D);
   P.y = dalloc<float>(size_t(kPrefillExperts) * kPrefillRowsMax * I);
 }
-std::pair<Exl3GemmTile*, int> prefill_tiles(int tile_rows, int rows) {
-  const int key = tile_rows | (rows << 12);
-  for (const auto& [k, t] : P.tiles)
+// The device tiles cached under `key` in `cache`, made by build() (host tiles) the first time.
+template <typename Build>
+std::pair<Exl3GemmTile*, int> cached_tiles(TileCache& cache, int key, Build build) {
+  for (const auto& [k, t] : cache)
     if (k == key) return t;
-  std::vector<Exl3GemmTile> tiles;
-  for (int e = 0; e < kPrefillExperts; ++e)
-    for (int r = 0; r < rows; r += tile_rows) tiles.push_back({e, e * rows + r, std::min(tile_rows, rows - r), 0});
-  P.tiles.push_back({key, {upload(tiles), int(tiles.size())}});
-  return P.tiles.back().second;
+  const std::vector<Exl3GemmTile> tiles = build();
+  cache.push_back({key, {tiles.empty() ? nullptr : upload(tiles), int(tiles.size())}});
+  return cache.back().second;
+}
+std::pair<Exl3GemmTile*, int> prefill_tiles(int tile_rows, int rows) {
+  return cached_tiles(P.tiles, tile_rows | (rows << 12), [&] {
+    std::vector<Exl3GemmTile> tiles;
+    for (int e = 0; e < kPrefillExperts; ++e)
+      for (int r = 0; r < rows; r += tile_rows) tiles.push_back({e, e * rows + r, std::min(tile_rows, rows - r), 0});
+    return tiles;
+  });
 }
 // tile_rows 0: the form's (exl3_gemm_form_rows)
 void prefill_grouped(int form, bool rotate_out = false, int tile_rows = 0, int rows = kPrefillRows) {
@@ -692,7 +700,7 @@ struct SkewBufs {
   uint16_t* xh = nullptr;
   float* yr = nullptr;
   int row0[kPrefillExperts + 1] = {};
-  std::vector<std::pair<int, std::pair<Exl3GemmTile*, int>>> tiles;  // per grouped_max x tile rows: tiles, count
+  TileCache tiles;  // per grouped_max x tile rows
 } SK;
 void prefill_skewed(int grouped_max, int form = -1) {
   if (!SK.xh) {
@@ -703,19 +711,15 @@ void prefill_skewed(int grouped_max, int form = -1) {
     for (auto& v : x) v = __half_as_ushort(__float2half_rn(nd(rng)));
     SK.xh = upload(x), SK.yr = dalloc<float>(size_t(SK.row0[kPrefillExperts]) * I);
   }
-  const int tr = form >= 0 ? exl3_gemm_form_rows(form) : exl3_gemm_tile_rows(), key = grouped_max ^ (tr << 24);
-  auto it = std::find_if(SK.tiles.begin(), SK.tiles.end(), [&](const auto& t) { return t.first == key; });
-  if (it == SK.tiles.end()) {
-    std::vector<Exl3GemmTile> tiles;
+  const int tr = form >= 0 ? exl3_gemm_form_rows(form) : exl3_gemm_tile_rows();
+  const auto [tiles, n_tiles] = cached_tiles(SK.tiles, grouped_max ^ (tr << 24), [&] {
+    std::vector<Exl3GemmTile> t;
     for (int e = 0; e < kPrefillExperts; ++e)
       if (kSkewRows[e] <= grouped_max)
-        for (int r = 0; r < kSkewRows[e]; r += tr)
-          tiles.push_back({e, SK.row0[e] + r, std::min(tr, kSkewRows[e] - r), 0});
-    SK.tiles.push_back({key, {tiles.empty() ? nullptr : upload(tiles), int(tiles.size())}});
-    it = SK.tiles.end() - 1;
-  }
+        for (int r = 0; r < kSkewRows[e]; r += tr) t.push_back({e, SK.row0[e] + r, std::min(tr, kSkewRows[e] - r), 0});
+    return t;
+  });
   g_bytes += double(kPrefillExperts) * double(W.expert_shape[0].bytes());
-  const auto [tiles, n_tiles] = it->second;
   if (n_tiles) exl3_grouped_gemm(W.expert_shape[0], W.tab, tiles, n_tiles, SK.xh, SK.yr, g_st, tr, form, nullptr, I);
   for (int e = 0; e < kPrefillExperts; ++e)
     if (kSkewRows[e] > grouped_max)

@@ -352,8 +352,7 @@ void route(const float* logits, const float* bias, int S, const RouterArgs& a, i
 }
 
 bool route_fused_supported(int S, int E, int D, const float* router, const float* h) {
-  return S >= 1 && S <= kRouteFusedMaxTokens && E >= 1 && D >= 4 && D % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(router) % 16 == 0 && reinterpret_cast<uintptr_t>(h) % 16 == 0;
+  return S >= 1 && S <= kRouteFusedMaxTokens && E >= 1 && D >= 4 && D % 4 == 0 && aligned16(router) && aligned16(h);
 }
 
 size_t route_fused_floats(int S, int E, int D) { return size_t(ceil_div(D, kFusedCols)) * size_t(S) * size_t(E); }
