@@ -1015,7 +1015,7 @@ void run_all(const std::vector<Ctx>& ctxs) {
   bench("MoE route sigmoid top-8 + shared + counts", [](int) { route_call(); });
   bench("MoE router + route fused (one launch)", [](int i) { route_fused_call(i); });
   bench("MoE EXL3 experts gate, 9x 2048x4096", [](int i) { experts_part(0, B.rand_ids + size_t(i) * KK, KK); });
-  if (selected("prefill")) {
+  if (!g_only || std::strstr(g_only, "prefill")) {  // (--only "prefill MLA" runs that row alone)
     prefill_setup();
     bench("prefill EXL3 grouped GEMM, 16 experts x 192 rows, gate 2048x4096", [](int) { prefill_grouped(-1); });
     for (int form : {0, 1, 2, 3, 4})  // (exl3_gemm_form: 1 = register B, the default; 2 = at 5 blocks / SM; 3 =

@@ -102,8 +102,9 @@ void mla_split_attention(const AttentionArgs& a, float* part, cudaStream_t st, M
 // each block one token and 16 heads (32 or 64 where the device gives a block ~187 / ~213 KB: the next key tile
 // prefetched) sharing every staged key tile; fp16 MMAs with fp32 accumulation (q split into two fp16 parts, the
 // probabilities rounded to fp16). Widths: multiples of 8, v_dim <= min(512, q_dim), q_dim <= 640. max_groups: 16-head
-// groups sharing each staged key tile at most (1, 2 or 4; 0: the most the shape and device allow, unless
-// MOESRV_MLA_PREFILL_GROUPS caps it); the forms differ only in their scores' summation order.
+// groups sharing each staged key tile at most (1, 2 or 4; 5: the warpgroup-MMA form where supported; 0: the most the
+// shape and device allow, unless MOESRV_MLA_PREFILL_GROUPS caps it); the forms differ only in their scores' summation
+// order.
 bool mla_prefill_supported(const AttentionArgs& a);  // shapes, and the block's shared memory on this device
 size_t mla_prefill_block_smem(int q_dim);            // that shared memory (dynamic + static), bytes
 void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int max_groups = 0);
@@ -111,6 +112,11 @@ void mla_prefill_attention(const AttentionArgs& a, cudaStream_t st, int max_grou
 // ~213 KB of shared memory per block (H100 / H200).
 bool mla_prefill_wide_supported(const AttentionArgs& a);
 void mla_prefill_wide(const AttentionArgs& a, cudaStream_t st);
+// The warpgroup-MMA form (mla_prefill_wgmma.cu, sm_90a builds on Hopper; mla_prefill_attention takes it with
+// MOESRV_MLA_WGMMA=1 or max_groups 5): 64 heads per block, q_dim == v_dim == 512. q_split: 1 = q as fp16 value +
+// remainder (32-key tiles), 0 = one fp16 value (64-key tiles), -1 = MOESRV_MLA_Q_SPLIT (default 1).
+bool mla_prefill_wgmma_supported(const AttentionArgs& a);
+void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split = -1);
 // The same kernel over key range blockIdx.z of kMlaSplits, leaving mla_split_attention's partial state in `part`.
 void mla_prefill_split_ranges(const AttentionArgs& a, float* part, cudaStream_t st);
 

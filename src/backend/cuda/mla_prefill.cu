@@ -304,8 +304,10 @@ void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
 // 1; `asked` (or MOESRV_MLA_PREFILL_GROUPS when 0) caps it.
 int head_groups(const AttentionArgs& a, const float* part, int asked) {
   static const int env = env_choice("MOESRV_MLA_PREFILL_GROUPS", 1, 4, 4);
-  const int cap = asked > 0 ? asked : env;
+  static const bool wgmma = env_choice("MOESRV_MLA_WGMMA", 0, 1, 0) != 0;
+  const int cap = asked > 0 ? asked : wgmma ? 5 : env;
   if (part || a.H <= kHeads) return 1;
+  if (cap >= 5 && a.H > 2 * kHeads && mla_prefill_wgmma_supported(a)) return 5;
   if (cap >= 4 && a.H > 2 * kHeads && mla_prefill_wide_supported(a)) return 4;
   if (cap >= 2 && prefill_smem_bytes(a.q_dim, 2, true) + kStaticSmemBytes <= device_block_smem_limit()) return 2;
   return 1;
@@ -315,6 +317,7 @@ void launch_any(const AttentionArgs& a, float* part, cudaStream_t st, int asked 
   static_assert(kMaxWarpSteps == 5, "launch_any picks 4 or 5 steps per warp");
   const bool ws4 = padded_dim(a.q_dim) / 16 <= 4 * kWarps;
   switch (head_groups(a, part, asked)) {
+    case 5: return mla_prefill_wgmma(a, st);
     case 4: return mla_prefill_wide(a, st);
     case 2:
       if (ws4) launch_ws<4, 2, true>(a, part, st);

@@ -29,8 +29,9 @@ size_t wide_smem_bytes(int q_dim) {
   return size_t(2 * kHeads + 2 * kKeys) * row_halves(q_dim) * 2 + size_t(kWarps) * 16 * kExRow * 4;
 }
 
-// VT: value n8-tiles per warp (v_dim / 16).
-template <int VT>
+// VT: value n8-tiles per warp (v_dim / 16). QLO: the scores also multiply q's fp16 remainder (~fp32 scores; the
+// default). Without it (MOESRV_MLA_Q_SPLIT=0, opt-in) q is one fp16 value, as precise as the fp16 probabilities.
+template <int VT, bool QLO>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(AttentionArgs a) {
   pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
     for (int ks = kb; ks < ke; ++ks) {
       uint32_t ah[4], al[4], b[2][4];
       ldmatrix_x4(q_hi + 16 * ks, ah[0], ah[1], ah[2], ah[3]);
-      ldmatrix_x4(q_lo + 16 * ks, al[0], al[1], al[2], al[3]);
+      if constexpr (QLO) ldmatrix_x4(q_lo + 16 * ks, al[0], al[1], al[2], al[3]);
       ldmatrix_x4(kr + 16 * ks, b[0][0], b[0][1], b[0][2], b[0][3]);
       ldmatrix_x4(kr + 16 * RH + 16 * ks, b[1][0], b[1][1], b[1][2], b[1][3]);
 #pragma unroll
@@ -114,10 +115,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
         mma_m16n8k16_f16(sc[2 * np], ah[0], ah[1], ah[2], ah[3], b[np][0], b[np][1]);
         mma_m16n8k16_f16(sc[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[np][2], b[np][3]);
       }
+      if constexpr (QLO) {
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        mma_m16n8k16_f16(sc[2 * np], al[0], al[1], al[2], al[3], b[np][0], b[np][1]);
-        mma_m16n8k16_f16(sc[2 * np + 1], al[0], al[1], al[2], al[3], b[np][2], b[np][3]);
+        for (int np = 0; np < 2; ++np) {
+          mma_m16n8k16_f16(sc[2 * np], al[0], al[1], al[2], al[3], b[np][0], b[np][1]);
+          mma_m16n8k16_f16(sc[2 * np + 1], al[0], al[1], al[2], al[3], b[np][2], b[np][3]);
+        }
       }
     }
 #pragma unroll
@@ -199,11 +202,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
   }
 }
 
+template <int VT, bool QLO>
+void launch_wide_q(const AttentionArgs& a, cudaStream_t st) {
+  const size_t smem = wide_smem_bytes(a.q_dim);
+  reserve_dynamic_smem(mla_prefill_wide_kernel<VT, QLO>, smem, "mla_prefill_wide");
+  launch(mla_prefill_wide_kernel<VT, QLO>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st, a);
+}
+
 template <int VT>
 void launch_wide(const AttentionArgs& a, cudaStream_t st) {
-  const size_t smem = wide_smem_bytes(a.q_dim);
-  reserve_dynamic_smem(mla_prefill_wide_kernel<VT>, smem, "mla_prefill_wide");
-  launch(mla_prefill_wide_kernel<VT>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st, a);
+  static const bool q_split = env_choice("MOESRV_MLA_Q_SPLIT", 0, 1, 1) != 0;
+  if (q_split) launch_wide_q<VT, true>(a, st);
+  else launch_wide_q<VT, false>(a, st);
 }
 
 }  // namespace

@@ -27,25 +27,34 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
   return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-template <int N>
+// N-major (MN-major) descriptor, 128-byte swizzle: rows of 64 N-elements (128 bytes) per K index, 8 K rows 1,024
+// bytes apart (SBO); N blocks of 64 mn_stride bytes apart (LBO). (swap = 1 exchanges the two fields: a diagnostic.)
+__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t saddr, uint32_t mn_stride, int swap = 0) {
+  const uint64_t lbo = swap ? 1024 : mn_stride, sbo = swap ? mn_stride : 1024;
+  return uint64_t((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+template <int N, int TransB = 0>
 struct Mma;
-// One specialisation per N: the accumulators are operands 0 .. N/2 - 1, then A's 4 registers, the descriptor and the
-// scale-d flag (1: D += A . B).
+// One specialisation per N (and B's major-ness: TransB 1 = B is N-major, i.e. its N dimension contiguous): the
+// accumulators are operands 0 .. N/2 - 1, then A's 4 registers, the descriptor and the scale-d flag (1: D += A . B).
 #define MOESRV_WGMMA_ACC8(i)                                                                                  \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define MOESRV_WGMMA_ACC32(i) \
   MOESRV_WGMMA_ACC8(i), MOESRV_WGMMA_ACC8(i + 8), MOESRV_WGMMA_ACC8(i + 16), MOESRV_WGMMA_ACC8(i + 24)
-#define MOESRV_WGMMA_MMA(N, D_REGS, A_REGS, DESC, SCALE, ...)                                              \
+#define MOESRV_WGMMA_MMA_T(N, TB, D_REGS, A_REGS, DESC, SCALE, ...)                                        \
   template <>                                                                                              \
-  struct Mma<N> {                                                                                          \
+  struct Mma<N, TB> {                                                                                      \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N  \
-                   "k16.f32.f16.f16 {" D_REGS "}, {" A_REGS "}, " DESC ", p, 1, 1, 0;\n}\n"                \
+                   "k16.f32.f16.f16 {" D_REGS "}, {" A_REGS "}, " DESC ", p, 1, 1, " #TB ";\n}\n"          \
                    : __VA_ARGS__                                                                           \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));                       \
     }                                                                                                      \
   };
+#define MOESRV_WGMMA_MMA(N, D_REGS, A_REGS, DESC, SCALE, ...) \
+  MOESRV_WGMMA_MMA_T(N, 0, D_REGS, A_REGS, DESC, SCALE, __VA_ARGS__)
 MOESRV_WGMMA_MMA(64,
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
                  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
@@ -74,7 +83,40 @@ MOESRV_WGMMA_MMA(
     "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127",
     "%128, %129, %130, %131", "%132", "%133", MOESRV_WGMMA_ACC32(0), MOESRV_WGMMA_ACC32(32), MOESRV_WGMMA_ACC32(64),
     MOESRV_WGMMA_ACC32(96))
+// B N-major (V rows of a key tile: value dims contiguous per key)
+MOESRV_WGMMA_MMA_T(
+    256, 1,
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, "
+    "%68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, "
+    "%90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
+    "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127",
+    "%128, %129, %130, %131", "%132", "%133", MOESRV_WGMMA_ACC32(0), MOESRV_WGMMA_ACC32(32), MOESRV_WGMMA_ACC32(64),
+    MOESRV_WGMMA_ACC32(96))
+
+// D[64][N] += A[64][16] . B[16][N] with both operands in shared memory, K-major (descriptors as sw128_desc).
+template <int N>
+struct MmaSS;
+#define MOESRV_WGMMA_SS(N, D_REGS, DESCS, SCALE, ...)                                                     \
+  template <>                                                                                             \
+  struct MmaSS<N> {                                                                                       \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t a_desc, uint64_t b_desc) {     \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N \
+                   "k16.f32.f16.f16 {" D_REGS "}, " DESCS ", p, 1, 1, 0, 0;\n}\n"                         \
+                   : __VA_ARGS__                                                                          \
+                   : "l"(a_desc), "l"(b_desc), "r"(1));                                                   \
+    }                                                                                                     \
+  };
+MOESRV_WGMMA_SS(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16, %17", "%18",
+                MOESRV_WGMMA_ACC8(0), MOESRV_WGMMA_ACC8(8))
+MOESRV_WGMMA_SS(64,
+                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+                "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                "%32, %33", "%34", MOESRV_WGMMA_ACC32(0))
+#undef MOESRV_WGMMA_SS
 #undef MOESRV_WGMMA_MMA
+#undef MOESRV_WGMMA_MMA_T
 #undef MOESRV_WGMMA_ACC32
 #undef MOESRV_WGMMA_ACC8
 #endif
