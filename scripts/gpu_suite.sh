@@ -66,13 +66,12 @@
 #                                   rows at K=3 and 4, the all-VRAM slice (WGMMA_CONTEXTS, default 8K) with form 1,
 #                                   form 4 with pieces of <= 512 rows grouped and with every piece grouped (tiles of
 #                                   128 rows, and of 256) ($OUT/wg_NAME.json).
-#   PREFILL_AB=1 scripts/gpu_suite.sh + the all-VRAM slice (PAB_CONTEXTS, default 8K) with the prefill kernels of the
-#                                   twenty-fifth round (default), with its opt-ins (the MLA absorption as one bf16 GEMM
-#                                   MOESRV_MLA_ABSORB=2, the router's logits on TF32 MOESRV_ROUTER_TF32=1, both), and
-#                                   with the fp32 MLA absorption (MOESRV_MLA_ABSORB=0), and with expert pieces of up to
-#                                   1024 rows through the grouped GEMM (form 4 made tall pieces cheaper; default 512),
-#                                   $OUT/pab_NAME.json; ~6 min. Before it, the suites with the opt-ins:
-#                                   MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1 scripts/gpu_suite.sh
+#   PREFILL_AB=1 scripts/gpu_suite.sh + the all-VRAM slice (PAB_CONTEXTS, default 8K) with the default prefill kernels,
+#                                   with q one fp16 value in the MLA scores (MOESRV_MLA_Q_SPLIT=0, opt-in), the router's
+#                                   logits on TF32 (MOESRV_ROUTER_TF32=1, opt-in), the wide MLA form instead of the
+#                                   warpgroup-MMA one (MOESRV_MLA_WGMMA=0), the TF32 absorption (MOESRV_MLA_ABSORB=1) and
+#                                   expert pieces of up to 1024 rows through the grouped GEMM (default 512),
+#                                   $OUT/pab_NAME.json (8 files come back from a call); ~5 min.
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
 #                                   and the 4-layer slice's prefill at NCU_CONTEXT, default 8192) summed by kernel name
@@ -289,9 +288,9 @@ if [[ ${CPU_EXPERTS:-0} == 1 ]]; then  # docs/perf.md, "CPU EXL3 experts"
   MOESRV_POOL_SPIN_US=0 timeout 150 .gpu/exl3_expert_bench --pool-mb 4096 --threads 16 >>"$OUT/cpu_experts.log" 2>&1
   tail -7 "$OUT/cpu_experts.log"
 fi
-if [[ ${PREFILL_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-fifth round"
-  slices pab_ "${PAB_CONTEXTS:-8192}" 150 "new" "bf16x2 MOESRV_MLA_ABSORB=2" "router MOESRV_ROUTER_TF32=1" \
-    "both MOESRV_MLA_ABSORB=2 MOESRV_ROUTER_TF32=1" "old MOESRV_MLA_ABSORB=0" "g1024 MOESRV_EXL3_GROUPED_GEMM=1024"
+if [[ ${PREFILL_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-sixth round"
+  slices pab_ "${PAB_CONTEXTS:-8192}" 150 "new" "q0 MOESRV_MLA_Q_SPLIT=0" "router MOESRV_ROUTER_TF32=1" \
+    "wide MOESRV_MLA_WGMMA=0" "tf32 MOESRV_MLA_ABSORB=1" "g1024 MOESRV_EXL3_GROUPED_GEMM=1024"
 fi
 if [[ ${PREFILL_NCU:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-third round"
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)

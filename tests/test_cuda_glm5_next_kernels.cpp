@@ -1392,9 +1392,9 @@ TEST(CudaMlaKernels, TensorCorePrefillMatchesAttention) {
           }
           std::printf("[ info ] MLA prefill D %d H %d sel_k %d, %d head groups: worst %.2e of max %.2e\n", D, H, sel_k,
                       groups, worst, norm);
-          // (form 6's q is rounded to fp16, as its probabilities are: its bar is the probabilities' 2^-11 x 10)
-          EXPECT_LT(worst, (groups == 6 ? 5e-3 : 5e-4) * norm)
-              << "D " << D << " H " << H << " sel_k " << sel_k << " groups " << groups;
+          // (form 6 rounds q to fp16 as every form rounds the probabilities: 2.4-2.6e-4 of the norm on an H200,
+          // forms 1-5 1.6-1.7e-4)
+          EXPECT_LT(worst, 5e-4 * norm) << "D " << D << " H " << H << " sel_k " << sel_k << " groups " << groups;
         }
       }
 }

@@ -136,17 +136,16 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     const float one = 1.0f, zero = 0.0f;
     phase(CudaPhase::AttnAbsorb);
     // The absorption GEMMs run per head over the n tokens (MOESRV_MLA_ABSORB picks the form, for comparisons):
-    //   1 (default where the scratch fits): two TF32 GEMMs, W (exact in TF32) times x's TF32 part, then times its
-    //     remainder (split_tf32): 2.85 vs 3.64 ms per 4K-token pass at 64 heads (H100, docs/perf-cuda.md);
-    //   2: one bf16 GEMM over a doubled K, [W | W] . [x_hi ; x_lo] (split_bf16x2: x to ~16 bits, the weights are
-    //     bf16 already), half the split's bytes and twice TF32's tensor rate (opt-in: not yet run on a GPU);
+    //   2 (default where the scratch fits): one bf16 GEMM over a doubled K, [W | W] . [x_hi ; x_lo] (split_bf16x2: x
+    //     to ~16 bits, the weights are bf16 already): 8K slice attn_absorb 0.030 vs 0.053 s for 1 (H200, session 34);
+    //   1: two TF32 GEMMs, W (exact in TF32) times x's TF32 part, then times its remainder (split_tf32);
     //   0: fp32 in cuBLAS's SIMT kernels.
     // w: the bf16 weights, `reps` rows of `row` values per head-batch layout (the copies for 2 go to w_absorb);
     // x: n x H rows of k values, x_stride apart (x_ld between tokens); xs: the split's scratch (n H k floats).
     static const int absorb_form = [] {
       const char* v = std::getenv("MOESRV_MLA_ABSORB");
-      const int f = v && v[0] ? std::atoi(v) : 1;
-      return f >= 0 && f <= 2 ? f : 1;
+      const int f = v && v[0] ? std::atoi(v) : 2;
+      return f >= 0 && f <= 2 ? f : 2;
     }();
     auto absorb = [&](cublasOperation_t op_w, int m, int k, const uint16_t* w, int64_t reps, int64_t row, int ldw,
                       int64_t w_stride, float* x, int ldx, int64_t x_stride, float* xs, size_t xs_bytes, float* out,

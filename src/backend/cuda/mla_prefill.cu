@@ -15,7 +15,8 @@
 // Prefill on a device with room for it (~187 KB per block: H100 / H200, not a 99 KB RTX 3090 / 4090) runs the
 // two-group form: 16 warps, two groups of 16 heads sharing each staged key tile (half the gathers and conversions per
 // head), and the next tile's bf16 rows gathered by cp.async into a second buffer while this tile is multiplied; a
-// q_dim <= 512 with more than 32 heads runs the wide form (mla_prefill_wide.cu: 64 heads per staged tile).
+// q_dim <= 512 with more than 32 heads runs the wide form (mla_prefill_wide.cu: 64 heads per staged tile), and
+// q_dim == v_dim == 512 on an sm_90a build the warpgroup-MMA form (mla_prefill_wgmma.cu; MOESRV_MLA_WGMMA=0: not).
 // MOESRV_MLA_PREFILL_GROUPS=1 / 2 caps prefill at one / two groups (decode's ranges run the one-group form).
 #include <cmath>
 #include <cstdlib>
@@ -299,13 +300,14 @@ void launch_ws(const AttentionArgs& a, float* part, cudaStream_t st) {
   }
 }
 
-// Groups of 16 heads sharing each staged key tile, for a prefill (no key ranges): 4 (mla_prefill_wide.cu) or 2 (the
-// prefetching two-group form, ~187 KB per block) where the shape and the device allow and the heads fill them, else
-// 1; `asked` (or MOESRV_MLA_PREFILL_GROUPS when 0) caps it.
+// Groups of 16 heads sharing each staged key tile, for a prefill (no key ranges): 5 (mla_prefill_wgmma.cu: 64 heads on
+// warpgroup MMAs, unless MOESRV_MLA_WGMMA=0), 4 (mla_prefill_wide.cu) or 2 (the prefetching two-group form, ~187 KB
+// per block) where the shape and the device allow and the heads fill them, else 1; `asked` (or
+// MOESRV_MLA_PREFILL_GROUPS when 0) caps it.
 int head_groups(const AttentionArgs& a, const float* part, int asked) {
   static const int env = env_choice("MOESRV_MLA_PREFILL_GROUPS", 1, 4, 4);
-  static const bool wgmma = env_choice("MOESRV_MLA_WGMMA", 0, 1, 0) != 0;
-  const int cap = asked > 0 ? asked : wgmma ? 5 : env;
+  static const bool wgmma = env_choice("MOESRV_MLA_WGMMA", 0, 1, 1) != 0;
+  const int cap = asked > 0 ? asked : wgmma && env == 4 ? 5 : env;
   if (part || a.H <= kHeads) return 1;
   if (cap >= 5 && a.H > 2 * kHeads && mla_prefill_wgmma_supported(a)) return 5;
   if (cap >= 4 && a.H > 2 * kHeads && mla_prefill_wide_supported(a)) return 4;

@@ -1,7 +1,7 @@
-// MLA prefill attention on Hopper's warpgroup MMA (sm_90a; mla_prefill.cu picks it where mla_prefill_wgmma_supported
-// and MOESRV_MLA_WGMMA=1): one block per query token and 64 heads, two warpgroups. Each gathered key tile (NK keys of
-// the 512-dim latent, fp16, 128-byte swizzled rows in 8 blocks of 64 dims) is both operands' B: the scores
-// S[64 heads][NK keys] = (q x scale) . K^T take it K-major with q from shared memory (both operands by descriptor),
+// MLA prefill attention on Hopper's warpgroup MMA (sm_90a; mla_prefill.cu picks it where mla_prefill_wgmma_supported,
+// unless MOESRV_MLA_WGMMA=0): one block per query token and 64 heads, two warpgroups. Each gathered key tile (NK keys
+// of the 512-dim latent, fp16, 128-byte swizzled rows in 8 blocks of 64 dims) is both operands' B: the scores S[64
+// heads][NK keys] = (q x scale) . K^T take it K-major with q from shared memory (both operands by descriptor),
 // warpgroup g over dims [256 g, 256 g + 256), the two partial scores summed through shared memory (both warpgroups
 // add the same two numbers, so they run the same online softmax); then O[64 heads][256 value dims of g] += P . V
 // takes the same tile N-major (value dims contiguous per key), P as fp16 A fragments in registers. q is fp16 value
@@ -40,7 +40,7 @@ __device__ __forceinline__ int swz(int rows, int r, int c) {
 #endif
 
 template <int NK, bool QLO>
-__global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(AttentionArgs a, int desc_swap) {
+__global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(AttentionArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using M = WgSmem<NK, QLO>;
   constexpr int NA = NK / 2, KSTEPS = NK / 16;  // score accumulators per thread; P's k-steps
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
     wgmma::fence_acc(o);
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk)
-      wgmma::Mma<256, 1>::mma(o, pa[kk], wgmma::sw128_mn_desc(v_addr + kk * 2048, M::tile / kBlocks, desc_swap));
+      wgmma::Mma<256, 1>::mma(o, pa[kk], wgmma::sw128_mn_desc(v_addr + kk * 2048, M::tile / kBlocks));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_acc(o);
@@ -208,10 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
 template <int NK, bool QLO>
 void launch_wgmma(const AttentionArgs& a, cudaStream_t st) {
   constexpr size_t smem = WgSmem<NK, QLO>::bytes;
-  static const int swap = env_choice("MOESRV_MLA_WGMMA_DESC", 0, 1, 0);
   reserve_dynamic_smem(mla_prefill_wgmma_kernel<NK, QLO>, smem, "mla_prefill_wgmma");
-  launch(mla_prefill_wgmma_kernel<NK, QLO>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st, a,
-         swap);
+  launch(mla_prefill_wgmma_kernel<NK, QLO>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st, a);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-// Hopper warpgroup MMA (wgmma, sm_90a only: guard users with __CUDA_ARCH_FEAT_SM90_ALL): fence / commit / wait, a
-// 128-byte-swizzled K-major shared-memory descriptor, and D[64][N] += A[64][16] . B[16][N] in fp32 with A (fp16) in
-// registers (the m16n8k16 A fragment of rows 16 w .. 16 w + 15 in warp w of the warpgroup) and B (fp16) in shared
-// memory, for N = 64, 128, 192, 256. d[4 j + i] = D[16 w + lane / 4 + 8 (i / 2)][8 j + 2 (lane % 4) + i % 2].
+// Hopper warpgroup MMA (wgmma, sm_90a only: guard users with __CUDA_ARCH_FEAT_SM90_ALL): fence / commit / wait,
+// 128-byte-swizzled K-major and N-major shared-memory descriptors, and D[64][N] += A[64][16] . B[16][N] in fp32 with
+// A (fp16) in registers (the m16n8k16 A fragment of rows 16 w .. 16 w + 15 in warp w of the warpgroup) and B (fp16)
+// in shared memory, for N = 64, 128, 192, 256 (and 256 with B N-major), or both in shared memory (MmaSS, N = 32, 64).
+// d[4 j + i] = D[16 w + lane / 4 + 8 (i / 2)][8 j + 2 (lane % 4) + i % 2].
 #pragma once
 #include <cstdint>
 
@@ -27,11 +28,11 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
   return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// N-major (MN-major) descriptor, 128-byte swizzle: rows of 64 N-elements (128 bytes) per K index, 8 K rows 1,024
-// bytes apart (SBO); N blocks of 64 mn_stride bytes apart (LBO). (swap = 1 exchanges the two fields: a diagnostic.)
-__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t saddr, uint32_t mn_stride, int swap = 0) {
-  const uint64_t lbo = swap ? 1024 : mn_stride, sbo = swap ? mn_stride : 1024;
-  return uint64_t((saddr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (uint64_t(1) << 62);
+// N-major descriptor, 128-byte swizzle: rows of 64 N-elements (128 bytes) per K index, 8 K rows 1,024 bytes apart
+// (SBO), N blocks of 64 mn_stride bytes apart (LBO); the rows' base 1,024-byte aligned, as for sw128_desc.
+__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t saddr, uint32_t mn_stride) {
+  return uint64_t((saddr & 0x3FFFF) >> 4) | (uint64_t(mn_stride >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
 }
 
 template <int N, int TransB = 0>
