@@ -39,7 +39,9 @@ __device__ __forceinline__ int swz(int rows, int r, int c) {
 }
 #endif
 
-template <int NK, bool QLO>
+// V2 (MOESRV_MLA_WGMMA_V2=1, opt-in until it has run on a GPU): a tile's selection indices are loaded a tile ahead
+// (their latency off the gather's path), and O is rescaled only where a warp's running maxima moved (x 1 is exact).
+template <int NK, bool QLO, bool V2>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(AttentionArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using M = WgSmem<NK, QLO>;
@@ -71,7 +73,37 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if (n_keys > 0) prefetch(0, 0);
+  // V2: the same in two steps. Thread tid copies chunk tid % 64 of rows tid / 64 + 4 m; load_idx reads its raw
+  // selection entries for a tile (idx[m], and idx[kRows] for key_buf when tid < NK) one tile ahead, issue checks
+  // them against the position and starts the copies.
+  constexpr int kRows = NK * (kDim / 8) / kThreads;
+  const int r0 = tid / (kDim / 8), c0 = tid % (kDim / 8);
+  auto load_idx = [&](int base, int(&idx)[kRows + 1]) {
+    auto raw = [&](int i) { return i < n_keys ? (sel ? __ldg(sel + i) : i) : -1; };
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) idx[m] = raw(base + r0 + 4 * m);
+    idx[kRows] = tid < NK ? raw(base + tid) : -1;
+  };
+  auto issue = [&](int buf, const int(&idx)[kRows + 1]) {
+    unsigned char* dst = sm + M::kv + buf * M::tile;
+    if (tid < NK) key_buf[buf * NK + tid] = idx[kRows] > pos ? -1 : idx[kRows];
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      const int kt = idx[m] > pos ? -1 : idx[m];
+      cp_async16(dst + swz(NK, r0 + 4 * m, c0), cache + int64_t(max(kt, 0)) * kDim + c0 * 8, kt >= 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  [[maybe_unused]] int idx_next[kRows + 1];
+  if (n_keys > 0) {
+    if constexpr (V2) {
+      load_idx(0, idx_next);
+      issue(0, idx_next);
+      load_idx(NK, idx_next);
+    } else {
+      prefetch(0, 0);
+    }
+  }
 
   // q x scale as fp16 value (and remainder), zero for heads past H
   for (int i = tid; i < kHeads * (kDim / 8); i += kThreads) {
@@ -108,7 +140,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
     // the tile is fp16 for both warpgroups; both are done with the previous tile (its MMAs were waited for) and
     // with the previous partial scores
     const bool any = __syncthreads_or(tid < NK && key_buf[buf * NK + tid] >= 0);
-    if (base + NK < n_keys) prefetch(base + NK, buf ^ 1);
+    if (base + NK < n_keys) {
+      if constexpr (V2) {
+        issue(buf ^ 1, idx_next);
+        load_idx(base + 2 * NK, idx_next);  // (used at the next tile: its loads stay in flight)
+      } else {
+        prefetch(base + NK, buf ^ 1);
+      }
+    }
     if (!any) continue;  // a tile of padding only
 
     // this warpgroup's partial scores over dims [256 wg, 256 wg + 256)
@@ -169,9 +208,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l_r[r] = l_r[r] * corr[r] + ps[r];
+    if (!V2 || __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
-      o[4 * j] *= corr[0], o[4 * j + 1] *= corr[0], o[4 * j + 2] *= corr[1], o[4 * j + 3] *= corr[1];
+      for (int j = 0; j < 32; ++j)
+        o[4 * j] *= corr[0], o[4 * j + 1] *= corr[0], o[4 * j + 2] *= corr[1], o[4 * j + 3] *= corr[1];
+    }
 
     // O[64 heads][value dims 256 wg ..] += P . V: the tile's dim blocks 4 wg .. 4 wg + 3, N-major
     const uint32_t v_addr = tile_addr + 4 * wg * (M::tile / kBlocks);
@@ -205,11 +246,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
 #endif
 }
 
-template <int NK, bool QLO>
+template <int NK, bool QLO, bool V2>
 void launch_wgmma(const AttentionArgs& a, cudaStream_t st) {
   constexpr size_t smem = WgSmem<NK, QLO>::bytes;
-  reserve_dynamic_smem(mla_prefill_wgmma_kernel<NK, QLO>, smem, "mla_prefill_wgmma");
-  launch(mla_prefill_wgmma_kernel<NK, QLO>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st, a);
+  reserve_dynamic_smem(mla_prefill_wgmma_kernel<NK, QLO, V2>, smem, "mla_prefill_wgmma");
+  launch(mla_prefill_wgmma_kernel<NK, QLO, V2>, dim3(unsigned(a.S * ((a.H + kHeads - 1) / kHeads))), kThreads, smem, st,
+         a);
 }
 
 }  // namespace
@@ -224,8 +266,11 @@ void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split) {
   if (!mla_prefill_wgmma_supported(a)) throw std::runtime_error("mla_prefill_wgmma: unsupported shape or device");
   if (a.S <= 0) return;
   if (q_split < 0) q_split = env_choice("MOESRV_MLA_Q_SPLIT", 0, 1, 1);
-  if (q_split) launch_wgmma<32, true>(a, st);
-  else launch_wgmma<64, false>(a, st);
+  static const bool v2 = env_choice("MOESRV_MLA_WGMMA_V2", 0, 1, 0) != 0;
+  if (q_split && v2) launch_wgmma<32, true, true>(a, st);
+  else if (q_split) launch_wgmma<32, true, false>(a, st);
+  else if (v2) launch_wgmma<64, false, true>(a, st);
+  else launch_wgmma<64, false, false>(a, st);
   MOESRV_CUDA_LAUNCH_CHECK();
 }
 
