@@ -72,6 +72,8 @@
 #                                   warpgroup-MMA one (MOESRV_MLA_WGMMA=0), the TF32 absorption (MOESRV_MLA_ABSORB=1) and
 #                                   expert pieces of up to 1024 rows through the grouped GEMM (default 512),
 #                                   $OUT/pab_NAME.json (8 files come back from a call); ~5 min.
+#   MLA_V2=1 scripts/gpu_suite.sh   + the warpgroup-MMA MLA prefill's opt-in V2 (MOESRV_MLA_WGMMA_V2=1; ~1 min): its
+#                                   kernel test, the kernel bench's MLA rows with V2 off / on, q split and not.
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup
 #                                   and the 4-layer slice's prefill at NCU_CONTEXT, default 8192) summed by kernel name
@@ -291,6 +293,18 @@ fi
 if [[ ${PREFILL_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-sixth round"
   slices pab_ "${PAB_CONTEXTS:-8192}" 150 "new" "q0 MOESRV_MLA_Q_SPLIT=0" "router MOESRV_ROUTER_TF32=1" \
     "wide MOESRV_MLA_WGMMA=0" "tf32 MOESRV_MLA_ABSORB=1" "g1024 MOESRV_EXL3_GROUPED_GEMM=1024"
+fi
+if [[ ${MLA_V2:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-sixth round"
+  MOESRV_MLA_WGMMA_V2=1 timeout 60 .gpu/test_cuda_glm5_next_kernels --gtest_filter='*TensorCorePrefill*' \
+    >"$OUT/mla_v2.log" 2>&1
+  echo "MLA kernel test, V2:"; grep -E "D 512 H 64|FAILED|PASSED" "$OUT/mla_v2.log"
+  for v in 0 1; do
+    for q in 1 0; do
+      echo "MLA rows, V2 $v, q split $q:"
+      MOESRV_MLA_WGMMA_V2=$v MOESRV_MLA_Q_SPLIT=$q timeout 60 .gpu/cuda_kernel_bench --bits 3 --quick \
+        --only "prefill MLA" 2>/dev/null | grep "^  prefill MLA"
+    done
+  done
 fi
 if [[ ${PREFILL_NCU:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-third round"
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
