@@ -6,9 +6,11 @@
 #include <iterator>
 #include <set>
 
+#include "backend/cpu/linear.h"
 #include "format/package.h"
 #include "model/manifest.h"
 #include "model/state.h"
+#include "model/weights.h"
 #include "reference_util.h"
 #include "util/error.h"
 
@@ -98,6 +100,27 @@ TEST(ModelSpec, ManifestMatchesCheckpointTensors) {
     std::set_difference(have.begin(), have.end(), want.begin(), want.end(), std::back_inserter(only_have));
     EXPECT_TRUE(only_want.empty()) << m << ": manifest only: " << ::testing::PrintToString(only_want);
     EXPECT_TRUE(only_have.empty()) << m << ": checkpoint only: " << ::testing::PrintToString(only_have);
+  }
+}
+
+// mixer_linears / indexer_linears (what the batch plan and the bench walk) name every matrix of a layer's mixer that
+// the manifest lists (MLA's kv_b_proj aside: it runs absorbed), on every tiny model.
+TEST(ModelSpec, MixerLinearsCoverTheManifestsMatrices) {
+  for (const char* m : {"deepseek_v3", "glm4_moe", "glm_moe_dsa", "glm5_next", "qwen3_next"}) {
+    auto pkg = ModelPackage::open(hf_tiny(m));
+    auto w = ModelWeights::load(pkg, load_linear);
+    std::vector<size_t> mixer(size_t(w->config.num_layers)), indexer(mixer.size());
+    for (const TensorEntry& t : manifest(w->config, w->root)) {
+      // (the k-pool gate is a 2-D parameter in the manifest that the loader reads as a linear)
+      const bool gate = t.name.find("index_kpool_compress_gate") != std::string::npos;
+      if ((t.role != TensorRole::Matrix && !gate) || t.layer < 0 || t.layer >= w->config.num_layers) continue;
+      if (t.name.find("_attn.") == std::string::npos || t.name.find("kv_b_proj") != std::string::npos) continue;
+      ++(t.name.find(".indexer.") != std::string::npos ? indexer : mixer)[size_t(t.layer)];
+    }
+    for (size_t l = 0; l < mixer.size(); ++l) {
+      EXPECT_EQ(mixer_linears(w->layers[l]).size(), mixer[l]) << m << " layer " << l;
+      EXPECT_EQ(indexer_linears(w->layers[l]).size(), indexer[l]) << m << " layer " << l;
+    }
   }
 }
 

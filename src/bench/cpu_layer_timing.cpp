@@ -11,16 +11,6 @@ namespace moesrv::bench {
 
 using json = nlohmann::json;
 
-const char* mixer_name(Mixer m) {
-  switch (m) {
-    case Mixer::Mla: return "MLA";
-    case Mixer::Gqa: return "GQA";
-    case Mixer::Kda: return "KDA";
-    case Mixer::GatedDelta: return "GatedDeltaNet";
-  }
-  return "?";
-}
-
 std::string layer_kind(const LayerSpec& L) {
   return std::string(mixer_name(L.mixer)) + (L.ffn == FfnKind::Moe ? "+MoE" : "+dense");
 }
@@ -35,32 +25,16 @@ std::vector<float> timed_forward(CpuEngine& engine, SequenceState& seq, const st
   return engine.forward(seq, tokens);
 }
 
-// Bytes of weights one decode token reads in layer L: every linear the token passes through (MLA: the absorbed
-// fp32 w_uk/w_uv instead of kv_b; MoE: the shared expert and experts_per_token routed experts), convs, router, mHC.
+// Bytes of weights one decode token reads in layer L: every linear the token passes through (mixer_linears: MLA's
+// absorbed fp32 w_uk/w_uv instead of kv_b; its indexer's; MoE: the shared expert and experts_per_token routed
+// experts), the mixer's fp32 arrays, router, mHC.
 double decode_weight_bytes(const LayerWeights& L, const ModelSpec& c) {
-  double b = 0;
+  double b = 4.0 * double(mixer_floats(L));
   auto lin = [&b](const Linear* l) { b += l ? double(l->stored_bytes()) : 0.0; };
   auto mlp = [&](const MlpWeights& m) { lin(m.gate.get()), lin(m.up.get()), lin(m.down.get()); };
   auto floats = [&b](const std::vector<float>& v) { b += 4.0 * double(v.size()); };
-  if (L.kda) {
-    for (const Linear* l : {L.kda->q.get(), L.kda->k.get(), L.kda->v.get(), L.kda->f_a.get(), L.kda->f_b.get(),
-                            L.kda->b.get(), L.kda->g_a.get(), L.kda->g_b.get(), L.kda->o.get()})
-      lin(l);
-    floats(L.kda->conv);
-  }
-  if (L.mla) {
-    for (const Linear* l : {L.mla->q_a.get(), L.mla->q_b.get(), L.mla->q.get(), L.mla->kv_a.get(), L.mla->o.get()})
-      lin(l);
-    floats(L.mla->w_uk), floats(L.mla->w_uv);
-    if (L.mla->indexer) {
-      const IndexerWeights& ix = *L.mla->indexer;
-      for (const Linear* l : {ix.wq_b.get(), ix.wk.get(), ix.weights_proj.get(), ix.pool_gate.get()}) lin(l);
-    }
-  }
-  if (L.gqa)
-    for (const Linear* l : {L.gqa->q.get(), L.gqa->k.get(), L.gqa->v.get(), L.gqa->o.get()}) lin(l);
-  if (L.gated_delta)
-    for (const Linear* l : {L.gated_delta->qkvz.get(), L.gated_delta->ba.get(), L.gated_delta->out.get()}) lin(l);
+  for (const Linear* l : mixer_linears(L)) lin(l);
+  for (const Linear* l : indexer_linears(L)) lin(l);
   if (L.mlp) mlp(*L.mlp);
   if (L.moe) {
     floats(L.moe->router);

@@ -9,7 +9,6 @@
 
 namespace moesrv::bench {
 
-const char* mixer_name(Mixer m);
 // "KDA+MoE", "MLA+dense", ...
 std::string layer_kind(const LayerSpec& L);
 

@@ -39,6 +39,27 @@ ModelSpec ModelSpec::mtp_block() const {
   return m;
 }
 
+const char* mixer_name(Mixer m) {
+  switch (m) {
+    case Mixer::Mla: return "MLA";
+    case Mixer::Gqa: return "GQA";
+    case Mixer::Kda: return "KDA";
+    case Mixer::GatedDelta: return "GatedDeltaNet";
+  }
+  return "?";
+}
+
+double mixer_flops_per_token(const ModelSpec& s, Mixer m, double attended) {
+  const double H = double(s.num_heads);
+  switch (m) {
+    case Mixer::Mla: return attended * H * (4.0 * double(s.kv_lora_rank) + 2.0 * double(s.qk_rope_dim));
+    case Mixer::Gqa: return attended * H * 4.0 * double(s.head_dim);
+    case Mixer::Kda:
+    case Mixer::GatedDelta: return 6.0 * double(s.linear.state_floats());  // decay, k^T S, update, q S
+  }
+  return 0.0;
+}
+
 ModelSpec ModelSpec::from_json(const nlohmann::json& config) {
   if (!config.is_object()) fail("config.json: not a JSON object");
   const std::string type = hf::require<std::string>(config, "model_type");

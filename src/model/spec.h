@@ -109,4 +109,9 @@ struct ModelSpec {
   static ModelSpec from_json(const nlohmann::json& j);
 };
 
+// A mixer kind's name in reports, and its FLOPs for one token that attends `attended` positions (the planner's
+// cost model; recurrent kinds ignore it). A new mixer kind adds a case to each (model/registry.cpp).
+const char* mixer_name(Mixer m);
+double mixer_flops_per_token(const ModelSpec& s, Mixer m, double attended);
+
 }  // namespace moesrv

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <initializer_list>
+
 #include "model/manifest.h"
 #include "util/error.h"
 
@@ -282,6 +284,37 @@ std::unique_ptr<ModelWeights> ModelWeights::load(std::shared_ptr<ModelPackage> p
     if (name.rfind(mtp, 0) == 0) w->mtp.push_back(pkg->find(name));
   if (c.mtp_layers > 0 && pkg->has(mtp + "eh_proj.weight")) w->mtp_block = load_mtp(make, *pkg, c, mtp);
   return w;
+}
+
+std::vector<const Linear*> mixer_linears(const LayerWeights& L) {
+  std::vector<const Linear*> out;
+  auto add = [&out](std::initializer_list<const std::unique_ptr<Linear>*> ls) {
+    for (const std::unique_ptr<Linear>* l : ls)
+      if (*l) out.push_back(l->get());
+  };
+  if (L.mla) add({&L.mla->q_a, &L.mla->q_b, &L.mla->q, &L.mla->kv_a, &L.mla->o});
+  if (L.gqa) add({&L.gqa->q, &L.gqa->k, &L.gqa->v, &L.gqa->o});
+  if (L.kda)
+    add({&L.kda->q, &L.kda->k, &L.kda->v, &L.kda->f_a, &L.kda->f_b, &L.kda->b, &L.kda->g_a, &L.kda->g_b, &L.kda->o});
+  if (L.gated_delta) add({&L.gated_delta->qkvz, &L.gated_delta->ba, &L.gated_delta->out});
+  return out;
+}
+
+std::vector<const Linear*> indexer_linears(const LayerWeights& L) {
+  std::vector<const Linear*> out;
+  if (!L.mla || !L.mla->indexer) return out;
+  const IndexerWeights& ix = *L.mla->indexer;
+  for (const std::unique_ptr<Linear>* l : {&ix.wq_b, &ix.wk, &ix.weights_proj, &ix.pool_gate})
+    if (*l) out.push_back(l->get());
+  return out;
+}
+
+size_t mixer_floats(const LayerWeights& L) {
+  size_t n = 0;
+  if (L.mla) n += L.mla->w_uk.size() + L.mla->w_uv.size();
+  if (L.kda) n += L.kda->conv.size();
+  if (L.gated_delta) n += L.gated_delta->conv.size();
+  return n;
 }
 
 }  // namespace moesrv

@@ -83,6 +83,13 @@ struct LayerWeights {
   std::optional<MoeWeights> moe;
 };
 
+// The linears a token passes through in a layer's mixer, null ones left out (MLA: not kv_b, which runs absorbed as
+// w_uk / w_uv), those of its own DSA indexer apart, and the count of fp32 values its mixer reads per token (MLA's
+// absorbed w_uk / w_uv, the linear-attention convs). A new mixer kind adds its weights to these (model/weights.cpp).
+std::vector<const Linear*> mixer_linears(const LayerWeights& L);
+std::vector<const Linear*> indexer_linears(const LayerWeights& L);
+size_t mixer_floats(const LayerWeights& L);
+
 // The multi-token-prediction block at layer num_hidden_layers (DeepSeek-V3 layout): x = eh_proj(concat(enorm(embed(t)),
 // hnorm(h))), one decoder layer (plain residual), then shared_head.norm and the head.
 struct MtpWeights {

@@ -414,7 +414,6 @@ StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const P
   StepEstimate est;
   const double T = double(std::max<int64_t>(1, tokens));
   const double ctx = double(std::max<int64_t>(1, context));
-  const double H = double(c.num_heads);
   const std::vector<StateSpec> states = state_specs(c);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     // The mixer's state: one pass over what a step reads (shared by the step's tokens, bf16 caches, fp32 fixed
@@ -422,15 +421,7 @@ StepEstimate estimate_step(const ModelSpec& c, const ModelFootprint& fp, const P
     const LayerSpec& spec = c.layers[size_t(l)];
     const double kv_read = double(step_state_bytes(c, states[size_t(l)], int64_t(ctx), 2));
     const double attended = spec.indexer != IndexerKind::None ? std::min(ctx, double(c.index_topk)) : ctx;
-    double attn_flops = 0;
-    switch (spec.mixer) {
-      case Mixer::Mla: attn_flops = T * attended * H * (4.0 * c.kv_lora_rank + 2.0 * c.qk_rope_dim); break;
-      case Mixer::Gqa: attn_flops = T * attended * H * 4.0 * c.head_dim; break;
-      case Mixer::Kda:
-      case Mixer::GatedDelta:
-        attn_flops = T * 6.0 * double(c.linear.state_floats());
-        break;  // decay, k^T S, update, q S
-    }
+    double attn_flops = T * mixer_flops_per_token(c, spec.mixer, attended);
     if (spec.indexer == IndexerKind::Own)
       attn_flops +=
           T * (ctx / double(std::max<int64_t>(1, c.index_kpool))) * double(c.index_n_heads * c.index_head_dim) * 2;

@@ -1,7 +1,6 @@
 #include "backend/cpu/batch_blocks.h"
 
 #include <algorithm>
-#include <array>
 
 #include "backend/cpu/linear.h"
 
@@ -20,31 +19,12 @@ bool rows_independent(const MoeWeights& w) {
   return true;
 }
 
-namespace {
-std::array<const Linear*, 9> kda_linears(const KdaWeights& w) {
-  return {w.q.get(), w.k.get(), w.v.get(), w.f_a.get(), w.f_b.get(), w.b.get(), w.g_a.get(), w.g_b.get(), w.o.get()};
-}
-bool all_rows_independent(const std::array<const Linear*, 9>& linears) {
-  return std::all_of(linears.begin(), linears.end(), [](const Linear* lin) { return rows_independent(*lin); });
-}
-}  // namespace
-
 BatchPlan BatchPlan::of(const ModelWeights& w) {
   BatchPlan p;
   for (const LayerWeights& L : w.layers) {
-    bool mixer = false;
-    if (L.mla)
-      mixer =
-          (L.mla->q_a ? rows_independent(*L.mla->q_a) && rows_independent(*L.mla->q_b) : rows_independent(*L.mla->q)) &&
-          rows_independent(*L.mla->kv_a) && rows_independent(*L.mla->o);
-    else if (L.gqa)
-      mixer = rows_independent(*L.gqa->q) && rows_independent(*L.gqa->k) && rows_independent(*L.gqa->v) &&
-              rows_independent(*L.gqa->o);
-    else if (L.kda) mixer = all_rows_independent(kda_linears(*L.kda));
-    else if (L.gated_delta)
-      mixer = rows_independent(*L.gated_delta->qkvz) && rows_independent(*L.gated_delta->ba) &&
-              rows_independent(*L.gated_delta->out);
-    p.mixer.push_back(mixer);
+    const std::vector<const Linear*> mixer = mixer_linears(L);
+    p.mixer.push_back(
+        std::all_of(mixer.begin(), mixer.end(), [](const Linear* lin) { return rows_independent(*lin); }));
     p.ffn.push_back(L.moe ? rows_independent(*L.moe) : L.mlp && rows_independent(*L.mlp));
   }
   p.head = rows_independent(*w.lm_head);
