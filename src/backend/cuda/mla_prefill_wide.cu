@@ -43,12 +43,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, hg = warp & 3, hv = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
-  const int blocks = (a.H + kHeads - 1) / kHeads;
-  const int s = int(blockIdx.x) / blocks, h0 = (int(blockIdx.x) % blocks) * kHeads;
-  const int pos = *a.pos0 + s;
-  const uint16_t* cache = static_cast<const uint16_t*>(a.lc->kv);
-  const int n_keys = a.selection ? a.sel_k : pos + 1;
-  const int32_t* sel = a.selection ? a.selection + int64_t(s) * a.sel_k : nullptr;
+  const mla_tile::QueryKeys qk = mla_tile::QueryKeys::of<kHeads>(a);
+  const int s = qk.s, h0 = qk.h0, pos = qk.pos, n_keys = qk.n_keys;
+  const int32_t* sel = qk.sel;
+  const uint16_t* cache = qk.cache;
 
   // keys [base, base + kKeys) and their rows into buffer buf (bf16, converted in place once they land)
   auto prefetch = [&](int base, int buf) {
@@ -143,15 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
       mx[1] = fmaxf(mx[1], fmaxf(sc[n][2], sc[n][3]));
     }
     float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // the row's max over the quad's lanes, then the online softmax update
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_r[r], mx[r]);
-      corr[r] = m_new == -INFINITY ? 1.0f : m_r[r] == -INFINITY ? 0.0f : expf(m_r[r] - m_new);
-      mx[r] = m_new;  // (the max the probabilities use; -inf: every key so far is padding)
-      m_r[r] = m_new;
-    }
+    mla_tile::online_max(mx, m_r, corr);  // (mx: the max the probabilities use)
     uint32_t pa[2][4];  // P as A fragments of the two 16-key steps
     float ps[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -186,13 +176,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wide_kernel(Attention
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {  // the row's sum over the quad's lanes
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
-  }
+  float inv[2];
+  mla_tile::row_inverses(l_r, inv);
+  const float inv_lo = inv[0], inv_hi = inv[1];
   const int h_lo = h0 + 16 * hg + g, h_hi = h_lo + 8;
-  const float inv_lo = l_r[0] > 0.0f ? 1.0f / l_r[0] : 0.0f, inv_hi = l_r[1] > 0.0f ? 1.0f / l_r[1] : 0.0f;
   float* out_lo = a.out + (int64_t(s) * a.H + h_lo) * a.v_dim + vcol - 8 * (lane >> 4) + 2 * t4;
   float* out_hi = out_lo + int64_t(8) * a.v_dim;
 #pragma unroll
