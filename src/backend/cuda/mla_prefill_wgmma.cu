@@ -249,11 +249,12 @@ bool mla_prefill_wgmma_supported(const AttentionArgs& a) {
          size_t(WgSmem<32, true>::bytes) <= device_block_smem_limit();
 }
 
-void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split) {
+void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split, int v2) {
   if (!mla_prefill_wgmma_supported(a)) throw std::runtime_error("mla_prefill_wgmma: unsupported shape or device");
   if (a.S <= 0) return;
   if (q_split < 0) q_split = env_choice("MOESRV_MLA_Q_SPLIT", 0, 1, 1);
-  static const bool v2 = env_choice("MOESRV_MLA_WGMMA_V2", 0, 1, 0) != 0;
+  static const int v2_env = env_choice("MOESRV_MLA_WGMMA_V2", 0, 1, 0);
+  if (v2 < 0) v2 = v2_env;
   if (q_split && v2) launch_wgmma<32, true, true>(a, st);
   else if (q_split) launch_wgmma<32, true, false>(a, st);
   else if (v2) launch_wgmma<64, false, true>(a, st);
