@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
     }
     float corr[2];
     mla_tile::online_max(mx, m_r, corr);  // (mx: the max the probabilities use)
-    uint32_t pa[KSTEPS][4];  // P as A fragments of the 16-key steps
+    uint32_t pa[KSTEPS][4];               // P as A fragments of the 16-key steps
     float ps[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < NK / 8; ++j) {
