@@ -64,12 +64,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
   // keys [base, base + NK) and their rows into tile buf (bf16; each thread converts the chunks it copied)
   auto prefetch = [&](int base, int buf) {
     unsigned char* dst = sm + M::kv + buf * M::tile;
-    if (tid < NK) key_buf[buf * NK + tid] = mla_tile::key_at(sel, base + tid, n_keys, pos);
-    for (int i = tid; i < NK * (kDim / 8); i += kThreads) {
-      const int r = i / (kDim / 8), c = i % (kDim / 8), kt = mla_tile::key_at(sel, base + r, n_keys, pos);
-      cp_async16(dst + swz(NK, r, c), cache + int64_t(max(kt, 0)) * kDim + c * 8, kt >= 0);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
+    mla_tile::gather_keys_to<NK, kThreads>(
+        key_buf + buf * NK, [dst](int r, int c) { return dst + swz(NK, r, c); }, cache, kDim, sel, base, n_keys, pos);
   };
   // V2: the same in two steps. Thread tid copies chunk tid % 64 of rows tid / 64 + 4 m; load_idx reads its raw
   // selection entries for a tile (idx[m], and idx[kRows] for key_buf when tid < NK) one tile ahead, issue checks

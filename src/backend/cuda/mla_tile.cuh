@@ -19,19 +19,27 @@ __device__ __forceinline__ int key_at(const int32_t* sel, int idx, int end, int 
   return t > pos ? -1 : t;
 }
 
-// Keys [base, base + kKeys) into keys[] and their bf16 cache rows (D values) into dst rows dst_ld halves apart, by
-// cp.async (zeros for -1), as one commit group. kThreads: the block's threads, all of which call it.
+// Keys [base, base + kKeys) into keys[] and their bf16 cache rows (D values) by cp.async (zeros for -1), as one
+// commit group: 16-byte chunk c of row r to dst(r, c). kThreads: the block's threads, all of which call it.
+template <int kKeys, int kThreads, class Dst>
+__device__ __forceinline__ void gather_keys_to(int* keys, Dst dst, const uint16_t* cache, int D, const int32_t* sel,
+                                               int base, int end, int pos) {
+  const int tid = threadIdx.x, chunks = D / 8;
+  if (tid < kKeys) keys[tid] = key_at(sel, base + tid, end, pos);
+  for (int i = tid; i < kKeys * chunks; i += kThreads) {
+    const int r = i / chunks, c = i - r * chunks, kt = key_at(sel, base + r, end, pos);
+    cp_async16(dst(r, c), cache + int64_t(max(kt, 0)) * D + c * 8, kt >= 0);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The same into rows dst_ld halves apart.
 template <int kKeys, int kThreads>
 __device__ __forceinline__ void gather_keys(int* keys, void* dst, int dst_ld, const uint16_t* cache, int D,
                                             const int32_t* sel, int base, int end, int pos) {
-  const int tid = threadIdx.x, chunks = D / 8;
-  if (tid < kKeys) keys[tid] = key_at(sel, base + tid, end, pos);
   uint16_t* d = static_cast<uint16_t*>(dst);
-  for (int i = tid; i < kKeys * chunks; i += kThreads) {
-    const int r = i / chunks, c = i - r * chunks, kt = key_at(sel, base + r, end, pos);
-    cp_async16(d + r * dst_ld + c * 8, cache + int64_t(max(kt, 0)) * D + c * 8, kt >= 0);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
+  gather_keys_to<kKeys, kThreads>(
+      keys, [d, dst_ld](int r, int c) { return d + r * dst_ld + c * 8; }, cache, D, sel, base, end, pos);
 }
 
 // A block's query token and its keys: block x = token s * blocks + head block (kHeads heads from h0).
