@@ -325,6 +325,34 @@ TEST_P(CudaVsCpu, LongPrefillResumesFromItsState) {
   }
 }
 
+// A k-pool model without recurrent layers (glm5_next with every layer MLA) resumes at any pool boundary without a
+// checkpoint: there the open pool is empty, so the sequence cut back to it continues exactly as a fresh one that
+// stopped there (ResumeRule, one rule for the CPU and CUDA sequences).
+TEST(CudaKpoolOnly, ResumesAtPoolBoundaries) {
+  SKIP_WITHOUT_CUDA();
+  nlohmann::json cfg = tiny_glm5_next_config(4);
+  cfg["layer_types"] = std::vector<std::string>(4, "deepseek_sparse_attention");
+  auto pkg = make_synthetic_model(cfg, {.seed = 5, .stddev = 0.05f});
+  CudaEngine g(pkg, CudaEngineOptions{});
+  CpuEngine cpu(pkg);
+  ASSERT_EQ(cpu.config().index_kpool, 4);
+  ASSERT_FALSE(cpu.config().has_recurrent_layers());
+  std::vector<int32_t> in;
+  for (int32_t i = 0; i < 30; ++i) in.push_back((i * 37 + 11) % int32_t(g.vocab_size()));
+  const std::vector<int32_t> head(in.begin(), in.begin() + 24), tail(in.begin() + 24, in.end());
+  for (Engine* e : {static_cast<Engine*>(&g), static_cast<Engine*>(&cpu)}) {
+    auto cut = e->new_sequence(), fresh = e->new_sequence();
+    e->forward(*cut, in);  // one forward: its only checkpoint is at 30
+    EXPECT_EQ(cut->resume_point(30), 30);
+    EXPECT_EQ(cut->resume_point(27), 24);
+    EXPECT_EQ(cut->resume_point(24), 24);
+    EXPECT_EQ(cut->resume_point(3), 0);
+    cut->truncate(24);
+    e->forward(*fresh, head);
+    EXPECT_EQ(e->forward(*cut, tail, true), e->forward(*fresh, tail, true)) << (e == &cpu ? "CPU" : "CUDA");
+  }
+}
+
 TEST_P(CudaVsCpu, ChunkedPrefillMatchesOnePass) {
   SKIP_WITHOUT_CUDA();
   CudaEngineOptions small;

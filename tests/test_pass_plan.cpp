@@ -27,7 +27,8 @@ std::vector<Cut> cuts(const PassPolicy& p, int64_t pos0, int64_t S, bool rollbac
 }
 
 TEST(PassPlan, CpuPolicyCutsRecurrentPrefillAtCheckpointMultiples) {
-  const PassPolicy cpu{0, 2048, 16, true};
+  const PassPolicy cpu = pass_policy_for(true, 0, 16);  // the CPU engine's: no row limit
+  EXPECT_EQ(cpu.checkpoint_interval, kDefaultCheckpointInterval);
   EXPECT_EQ(cuts(cpu, 100, 5000), (std::vector<Cut>{{0, 1948, true}, {1948, 2048, true}, {3996, 1004, true}}));
   EXPECT_EQ(cuts(cpu, 0, 4096), (std::vector<Cut>{{0, 2048, true}, {2048, 2048, true}}));
   EXPECT_EQ(cuts(cpu, 7, 1), (std::vector<Cut>{{0, 1, false}}));  // decode: no checkpoint
@@ -36,7 +37,7 @@ TEST(PassPlan, CpuPolicyCutsRecurrentPrefillAtCheckpointMultiples) {
 }
 
 TEST(PassPlan, RowLimitAndRollback) {
-  const PassPolicy gpu{8192, 8192, 4, true};
+  const PassPolicy gpu = pass_policy_for(true, 8192, 4);  // a CUDA engine's: passes of its rows
   EXPECT_EQ(cuts(gpu, 37, 20000), (std::vector<Cut>{{0, 8155, true}, {8155, 8192, true}, {16347, 3653, true}}));
   // Rows relative to the call when passes are not cut at checkpoints.
   EXPECT_EQ(cuts({8192, 8192, 4, false}, 37, 20000),
@@ -48,7 +49,7 @@ TEST(PassPlan, RowLimitAndRollback) {
 
 // Prefill groups of 3 passes of 9 rows: groups cut and checkpointed at multiples of 27, each cut into passes of 9.
 TEST(PassPlan, GroupsCutAndCheckpointAtTheirOwnSize) {
-  const PassPolicy gpu{9, 9, 4, true}, grouped = grouped_policy(gpu, 27);
+  const PassPolicy gpu = pass_policy_for(true, 9, 4), grouped = grouped_policy(gpu, 27);
   EXPECT_EQ(cuts(grouped, 0, 40), (std::vector<Cut>{{0, 27, true}, {27, 13, true}}));
   EXPECT_EQ(cuts(grouped, 5, 40), (std::vector<Cut>{{0, 22, true}, {22, 18, true}}));  // cut at position 27
   EXPECT_EQ(cuts(grouped_policy({9, 9, 4, false}, 27), 5, 40), (std::vector<Cut>{{0, 27, false}, {27, 13, true}}));
@@ -126,6 +127,45 @@ TEST(CheckpointList, KeepsTheNewestAndResumesAtOrBefore) {
   EXPECT_EQ(list.latest_at_or_before(1000), 20);
   EXPECT_NE(clone.at(40), nullptr);
   EXPECT_EQ(clone.size(), 3u);
+}
+
+// One resume rule for the CPU and CUDA sequences: anywhere without fixed-size state; else the current length, 0,
+// the last forward's rollback points, a checkpoint, and (only without a recurrence) a k-pool boundary.
+TEST(PassPlan, OneResumeRule) {
+  CheckpointList<int> cps(4);
+  cps.push(40, std::make_shared<int>(40));
+  const ResumeRule none, recurrent{true, true, 4}, pool_only{true, false, 4};
+  EXPECT_EQ(none.point(37, 50, -1, -1, cps), 37);
+  EXPECT_EQ(recurrent.point(50, 50, -1, -1, cps), 50);
+  EXPECT_EQ(recurrent.point(70, 50, -1, -1, cps), 50);  // capped at the length
+  EXPECT_EQ(recurrent.point(44, 50, -1, -1, cps), 40);  // no pool-boundary rule with a recurrence
+  EXPECT_EQ(recurrent.point(30, 50, -1, -1, cps), 0);
+  EXPECT_EQ(recurrent.point(47, 50, 45, 50, cps), 47);  // rollback points after tokens 46..49
+  EXPECT_EQ(recurrent.point(45, 50, 45, 50, cps), 40);  // (the length before that forward is not one)
+  EXPECT_EQ(pool_only.point(47, 50, -1, -1, cps), 44);
+  EXPECT_EQ(pool_only.point(41, 50, -1, -1, cps), 40);
+  EXPECT_EQ(pool_only.point(3, 50, -1, -1, cps), 0);
+  EXPECT_TRUE(pool_only.resumable(36, 50, -1, -1, cps));
+  EXPECT_FALSE(pool_only.resumable(37, 50, -1, -1, cps));
+}
+
+// A k-pool model without recurrent layers (glm5_next with every layer MLA): the CPU sequence cut back to a pool
+// boundary that has no checkpoint continues exactly as a fresh sequence that stopped there (the open pool is empty).
+// tests/test_cuda_engine.cpp checks the CUDA sequence the same way.
+TEST(PassPlan, KpoolOnlySequenceResumesAtPoolBoundaries) {
+  nlohmann::json cfg = tiny_glm5_next_config(4);
+  cfg["layer_types"] = std::vector<std::string>(4, "deepseek_sparse_attention");
+  CpuEngine e(make_synthetic_model(cfg, {.seed = 5, .stddev = 0.05f}));
+  ASSERT_FALSE(e.config().has_recurrent_layers());
+  std::vector<int32_t> in;
+  for (int32_t i = 0; i < 30; ++i) in.push_back((i * 37 + 11) % int32_t(e.vocab_size()));
+  auto cut = e.new_sequence(), fresh = e.new_sequence();
+  e.forward(*cut, in);
+  EXPECT_EQ(cut->resume_point(27), 24);
+  cut->truncate(24);
+  e.forward(*fresh, std::vector<int32_t>(in.begin(), in.begin() + 24));
+  const std::vector<int32_t> tail(in.begin() + 24, in.end());
+  EXPECT_EQ(e.forward(*cut, tail, true), e.forward(*fresh, tail, true));
 }
 
 // A prompt across two checkpoint cuts: the single CPU engine and a CPU pipeline over three stages run the same

@@ -85,7 +85,7 @@ TEST(Preflight, KvCacheGlm5NextCountsMlaLayersAndFixedState) {
   EXPECT_EQ(k.kv_bytes_per_token, uint64_t(11 * 512 * 2));
   const int64_t kpool = c["text_config"]["index_kpool"].get<int64_t>();
   EXPECT_EQ(k.indexer_bytes_per_token, uint64_t((11 * 128 * 2 + kpool - 1) / kpool));
-  const uint64_t kda = 64 * 128 * 128 * 4 + 3 * (3 * 64 * 128) * 4, open_pool = 2 * (kpool - 1) * 128 * 4;
+  const uint64_t kda = 64 * 128 * 128 * 4 + 3 * (3 * 64 * 128) * 4, open_pool = 2 * kpool * 128 * 4;  // room for kpool
   EXPECT_EQ(k.linear_state_bytes, 34 * kda + 11 * open_pool);
 }
 

@@ -54,4 +54,33 @@ class CheckpointList {
   std::vector<Item> items_;
 };
 
+// Where a sequence can resume (truncate to), one rule for the CPU and CUDA sequences. Growing state (KV rows, pooled
+// keys) cuts anywhere; fixed-size state (recurrent, conv, the open k-pool) only at 0, the current length, a rollback
+// point of the last forward (lengths in (steps_from, steps_end)), a checkpoint, or, without recurrent state, at a
+// multiple of the k-pool (the open pool is empty there).
+struct ResumeRule {
+  bool fixed_state = false;  // some layer keeps state that per-token truncation cannot rewind
+  bool recurrent = false;    // some of it is a recurrence (not only the open k-pool)
+  int64_t pool = 1;          // index_kpool
+
+  template <class Saved>
+  bool resumable(int64_t n, int64_t length, int64_t steps_from, int64_t steps_end,
+                 const CheckpointList<Saved>& checkpoints) const {
+    if (n == length || n == 0 || !fixed_state) return true;
+    if (n > steps_from && n < steps_end) return true;
+    if (!recurrent && pool > 1 && n % pool == 0) return true;
+    return checkpoints.at(n) != nullptr;
+  }
+  // n itself when resumable, else the nearest earlier length that is (n capped at length).
+  template <class Saved>
+  int64_t point(int64_t n, int64_t length, int64_t steps_from, int64_t steps_end,
+                const CheckpointList<Saved>& checkpoints) const {
+    n = n < length ? n : length;
+    if (resumable(n, length, steps_from, steps_end, checkpoints)) return n;
+    int64_t best = checkpoints.latest_at_or_before(n);
+    if (!recurrent && pool > 1 && n / pool * pool > best) best = n / pool * pool;
+    return best;
+  }
+};
+
 }  // namespace moesrv

@@ -15,6 +15,15 @@ struct PassPolicy {
   bool cut_at_checkpoints = false;  // passes also end at those multiples (models with recurrent state)
 };
 
+// The one checkpoint policy: passes of at most max_rows (0: no limit); a model with a recurrence cuts and
+// checkpoints every checkpoint_interval(max_rows) positions; a sequence keeps `keep` checkpoints (the CPU many host
+// copies, a GPU few device ones).
+constexpr int64_t kDefaultCheckpointInterval = 2048;  // for engines whose passes have no row limit
+constexpr int64_t checkpoint_interval(int64_t max_rows) { return max_rows > 0 ? max_rows : kDefaultCheckpointInterval; }
+constexpr PassPolicy pass_policy_for(bool recurrent, int64_t max_rows, int64_t keep) {
+  return {max_rows, checkpoint_interval(max_rows), keep, recurrent};
+}
+
 struct Pass {
   int64_t offset = 0;  // first row of the call's tokens
   int64_t rows = 0;

@@ -30,7 +30,6 @@ std::vector<LayerLayout> state_layout(const ModelSpec& c, StateStore store, bool
     if (device) {
       slot(StateSlot::Kv).width += slot(StateSlot::KRope).width;
       slot(StateSlot::KRope) = {};
-      if (slot(StateSlot::Open).width) slot(StateSlot::Open).width = 2 * st.pool * c.index_head_dim;
     } else if (slot(StateSlot::Open).width) {
       slot(StateSlot::Open).width /= 2;
       slot(StateSlot::OpenG) = slot(StateSlot::Open);

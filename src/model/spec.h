@@ -45,6 +45,9 @@ struct LinearAttnDims {
   bool lower_bound_set = false;  // KDA: g = lower_bound * sigmoid(exp(A_log) * f); else -exp(A_log) * softplus(f)
   double lower_bound = 0;
   int64_t conv_channels() const { return 2 * k_heads * dk + v_heads * dv; }
+  // A layer's fixed-size state (model/state.cpp's StateSpec and every engine size it from these): the conv inputs
+  // of the last conv_kernel - 1 tokens, and the recurrence [v_heads, dk, dv].
+  int64_t conv_state_floats() const { return (conv_kernel - 1) * conv_channels(); }
   int64_t state_floats() const { return v_heads * dk * dv; }
 };
 

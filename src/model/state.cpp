@@ -44,7 +44,7 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
       case Mixer::Kda:
       case Mixer::GatedDelta:
         st.recurrent = true;
-        st.buffers.push_back({StateSlot::Conv, Growth::Fixed, (s.linear.conv_kernel - 1) * s.linear.conv_channels()});
+        st.buffers.push_back({StateSlot::Conv, Growth::Fixed, s.linear.conv_state_floats()});
         st.buffers.push_back({StateSlot::Recurrent, Growth::Fixed, s.linear.state_floats()});
         break;
     }
@@ -52,8 +52,9 @@ std::vector<StateSpec> state_specs(const ModelSpec& s) {
       if (s.index_kpool > 1) {
         st.pool = s.index_kpool;
         st.buffers.push_back({StateSlot::PoolK, Growth::PerPool, s.index_head_dim, true});
-        // The open pool's raw keys and gate logits (at most kpool - 1 tokens).
-        st.buffers.push_back({StateSlot::Open, Growth::Fixed, 2 * (s.index_kpool - 1) * s.index_head_dim, true});
+        // The open pool's raw keys and gate logits: room for kpool tokens (a GPU writes the closing token into its
+        // slot before pooling it; the CPU holds at most kpool - 1 between calls).
+        st.buffers.push_back({StateSlot::Open, Growth::Fixed, 2 * s.index_kpool * s.index_head_dim, true});
       } else {
         st.buffers.push_back({StateSlot::IndexK, Growth::PerToken, s.index_head_dim, true});
       }

@@ -17,29 +17,23 @@ namespace moesrv {
 
 CpuSequence::CpuSequence(const ModelSpec& c, const void* engine)
     : layers(size_t(c.num_layers)), owner(engine), c_(&c), layout_(state_layout(c, StateStore::Host)) {
+  resume_.pool = std::max<int64_t>(1, c.index_kpool);
   for (const StateSpec& st : state_specs(c)) {
-    recurrent_ |= st.recurrent;
-    fixed_state_ |= st.recurrent || st.pool > 1;
+    resume_.recurrent |= st.recurrent;
+    resume_.fixed_state |= st.recurrent || st.pool > 1;
   }
 }
 
 bool CpuSequence::resumable(int64_t n) const {
-  if (n == length_ || n == 0 || !fixed_state_) return true;
-  if (steps_from_ >= 0 && n > steps_from_ && n < length_) return true;
-  if (!recurrent_ && n % c_->index_kpool == 0) return true;  // k-pool only: the open pool is empty there
-  return checkpoints_.at(n) != nullptr;
+  return resume_.resumable(n, length_, steps_from_, steps_from_ >= 0 ? length_ : -1, checkpoints_);
 }
 
 int64_t CpuSequence::resume_point(int64_t n) const {
-  n = std::min(n, length_);
-  if (resumable(n)) return n;
-  int64_t best = checkpoints_.latest_at_or_before(n);
-  if (!recurrent_) best = std::max(best, n / c_->index_kpool * c_->index_kpool);
-  return best;
+  return resume_.point(n, length_, steps_from_, steps_from_ >= 0 ? length_ : -1, checkpoints_);
 }
 
 void CpuSequence::checkpoint() {
-  if (!fixed_state_ || !checkpoints_.wants(length_)) return;
+  if (!resume_.fixed_state || !checkpoints_.wants(length_)) return;
   auto cp = std::make_shared<FixedState>(layers.size());
   for (size_t l = 0; l < layers.size(); ++l) (*cp)[l] = save_fixed(cpu::HostStore{}, layout_[l], layers[l]);
   checkpoints_.push(length_, std::move(cp));
@@ -218,7 +212,7 @@ uint64_t CpuEngine::sequence_bytes(int64_t tokens) const {
 }
 
 PassPolicy CpuEngine::pass_policy() const {
-  return {0, kCheckpointInterval, int64_t(CpuSequence::kMaxCheckpoints), weights_->config.has_recurrent_layers()};
+  return pass_policy_for(weights_->config.has_recurrent_layers(), 0, int64_t(CpuSequence::kMaxCheckpoints));
 }
 
 std::vector<float> CpuEngine::forward_hidden(SequenceState& seq, const std::vector<int32_t>& tokens, bool all_logits,

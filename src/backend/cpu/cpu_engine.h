@@ -26,7 +26,7 @@ class CpuSequence : public SequenceState {
   size_t bytes() const override;
   int64_t resume_point(int64_t n) const override;
   void checkpoint() override;
-  bool has_fixed_state() const override { return fixed_state_; }
+  bool has_fixed_state() const override { return resume_.fixed_state; }
   // Rollback points: the next forward records the fixed state after each token (LayerState::steps), so truncate()
   // may cut back into it; dropped by the next forward or truncate.
   void record_steps();
@@ -41,8 +41,7 @@ class CpuSequence : public SequenceState {
   bool resumable(int64_t n) const;
   const ModelSpec* c_;
   std::vector<LayerLayout> layout_;  // state_layout(StateStore::Host)
-  bool fixed_state_ = false;  // some layer keeps state that per-token truncation cannot rewind
-  bool recurrent_ = false;
+  ResumeRule resume_;                // where its fixed-size state can resume (checkpoint_list.h)
   int64_t steps_from_ = -1;  // the length before the forward that recorded rollback points (-1: none)
   CheckpointList<FixedState> checkpoints_{kMaxCheckpoints};
 
@@ -71,9 +70,10 @@ class CpuEngine : public Engine, public MtpEngine {
                                                 const std::vector<int32_t>& tokens) override;
   uint64_t sequence_bytes(int64_t tokens) const override;
   bool concurrent_sequence_ops() const override { return true; }  // states are host memory, one owner each
-  static constexpr int64_t kCheckpointInterval = 2048;
+  static constexpr int64_t kCheckpointInterval = checkpoint_interval(0);
   int64_t prefill_chunk() const override { return kCheckpointInterval; }
-  // Passes of a forward (pass_plan.h): no row limit; recurrent models cut and checkpoint every kCheckpointInterval.
+  // Passes of a forward (pass_plan.h's one policy): no row limit, so recurrent models cut and checkpoint every
+  // kCheckpointInterval.
   PassPolicy pass_policy() const;
 
   // MTP speculative decoding (mtp_forward.cpp): available when the package has the MTP block.

@@ -34,8 +34,9 @@ void gated_delta_mix(const GatedDeltaWeights& w, const ModelSpec& c, const Gated
   const LinearAttnDims& la = c.linear;
   const int64_t Hk = la.k_heads, Hv = la.v_heads, dk = la.dk, dv = la.dv, r = Hv / Hk, K = la.conv_kernel;
   const int64_t C = la.conv_channels(), group = 2 * dk + 2 * r * dv, QK = Hk * dk, V = Hv * dv;
-  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t((K - 1) * C), 0.0f);
-  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(Hv * dk * dv), 0.0f);
+  // (a fresh or reset sequence holds no fixed state: zeros of the StateSpec's size on first use)
+  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t(la.conv_state_floats()), 0.0f);
+  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(la.state_floats()), 0.0f);
   const float* qkvz = p.qkvz.data() + r0 * Hk * group;
   const float* ba = p.ba.data() + r0 * 2 * Hv;
   // Regroup per token into conv channels q | k | v (all heads), and z, b, a per value head.

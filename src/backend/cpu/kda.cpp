@@ -63,8 +63,9 @@ void kda_mix(const KdaWeights& w, const ModelSpec& c, const KdaProjection& p, in
              float* o) {
   const LinearAttnDims& la = c.linear;
   const int64_t H = la.v_heads, d = la.dk, Hd = H * d, C = 3 * Hd, K = la.conv_kernel;
-  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t((K - 1) * C), 0.0f);
-  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(H * d * d), 0.0f);
+  // (a fresh or reset sequence holds no fixed state: zeros of the StateSpec's size on first use)
+  if (st[StateSlot::Conv].empty()) st[StateSlot::Conv].assign(size_t(la.conv_state_floats()), 0.0f);
+  if (st[StateSlot::Recurrent].empty()) st[StateSlot::Recurrent].assign(size_t(la.state_floats()), 0.0f);
   const float* qkv = p.qkv.data() + r0 * C;
   const float* g = p.g.data() + r0 * Hd;
   const float* beta = p.beta.data() + r0 * H;

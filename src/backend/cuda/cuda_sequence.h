@@ -28,6 +28,7 @@ class CudaSequence : public SequenceState {
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(e.opt.device);
     const ModelSpec& c = e.c;
+    resume_.pool = std::max<int64_t>(1, c.index_kpool);
     layers.resize(size_t(c.num_layers));
     steps_.resize(size_t(c.num_layers));
     table.resize(size_t(c.num_layers));
@@ -36,9 +37,10 @@ class CudaSequence : public SequenceState {
       for_each_slot(layout_[size_t(l)], [&](size_t i, const SlotShape& s) {
         const int64_t rows = s.growth == Growth::PerToken ? e.max_ctx : s.growth == Growth::PerPool ? e.max_pools() : 1;
         L.buf[i] = DeviceBuffer(e.budget, size_t(rows * s.width * s.elem_bytes), s.what);
-        if (s.growth == Growth::Fixed)
-          MOESRV_CUDA_OK(cudaMemsetAsync(L.buf[i].as<void>(), 0, L.buf[i].bytes(), e.stream));
-        fixed_state_ |= s.growth == Growth::Fixed;
+        if (s.growth != Growth::Fixed) return;
+        MOESRV_CUDA_OK(cudaMemsetAsync(L.buf[i].as<void>(), 0, L.buf[i].bytes(), e.stream));
+        resume_.fixed_state = true;
+        resume_.recurrent |= StateSlot(i) != StateSlot::Open && StateSlot(i) != StateSlot::OpenG;
       });
       table[size_t(l)] = {L[StateSlot::Kv].as<void>(), L[StateSlot::KvScale].as<float>(), L[StateSlot::V].as<void>(),
                           L[StateSlot::VScale].as<float>(), L[StateSlot::IndexK].as<uint16_t>()};
@@ -50,7 +52,7 @@ class CudaSequence : public SequenceState {
     layers.clear();  // device memory freed under the lock
     steps_.clear();
     checkpoints_.drop_after(-1);
-    if (!fixed_state_) return;
+    if (!resume_.fixed_state) return;
     for (int64_t n = 1; n <= CudaEngine::Impl::kMaxGraphRows; ++n) {
       graphs_->drop(CudaEngine::Impl::rows_graph_key(id, n));
       graphs_->drop(CudaEngine::Impl::rows_graph_key(id, n) | CudaEngine::Impl::kRollbackGraph);
@@ -59,9 +61,8 @@ class CudaSequence : public SequenceState {
   }
   int64_t length() const override { return length_; }
   int64_t resume_point(int64_t n) const override {
-    n = std::min(n, length_);
-    if (!fixed_state_ || n == length_ || in_steps(n)) return n;
-    return checkpoints_.latest_at_or_before(n);
+    return resume_.point(n, length_, steps_from_, steps_rows_ > 1 ? steps_from_ + steps_rows_ : steps_from_,
+                         checkpoints_);
   }
   void truncate(int64_t n) override {
     if (n < 0 || n > length_) fail("truncate({}) outside sequence of length {}", n, length_);
@@ -76,11 +77,11 @@ class CudaSequence : public SequenceState {
       return;
     }
     steps_rows_ = 0;
-    if (fixed_state_) {
+    if (resume_.fixed_state) {
       const DeviceGuard on(owner->opt.device);
       if (resume_point(n) != n)
         fail("truncate({}): the recurrent state can only resume at a checkpoint (nearest: {})", n, resume_point(n));
-      const FixedState* cp = checkpoints_.at(n);
+      const FixedState* cp = checkpoints_.at(n);  // none: n == 0, or a pool boundary of a k-pool-only sequence
       for (size_t l = 0; l < layers.size(); ++l) cut_to(store(), layout_[l], layers[l], n, cp ? &(*cp)[l] : nullptr);
       checkpoints_.drop_after(n);
     }
@@ -88,7 +89,7 @@ class CudaSequence : public SequenceState {
   }
   // A device copy of the fixed-size state at the current length (the prefix cache can resume here).
   void checkpoint() override {
-    if (!fixed_state_ || !checkpoints_.wants(length_)) return;
+    if (!resume_.fixed_state || !checkpoints_.wants(length_)) return;
     const CudaEngine::Impl::DeviceLock lock(*mu_);
     const DeviceGuard on(owner->opt.device);
     checkpoints_.make_room();  // the oldest copy's memory is freed before the next is allocated
@@ -125,13 +126,13 @@ class CudaSequence : public SequenceState {
       st.open_steps = P[StateSlot::Open].as<float>();
     return st;
   }
-  bool has_fixed_state() const override { return fixed_state_; }
+  bool has_fixed_state() const override { return resume_.fixed_state; }
   // A rollback forward of S tokens starts (S > 1 with fixed-size state: the kernels leave the state after each of its
   // first S - 1 tokens in the step buffers, allocated on first use) or a plain one does (S = 0): the previous
   // forward's rollback points are gone either way.
   bool begin_forward(int64_t S) {
     steps_rows_ = 0;
-    if (!fixed_state_ || S < 2) return false;
+    if (!resume_.fixed_state || S < 2) return false;
     if (S > CudaEngine::Impl::kMaxRollbackRows)
       fail("forward: rollback points for {} tokens (at most {})", S, CudaEngine::Impl::kMaxRollbackRows);
     const DeviceGuard on(owner->opt.device);
@@ -146,7 +147,7 @@ class CudaSequence : public SequenceState {
     return true;
   }
   void end_forward(int64_t pos0, int64_t S, bool rollback) {
-    if (rollback && fixed_state_ && S > 1) steps_from_ = pos0, steps_rows_ = S;
+    if (rollback && resume_.fixed_state && S > 1) steps_from_ = pos0, steps_rows_ = S;
   }
 
   using Layer = LayerBuffers<DeviceBuffer>;  // by slot: state_layout(StateStore::Device)
@@ -207,7 +208,7 @@ class CudaSequence : public SequenceState {
   std::shared_ptr<std::recursive_mutex> mu_;  // the engine's device lock (CudaEngine::Impl::device_mu)
   std::vector<LayerLayout> layout_;           // state_layout(StateStore::Device, kv_q8)
   std::vector<Layer> steps_;                  // rollback points of the fixed buffers (begin_forward)
-  bool fixed_state_ = false;
+  ResumeRule resume_;                         // where the fixed-size state can resume (checkpoint_list.h)
   int64_t steps_from_ = -1, steps_rows_ = 0;  // the last forward's rollback points (rows 0: none)
   CheckpointList<FixedState> checkpoints_{CudaEngine::Impl::kMaxCheckpoints};
 };

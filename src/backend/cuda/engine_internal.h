@@ -402,7 +402,7 @@ struct CudaEngine::Impl {
   size_t seq_bytes = 0;                 // device bytes of one sequence's caches and state checkpoints
   static constexpr size_t kMaxCheckpoints = 4;  // fixed-size state copies a sequence keeps (resume points)
   // Passes of a forward (pass_plan.h): `rows` each; recurrent models cut and checkpoint at multiples of `rows`.
-  PassPolicy pass_policy() const { return {rows, rows, int64_t(kMaxCheckpoints), c.has_recurrent_layers()}; }
+  PassPolicy pass_policy() const { return pass_policy_for(c.has_recurrent_layers(), rows, int64_t(kMaxCheckpoints)); }
 
   // Per-pass device state: positions, tokens, the current sequence's cache table; a prefill group's pass positions.
   cuda::DeviceBuffer d_pos0, d_slice_pos, d_tokens, d_layer_cache, d_group_pos;

@@ -86,8 +86,8 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
   seq.begin_forward(0);
   bind_sequence(*this, seq);
   int64_t last = 0;
-  for (int64_t c0 = 0; c0 < n; c0 += rows) {
-    const int64_t m = std::min(rows, n - c0);
+  for (const Pass& p : plan_passes(pass_policy(), pos0, n)) {  // the one pass plan (pass_plan.h)
+    const int64_t c0 = p.offset, m = p.rows;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
     *h_pos0.as<int32_t>() = int32_t(pos0 + c0);
     std::memcpy(h_tokens.as<int32_t>(), next.data() + c0, size_t(m) * 4);
@@ -109,6 +109,7 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
       replay(seq.has_fixed_state() ? sequence_graphs->get(rows_graph_key(seq.id, 1)) : graphs[0], body);
     else body();
     seq.length_ = pos0 + c0 + m;
+    if (p.checkpoint) seq.checkpoint();
     last = m - 1;
   }
   const float* row = s.h.as<float>() + last * D;  // the last row, normed: the head's input and the next step's h
