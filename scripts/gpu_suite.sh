@@ -302,7 +302,7 @@ if [[ ${MLA_V2:-0} == 1 ]]; then  # docs/perf-cuda.md, "Twenty-sixth round"
     for q in 1 0; do
       echo "MLA rows, V2 $v, q split $q:"
       MOESRV_MLA_WGMMA_V2=$v MOESRV_MLA_Q_SPLIT=$q timeout 60 .gpu/cuda_kernel_bench --bits 3 --quick \
-        --only "prefill MLA" 2>/dev/null | grep "^  prefill MLA"
+        --only "prefill MLA" 2>/dev/null | grep "^prefill MLA"
     done
   done
 fi

@@ -465,7 +465,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
           // bytes beyond the slice's own dense weights and caches). The device holds the slice's explicit homes.
           const ModelSpec cs = ModelSpec::from_json(pkg[layers]->config());
           const ModelFootprint fps = footprint_from_package(cs, *pkg[layers]);
-          opt.plan_placement = [&, cs, fps, layers](size_t engine_bytes, CudaEngineOptions& o) {
+          opt.plan_placement = [&, cs, fps, layers](size_t engine_bytes, size_t, CudaEngineOptions& o) {
             PlacementRequest own = req;
             own.workspace_bytes = 0;
             const PlacementPlan counted = plan_placement(cs, fps, own, nullptr);

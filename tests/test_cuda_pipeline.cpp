@@ -246,6 +246,29 @@ TEST(CudaPipelineFactory, BudgetPlanCountsTheEngineWorkspace) {
       1e-2);
 }
 
+// No --vram-budget on one GPU: the runtime planner places the experts in the device's free memory (every expert of
+// a tiny model fits: all in VRAM, as an engine without a plan places them), so the output is that engine's bit for
+// bit and decode runs the all-VRAM path (no host-planned passes).
+TEST(CudaPipelineFactory, NoBudgetPlansInTheFreeMemory) {
+  SKIP_WITHOUT_CUDA();
+  EngineOptions o;
+  o.backend = "cuda";
+  o.max_ctx = 512;
+  auto e = open_engine(hf_tiny("glm_moe_dsa"), o);
+  auto* cuda = dynamic_cast<CudaEngine*>(e.get());
+  ASSERT_NE(cuda, nullptr);
+  CudaEngineOptions opt;
+  opt.max_ctx = 512;
+  CudaEngine single(ModelPackage::open(hf_tiny("glm_moe_dsa")), opt);
+  Reference ref = load_reference("glm_moe_dsa");
+  auto a = single.new_sequence();
+  auto b = e->new_sequence();
+  EXPECT_EQ(e->forward(*b, ref.input_ids, true), single.forward(*a, ref.input_ids, true));
+  EXPECT_EQ(e->forward(*b, {3}), single.forward(*a, {3}));
+  EXPECT_EQ(cuda->stats().placement_moved, 0);
+  EXPECT_EQ(cuda->stats().routed_selections, 0);  // the all-VRAM MoE path
+}
+
 // MOESRV_CUDA_BENCH=1: decode ms/token of two stages on one device against one engine; the difference is the
 // hand-off (two host copies and a synchronisation per boundary, the head outside the graph).
 TEST(CudaPipelineBench, HandOffOverheadPerToken) {

@@ -12,6 +12,8 @@
 #include "format/package.h"
 #include "model/synthetic_model.h"
 #include "model/weights.h"
+#include "runtime/cuda_placement.h"
+#include "runtime/engine_factory.h"
 #include "runtime/placement.h"
 
 namespace moesrv {
@@ -263,6 +265,73 @@ TEST(Placement, Glm5NextStepReadsStateByLayerKind) {
       EXPECT_NEAR(e.hbm_bytes - double(fp.dense_total()) - experts, 34 * kda + 11 * mla, 1e-9 * e.hbm_bytes)
           << "kpool " << kpool << ", context " << ctx;
     }
+  }
+}
+
+// A pipeline stage's plan: only its layers' dense weights, caches and experts count (the head on the last stage,
+// the embedding's host bytes on the first); the stages of a split add up to the whole model's plan.
+TEST(Placement, StagePlansCountTheirOwnLayers) {
+  ModelSpec c = glm5(12);
+  ModelFootprint fp = footprint_from_config(c, 2.0, 4.0);
+  PlacementRequest req;
+  req.vram_budget = 64 * kGiB;
+  req.context = 8192;
+  req.workspace_bytes = 0;
+  const PlacementPlan whole = plan_placement(c, fp, req);
+  req.layer_end = 5;
+  const PlacementPlan a = plan_placement(c, fp, req);
+  req.layer_begin = 5, req.layer_end = -1;
+  const PlacementPlan b = plan_placement(c, fp, req);
+  EXPECT_EQ(a.vram_dense + b.vram_dense, whole.vram_dense);
+  EXPECT_EQ(a.vram_kv + b.vram_kv, whole.vram_kv);
+  EXPECT_EQ(a.host_bytes + b.host_bytes, whole.host_bytes);
+  EXPECT_EQ(a.vram_experts + b.vram_experts, whole.vram_experts);
+  EXPECT_EQ(a.vram_kv, kv_cache_bytes(c, 8192) * 5 / 12);  // glm5: every layer MLA
+  EXPECT_LT(a.vram_dense, b.vram_dense);                   // the head is the last stage's
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    EXPECT_EQ(a.layers[size_t(l)].home.empty(), l >= 5 || !c.layer_is_moe[size_t(l)]) << l;
+  req.layer_begin = 12;
+  EXPECT_THROW(plan_placement(c, fp, req), Error);
+}
+
+// The runtime planner as the CUDA engine's plan_placement (what open_engine and every stage of --gpus install):
+// homes for the MoE layers of its range only, from the engine's budget (the device's free memory without
+// --vram-budget, then the options keep no budget), and a clear error when the dense part does not fit.
+TEST(Placement, RuntimePlannerFillsTheEngineOptions) {
+  auto cfg = tiny_glm5_next_config(4);
+  std::shared_ptr<ModelPackage> pkg = make_synthetic_model(cfg);
+  auto spec = std::make_shared<const ModelSpec>(ModelSpec::from_json(pkg->config()));
+  const ModelFootprint fp = footprint_from_package(*spec, *pkg);
+  const uint64_t dense = fp.dense_total() + kv_cache_bytes(*spec, 256);
+  const uint64_t expert = fp.expert_bytes[3];
+  ASSERT_GT(expert, 0u);
+  CudaEngineOptions opt;
+  runtime_planner(spec, *pkg, 256, false, false)(dense, dense + 4 * expert * 2, opt);  // room for 4 experts a layer
+  ASSERT_EQ(opt.placement.size(), 4u);
+  EXPECT_EQ(opt.vram_budget_gib, 0);  // no --vram-budget: the engine keeps the device's free memory
+  int64_t slotted = 0;  // no usage statistics: nothing pinned, the slots are an LRU over the layer's experts
+  for (int64_t l = 0; l < 4; ++l) {
+    const auto& p = opt.placement[size_t(l)];
+    EXPECT_EQ(p.size(), spec->layer_is_moe[size_t(l)] ? size_t(spec->n_routed_experts) : 0u);
+    EXPECT_EQ(std::count(p.begin(), p.end(), ExpertPlacement::Vram), 0);
+    slotted += std::count(p.begin(), p.end(), ExpertPlacement::Cache);
+    if (!p.empty()) {
+      EXPECT_GT(opt.cache_slots_per_layer[size_t(l)], 0);
+    }
+  }
+  EXPECT_GT(slotted, 0);
+  EXPECT_LT(slotted, 2 * spec->n_routed_experts);
+  CudaEngineOptions stage;
+  runtime_planner(spec, *pkg, 256, false, true, 0, 3)(dense, 64 * kGiB, stage);  // a stage of layers 0-2
+  ASSERT_EQ(stage.placement.size(), 4u);
+  EXPECT_TRUE(stage.placement[3].empty());
+  EXPECT_GT(stage.vram_budget_gib, 0);
+  CudaEngineOptions none;
+  try {
+    runtime_planner(spec, *pkg, 256, false, false)(dense, dense / 2, none);
+    ADD_FAILURE() << "a budget below the dense weights planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("free GPU memory"), std::string::npos) << e.what();
   }
 }
 

@@ -36,6 +36,38 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
   return open_single_gpu_engine(pkg, spec, o);
 }
 
+PlanPlacement runtime_planner(std::shared_ptr<const ModelSpec> spec, const ModelPackage& pkg, int64_t ctx,
+                              bool zero_copy_cold, bool given_budget, int64_t layer_begin, int64_t layer_end) {
+  // Sized as the engine uploads them (EXL3 as stored, the rest bf16); pinning from persisted usage.
+  auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, pkg));
+  auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(pkg.dir(), *spec));
+  // Decode that reads cold experts in place keeps only the LRU slots prefill streams through; the rest is pinned.
+  const int64_t lru_slots = zero_copy_cold ? kPrefillStreamSlots : -1;
+  return [spec, ctx, fp, usage, lru_slots, given_budget, layer_begin, layer_end](
+             size_t engine_bytes, size_t budget_bytes, CudaEngineOptions& opt) {
+    PlacementRequest req;
+    req.lru_slots = lru_slots;
+    req.vram_budget = budget_bytes;
+    req.context = ctx;
+    req.layer_begin = layer_begin, req.layer_end = layer_end;
+    const std::optional<UsageStats>& u = *usage;
+    // Its workspace is what the engine holds beyond the dense weights and caches the plan counts (the activations
+    // of a prefill pass are GiBs at real width).
+    req.workspace_bytes = 0;
+    const PlacementPlan first = plan_placement(*spec, *fp, req, u ? &*u : nullptr);
+    req.workspace_bytes =
+        engine_bytes > first.vram_dense + first.vram_kv ? engine_bytes - first.vram_dense - first.vram_kv : 0;
+    PlacementPlan plan = plan_placement(*spec, *fp, req, u ? &*u : nullptr);
+    if (!plan.fits) {
+      const double gib = double(budget_bytes) / double(kGiB);
+      if (given_budget) fail("--vram-budget {} GiB: {}", gib, plan.note);
+      fail("{:.2f} GiB of free GPU memory: {} (a smaller --max-ctx or --prefill-pass needs less)", gib, plan.note);
+    }
+    apply_placement_plan(plan, opt);
+    if (!given_budget) opt.vram_budget_gib = 0;  // (the engine's budget stays the device's free memory)
+  };
+}
+
 std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
                                                const EngineOptions& o) {
 #ifdef MOESRV_HAS_CUDA
@@ -46,27 +78,12 @@ std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg
   c.prefill_group = o.prefill_group > 0 ? o.prefill_group : EngineOptions::default_prefill_group(c.vram_budget_gib);
   c.mtp = o.mtp;
   c.spec = spec;
-  if (c.vram_budget_gib > 0) {
-    // Under a budget, the runtime planner decides expert homes (LRU slots, pinning from persisted usage,
-    // PCIe/CPU split of cold experts), sized as the engine uploads them (EXL3 as stored, the rest bf16). It runs
-    // inside the engine once the engine's own memory is allocated: its workspace is what the engine holds beyond
-    // the dense weights and caches the plan counts (the activations of a prefill pass are GiBs at real width).
-    int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(spec->max_position, 32768);
-    auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, *pkg));
-    auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(pkg->dir(), *spec));
-    const double budget = c.vram_budget_gib;
-    // Decode that reads cold experts in place keeps only the LRU slots prefill streams through; the rest is pinned.
-    const int64_t lru_slots = c.zero_copy_cold ? kPrefillStreamSlots : -1;
-    c.plan_placement = [spec, ctx, fp, usage, budget, lru_slots](size_t engine_bytes, CudaEngineOptions& opt) {
-      const ModelSpec& cfg = *spec;
-      const PlacementPlan first = plan_with_usage(cfg, budget, ctx, *usage, 0.0, fp.get(), lru_slots);
-      const double counted = double(first.vram_dense + first.vram_kv);
-      const double workspace_gib = std::max(0.0, double(engine_bytes) - counted) / double(1ull << 30);
-      PlacementPlan plan = plan_with_usage(cfg, budget, ctx, *usage, workspace_gib, fp.get(), lru_slots);
-      if (!plan.fits) fail("--vram-budget {} GiB: {}", budget, plan.note);
-      apply_placement_plan(plan, opt);
-    };
-  }
+  // The runtime planner decides expert homes (LRU slots, pinning from persisted usage, PCIe/CPU split of cold
+  // experts) under the budget, or in the device's free memory without one (a 24 GB card that cannot hold every
+  // expert gets the same plan as --vram-budget 24). It runs inside the engine once the engine's own memory is
+  // allocated.
+  const int64_t ctx = c.max_ctx > 0 ? c.max_ctx : std::min<int64_t>(spec->max_position, 32768);
+  c.plan_placement = runtime_planner(spec, *pkg, ctx, c.zero_copy_cold, c.vram_budget_gib > 0);
   return make_cuda_engine(pkg, c);
 #else
   (void)spec;

@@ -2,6 +2,7 @@
 // device is visible, else the CPU engine. Shared by every CLI command that runs a model.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,10 +38,17 @@ struct EngineOptions {
 
 // Opens the package once and parses its config once; the engine reuses both.
 std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOptions& options);
-// The CUDA engine on one GPU (throws in CPU builds) for an opened package and its parsed config; under a budget,
-// expert homes come from the planner.
+// The CUDA engine on one GPU (throws in CPU builds) for an opened package and its parsed config; expert homes come
+// from the runtime planner (runtime_planner).
 std::unique_ptr<Engine> open_single_gpu_engine(std::shared_ptr<ModelPackage> pkg, std::shared_ptr<const ModelSpec> spec,
                                                const EngineOptions& options);
+struct CudaEngineOptions;
+using PlanPlacement = std::function<void(size_t engine_bytes, size_t budget_bytes, CudaEngineOptions& options)>;
+// The runtime planner (runtime/placement.h) as a CUDA engine's plan_placement, for layers [layer_begin, layer_end)
+// (a pipeline stage's; -1: to the last) at `ctx` tokens: expert homes in the engine's budget (`given_budget`: a
+// --vram-budget, else the device's free memory) after the engine's own memory, pinning from persisted usage.
+PlanPlacement runtime_planner(std::shared_ptr<const ModelSpec> spec, const ModelPackage& pkg, int64_t ctx,
+                              bool zero_copy_cold, bool given_budget, int64_t layer_begin = 0, int64_t layer_end = -1);
 // Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --cache-policy, --prefill-pass
 // and --prefill-group to a command (and --max-ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);

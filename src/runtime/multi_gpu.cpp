@@ -54,8 +54,8 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   std::vector<int64_t> splits;
   for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
   if (cpu) return make_cpu_pipeline(std::make_shared<CpuEngine>(pkg, o.served_name, spec.get()), splits);
-  // One CUDA stage per planned GPU: device g, that GPU's budget and layers; each engine places its experts in the
-  // VRAM its budget leaves (the rest on the CPU).
+  // One CUDA stage per planned GPU: device g, that GPU's budget and layers; the runtime planner places each stage's
+  // experts in the VRAM its budget leaves (LRU slots, pinning, the cold split), as on one GPU.
   if (cuda_device_count() < int(plan.gpus.size()))
     fail("--gpus {}: {} CUDA devices are visible; planned split:\n{}", o.gpus, cuda_device_count(), plan.summary());
   std::vector<CudaEngineOptions> stages(plan.gpus.size());
@@ -66,6 +66,8 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
     s.device = int(g);
     s.vram_budget_gib = double(req.budgets[g]) / double(kGiB);
     s.max_ctx = req.context;
+    const int64_t end = g + 1 < stages.size() ? splits[g] : c.num_layers;
+    s.plan_placement = runtime_planner(spec, *pkg, req.context, s.zero_copy_cold, true, g ? splits[g - 1] : 0, end);
   }
   return make_cuda_pipeline(pkg, stages, splits);
 }

@@ -320,14 +320,22 @@ PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const
                              const UsageStats* usage) {
   if (int64_t(fp.expert_bytes.size()) != c.num_layers || int64_t(fp.dense_bytes.size()) != c.num_layers)
     fail("placement: footprint has {} layers, the model {}", fp.expert_bytes.size(), c.num_layers);
+  const int64_t l0 = req.layer_begin, l1 = req.layer_end < 0 ? c.num_layers : req.layer_end;
+  if (l0 < 0 || l0 >= l1 || l1 > c.num_layers)
+    fail("placement: layers [{}, {}) of a {}-layer model", l0, req.layer_end, c.num_layers);
+  auto in_stage = [&](int64_t l) { return l >= l0 && l < l1 && c.layer_is_moe[size_t(l)]; };
   PlacementPlan plan;
   plan.context = req.context;
   plan.step_tokens = req.step_tokens;
   plan.vram_budget = req.vram_budget;
-  plan.vram_dense = fp.dense_total();
-  plan.vram_kv = kv_cache_bytes(c, req.context, req.kv_elem_bytes, req.index_elem_bytes);
+  plan.vram_dense = std::accumulate(fp.dense_bytes.begin() + l0, fp.dense_bytes.begin() + l1,
+                                    l1 == c.num_layers ? fp.head_bytes : uint64_t(0));
+  plan.vram_kv = state_bytes(c, std::max<int64_t>(req.context, 0), req.kv_elem_bytes, 4, l0, l1, req.index_elem_bytes);
   plan.vram_workspace = req.workspace_bytes;
-  plan.host_bytes = fp.experts_total(c) + fp.embed_bytes;
+  const int64_t E = c.n_routed_experts;
+  uint64_t stage_experts = 0;
+  for (int64_t l = l0; l < l1; ++l) stage_experts += fp.expert_bytes[size_t(l)] * uint64_t(std::max<int64_t>(E, 0));
+  plan.host_bytes = stage_experts + (l0 == 0 ? fp.embed_bytes : 0);
   const uint64_t fixed = plan.vram_dense + plan.vram_kv + plan.vram_workspace;
   uint64_t expert_budget = 0;
   if (fixed > req.vram_budget) {
@@ -337,12 +345,11 @@ PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const
   } else {
     expert_budget = req.vram_budget - fixed;
   }
-  const int64_t E = c.n_routed_experts;
-  plan.all_experts_in_vram = plan.fits && fp.experts_total(c) <= expert_budget;
+  plan.all_experts_in_vram = plan.fits && stage_experts <= expert_budget;
   std::vector<double> weight(size_t(c.num_layers), 0.0);
   std::vector<uint64_t> bytes(size_t(c.num_layers), 0);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    if (!c.layer_is_moe[size_t(l)]) continue;
+    if (!in_stage(l)) continue;
     bytes[size_t(l)] = fp.expert_bytes[size_t(l)];
     bool entropy = req.slot_policy == SlotPolicy::Entropy && has_usage(c, usage, l);
     weight[size_t(l)] = entropy ? std::exp(usage->entropy(l)) : double(E);
@@ -351,7 +358,7 @@ PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const
                                                         : allocate_slots(weight, bytes, E, expert_budget);
   plan.layers.resize(size_t(c.num_layers));
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    if (!c.layer_is_moe[size_t(l)]) continue;
+    if (!in_stage(l)) continue;
     LayerPlacement& L = plan.layers[size_t(l)];
     L.slots = slots[size_t(l)];
     place_layer(c, fp, req, usage, l, plan.all_experts_in_vram, L);

@@ -74,6 +74,9 @@ struct PlacementRequest {
   int64_t lru_slots = -1;
   SlotPolicy slot_policy = SlotPolicy::Equal;
   CostModel cost;
+  // A pipeline stage's layers [layer_begin, layer_end) (-1: to the last): only their dense weights, caches and
+  // experts count (the head on the stage that ends the model, the embedding's host bytes on the first).
+  int64_t layer_begin = 0, layer_end = -1;
 };
 
 struct LayerPlacement {

@@ -46,13 +46,14 @@ struct CudaEngineOptions {
   bool use_graph = true;         // replay single-token decode from one CUDA graph
   bool kv_q8 = false;            // attention cache as int8 with a per-token scale (else bf16)
   double vram_budget_gib = 0;    // 0: the device's free memory; every allocation is accounted against it
-  // [layer][expert] placement; empty (or a layer's empty): plan automatically (fill_in_order in
-  // backend/expert_plan.h: VRAM while the budget allows, then CPU).
+  // [layer][expert] placement; empty (or a layer's empty) and no plan_placement: VRAM while the budget allows, then
+  // the CPU (fill_in_order in backend/expert_plan.h; the engines the factory opens always take the runtime's plan).
   std::vector<std::vector<ExpertPlacement>> placement;
   // Called once the engine's own memory is allocated (dense weights, activations and scratch for prefill_chunk
-  // tokens, the reserved sequences: `engine_bytes`), before the experts are placed: it may set placement,
-  // cache_slots, cache_slots_per_layer (the runtime planner, which then plans with the engine's true workspace).
-  std::function<void(size_t engine_bytes, CudaEngineOptions& options)> plan_placement;
+  // tokens, the reserved sequences: `engine_bytes`), before the experts are placed, with the engine's budget
+  // (vram_budget_gib, else the device's free memory): it may set placement, cache_slots, cache_slots_per_layer (the
+  // runtime planner, runtime/engine_factory.h, which then plans with the engine's true workspace).
+  std::function<void(size_t engine_bytes, size_t budget_bytes, CudaEngineOptions& options)> plan_placement;
   int cache_slots = 4;           // LRU slots per MoE layer that has Cache experts
   std::vector<int> cache_slots_per_layer;  // overrides cache_slots where given (> 0)
   int64_t reserve_sequences = 1; // KV caches of max_ctx the automatic plan keeps room for

@@ -345,7 +345,7 @@ std::vector<ExpertLayer> CudaEngine::Impl::given_expert_layers() const {
 void CudaEngine::Impl::plan_experts(size_t reserve_bytes) {
   const int64_t E = c.n_routed_experts;
   const size_t planned = budget->used() + reserve_bytes;
-  if (opt.plan_placement) opt.plan_placement(planned, opt);
+  if (opt.plan_placement) opt.plan_placement(planned, budget->limit(), opt);
   std::vector<ExpertLayer> moe = given_expert_layers();
   stats.placement_moved = place_experts(moe, planned, budget->limit(), !opt.placement.empty());
   if (stats.placement_moved > 0)
