@@ -72,7 +72,7 @@
 #                                   warpgroup-MMA one (MOESRV_MLA_WGMMA=0), the TF32 absorption (MOESRV_MLA_ABSORB=1) and
 #                                   expert pieces of up to 1024 rows through the grouped GEMM (default 512),
 #                                   $OUT/pab_NAME.json (8 files come back from a call); ~5 min.
-#   MLA_V2=1 scripts/gpu_suite.sh   + the warpgroup-MMA MLA prefill's opt-in V2 (MOESRV_MLA_WGMMA_V2=1; ~1 min): its
+#   MLA_V2=1 scripts/gpu_suite.sh   + the warpgroup-MMA MLA prefill's V2 (the default; MOESRV_MLA_WGMMA_V2=0: the first form; ~1 min): its
 #                                   kernel test, the kernel bench's MLA rows with V2 off / on, q split and not.
 #   PREFILL_NCU=1 SUITES=0 scripts/gpu_suite.sh  an all-VRAM prefill's device time kernel by kernel (issue 20; ~3-5
 #                                   min): ncu durations of the slice's first NCU_LAUNCHES launches (default 3500: setup

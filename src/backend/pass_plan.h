@@ -38,6 +38,18 @@ struct Pass {
 // (speculative verify: one pass, rollback points instead) checkpoint nothing.
 std::vector<Pass> plan_passes(const PassPolicy& policy, int64_t pos0, int64_t S, bool rollback = false);
 
+// The one pass loop: body(pass) for every pass of the plan, then the sequence's length moves to the pass's end and
+// its fixed-size state is checkpointed where the plan says. Every engine, pipeline stage and the MTP block run their
+// forwards through it; `Seq` has length_ and checkpoint().
+template <class Seq, class Body>
+void for_each_pass(const PassPolicy& policy, Seq& seq, int64_t pos0, int64_t S, bool rollback, Body&& body) {
+  for (const Pass& p : plan_passes(policy, pos0, S, rollback)) {
+    body(p);
+    seq.length_ = p.pos0 + p.rows;
+    if (p.checkpoint) seq.checkpoint();
+  }
+}
+
 // Prefill groups (an engine that runs several passes layer by layer, CudaEngineOptions::prefill_group): the plan's
 // passes become groups of up to group_rows tokens, checkpointed and cut by the policy at that granularity; each
 // group runs as the passes of policy.max_rows that group_parts gives, (first row within the group, rows).

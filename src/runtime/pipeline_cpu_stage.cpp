@@ -18,7 +18,7 @@ void CpuPipelineStage::forward_layers(SequenceState& seq_base, StageActivations&
   if (int64_t(a.hidden.size()) != a.tokens * W) fail("pipeline stage: hidden state size mismatch");
   // The engine's passes (cuts and checkpoints as CpuEngine::forward); each pass reads and writes its rows of the
   // DSA selection.
-  for (const Pass& p : plan_passes(engine_->pass_policy(), a.pos0, a.tokens)) {
+  for_each_pass(engine_->pass_policy(), seq, a.pos0, a.tokens, false, [&](const Pass& p) {
     cpu::TokenSelection sel;
     if (!a.selection.empty()) sel.assign(a.selection.begin() + p.offset, a.selection.begin() + p.offset + p.rows);
     engine_->forward_layers(seq, a.hidden.data() + p.offset * W, p.rows, p.pos0, begin, end, sel);
@@ -26,9 +26,7 @@ void CpuPipelineStage::forward_layers(SequenceState& seq_base, StageActivations&
       a.selection.resize(size_t(a.tokens));
       std::move(sel.begin(), sel.end(), a.selection.begin() + p.offset);
     }
-    seq.length_ = p.pos0 + p.rows;
-    if (p.checkpoint) seq.checkpoint();
-  }
+  });
 }
 
 std::vector<float> CpuPipelineStage::logits(const StageActivations& a, int64_t rows) {

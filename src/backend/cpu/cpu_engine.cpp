@@ -231,7 +231,7 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
   if (all_logits) out.reserve(size_t(S * c.vocab_size));
   if (rollback) seq.record_steps();
   else seq.drop_steps();
-  for (const Pass& p : plan_passes(pass_policy(), pos0, S, rollback)) {
+  for_each_pass(pass_policy(), seq, pos0, S, rollback, [&](const Pass& p) {
     std::vector<int32_t> piece(tokens.begin() + p.offset, tokens.begin() + p.offset + p.rows);
     std::vector<float> x(size_t(p.rows * W));
     auto t0 = std::chrono::steady_clock::now();
@@ -239,8 +239,6 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
     if (step_times_) step_times_->embed_s += seconds_since(t0);
     cpu::TokenSelection selection;
     forward_layers(seq, x.data(), p.rows, p.pos0, 0, c.num_layers, selection);
-    seq.length_ = p.pos0 + p.rows;
-    if (p.checkpoint) seq.checkpoint();
     if (hidden) {
       auto h = head_input(x.data(), p.rows);
       hidden->insert(hidden->end(), h.begin(), h.end());
@@ -251,7 +249,7 @@ std::vector<float> CpuEngine::run(CpuSequence& seq, const std::vector<int32_t>& 
       if (step_times_) step_times_->head_s += seconds_since(t0);
       out.insert(out.end(), part.begin(), part.end());
     }
-  }
+  });
   seq.stop_recording();
   return out;
 }

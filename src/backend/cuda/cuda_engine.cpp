@@ -331,7 +331,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
   };
   // With prefill groups the plan's passes are groups (of group_rows(), checkpointed as the policy says), each run
   // layer by layer as passes of `rows`.
-  for (const Pass& p : plan_passes(grouped_policy(pass_policy(), group_rows()), pos0, S, rollback)) {
+  for_each_pass(grouped_policy(pass_policy(), group_rows()), *seq, pos0, S, rollback, [&](const Pass& p) {
     const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
     GroupPasses group;
@@ -383,9 +383,7 @@ std::vector<float> CudaEngine::Impl::forward(SequenceState& seq_base, const std:
         lm_head_rows(n - 1, 1, logits.data());
       }
     }
-    seq->length_ = p.pos0 + n;
-    if (p.checkpoint) seq->checkpoint();
-  }
+  });
   seq->end_forward(pos0, S, steps);
   MOESRV_CUDA_OK(cudaStreamSynchronize(stream));
   return logits;
@@ -550,7 +548,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));  // pinned staging is free again
   seq->begin_forward(0);
   bind_sequence(m, *seq);
-  for (const Pass& p : plan_passes(m.pass_policy(), pos0, S)) {
+  for_each_pass(m.pass_policy(), *seq, pos0, S, false, [&](const Pass& p) {
     const int64_t n = p.rows, c0 = p.offset;
     MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
     *m.h_pos0.as<int32_t>() = int32_t(p.pos0);
@@ -577,9 +575,7 @@ void CudaEngine::forward_layers(SequenceState& seq_base, StageActivations& a, in
     MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
     std::memcpy(a.hidden.data() + c0 * W, staged, size_t(n * W) * 4);
     if (writes) unpack_selection(m.h_stage_sel.as<int32_t>(), n, Wsel, c0, a.selection);
-    seq->length_ = p.pos0 + n;
-    if (p.checkpoint) seq->checkpoint();
-  }
+  });
   MOESRV_CUDA_OK(cudaStreamSynchronize(m.stream));
 }
 

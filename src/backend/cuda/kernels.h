@@ -115,8 +115,8 @@ void mla_prefill_wide(const AttentionArgs& a, cudaStream_t st);
 // The warpgroup-MMA form (mla_prefill_wgmma.cu, sm_90a builds on Hopper; mla_prefill_attention takes it by default,
 // not with MOESRV_MLA_WGMMA=0 or max_groups < 5): 64 heads per block, q_dim == v_dim == 512. q_split: 1 = q as fp16
 // value + remainder (32-key tiles), 0 = one fp16 value (64-key tiles), -1 = MOESRV_MLA_Q_SPLIT (default 1). v2:
-// the kernel's opt-in V2 (indices a tile ahead, rescales skipped where exact): 1 / 0, -1 = MOESRV_MLA_WGMMA_V2
-// (default 0).
+// the kernel's V2 (indices a tile ahead, rescales skipped where exact): 1 / 0, -1 = MOESRV_MLA_WGMMA_V2
+// (default 1).
 bool mla_prefill_wgmma_supported(const AttentionArgs& a);
 void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split = -1, int v2 = -1);
 // The same kernel over key range blockIdx.z of kMlaSplits, leaving mla_split_attention's partial state in `part`.

@@ -39,8 +39,9 @@ __device__ __forceinline__ int swz(int rows, int r, int c) {
 }
 #endif
 
-// V2 (MOESRV_MLA_WGMMA_V2=1, opt-in until it has run on a GPU): a tile's selection indices are loaded a tile ahead
+// V2 (the default; MOESRV_MLA_WGMMA_V2=0 gives the first form): a tile's selection indices are loaded a tile ahead
 // (their latency off the gather's path), and O is rescaled only where a warp's running maxima moved (x 1 is exact).
+// 512 queries x 2048 keys on an H100: 986 vs 1,108 us (q split), 778 vs 847 us (q one fp16 value); same errors.
 template <int NK, bool QLO, bool V2>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(AttentionArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -249,7 +250,7 @@ void mla_prefill_wgmma(const AttentionArgs& a, cudaStream_t st, int q_split, int
   if (!mla_prefill_wgmma_supported(a)) throw std::runtime_error("mla_prefill_wgmma: unsupported shape or device");
   if (a.S <= 0) return;
   if (q_split < 0) q_split = env_choice("MOESRV_MLA_Q_SPLIT", 0, 1, 1);
-  static const int v2_env = env_choice("MOESRV_MLA_WGMMA_V2", 0, 1, 0);
+  static const int v2_env = env_choice("MOESRV_MLA_WGMMA_V2", 0, 1, 1);
   if (v2 < 0) v2 = v2_env;
   if (q_split && v2) launch_wgmma<32, true, true>(a, st);
   else if (q_split) launch_wgmma<32, true, false>(a, st);

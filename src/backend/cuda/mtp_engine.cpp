@@ -86,7 +86,7 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
   seq.begin_forward(0);
   bind_sequence(*this, seq);
   int64_t last = 0;
-  for (const Pass& p : plan_passes(pass_policy(), pos0, n)) {  // the one pass plan (pass_plan.h)
+  for_each_pass(pass_policy(), seq, pos0, n, false, [&](const Pass& p) {  // the one pass loop (pass_plan.h)
     const int64_t c0 = p.offset, m = p.rows;
     MOESRV_CUDA_OK(cudaStreamSynchronize(stream));  // pinned staging is free again
     *h_pos0.as<int32_t>() = int32_t(pos0 + c0);
@@ -108,10 +108,8 @@ std::vector<float> CudaEngine::Impl::mtp_forward(SequenceState& seq_base, const 
     if (m == 1 && !first && graph_ok())  // a draft step: one graph per MTP sequence (or one, without fixed state)
       replay(seq.has_fixed_state() ? sequence_graphs->get(rows_graph_key(seq.id, 1)) : graphs[0], body);
     else body();
-    seq.length_ = pos0 + c0 + m;
-    if (p.checkpoint) seq.checkpoint();
     last = m - 1;
-  }
+  });
   const float* row = s.h.as<float>() + last * D;  // the last row, normed: the head's input and the next step's h
   linear(lm_head, row, 1, s.logits.as<float>());
   hidden_out.resize(size_t(D));
