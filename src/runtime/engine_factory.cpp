@@ -37,9 +37,10 @@ std::unique_ptr<Engine> open_engine(const std::string& model_dir, const EngineOp
 }
 
 PlanPlacement runtime_planner(std::shared_ptr<const ModelSpec> spec, const ModelPackage& pkg, int64_t ctx,
-                              bool zero_copy_cold, bool given_budget, int64_t layer_begin, int64_t layer_end) {
+                              bool zero_copy_cold, bool given_budget, int64_t layer_begin, int64_t layer_end,
+                              std::shared_ptr<const ModelFootprint> fp) {
   // Sized as the engine uploads them (EXL3 as stored, the rest bf16); pinning from persisted usage.
-  auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, pkg));
+  if (!fp) fp = std::make_shared<const ModelFootprint>(footprint_from_package(*spec, pkg));
   auto usage = std::make_shared<const std::optional<UsageStats>>(load_model_usage(pkg.dir(), *spec));
   // Decode that reads cold experts in place keeps only the LRU slots prefill streams through; the rest is pinned.
   const int64_t lru_slots = zero_copy_cold ? kPrefillStreamSlots : -1;

@@ -10,6 +10,7 @@
 #include "backend/engine.h"
 #include "format/package.h"
 #include "model/spec.h"
+#include "runtime/placement.h"
 
 namespace moesrv {
 
@@ -46,9 +47,11 @@ struct CudaEngineOptions;
 using PlanPlacement = std::function<void(size_t engine_bytes, size_t budget_bytes, CudaEngineOptions& options)>;
 // The runtime planner (runtime/placement.h) as a CUDA engine's plan_placement, for layers [layer_begin, layer_end)
 // (a pipeline stage's; -1: to the last) at `ctx` tokens: expert homes in the engine's budget (`given_budget`: a
-// --vram-budget, else the device's free memory) after the engine's own memory, pinning from persisted usage.
+// --vram-budget, else the device's free memory) after the engine's own memory, pinning from persisted usage. `fp`:
+// the package's footprint_from_package when the caller has it (else read here).
 PlanPlacement runtime_planner(std::shared_ptr<const ModelSpec> spec, const ModelPackage& pkg, int64_t ctx,
-                              bool zero_copy_cold, bool given_budget, int64_t layer_begin = 0, int64_t layer_end = -1);
+                              bool zero_copy_cold, bool given_budget, int64_t layer_begin = 0, int64_t layer_end = -1,
+                              std::shared_ptr<const ModelFootprint> fp = nullptr);
 // Adds --backend, --vram-budget, --gpus, --kv-q8, --cold-experts, --prefetch-experts, --cache-policy, --prefill-pass
 // and --prefill-group to a command (and --max-ctx when `with_ctx`).
 void add_engine_options(CLI::App* cmd, EngineOptions& options, bool with_ctx = true);

@@ -49,7 +49,8 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
   req.budgets = vram_budgets_for(gib, o.gpus);
   req.context = o.max_ctx > 0 ? o.max_ctx : std::min<int64_t>(c.max_position, 32768);
   req.kv_elem_bytes = o.kv_q8 ? 1 : 2;
-  MultiGpuPlan plan = plan_model_split(c, footprint_from_package(c, *pkg), req);
+  auto fp = std::make_shared<const ModelFootprint>(footprint_from_package(c, *pkg));
+  MultiGpuPlan plan = plan_model_split(c, *fp, req);
   if (!plan.fits) fail("--gpus {}: {}", o.gpus, plan.error);
   std::vector<int64_t> splits;
   for (size_t g = 1; g < plan.gpus.size(); ++g) splits.push_back(plan.gpus[g].layer_begin);
@@ -67,7 +68,7 @@ std::unique_ptr<Engine> open_multi_gpu_engine(const std::string& model_dir, cons
     s.vram_budget_gib = double(req.budgets[g]) / double(kGiB);
     s.max_ctx = req.context;
     const int64_t end = g + 1 < stages.size() ? splits[g] : c.num_layers;
-    s.plan_placement = runtime_planner(spec, *pkg, req.context, s.zero_copy_cold, true, g ? splits[g - 1] : 0, end);
+    s.plan_placement = runtime_planner(spec, *pkg, req.context, s.zero_copy_cold, true, g ? splits[g - 1] : 0, end, fp);
   }
   return make_cuda_pipeline(pkg, stages, splits);
 }
