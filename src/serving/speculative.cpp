@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backend/pass_plan.h"
 #include "util/error.h"
 
 namespace moesrv {
@@ -185,12 +186,13 @@ std::vector<int32_t> generate_speculative(Engine& engine, const std::vector<int3
   std::vector<int32_t> out;
   if (prompt.empty()) fail("speculative decoding: empty prompt");
   if (max_new <= 0) return out;
-  // The prompt in pieces of 2048 (the hidden states it keeps are [piece, hidden]); the CPU engine cuts a prefill
-  // at multiples of 2048 anyway, so this is the same computation.
+  // The prompt in pieces of the CPU engine's checkpoint interval (the hidden states it keeps are [piece, hidden]);
+  // that engine cuts a prefill at those multiples anyway (pass_plan.h), so this is the same computation.
+  constexpr size_t kPiece = size_t(kDefaultCheckpointInterval);
   std::vector<float> logits;
-  for (size_t done = 0; done < prompt.size(); done += 2048)
+  for (size_t done = 0; done < prompt.size(); done += kPiece)
     logits = dec.prefill(*seq, std::vector<int32_t>(prompt.begin() + long(done),
-                                                    prompt.begin() + long(std::min(prompt.size(), done + 2048))));
+                                                    prompt.begin() + long(std::min(prompt.size(), done + kPiece))));
   out.push_back(sampler.sample(logits));
   while (int64_t(out.size()) < max_new && seq->length() + 1 < engine.max_context()) {
     auto st = dec.step(*seq, out.back(), max_new - int64_t(out.size()) - 1);
