@@ -195,6 +195,13 @@ TEST(CudaPipelineStage, EntryPointsCheckTheRange) {
   EXPECT_THROW(std::make_unique<CudaEngine>(pkg, bad), std::exception);
 }
 
+// The factory tests' reference: an engine of `model` opened directly (no plan, no budget) at their 512 tokens.
+std::unique_ptr<CudaEngine> plain_engine(const std::string& model) {
+  CudaEngineOptions opt;
+  opt.max_ctx = 512;
+  return std::make_unique<CudaEngine>(ModelPackage::open(hf_tiny(model)), opt);
+}
+
 // --gpus 2 through the factory: one CUDA stage per device (needs two GPUs).
 TEST(CudaPipelineFactory, GpusTwoBuildsCudaStages) {
   SKIP_WITHOUT_CUDA();
@@ -208,9 +215,8 @@ TEST(CudaPipelineFactory, GpusTwoBuildsCudaStages) {
   ASSERT_NE(p, nullptr);
   ASSERT_EQ(p->stages().size(), 2u);
   ASSERT_NE(dynamic_cast<CudaPipelineStage*>(p->stages()[1].stage.get()), nullptr);
-  CudaEngineOptions opt;
-  opt.max_ctx = 512;
-  CudaEngine single(ModelPackage::open(hf_tiny("glm_moe_dsa")), opt);
+  auto plain = plain_engine("glm_moe_dsa");
+  CudaEngine& single = *plain;
   Reference ref = load_reference("glm_moe_dsa");
   auto a = single.new_sequence();
   auto b = e->new_sequence();
@@ -234,9 +240,8 @@ TEST(CudaPipelineFactory, BudgetPlanCountsTheEngineWorkspace) {
   ASSERT_NE(cuda, nullptr);
   EXPECT_LE(cuda->stats().vram_used, cuda->stats().vram_budget);
   EXPECT_EQ(cuda->stats().placement_moved, 0);  // the plan fit: nothing had to move
-  CudaEngineOptions opt;
-  opt.max_ctx = 512;
-  CudaEngine single(ModelPackage::open(hf_tiny("glm_moe_dsa")), opt);
+  auto plain = plain_engine("glm_moe_dsa");
+  CudaEngine& single = *plain;
   Reference ref = load_reference("glm_moe_dsa");
   auto a = single.new_sequence();
   auto b = e->new_sequence();
@@ -257,9 +262,8 @@ TEST(CudaPipelineFactory, NoBudgetPlansInTheFreeMemory) {
   auto e = open_engine(hf_tiny("glm_moe_dsa"), o);
   auto* cuda = dynamic_cast<CudaEngine*>(e.get());
   ASSERT_NE(cuda, nullptr);
-  CudaEngineOptions opt;
-  opt.max_ctx = 512;
-  CudaEngine single(ModelPackage::open(hf_tiny("glm_moe_dsa")), opt);
+  auto plain = plain_engine("glm_moe_dsa");
+  CudaEngine& single = *plain;
   Reference ref = load_reference("glm_moe_dsa");
   auto a = single.new_sequence();
   auto b = e->new_sequence();
