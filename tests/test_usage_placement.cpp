@@ -42,7 +42,11 @@ TEST(UsagePlacement, EngineRecordsPersistsMergesAndPins) {
   EXPECT_DOUBLE_EQ(twice->tokens(2), 1.5 * run.tokens(2));
 
   // A budget that holds the dense part and a few slots per layer pins the most used experts.
-  PlacementPlan plan = plan_with_usage(c, 0.0015, 128, twice, /*workspace_gib=*/0.0);
+  PlacementRequest req;
+  req.vram_budget = uint64_t(0.0015 * double(kGiB));
+  req.context = 128;
+  req.workspace_bytes = 0;
+  PlacementPlan plan = plan_placement(c, footprint_from_config(c), req, &*twice);
   ASSERT_TRUE(plan.fits) << plan.note;
   const LayerPlacement& lp = plan.layers[2];
   ASSERT_GT(lp.pinned, 0) << plan.summary();

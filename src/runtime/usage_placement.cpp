@@ -43,15 +43,4 @@ void save_engine_usage(const std::string& model_dir, const Engine& engine) {
   }
 }
 
-PlacementPlan plan_with_usage(const ModelSpec& c, double vram_budget_gib, int64_t context,
-                              const std::optional<UsageStats>& usage, double workspace_gib,
-                              const ModelFootprint* footprint, int64_t lru_slots) {
-  PlacementRequest req;
-  req.lru_slots = lru_slots;
-  req.workspace_bytes = uint64_t(workspace_gib * double(kGiB));
-  req.vram_budget = uint64_t(vram_budget_gib * double(kGiB));
-  req.context = context;
-  return plan_placement(c, footprint ? *footprint : footprint_from_config(c), req, usage ? &*usage : nullptr);
-}
-
 }  // namespace moesrv
