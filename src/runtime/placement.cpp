@@ -31,13 +31,17 @@ const char* home_name(ExpertHome h) {
   }
 }
 
-uint64_t ModelFootprint::dense_total() const {
-  return std::accumulate(dense_bytes.begin(), dense_bytes.end(), head_bytes);
+uint64_t ModelFootprint::dense_total(int64_t begin, int64_t end) const {
+  const int64_t L = int64_t(dense_bytes.size());
+  if (end < 0) end = L;
+  return std::accumulate(dense_bytes.begin() + begin, dense_bytes.begin() + end, end == L ? head_bytes : uint64_t(0));
 }
 
-uint64_t ModelFootprint::experts_total(const ModelSpec& c) const {
+uint64_t ModelFootprint::experts_total(const ModelSpec& c, int64_t begin, int64_t end) const {
+  if (end < 0) end = int64_t(expert_bytes.size());
   uint64_t t = 0;
-  for (uint64_t b : expert_bytes) t += b * uint64_t(c.n_routed_experts);
+  for (int64_t l = begin; l < end; ++l)
+    t += expert_bytes[size_t(l)] * uint64_t(std::max<int64_t>(c.n_routed_experts, 0));
   return t;
 }
 
@@ -161,8 +165,9 @@ ModelFootprint footprint_from_package(const ModelSpec& c, const ModelPackage& pk
   return f;
 }
 
-uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes, int index_elem_bytes) {
-  return state_bytes(c, std::max<int64_t>(context, 0), kv_elem_bytes, 4, 0, -1, index_elem_bytes);
+uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes, int index_elem_bytes, int64_t begin,
+                        int64_t end) {
+  return state_bytes(c, std::max<int64_t>(context, 0), kv_elem_bytes, 4, begin, end, index_elem_bytes);
 }
 
 double CostModel::cpu_s(uint64_t bytes, double params, double tokens) const {
@@ -328,13 +333,11 @@ PlacementPlan plan_placement(const ModelSpec& c, const ModelFootprint& fp, const
   plan.context = req.context;
   plan.step_tokens = req.step_tokens;
   plan.vram_budget = req.vram_budget;
-  plan.vram_dense = std::accumulate(fp.dense_bytes.begin() + l0, fp.dense_bytes.begin() + l1,
-                                    l1 == c.num_layers ? fp.head_bytes : uint64_t(0));
-  plan.vram_kv = state_bytes(c, std::max<int64_t>(req.context, 0), req.kv_elem_bytes, 4, l0, l1, req.index_elem_bytes);
+  plan.vram_dense = fp.dense_total(l0, l1);
+  plan.vram_kv = kv_cache_bytes(c, req.context, req.kv_elem_bytes, req.index_elem_bytes, l0, l1);
   plan.vram_workspace = req.workspace_bytes;
   const int64_t E = c.n_routed_experts;
-  uint64_t stage_experts = 0;
-  for (int64_t l = l0; l < l1; ++l) stage_experts += fp.expert_bytes[size_t(l)] * uint64_t(std::max<int64_t>(E, 0));
+  const uint64_t stage_experts = fp.experts_total(c, l0, l1);
   plan.host_bytes = stage_experts + (l0 == 0 ? fp.embed_bytes : 0);
   const uint64_t fixed = plan.vram_dense + plan.vram_kv + plan.vram_workspace;
   uint64_t expert_budget = 0;

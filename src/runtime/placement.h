@@ -33,8 +33,9 @@ struct ModelFootprint {
   uint64_t head_bytes = 0;              // lm_head + final norm
   double head_params = 0;
   uint64_t embed_bytes = 0;             // embedding table (kept in host RAM: only looked-up rows are read)
-  uint64_t dense_total() const;         // layers + head
-  uint64_t experts_total(const ModelSpec& c) const;
+  // Layers [begin, end) (-1: to the last), + the head when the range ends the model; every routed expert of them.
+  uint64_t dense_total(int64_t begin = 0, int64_t end = -1) const;
+  uint64_t experts_total(const ModelSpec& c, int64_t begin = 0, int64_t end = -1) const;
 };
 // From the config's shapes at the given storage precision (16 = bf16; EXL3: its bits per weight).
 ModelFootprint footprint_from_config(const ModelSpec& c, double expert_bits = 16, double dense_bits = 16);
@@ -47,7 +48,9 @@ ModelFootprint footprint_from_package(const ModelSpec& c, const ModelPackage& pk
 
 // KV cache bytes for `context` tokens: MLA (kv_lora_rank + qk_rope_dim) or GQA 2*kv_heads*head_dim elements per
 // token per layer, plus DSA indexer keys (index_head_dim) on layers with their own indexer.
-uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes = 2, int index_elem_bytes = 2);
+// Layers [begin, end) only (-1: to the last) for a pipeline stage.
+uint64_t kv_cache_bytes(const ModelSpec& c, int64_t context, int kv_elem_bytes = 2, int index_elem_bytes = 2,
+                        int64_t begin = 0, int64_t end = -1);
 
 // Throughputs the split decisions and estimates use (GB/s = 1e9 bytes/s).
 struct CostModel {

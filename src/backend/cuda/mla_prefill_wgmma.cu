@@ -74,17 +74,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_wgmma_kernel(Attentio
   constexpr int kRows = NK * (kDim / 8) / kThreads;
   const int r0 = tid / (kDim / 8), c0 = tid % (kDim / 8);
   auto load_idx = [&](int base, int(&idx)[kRows + 1]) {
-    auto raw = [&](int i) { return i < n_keys ? (sel ? __ldg(sel + i) : i) : -1; };
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) idx[m] = raw(base + r0 + 4 * m);
-    idx[kRows] = tid < NK ? raw(base + tid) : -1;
+    for (int m = 0; m < kRows; ++m) idx[m] = mla_tile::key_entry(sel, base + r0 + 4 * m, n_keys);
+    idx[kRows] = tid < NK ? mla_tile::key_entry(sel, base + tid, n_keys) : -1;
   };
   auto issue = [&](int buf, const int(&idx)[kRows + 1]) {
     unsigned char* dst = sm + M::kv + buf * M::tile;
-    if (tid < NK) key_buf[buf * NK + tid] = idx[kRows] > pos ? -1 : idx[kRows];
+    if (tid < NK) key_buf[buf * NK + tid] = mla_tile::visible(idx[kRows], pos);
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
-      const int kt = idx[m] > pos ? -1 : idx[m];
+      const int kt = mla_tile::visible(idx[m], pos);
       cp_async16(dst + swz(NK, r0 + 4 * m, c0), cache + int64_t(max(kt, 0)) * kDim + c0 * 8, kt >= 0);
     }
     asm volatile("cp.async.commit_group;\n" ::);

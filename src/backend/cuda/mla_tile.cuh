@@ -12,11 +12,14 @@ namespace moesrv::cuda::mla_tile {
 __host__ __device__ constexpr int padded_dim(int q_dim) { return (q_dim + 15) / 16 * 16; }
 __host__ __device__ constexpr int row_halves(int q_dim) { return padded_dim(q_dim) + 8; }
 
-// Key idx of a query at position pos: sel[idx] with a DSA selection, else idx itself; -1 for padding, past `end` or
-// after the token.
+// Key idx of a query: sel[idx] with a DSA selection, else idx itself; -1 past `end`. visible(t, pos): -1 also for a
+// key after the token. key_at: both (kernels that load the entries ahead take them in two steps).
+__device__ __forceinline__ int key_entry(const int32_t* sel, int idx, int end) {
+  return idx < end ? (sel ? __ldg(sel + idx) : idx) : -1;
+}
+__device__ __forceinline__ int visible(int t, int pos) { return t > pos ? -1 : t; }
 __device__ __forceinline__ int key_at(const int32_t* sel, int idx, int end, int pos) {
-  const int t = idx < end ? (sel ? __ldg(sel + idx) : idx) : -1;
-  return t > pos ? -1 : t;
+  return visible(key_entry(sel, idx, end), pos);
 }
 
 // Keys [base, base + kKeys) into keys[] and their bf16 cache rows (D values) by cp.async (zeros for -1), as one
