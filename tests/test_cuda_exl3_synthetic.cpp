@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/cpu_layers.h"
@@ -32,13 +33,13 @@ namespace moesrv {
 namespace {
 
 // A synthetic model with every 128-aligned projection the converter would take replaced by random K-bit MUL1
-// trellis (any bit pattern is a valid stream; suh = ±1, svh = ±0.02 give the bf16 model's weight scale). Tensors
-// of one shape share one random trellis.
-std::shared_ptr<ModelPackage> synthetic_exl3(std::shared_ptr<ModelPackage> bf, int K) {
+// trellis (any bit pattern is a valid stream; suh = ±1, svh = ±0.02 give the bf16 model's weight scale); the routed
+// experts' at expert_K bits (0: K). Tensors of one shape and K share one random trellis.
+std::shared_ptr<ModelPackage> synthetic_exl3(std::shared_ptr<ModelPackage> bf, int K, int expert_K = 0) {
   struct Store {
     std::shared_ptr<ModelPackage> base;
     std::deque<std::vector<uint16_t>> bufs;
-    std::map<std::pair<int64_t, int64_t>, size_t> by_shape;  // (out, in) -> first of trellis, suh, svh
+    std::map<std::tuple<int64_t, int64_t, int>, size_t> by_shape;  // (out, in, K) -> first of trellis, suh, svh
     int32_t marker = int32_t(kExl3Mul1Mult);
   };
   auto st = std::make_shared<Store>();
@@ -56,9 +57,10 @@ std::shared_ptr<ModelPackage> synthetic_exl3(std::shared_ptr<ModelPackage> bf, i
       continue;
     }
     const int64_t out = t.dim(0), in = t.dim(1);
-    auto [it, fresh] = st->by_shape.emplace(std::make_pair(out, in), st->bufs.size());
+    const int bits = expert_K > 0 && n.find(".mlp.experts.") != std::string::npos ? expert_K : K;
+    auto [it, fresh] = st->by_shape.emplace(std::make_tuple(out, in, bits), st->bufs.size());
     if (fresh) {
-      auto& tr = st->bufs.emplace_back(size_t(in * out * K / 16));
+      auto& tr = st->bufs.emplace_back(size_t(in * out * bits / 16));
       for (size_t i = 0; i < tr.size(); i += 4) {
         const uint64_t r = next();
         for (size_t j = 0; j < 4 && i + j < tr.size(); ++j) tr[i + j] = uint16_t(r >> (16 * j));
@@ -70,7 +72,7 @@ std::shared_ptr<ModelPackage> synthetic_exl3(std::shared_ptr<ModelPackage> bf, i
     }
     const std::string p = n.substr(0, n.size() - 7);
     const auto* b = &st->bufs[it->second];
-    view(p + ".trellis", DType::I16, {in / 16, out / 16, 16 * K}, b[0].data(), b[0].size() * 2);
+    view(p + ".trellis", DType::I16, {in / 16, out / 16, 16 * bits}, b[0].data(), b[0].size() * 2);
     view(p + ".suh", DType::F16, {in}, b[1].data(), size_t(in) * 2);
     view(p + ".svh", DType::F16, {out}, b[2].data(), size_t(out) * 2);
     view(p + ".mul1", DType::I32, {}, &st->marker, 4);
@@ -384,6 +386,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   if (la < 4 || lb <= la || la % 4 || lb % 4) fail("MOESRV_BENCH_SLICES: two multiples of 4, the first smaller");
   for (const std::string& v : env_list("MOESRV_BENCH_STREAMS", "1,2,4,8"))
     if (std::stoll(v) > 0) streams.push_back(std::stoll(v));
+  // MOESRV_BENCH_EXPERT_BITS: the routed experts' K. Default 3, as the published EXL3 3.05 bpw package stores them
+  // (9.44 MB per expert); the other linears stay at K=4. Until session 36 every linear was K=4 (12.6 MB per expert).
+  const int expert_bits = std::stoi(env_list("MOESRV_BENCH_EXPERT_BITS", "3").at(0));
+  if (expert_bits < 1 || expert_bits > 8) fail("MOESRV_BENCH_EXPERT_BITS: 1..8");
 
   for (const std::string& routing : routings) {
     SyntheticOptions so;
@@ -391,7 +397,8 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
     so.router_skew = routing == "skewed" ? 0.05 : 0.0;
     std::map<int, std::shared_ptr<ModelPackage>> pkg;
     for (int layers : {4, la, lb})
-      if (!pkg.count(layers)) pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4);
+      if (!pkg.count(layers))
+        pkg[layers] = synthetic_exl3(make_synthetic_model(glm5_next_config(layers), so), 4, expert_bits);
     const ModelSpec c4 = ModelSpec::from_json(pkg[4]->config());
     const ModelFootprint fp4 = footprint_from_package(c4, *pkg[4]);
     // The whole model's footprint and usage: the slice's 4 layers repeated.
@@ -426,8 +433,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
       }
       hot_half_share = top / std::max(1.0, top + all);
     }
-    std::printf("[ perf ] routing %s: hottest half of each layer's experts takes %.1f%% of the selections\n",
-                routing.c_str(), 100 * hot_half_share);
+    std::printf(
+        "[ perf ] routing %s: hottest half of each layer's experts takes %.1f%% of the selections; routed experts "
+        "K=%d, %.2f MB each\n",
+        routing.c_str(), 100 * hot_half_share, expert_bits, double(fp4.expert_bytes[0]) / 1e6);
     const CpuExpertRate cpu = measure_cpu_expert(pkg[4]);
     std::printf(
         "[ perf ] one EXL3 expert on the host CPU: %.2f ms for 1 token (%.2f GB/s of stored bytes), %.2f ms "
@@ -521,6 +530,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
              {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
              {"routing", routing},
              {"context", contexts[0]},
+             {"expert_bits", expert_bits},
              {"aggregate_tok_s", double(B) / s45},
              {"per_stream_tok_s", 1 / s45}});
       }
@@ -591,6 +601,7 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"vram_budget_gib", budget == "all" ? nlohmann::json("all") : nlohmann::json(std::stod(budget))},
             {"routing", routing},
             {"context", contexts[i]},
+            {"expert_bits", expert_bits},
             {"decode_tok_s", 1 / d45},
             {"floor_tok_s", 1 / floor_s},
             {"floor_as_split_tok_s", 1 / split_floor_s},
@@ -649,7 +660,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         {"model", "glm5_next"},
         {"layers_measured", lb},
         {"slices", {la, lb}},
-        {"weights", "EXL3 K=4 (random trellis), 288 experts aliasing 8 host weight sets"},
+        {"weights", fmt::format("EXL3 (random MUL1 trellis): routed experts K={}, other linears K=4; 288 experts "
+                                "aliasing 8 host weight sets",
+                                expert_bits)},
         {"projection",
          "slices of a < b layers: per layer = (t_b - t_a) / (b - a), head = t_a - a x per layer, 45 layers = head + "
          "45 x per layer (prefill: the "
