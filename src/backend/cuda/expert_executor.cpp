@@ -239,8 +239,7 @@ void CudaEngine::Impl::prefetch_experts(int64_t l, const int32_t* picks, int64_t
 }
 
 // A host-planned decode pass (moe_hybrid: slot_grouped) through the grouped GEMVs over its sorted rows, whose runs
-// come in home order: the slot experts' copies queued first (then the next layer's prefetch, then the shared expert
-// unless moe_hybrid ran it before its plan),
+// come in home order: the slot experts' copies queued first (then the next layer's prefetch, then the shared expert),
 // the rows of the experts in VRAM or already in a slot computed while the link copies, then the copied experts' rows.
 void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                                         int64_t shared_rows, int64_t prefetch_layer) {
@@ -360,12 +359,11 @@ void CudaEngine::Impl::update_cpu_rate(int64_t tokens, double seconds) {
 }
 
 // Tokens [s0, s0 + n) of the pass (the whole pass unless MOESRV_MOE_PASS_ROWS cuts it): s.h rows in, s.y rows
-// accumulated. The first pass (shared_rows = the forward's rows) first writes s.y with the shared expert, queued
-// right behind the routing's copy to the host, so the GPU computes it while the host plans (with
-// MOESRV_SHARED_BEFORE_PLAN=0: after the copies of its misses are queued, while the link copies). One routing copy and
-// host plan per pass, so each GPU expert runs once over all its rows (one dequantization of an EXL3 expert per pass, a
-// cold expert crossing PCIe once); the sorted rows go through the expert buffers in waves of their height, each wave
-// combined into s.y on its own.
+// accumulated. The first pass (shared_rows = the forward's rows) first writes s.y with the shared expert, after the
+// routing round trip and the copies of its misses are queued, so the GPU computes it while the link copies and the
+// host does not wait for it. One routing copy and host plan per pass, so each GPU expert runs once over all its rows
+// (one dequantization of an EXL3 expert per pass, a cold expert crossing PCIe once); the sorted rows go through the
+// expert buffers in waves of their height, each wave combined into s.y on its own.
 void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shared_rows) {
   DevMoe& m = *layers[size_t(l)].moe;
   const MoeWeights& hw = *weights->layers[size_t(l)].moe;
@@ -394,13 +392,12 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   };
   const bool rows_early = any_cpu && n < kStreamPassTokens;
   if (rows_early) copy_rows();
-  // The pass queues its shared expert behind the routing's copy and plans while the GPU runs it: the host plan of a
-  // 32K-token group (262K sorted rows) took the GPU's time in the router phase before, and a decode step's GPU
-  // otherwise idles through every MoE layer's round trip and plan. (MOESRV_SHARED_BEFORE_PLAN=0: after the plan, as
-  // before, for comparisons)
+  // A long pass (prefill) queues its shared expert behind the routing's copy and plans while the GPU runs it: the
+  // host plan of a 32K-token group (262K sorted rows) took the GPU's time in the router phase before.
+  // (MOESRV_SHARED_BEFORE_PLAN=0: after the plan, as before, for comparisons)
   static const bool shared_early_on = switch_on("MOESRV_SHARED_BEFORE_PLAN");
   bool shared_pending = shared_rows > 0;
-  if (shared_pending && shared_early_on) {
+  if (shared_pending && n >= kStreamPassTokens && shared_early_on) {
     MOESRV_CUDA_OK(cudaEventRecord(routing_copied, stream));
     phase(CudaPhase::Experts);
     shared_expert_into_y(m, shared_rows);
@@ -458,7 +455,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   for (size_t r = 0; r < gpu_runs.size(); ++r) run_home[r] = home(gpu_runs[r].first);
   if (slot_grouped) {
     ++stats.grouped_hybrid_passes;
-    moe_slot_grouped(l, pass, run_home, n, shared_pending ? shared_rows : 0, prefetch_layer);
+    moe_slot_grouped(l, pass, run_home, n, shared_rows, prefetch_layer);
     return;
   }
   // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
