@@ -94,7 +94,14 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
     // the first token (a rejected draft; its state restore is timed too).
     auto* mtp = dynamic_cast<MtpEngine*>(&e);
     std::vector<float> hidden;
-    for (int k = 1; k <= verify_k; ++k) {
+    // MOESRV_BENCH_VERIFY_REVERSE=1: the passes of k = verify_k first, down to 1 (to tell an order effect apart)
+    static const bool reverse = [] {
+      const char* v = std::getenv("MOESRV_BENCH_VERIFY_REVERSE");
+      return v && v[0] == '1';
+    }();
+    t.verify_s.assign(size_t(verify_k), 0.0);
+    for (int i = 0; i < verify_k; ++i) {
+      const int k = reverse ? verify_k - i : i + 1;
       double best = 1e30;
       for (int rep = 0; rep < 4; ++rep) {
         // Each pass its own k + 1 tokens (from those decode made, newest first): repeating one token would route
@@ -114,7 +121,7 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
         if (rep > 0) best = std::min(best, seconds_since(t0));
         seq->truncate(len);
       }
-      t.verify_s.push_back(best);
+      t.verify_s[size_t(k - 1)] = best;
     }
   }
   return t;
