@@ -3,7 +3,8 @@
 //   floor    a multi-threaded sum over a buffer of N MB (default 2048): the memory-read rate
 //   old      mlp_forward per expert with the previous AVX-512 GEMV (path avx512) when the CPU has it
 //   new/exp  mlp_forward per expert with the best GEMV path
-//   batched  cpu::experts_forward: all experts' strips in shared parallel_fors, best path
+//   batched  cpu::experts_forward: all experts' strips in shared parallel_fors, best path (vbmi batched: the same
+//            with avx512-vbmi where the best path is avx512-fp16)
 //   int8     the same with the opt-in integer-sum path (avx512-int8, MOESRV_EXL3_GEMV=avx512-int8) where the CPU has it
 // GB/s counts the stored trellis bytes of the experts. Each step reads the next experts of a pool of N MB, so
 // weights come from memory, not cache. Each thread count runs in a child process (MOESRV_THREADS sizes the pool).
@@ -149,7 +150,12 @@ void child(size_t pool_bytes) {
       const double old_ms = best_ms(reps, per_expert);
       exl3_gemv_set_default_path(best);
       const double new_ms = best_ms(reps, per_expert), batch_ms = best_ms(reps, batched);
-      double int8_ms = 0;
+      double int8_ms = 0, vbmi_ms = 0;
+      if (best == Exl3GemvPath::Avx512Fp16) {  // the exact path before it
+        exl3_gemv_set_default_path(Exl3GemvPath::Avx512Vbmi);
+        vbmi_ms = best_ms(reps, batched);
+        exl3_gemv_set_default_path(best);
+      }
       if (exl3_gemv_path_supported(Exl3GemvPath::Avx512Int8)) {
         exl3_gemv_set_default_path(Exl3GemvPath::Avx512Int8);
         int8_ms = best_ms(reps, batched);
@@ -162,6 +168,7 @@ void child(size_t pool_bytes) {
           "%5.1f GB/s = %.2f of floor",
           threads, K, (long long)E, old_ms, gbs(old_ms), new_ms, gbs(new_ms), batch_ms, gbs(batch_ms),
           gbs(batch_ms) / floor);
+      if (vbmi_ms > 0) std::printf("  vbmi batched %7.3f ms %5.1f GB/s", vbmi_ms, gbs(vbmi_ms));
       if (int8_ms > 0)
         std::printf("  int8 %7.3f ms %5.1f GB/s = %.2f of floor", int8_ms, gbs(int8_ms), gbs(int8_ms) / floor);
       std::printf("\n");

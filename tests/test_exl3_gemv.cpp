@@ -12,8 +12,8 @@ using namespace moesrv;
 
 namespace {
 
-constexpr Exl3GemvPath kPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2, Exl3GemvPath::Avx2Vnni,
-                                   Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi};
+constexpr Exl3GemvPath kPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2,       Exl3GemvPath::Avx2Vnni,
+                                   Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Fp16};
 constexpr Exl3Codebook kCodebooks[] = {Exl3Codebook::Inst3, Exl3Codebook::Mcg, Exl3Codebook::Mul1};
 
 struct Matrix {
@@ -46,7 +46,9 @@ std::vector<float> reference(const Exl3Weights& w) {
   return ref;
 }
 
-std::vector<float> gemv(Exl3GemvPath p, const Exl3Weights& w, const std::vector<float>& x, int64_t n) {
+// (through the path that runs w: Avx512Fp16 hands other codebooks to Avx512Vbmi)
+std::vector<float> gemv(Exl3GemvPath asked, const Exl3Weights& w, const std::vector<float>& x, int64_t n) {
+  const Exl3GemvPath p = exl3_gemv_path_for(asked, w);
   std::vector<float> xs(size_t(n * exl3_activation_floats(p, w.in_pad))), y(size_t(n * w.out_pad));
   exl3_prepare_activations(p, x.data(), n, w.in_pad, xs.data());
   for (int64_t nt = 0; nt < w.tiles_n(); ++nt) exl3_gemv_strip(p, w, xs.data(), n, nt, y.data(), w.out_pad);
@@ -187,6 +189,8 @@ TEST(Exl3Gemv, Int8PathHandsOtherWeightsToVbmi) {
   EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Int8, odd.w), Exl3GemvPath::Avx512Vbmi);
   EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Vbmi, mcg.w), Exl3GemvPath::Avx512Vbmi);
   EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx2, mcg.w), Exl3GemvPath::Avx2);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Fp16, mcg.w), Exl3GemvPath::Avx512Vbmi);
+  EXPECT_EQ(exl3_gemv_path_for(Exl3GemvPath::Avx512Fp16, odd.w), Exl3GemvPath::Avx512Fp16);  // any input width
 }
 
 TEST(Exl3Gemv, BestPathIsSupported) {

@@ -389,6 +389,66 @@ MOESRV_VBMI_FN void strip_vbmi(const Exl3Weights& w, const float* xs, int64_t nt
   for (int r = 0; r < NR; ++r) store_columns(acc[r], yr + r * ldy + nt * 16);
 }
 
+// AVX512-FP16 intrinsics under a target attribute: GCC 12 has them; clang 14 declares them only
+// when the whole file is built for AVX512-FP16, so clang builds leave this path out (reported unsupported).
+#if !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12
+#define MOESRV_HAS_FP16_PATH 1
+#define MOESRV_FP16_FN \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,avx512fp16,f16c,fma")))
+
+// Avx512Fp16 (Mul1): Avx512Vbmi's states; groups m and m + 1 (m even) as one vector of 32 fp16 values: the byte
+// sums on 0x6400 are the fp16 bits of 1024 + bs, packed (in-lane order) and put through one fp16 fma with the
+// codebook's constants: its single rounding is the codebook's. Both halves then hold columns m / 2 (lanes 0-7) and
+// m / 2 + 8 (lanes 8-15), so one accumulator per pair takes both with the activations permuted to match, per tile.
+template <int NR>
+MOESRV_FP16_FN void strip_fp16(const Exl3Weights& w, const float* xs, int64_t nt, float* yr, int64_t ldy) {
+  const int64_t tk = w.tiles_k();
+  const VbmiPlan& p = vbmi_plan(w.K);
+  const VbmiRegs g = vbmi_regs(p);
+  const __m512i mult = _mm512_set1_epi32(int(kExl3Mul1Mult)), ones = _mm512_set1_epi32(0x01010101);
+  const __m512i base = _mm512_set1_epi32(0x6400);
+  const __m512h a = _mm512_castsi512_ph(_mm512_set1_epi16(0x1eee)),
+                c = _mm512_castsi512_ph(_mm512_set1_epi16(int16_t(0xc931)));
+  // lanes of the packed halves: [x 0-3, x 16-19, x 4-7, x 20-23] and [x 8-11, x 24-27, x 12-15, x 28-31]
+  const __m512i perm_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i perm_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 acc[NR][8];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 8; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) uint8_t safe[32 * kExl3MaxK + 64] = {};
+  prefetch_strip_start(w, nt);
+  for (int64_t kt = 0; kt < tk; ++kt) {
+    __m512i src0;
+    const uint8_t* tile = vbmi_tile(w, kt, nt, safe, src0);
+    __m512 xl[NR], xh[NR];
+    for (int r = 0; r < NR; ++r) {
+      const float* x = xs + (r * tk + kt) * 32;
+      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      xl[r] = _mm512_permutex2var_ps(x0, perm_lo, x1);
+      xh[r] = _mm512_permutex2var_ps(x0, perm_hi, x1);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < 16; m += 2) {
+      const __m512i b0 = _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(vbmi_states(g, p, tile, src0, m), mult), ones);
+      const __m512i b1 =
+          _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(vbmi_states(g, p, tile, src0, m + 1), mult), ones);
+      const __m512i h = _mm512_castph_si512(_mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_packus_epi32(b0, b1)), a, c));
+      const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      for (int r = 0; r < NR; ++r) {
+        acc[r][m / 2] = _mm512_fmadd_ps(lo, xl[r], acc[r][m / 2]);
+        acc[r][m / 2] = _mm512_fmadd_ps(hi, xh[r], acc[r][m / 2]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 8; ++j) {
+      yr[r * ldy + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x00FF, acc[r][j]);
+      yr[r * ldy + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xFF00, acc[r][j]);
+    }
+}
+#endif  // MOESRV_HAS_FP16_PATH
+
 // In-lane byte indices that spread Int8Block's bytes: lane L of set j (hi even, hi odd, lo even, lo odd) gets byte
 // 4 j + L % 4 of its 128-bit lane, four times.
 alignas(64) const auto kInt8Spread = [] {
@@ -466,6 +526,20 @@ void strip_simd(Exl3GemvPath path, const Exl3Weights& w, const float* xs, int64_
   }
 }
 
+// Avx512Fp16: rows in pairs, as strip_simd's Avx512Vbmi.
+void strip_fp16_rows(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr, int64_t ldy) {
+#if !defined(MOESRV_HAS_FP16_PATH)
+  (void)w, (void)xs, (void)n, (void)nt, (void)yr, (void)ldy;
+  MOESRV_CHECK(false, "exl3 gemv: avx512-fp16 is not built in (compiler)");
+#else
+  const int64_t tk = w.tiles_k();
+  for (int64_t r0 = 0; r0 < n; r0 += 2) {
+    if (n - r0 >= 2) strip_fp16<2>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
+    else strip_fp16<1>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
+  }
+#endif
+}
+
 }  // namespace
 MOESRV_AVX512_END
 #endif  // MOESRV_HAS_AVX512_PATH
@@ -478,6 +552,7 @@ const char* exl3_gemv_path_name(Exl3GemvPath p) {
     case Exl3GemvPath::Avx512: return "avx512";
     case Exl3GemvPath::Avx512Vbmi: return "avx512-vbmi";
     case Exl3GemvPath::Avx512Int8: return "avx512-int8";
+    case Exl3GemvPath::Avx512Fp16: return "avx512-fp16";
   }
   return "?";
 }
@@ -495,6 +570,12 @@ bool exl3_gemv_path_supported(Exl3GemvPath p) {
     case Exl3GemvPath::Avx512Int8:
       return exl3_simd::cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi") &&
              __builtin_cpu_supports("avx512vnni");
+    case Exl3GemvPath::Avx512Fp16:
+#if defined(MOESRV_HAS_FP16_PATH)
+      return exl3_gemv_path_supported(Exl3GemvPath::Avx512Vbmi) && __builtin_cpu_supports("avx512fp16");
+#else
+      return false;
+#endif
   }
   return false;
 #else
@@ -509,7 +590,8 @@ int64_t exl3_gemv_fast_rows(Exl3GemvPath p) {
 
 Exl3GemvPath exl3_gemv_best_path() {
   static const Exl3GemvPath best = [] {
-    for (auto p : {Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512, Exl3GemvPath::Avx2Vnni, Exl3GemvPath::Avx2})
+    for (auto p : {Exl3GemvPath::Avx512Fp16, Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512, Exl3GemvPath::Avx2Vnni,
+                   Exl3GemvPath::Avx2})
       if (exl3_gemv_path_supported(p)) return p;
     return Exl3GemvPath::Scalar;
   }();
@@ -539,6 +621,7 @@ void exl3_gemv_set_default_path(Exl3GemvPath p) {
 Exl3GemvPath exl3_gemv_path_for(Exl3GemvPath p, const Exl3Weights& w) {
   if (p == Exl3GemvPath::Avx512Int8 && (w.codebook != Exl3Codebook::Mul1 || w.in_pad % kExl3ActivationBlock != 0))
     return Exl3GemvPath::Avx512Vbmi;
+  if (p == Exl3GemvPath::Avx512Fp16 && w.codebook != Exl3Codebook::Mul1) return Exl3GemvPath::Avx512Vbmi;
   return p;
 }
 
@@ -577,6 +660,11 @@ void exl3_gemv_strip(Exl3GemvPath path, const Exl3Weights& w, const float* xs, i
     MOESRV_CHECK(exl3_gemv_path_for(path, w) == path, "exl3 gemv: avx512-int8 does not run {} weights with {} inputs",
                  exl3_codebook_name(w.codebook), w.in_pad);
     return strip_int8(w, xs, n, nt, yr, ldy);
+  }
+  if (path == Exl3GemvPath::Avx512Fp16) {
+    MOESRV_CHECK(exl3_gemv_path_for(path, w) == path, "exl3 gemv: avx512-fp16 does not run {} weights",
+                 exl3_codebook_name(w.codebook));
+    return strip_fp16_rows(w, xs, n, nt, yr, ldy);
   }
   if (path == Exl3GemvPath::Avx2 || path == Exl3GemvPath::Avx2Vnni || path == Exl3GemvPath::Avx512Vbmi) {
     switch (w.codebook) {

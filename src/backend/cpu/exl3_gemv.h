@@ -20,11 +20,16 @@ enum class Exl3GemvPath {
   // (<= 2^-11 relative each) and each input is off by <= 1/64516 of its block's largest. Other codebooks, and inputs
   // not a multiple of 128, run Avx512Vbmi (exl3_gemv_path_for).
   Avx512Int8,
+  // Avx512Vbmi's state extraction, MUL1 only (exact; the default where the CPU has AVX512-FP16): 32 weights' values
+  // from one fp16 fma of the byte sums with the codebook's constants, its rounding the codebook's. Other codebooks run
+  // Avx512Vbmi (exl3_gemv_path_for).
+  Avx512Fp16,
 };
 
 // Every path, in the enum's order.
-constexpr Exl3GemvPath kExl3GemvPaths[] = {Exl3GemvPath::Scalar, Exl3GemvPath::Avx2,       Exl3GemvPath::Avx2Vnni,
-                                           Exl3GemvPath::Avx512, Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Int8};
+constexpr Exl3GemvPath kExl3GemvPaths[] = {Exl3GemvPath::Scalar,    Exl3GemvPath::Avx2,       Exl3GemvPath::Avx2Vnni,
+                                           Exl3GemvPath::Avx512,    Exl3GemvPath::Avx512Vbmi, Exl3GemvPath::Avx512Int8,
+                                           Exl3GemvPath::Avx512Fp16};
 
 constexpr int64_t kExl3GemvMaxRows = 8;
 // Rows up to which the path beats the decoded-tile GEMM (AVX2 decodes the tiles again for each row).
@@ -34,12 +39,13 @@ const char* exl3_gemv_path_name(Exl3GemvPath p);
 bool exl3_gemv_path_supported(Exl3GemvPath p);
 Exl3GemvPath exl3_gemv_best_path();  // the fastest path this CPU runs (checked once)
 // The path Exl3Linear and the expert batch use: exl3_gemv_best_path(), unless the environment variable
-// MOESRV_EXL3_GEMV names a supported one (scalar, avx2, avx2-vnni, avx512, avx512-vbmi, avx512-int8) or a bench set
-// one. Scalar means the decoded-tile GEMM, the same as for more than kExl3GemvMaxRows rows.
+// MOESRV_EXL3_GEMV names a supported one (scalar, avx2, avx2-vnni, avx512, avx512-vbmi, avx512-int8, avx512-fp16) or a
+// bench set one. Scalar means the decoded-tile GEMM, the same as for more than kExl3GemvMaxRows rows.
 Exl3GemvPath exl3_gemv_default_path();
 void exl3_gemv_set_default_path(Exl3GemvPath p);  // p must be supported
 
-// The path that runs w when `p` is asked for: Avx512Int8 becomes Avx512Vbmi where it does not apply, others stay.
+// The path that runs w when `p` is asked for: Avx512Int8 and Avx512Fp16 become Avx512Vbmi where they do not apply,
+// others stay.
 Exl3GemvPath exl3_gemv_path_for(Exl3GemvPath p, const Exl3Weights& w);
 
 // The activations a path's strips read, one row at a time: floats per row of kp inputs (kp a multiple of 16, of 128
