@@ -396,19 +396,53 @@ MOESRV_VBMI_FN void strip_vbmi(const Exl3Weights& w, const float* xs, int64_t nt
 #define MOESRV_FP16_FN \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,avx512fp16,f16c,fma")))
 
-// Avx512Fp16 (Mul1): Avx512Vbmi's states; groups m and m + 1 (m even) as one vector of 32 fp16 values: the byte
-// sums on 0x6400 are the fp16 bits of 1024 + bs, packed (in-lane order) and put through one fp16 fma with the
-// codebook's constants: its single rounding is the codebook's. Both halves then hold columns m / 2 (lanes 0-7) and
-// m / 2 + 8 (lanes 8-15), so one accumulator per pair takes both with the activations permuted to match, per tile.
-template <int NR>
+// Avx512Fp16: Avx512Vbmi's states; groups m and m + 1 (m even) decoded as one vector of 32 fp16 values whose one fp16
+// operation rounds as the codebook does. Mul1: the byte sums on 0x6400 are the fp16 bits of 1024 + bs; packed, one
+// fp16 fma with the codebook's constants. 3INST / MCG: the masked products' low and high halves gathered into two
+// vectors, one fp16 add. Lanes come in vpackusdw's order ([group m lanes 4j..4j+3, group m + 1 lanes 4j..4j+3] per
+// 128 bits), so both 16-lane halves hold columns m / 2 (lanes 0-7) and m / 2 + 8 (lanes 8-15): one accumulator per
+// pair takes both, with the activations permuted to match per tile.
+template <Exl3Codebook CB>
+MOESRV_FP16_FN inline __m512i fp16_values32(__m512i st0, __m512i st1) {
+  if constexpr (CB == Exl3Codebook::Mul1) {
+    const __m512i mult = _mm512_set1_epi32(int(kExl3Mul1Mult)), ones = _mm512_set1_epi32(0x01010101);
+    const __m512i base = _mm512_set1_epi32(0x6400);
+    const __m512i b0 = _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(st0, mult), ones);
+    const __m512i b1 = _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(st1, mult), ones);
+    const __m512h a = _mm512_castsi512_ph(_mm512_set1_epi16(0x1eee)),
+                  c = _mm512_castsi512_ph(_mm512_set1_epi16(int16_t(0xc931)));
+    return _mm512_castph_si512(_mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_packus_epi32(b0, b1)), a, c));
+  } else {
+    const __m512i mult = _mm512_set1_epi32(int(mcg_mult(CB)));
+    __m512i x0 = _mm512_mullo_epi32(st0, mult), x1 = _mm512_mullo_epi32(st1, mult);
+    if constexpr (CB == Exl3Codebook::Inst3) {
+      x0 = _mm512_add_epi32(x0, _mm512_set1_epi32(int(kExl3Inst3Add)));
+      x1 = _mm512_add_epi32(x1, _mm512_set1_epi32(int(kExl3Inst3Add)));
+    }
+    const __m512i mask = _mm512_set1_epi32(int(0x8FFF8FFFu)), flip = _mm512_set1_epi32(0x3B603B60);
+    x0 = _mm512_ternarylogic_epi32(x0, mask, flip, 0x6A);  // (x & mask) ^ flip
+    x1 = _mm512_ternarylogic_epi32(x1, mask, flip, 0x6A);
+    alignas(64) static constexpr auto kLow =
+        [] {  // vpackusdw's order of the low halves (words 2d of x0, 32 + 2d of x1)
+          std::array<uint16_t, 32> idx{};
+          for (int w = 0; w < 32; ++w) {
+            const int j = w / 8, i = w % 8;
+            idx[size_t(w)] = uint16_t(i < 4 ? 2 * (4 * j + i) : 32 + 2 * (4 * j + i - 4));
+          }
+          return idx;
+        }();
+    const __m512i lo_idx = _mm512_load_si512(kLow.data()), hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(1));
+    const __m512h lo = _mm512_castsi512_ph(_mm512_permutex2var_epi16(x0, lo_idx, x1));
+    const __m512h hi = _mm512_castsi512_ph(_mm512_permutex2var_epi16(x0, hi_idx, x1));
+    return _mm512_castph_si512(_mm512_add_ph(lo, hi));
+  }
+}
+
+template <Exl3Codebook CB, int NR>
 MOESRV_FP16_FN void strip_fp16(const Exl3Weights& w, const float* xs, int64_t nt, float* yr, int64_t ldy) {
   const int64_t tk = w.tiles_k();
   const VbmiPlan& p = vbmi_plan(w.K);
   const VbmiRegs g = vbmi_regs(p);
-  const __m512i mult = _mm512_set1_epi32(int(kExl3Mul1Mult)), ones = _mm512_set1_epi32(0x01010101);
-  const __m512i base = _mm512_set1_epi32(0x6400);
-  const __m512h a = _mm512_castsi512_ph(_mm512_set1_epi16(0x1eee)),
-                c = _mm512_castsi512_ph(_mm512_set1_epi16(int16_t(0xc931)));
   // lanes of the packed halves: [x 0-3, x 16-19, x 4-7, x 20-23] and [x 8-11, x 24-27, x 12-15, x 28-31]
   const __m512i perm_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i perm_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -429,10 +463,7 @@ MOESRV_FP16_FN void strip_fp16(const Exl3Weights& w, const float* xs, int64_t nt
     }
 #pragma GCC unroll 8
     for (int m = 0; m < 16; m += 2) {
-      const __m512i b0 = _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(vbmi_states(g, p, tile, src0, m), mult), ones);
-      const __m512i b1 =
-          _mm512_dpbusd_epi32(base, _mm512_mullo_epi32(vbmi_states(g, p, tile, src0, m + 1), mult), ones);
-      const __m512i h = _mm512_castph_si512(_mm512_fmadd_ph(_mm512_castsi512_ph(_mm512_packus_epi32(b0, b1)), a, c));
+      const __m512i h = fp16_values32<CB>(vbmi_states(g, p, tile, src0, m), vbmi_states(g, p, tile, src0, m + 1));
       const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
       const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
       for (int r = 0; r < NR; ++r) {
@@ -526,16 +557,23 @@ void strip_simd(Exl3GemvPath path, const Exl3Weights& w, const float* xs, int64_
   }
 }
 
-// Avx512Fp16: rows in pairs, as strip_simd's Avx512Vbmi.
+// Avx512Fp16: rows in pairs, as strip_simd's Avx512Vbmi, per codebook.
 void strip_fp16_rows(const Exl3Weights& w, const float* xs, int64_t n, int64_t nt, float* yr, int64_t ldy) {
 #if !defined(MOESRV_HAS_FP16_PATH)
   (void)w, (void)xs, (void)n, (void)nt, (void)yr, (void)ldy;
   MOESRV_CHECK(false, "exl3 gemv: avx512-fp16 is not built in (compiler)");
 #else
   const int64_t tk = w.tiles_k();
-  for (int64_t r0 = 0; r0 < n; r0 += 2) {
-    if (n - r0 >= 2) strip_fp16<2>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
-    else strip_fp16<1>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
+  auto rows = [&]<Exl3Codebook CB>() {
+    for (int64_t r0 = 0; r0 < n; r0 += 2) {
+      if (n - r0 >= 2) strip_fp16<CB, 2>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
+      else strip_fp16<CB, 1>(w, xs + r0 * tk * 32, nt, yr + r0 * ldy, ldy);
+    }
+  };
+  switch (w.codebook) {
+    case Exl3Codebook::Mul1: return rows.operator()<Exl3Codebook::Mul1>();
+    case Exl3Codebook::Mcg: return rows.operator()<Exl3Codebook::Mcg>();
+    case Exl3Codebook::Inst3: return rows.operator()<Exl3Codebook::Inst3>();
   }
 #endif
 }
@@ -621,7 +659,6 @@ void exl3_gemv_set_default_path(Exl3GemvPath p) {
 Exl3GemvPath exl3_gemv_path_for(Exl3GemvPath p, const Exl3Weights& w) {
   if (p == Exl3GemvPath::Avx512Int8 && (w.codebook != Exl3Codebook::Mul1 || w.in_pad % kExl3ActivationBlock != 0))
     return Exl3GemvPath::Avx512Vbmi;
-  if (p == Exl3GemvPath::Avx512Fp16 && w.codebook != Exl3Codebook::Mul1) return Exl3GemvPath::Avx512Vbmi;
   return p;
 }
 
@@ -661,11 +698,7 @@ void exl3_gemv_strip(Exl3GemvPath path, const Exl3Weights& w, const float* xs, i
                  exl3_codebook_name(w.codebook), w.in_pad);
     return strip_int8(w, xs, n, nt, yr, ldy);
   }
-  if (path == Exl3GemvPath::Avx512Fp16) {
-    MOESRV_CHECK(exl3_gemv_path_for(path, w) == path, "exl3 gemv: avx512-fp16 does not run {} weights",
-                 exl3_codebook_name(w.codebook));
-    return strip_fp16_rows(w, xs, n, nt, yr, ldy);
-  }
+  if (path == Exl3GemvPath::Avx512Fp16) return strip_fp16_rows(w, xs, n, nt, yr, ldy);
   if (path == Exl3GemvPath::Avx2 || path == Exl3GemvPath::Avx2Vnni || path == Exl3GemvPath::Avx512Vbmi) {
     switch (w.codebook) {
       case Exl3Codebook::Mul1: return strip_simd<Exl3Codebook::Mul1>(path, w, xs, n, nt, yr, ldy);

@@ -20,9 +20,9 @@ enum class Exl3GemvPath {
   // (<= 2^-11 relative each) and each input is off by <= 1/64516 of its block's largest. Other codebooks, and inputs
   // not a multiple of 128, run Avx512Vbmi (exl3_gemv_path_for).
   Avx512Int8,
-  // Avx512Vbmi's state extraction, MUL1 only (exact; the default where the CPU has AVX512-FP16): 32 weights' values
-  // from one fp16 fma of the byte sums with the codebook's constants, its rounding the codebook's. Other codebooks run
-  // Avx512Vbmi (exl3_gemv_path_for).
+  // Avx512Vbmi's state extraction (exact; the default where the CPU has AVX512-FP16): 32 weights' values from one
+  // fp16 operation whose rounding is the codebook's (MUL1: an fma of the byte sums with its constants; 3INST / MCG:
+  // the add of the masked products' halves).
   Avx512Fp16,
 };
 
@@ -44,8 +44,7 @@ Exl3GemvPath exl3_gemv_best_path();  // the fastest path this CPU runs (checked 
 Exl3GemvPath exl3_gemv_default_path();
 void exl3_gemv_set_default_path(Exl3GemvPath p);  // p must be supported
 
-// The path that runs w when `p` is asked for: Avx512Int8 and Avx512Fp16 become Avx512Vbmi where they do not apply,
-// others stay.
+// The path that runs w when `p` is asked for: Avx512Int8 becomes Avx512Vbmi where it does not apply, others stay.
 Exl3GemvPath exl3_gemv_path_for(Exl3GemvPath p, const Exl3Weights& w);
 
 // The activations a path's strips read, one row at a time: floats per row of kp inputs (kp a multiple of 16, of 128
