@@ -234,11 +234,12 @@ MOESRV_AVX2_FN void strip_avx2(const Exl3Weights& w, const float* xs, int64_t nt
     }
 }
 
-// Lanes 0-3 / 8-11 of acc[j] sum into column j, lanes 4-7 / 12-15 into column j + 8.
-MOESRV_AVX512_FN inline void store_columns(const __m512* acc, float* y) {
+// The lanes of acc[j] in `low` sum into column j, the others into column j + 8 (default: lanes 0-3 / 8-11 and 4-7 /
+// 12-15, the decoders' state order).
+MOESRV_AVX512_FN inline void store_columns(const __m512* acc, float* y, __mmask16 low = 0x0F0F) {
   for (int j = 0; j < 8; ++j) {
-    y[j] = _mm512_mask_reduce_add_ps(0x0F0F, acc[j]);
-    y[j + 8] = _mm512_mask_reduce_add_ps(0xF0F0, acc[j]);
+    y[j] = _mm512_mask_reduce_add_ps(low, acc[j]);
+    y[j + 8] = _mm512_mask_reduce_add_ps(__mmask16(~low), acc[j]);
   }
 }
 
@@ -472,11 +473,7 @@ MOESRV_FP16_FN void strip_fp16(const Exl3Weights& w, const float* xs, int64_t nt
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 8; ++j) {
-      yr[r * ldy + nt * 16 + j] = _mm512_mask_reduce_add_ps(0x00FF, acc[r][j]);
-      yr[r * ldy + nt * 16 + j + 8] = _mm512_mask_reduce_add_ps(0xFF00, acc[r][j]);
-    }
+  for (int r = 0; r < NR; ++r) store_columns(acc[r], yr + r * ldy + nt * 16, 0x00FF);
 }
 #endif  // MOESRV_HAS_FP16_PATH
 
