@@ -24,6 +24,7 @@
 #include "engine_test_util.h"
 #include "format/exl3_convert.h"
 #include "model/synthetic_model.h"
+#include "reference_util.h"
 #include "runtime/cuda_placement.h"
 #include "runtime/engine_factory.h"
 #include "runtime/placement.h"
@@ -118,6 +119,59 @@ TEST(CudaExl3Footprint, PackageFootprintUsesStoredBytes) {
 #include <cuda_runtime.h>
 namespace moesrv {
 namespace {
+
+// The CPU's slices of copied experts (cpu_expert_slices): each decode pass's last copied expert computed in two
+// parts, its first intermediate blocks on the CPU and the rest on the GPU from a partial copy (gate's and up's scales
+// zeroed there), the slot then topped up for later passes. A small GLM-5 model whose experts have 4 blocks of 128
+// (the hf-tiny ones pad theirs to one block), every expert in 6 LRU slots per layer (misses every step), against the
+// same engine without slices and against all in VRAM.
+TEST(CudaExl3Synthetic, CpuSlicesMatchWholeCopies) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA backend or device";
+  auto cfg = tiny_moe_config(3);
+  cfg["moe_intermediate_size"] = 512;
+  auto q = synthetic_exl3(make_synthetic_model(cfg), 3);
+  std::vector<int32_t> prompt, steps;
+  for (int i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 512);
+  for (int i = 0; i < 12; ++i) steps.push_back((i * 53 + 7) % 512);
+  CudaEngine all(q, CudaEngineOptions{});
+  const int64_t V = all.vocab_size();
+  const std::vector<float> want = test::prefill_then_steps(all, prompt, steps);
+  const int64_t rows = int64_t(want.size()) / V;  // the prompt's and every step's
+  std::vector<std::vector<ExpertPlacement>> cache = all.placement();
+  for (auto& layer : cache) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
+  std::vector<float> whole;  // the hybrid engine without slices
+  for (int blocks : {0, 1, 3}) {
+    CudaEngineOptions opt;
+    opt.placement = cache;
+    opt.cache_slots = 6;
+    opt.lend_pass_arena = false;
+    opt.prefetch_experts = 0;
+    opt.cpu_expert_slices = blocks > 0;
+    opt.cpu_slice_blocks = blocks;
+    CudaEngine e(q, opt);
+    const std::vector<float> out = test::prefill_then_steps(e, prompt, steps);
+    const CudaEngineStats st = e.stats();
+    ASSERT_EQ(out.size(), want.size());
+    const double vs_all = testing::max_rel_row_error(out.data(), want.data(), rows, V);
+    std::printf(
+        "[ info ] cpu slices of %d blocks: %ld slices (%ld rows), %ld grouped passes, misses %ld, worst rel "
+        "error vs all in VRAM %.2e\n",
+        blocks, long(st.cpu_slices), long(st.cpu_slice_rows), long(st.grouped_hybrid_passes), long(st.cache_misses),
+        vs_all);
+    EXPECT_LE(vs_all, 1e-3) << blocks << " blocks";
+    EXPECT_GT(st.grouped_hybrid_passes, 0) << blocks << " blocks";
+    if (blocks == 0) {
+      EXPECT_EQ(st.cpu_slices, 0);
+      whole = out;
+      continue;
+    }
+    EXPECT_GT(st.cpu_slices, 0) << blocks << " blocks";
+    EXPECT_EQ(st.cpu_slice_rows, st.cpu_slices * blocks * 128) << blocks << " blocks";
+    const double vs_whole = testing::max_rel_row_error(out.data(), whole.data(), rows, V);
+    std::printf("[ info ] cpu slices of %d blocks vs whole copies: worst rel error %.2e\n", blocks, vs_whole);
+    EXPECT_LE(vs_whole, 1e-4) << blocks << " blocks";
+  }
+}
 
 // GLM-5 widths (2 layers, 32 experts top-8, synthetic weights), all experts in VRAM: bf16 vs EXL3 K=4 (random
 // trellis). Device weight bytes, prefill 2048 tokens, decode ms/token. Opt-in: MOESRV_CUDA_BENCH=1.
@@ -274,6 +328,7 @@ struct SliceRun {
   double fetched_bytes = 0, cpu_bytes = 0;     // per decode token
   double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
   double prefetched = 0, prefetch_hits = 0;    // per decode token: experts copied ahead, and of those used
+  double cpu_slices = 0, cpu_slice_rows = 0;   // per decode token: experts the CPU shared (cpu_expert_slices), rows
   double prefill_fetched_bytes = 0;            // experts copied over PCIe by the (best) prefill, whole prompt
   double prefill_cpu_bytes = 0;                // experts the host computed in that prefill (stored bytes)
   int64_t zc_layers = 0;
@@ -306,6 +361,8 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.zc_layers = b.zero_copy_layers;
   r.prefetched = double(b.prefetched_experts - a.prefetched_experts) / n;
   r.prefetch_hits = double(b.prefetch_hits - a.prefetch_hits) / n;
+  r.cpu_slices = double(b.cpu_slices - a.cpu_slices) / n;
+  r.cpu_slice_rows = double(b.cpu_slice_rows - a.cpu_slice_rows) / n;
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
@@ -500,7 +557,9 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         hybrid = {{"lanes", setup.hybrid_lanes},
                   {"lanes_copied", setup.hybrid_lanes_copied},
                   {"stream_window", setup.stream_window},
-                  {"lent_slots", setup.lent_slots}};
+                  {"lent_slots", setup.lent_slots},
+                  {"cold_pcie_gbps", setup.cold_pcie_gbps},
+                  {"cold_cpu_expert_ms", setup.cold_cpu_expert_ms}};
         if (budget != "all" && layers == la)
           std::printf("[ perf ] %s GiB: %ld lent slots over the %d layers (lend_pass_arena)\n", budget.c_str(),
                       long(setup.lent_slots), la);
@@ -619,6 +678,12 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
             {"bytes_per_token", {{"hbm", hbm}, {"pcie", pcie}, {"host", host}}}};
         if (rb.zc_layers) row["zero_copy_layers_of_" + std::to_string(lb)] = rb.zc_layers;
         if (budget != "all") row["hybrid"] = hybrid;
+        if (rb.cpu_slices > 0) {  // per decode token, 45 layers (the slice's lb layers scaled)
+          const double sl = kFull * rb.cpu_slices / lb, rows = rb.cpu_slice_rows / rb.cpu_slices;
+          row["cpu_slices"] = {{"per_token", sl}, {"rows_per_slice", rows}};
+          std::printf("[ perf ] cpu slices: %.1f experts per token shared with the CPU (45 layers), %.0f rows each\n",
+                      sl, rows);
+        }
         if (rb.prefetched >
             0) {  // issue 21 item 3: per decode token; lb - 1 of the slice's layers have a next one, 44 of 45
           const double ahead = (kFull - 1) * rb.prefetched / (lb - 1), used = (kFull - 1) * rb.prefetch_hits / (lb - 1);

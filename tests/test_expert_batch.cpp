@@ -1,6 +1,8 @@
 // cpu::experts_forward (several experts in shared parallel_fors) against mlp_forward one expert at a time.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -124,4 +126,68 @@ TEST(ExpertBatch, ClampChangesTheResult) {
   a.limit = 0;
   cpu::experts_forward({{&a, x.data(), 1, y2.data()}});
   EXPECT_NE(0, std::memcmp(y1.data(), y2.data(), y1.size() * 4));
+}
+
+TEST(ExpertBatch, SlicesAddUpToTheExpert) {
+  // An expert's intermediate range cut into slices (the CUDA engine computes one on the CPU while the GPU takes the
+  // rest): the shares add up to the whole expert (the down sums split in two: fp32 rounding apart), the whole range
+  // as one slice is the expert bit for bit, and unaligned bounds, a down bias or too many rows are refused.
+  std::mt19937 rng(13);
+  const int64_t hidden = 256, inter = 500;  // padded to 512: 4 blocks
+  MlpWeights a = expert(3, Exl3Codebook::Mul1, hidden, inter, 2.0f, false, rng);
+  const std::vector<float> x = randn(size_t(2 * hidden), rng);
+  for (Exl3GemvPath p : kExl3GemvPaths) {
+    if (p == Exl3GemvPath::Scalar || !exl3_gemv_path_supported(p)) continue;
+    exl3_gemv_set_default_path(p);
+    const int64_t n = std::min<int64_t>(2, exl3_gemv_fast_rows(p));  // (the AVX2 paths batch one row)
+    int64_t padded = 0;
+    ASSERT_TRUE(cpu::expert_slices_supported(a, n, &padded));
+    EXPECT_EQ(padded, 512);
+    std::vector<float> whole(size_t(n * hidden)), one(whole.size());
+    cpu::mlp_forward(a, x.data(), n, whole.data());
+    cpu::experts_forward({{&a, x.data(), n, one.data(), 0, padded}});
+    ASSERT_EQ(0, std::memcmp(one.data(), whole.data(), whole.size() * 4)) << exl3_gemv_path_name(p);
+    for (const std::vector<int64_t>& cuts : {std::vector<int64_t>{0, 128, 512}, std::vector<int64_t>{0, 256, 384, 512},
+                                             std::vector<int64_t>{0, 384, 512}}) {
+      std::vector<std::vector<float>> parts(cuts.size() - 1, std::vector<float>(whole.size()));
+      std::vector<cpu::ExpertRows> jobs;
+      for (size_t s = 0; s + 1 < cuts.size(); ++s)
+        jobs.push_back({&a, x.data(), n, parts[s].data(), cuts[s], cuts[s + 1]});
+      cpu::experts_forward(jobs);
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < whole.size(); ++i) {
+        float sum = 0;
+        for (const auto& part : parts) sum += part[i];
+        err = std::max(err, double(std::fabs(sum - whole[i])));
+        norm = std::max(norm, double(std::fabs(whole[i])));
+      }
+      EXPECT_LE(err, 1e-5 * norm) << exl3_gemv_path_name(p) << ", " << cuts.size() - 1 << " slices";
+      EXPECT_GT(norm, 0.0);
+      // Through add_routed_experts: row r of x to out row n - 1 - r, weighted, added.
+      std::vector<float> out(whole.size(), 1.0f);
+      std::vector<cpu::RoutedRows> routed;
+      for (size_t s = 0; s + 1 < cuts.size(); ++s) {
+        cpu::RoutedRows& j = routed.emplace_back();
+        j.expert = &a, j.inter0 = cuts[s], j.inter1 = cuts[s + 1];
+        for (int32_t r = 0; r < n; ++r) j.tokens.push_back(r), j.weights.push_back(r ? 0.5f : -2.0f);
+      }
+      cpu::add_routed_experts(routed, x.data(), hidden, out.data());
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < hidden; ++i)
+          EXPECT_NEAR(out[size_t(r * hidden + i)], 1.0f + (r ? 0.5f : -2.0f) * whole[size_t(r * hidden + i)],
+                      3e-5 * norm);
+    }
+    std::vector<float> y(size_t(n * hidden));
+    EXPECT_THROW(cpu::experts_forward({{&a, x.data(), n, y.data(), 64, 192}}), std::exception);
+    EXPECT_THROW(cpu::experts_forward({{&a, x.data(), n, y.data(), 256, 128}}), std::exception);
+    EXPECT_THROW(cpu::experts_forward({{&a, x.data(), n, y.data(), 0, 640}}), std::exception);
+  }
+  exl3_gemv_set_default_path(exl3_gemv_best_path());
+  MlpWeights biased = expert(3, Exl3Codebook::Mul1, hidden, inter, 0.0f, true, rng);
+  EXPECT_FALSE(cpu::expert_slices_supported(biased, 1));
+  std::vector<float> y(static_cast<size_t>(hidden));
+  EXPECT_THROW(cpu::experts_forward({{&biased, x.data(), 1, y.data(), 0, 128}}), std::exception);
+  EXPECT_FALSE(cpu::expert_slices_supported(a, kExl3GemvMaxRows + 1));  // more rows than the batched path takes
+  std::vector<float> x9 = randn(size_t(9 * hidden), rng), y9(x9.size());
+  EXPECT_THROW(cpu::experts_forward({{&a, x9.data(), 9, y9.data(), 0, 128}}), std::exception);
 }

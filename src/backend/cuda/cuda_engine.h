@@ -116,6 +116,14 @@ struct CudaEngineOptions {
   // Rates of that split; 0: measured when the engine starts (a timed expert copy, a timed CPU expert at 1 and 8
   // tokens), and the CPU ones updated from every CPU expert run.
   double pcie_gbps = 0, cpu_expert_ms = 0, cpu_token_ms = 0;
+  // Decode passes through the grouped GEMVs under a budget (grouped_hybrid_decode) with experts to copy: the CPU
+  // computes the first intermediate rows of the last one to cross the link (whole blocks of 128; cpu::ExpertRows
+  // slices), as many as the rates above say it finishes while the link carries the rest, and only the rest crosses
+  // before the GPU computes it; the skipped rows follow once the GPU has read the slot (HostExperts::top_up), off
+  // this layer's critical path. The CPU's share joins y in the final combine. MOESRV_CPU_SLICES=0/1 overrides;
+  // cpu_slice_blocks > 0 (tests) fixes the blocks the CPU takes whatever the rates say.
+  bool cpu_expert_slices = false;
+  int cpu_slice_blocks = 0;
   // MLA decode (<= 8 tokens a pass) through the key-split kernel (mla_split.cu: each key tile shared by 8 heads)
   // instead of attention()'s block per (token, head), which re-reads every key row per head (876 us vs tens of us per
   // MLA layer at 2,048 selected keys on an H200). false: the per-head kernel (tests compare the two).
@@ -196,6 +204,10 @@ struct CudaEngineStats {
   // Experts copied ahead of their layer's routing (prefetch_experts), and those of them the routing then picked.
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
+  // cpu_expert_slices: the passes whose last copied expert the CPU shared, and its intermediate rows it computed.
+  int64_t cpu_slices = 0, cpu_slice_rows = 0;
+  // The cold split's rates as the engine started with them (given or measured; 0: none).
+  double cold_pcie_gbps = 0, cold_cpu_expert_ms = 0;
   int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)
   // All-VRAM EXL3 prefill expert pieces through the grouped GEMM and through dequantization + cuBLAS
   // (CudaEngineOptions::exl3_grouped_rows).

@@ -33,6 +33,9 @@
 
 namespace moesrv {
 class Exl3Linear;
+namespace cpu {
+struct RoutedRows;  // backend/cpu/expert_batch.h
+}
 }
 
 namespace moesrv::cuda {
@@ -623,8 +626,17 @@ struct CudaEngine::Impl {
     int64_t n;
   };
   void upload_ints(std::initializer_list<IntUpload> arrays);
+  // A decode pass's expert whose intermediate rows [0, skip) the CPU computes (cpu_expert_slices); skip 0: none.
+  struct CpuSlice {
+    int32_t expert = -1;
+    int64_t skip = 0;
+  };
+  CpuSlice plan_cpu_slice(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home) const;
+  bool cpu_slices_on() const;
   void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
-                        int64_t shared_rows, int64_t prefetch_layer);
+                        int64_t shared_rows, int64_t prefetch_layer, CpuSlice slice);
+  // out[t] += the CPU jobs' rows (host rows h_h, pinned), uploaded and added to y (n rows) on the stream; seconds.
+  double cpu_rows_into_y(const std::vector<cpu::RoutedRows>& jobs, int64_t n, float* y);
   ColdRates cold_rates;       // the per-pass cold-expert split's costs (options, else measured)
   void measure_cold_rates();  // at start, from one streamable expert
   void update_cpu_rate(int64_t tokens, double seconds);
@@ -633,10 +645,12 @@ struct CudaEngine::Impl {
   // stays retained (never a victim) until release_held(), for passes that admit all their experts before computing
   // any (otherwise a later admission of the same pass could pick an earlier one's slot, whose `free` event still
   // marks its previous read: the copy would overwrite weights the pass has yet to read).
-  const void* expert_weights(int64_t l, int e, int* slot, bool hold = false);
+  // skip (in/out): on a miss, the intermediate rows [0, *skip) are left out of the copy (HostExperts::copy); set to 0
+  // when the expert was in VRAM or a slot already.
+  const void* expert_weights(int64_t l, int e, int* slot, bool hold = false, int64_t* skip = nullptr);
   std::vector<std::pair<int32_t, int32_t>> held_experts;  // (layer, expert) retained by expert_weights(hold)
   void release_held();
-  void fill_slot(int64_t l, int e, const Admission& a);
+  void fill_slot(int64_t l, int e, const Admission& a, int64_t skip = 0);
   void wait_slot(const cuda::DevMoe& m, int slot);
   // Decode under a budget: the next MoE layer's router applied to this layer's input picks the experts whose copies
   // start while this layer computes (CudaEngineOptions::prefetch_experts). predicted_layer: the layer whose picks

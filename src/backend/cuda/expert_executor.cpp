@@ -105,13 +105,17 @@ void CudaEngine::Impl::shared_expert_exl3(const DevMoe& m, const float* h, float
                 s.x3_yr.bytes() / 4, x3_tickets(), y, c.hidden_size, nullptr, stream);
 }
 
-const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot, bool hold) {
+const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot, bool hold, int64_t* skip) {
   DevMoe& m = *layers[size_t(l)].moe;
   *slot = -1;
-  if (m.placement[size_t(e)] == ExpertPlacement::Vram) return m.vram[size_t(e)].as<void>();
+  if (m.placement[size_t(e)] == ExpertPlacement::Vram) {
+    if (skip) *skip = 0;
+    return m.vram[size_t(e)].as<void>();
+  }
   const int32_t L = int32_t(l);
   if (std::optional<int32_t> hit = hold ? expert_cache->acquire(L, e) : expert_cache->lookup(L, e)) {
     *slot = *hit;
+    if (skip) *skip = 0;
     if (std::exchange(prefetched[size_t(l)][size_t(e)], uint8_t(0))) ++stats.prefetch_hits;
   } else {
     // Unless held, a slot is not retained: the `free` events order its reuse after the GPU's last read of it.
@@ -119,7 +123,7 @@ const void* CudaEngine::Impl::expert_weights(int64_t l, int e, int* slot, bool h
     if (!a) fail("layer {}: no expert cache slot for expert {}", l, e);
     *slot = a->slot;
     if (hold) expert_cache->retain(L, e);
-    fill_slot(l, e, *a);
+    fill_slot(l, e, *a, skip ? *skip : 0);
   }
   if (hold) held_experts.emplace_back(L, e);
   return m.slots[size_t(*slot)].mem.as<void>();
@@ -132,14 +136,71 @@ void CudaEngine::Impl::release_held() {
 
 // Copies expert e's stored block into the slot it was just admitted to, on copy_stream, after the GPU's last read of
 // the slot (the evicted expert's); the slot's `ready` event marks the end of the copy.
-void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a) {
+void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a, int64_t skip) {
   DevMoe& m = *layers[size_t(l)].moe;
   if (a.evicted >= 0) prefetched[size_t(l)][size_t(a.evicted)] = 0;
-  stats.fetched_bytes += double(m.block_bytes[size_t(e)]);
   CacheSlot& cs = m.slots[size_t(a.slot)];
   MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-  m.host->copy(e, cs.mem.as<void>(), copy_stream);
+  stats.fetched_bytes += double(m.host->copy(e, cs.mem.as<void>(), copy_stream, skip));
   MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+}
+
+bool CudaEngine::Impl::cpu_slices_on() const {
+  static const char* env = std::getenv("MOESRV_CPU_SLICES");
+  return env && env[0] ? std::atoi(env) != 0 : opt.cpu_expert_slices;
+}
+
+// The pass's last expert to cross the link (run_home 2, the copy order) and the intermediate blocks of it the CPU
+// takes: b blocks cost the CPU b * cpu_block (+ kFixedS for its parallel_fors, the upload and the combine) and save
+// the link b * link_block, so the CPU finishes with the link at b = (link_s - kFixedS) / (link_block + cpu_block).
+CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const ExpertPass& pass,
+                                                            const std::vector<int>& run_home) const {
+  constexpr double kFixedS = 20e-6;
+  CpuSlice slice;
+  const DevMoe& m = *layers[size_t(l)].moe;
+  if (!cpu_slices_on() || !m.exl3 || !m.host) return slice;
+  double link_s = 0;
+  int32_t e = -1;
+  for (size_t q = 0; q < pass.gpu_runs.size(); ++q)
+    if (run_home[q] == 2) {
+      e = pass.gpu_runs[q].first;
+      link_s += cold_rates.fetch_s(double(m.block_bytes[size_t(e)]));
+    }
+  if (e < 0) return slice;
+  const int64_t tokens = int64_t(pass.by_expert[size_t(e)].size());
+  int64_t inter = 0;
+  if (!cpu::expert_slices_supported(weights->layers[size_t(l)].moe->experts[size_t(e)], tokens, &inter) ||
+      !m.host->can_skip(int(e), cpu::kExpertSliceAlign))
+    return slice;
+  const int64_t blocks = inter / cpu::kExpertSliceAlign;
+  int64_t b = opt.cpu_slice_blocks;
+  if (b <= 0) {
+    if (cold_rates.pcie_bytes_s <= 0 || cold_rates.cpu_first_s <= 0) return slice;
+    const double link_block = cold_rates.fetch_s(double(m.block_bytes[size_t(e)])) / double(blocks);
+    const double cpu_block = cold_rates.cpu_s(tokens) / double(blocks);
+    b = int64_t((link_s - kFixedS) / (link_block + cpu_block));
+  }
+  slice.skip = std::clamp<int64_t>(b, 0, blocks - 1) * cpu::kExpertSliceAlign;
+  if (slice.skip > 0) slice.expert = e;
+  return slice;
+}
+
+double CudaEngine::Impl::cpu_rows_into_y(const std::vector<cpu::RoutedRows>& jobs, int64_t n, float* y) {
+  const int64_t D = c.hidden_size, k = c.experts_per_token;
+  if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(group_rows() * D) * 4);
+  float* out = h_extra.as<float>();
+  std::fill(out, out + n * D, 0.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  cpu::add_routed_experts(jobs, h_h.as<float>(), D, out);
+  const double seconds = seconds_since(t0);
+  for (int64_t r0 = 0; r0 < n; r0 += moe_rows) {
+    const int64_t cnt = std::min(moe_rows, n - r0);
+    MOESRV_CUDA_OK(
+        cudaMemcpyAsync(s.extra.as<void>(), out + r0 * D, size_t(cnt * D) * 4, cudaMemcpyHostToDevice, stream));
+    moe_combine(y + r0 * D, nullptr, nullptr, nullptr, s.extra.as<float>(), int(cnt), int(k), int(D), stream, false, 0,
+                0);
+  }
+  return seconds;
 }
 
 int32_t CudaEngine::Impl::stream_window_slots() const {
@@ -242,18 +303,24 @@ void CudaEngine::Impl::prefetch_experts(int64_t l, const int32_t* picks, int64_t
 // come in home order: the slot experts' copies queued first (then the next layer's prefetch, then the shared expert),
 // the rows of the experts in VRAM or already in a slot computed while the link copies, then the copied experts' rows.
 void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
-                                        int64_t shared_rows, int64_t prefetch_layer) {
+                                        int64_t shared_rows, int64_t prefetch_layer, CpuSlice slice) {
   DevMoe& m = *layers[size_t(l)].moe;
   const int64_t D = c.hidden_size, k = c.experts_per_token;
   const auto& runs = pass.gpu_runs;
   const int64_t rows_total = int64_t(pass.sorted_tok.size());
   int32_t* row_expert = h_row_expert.as<int32_t>();
   std::vector<int> slot_of(runs.size(), -1);
+  int slice_slot = -1;
   int64_t ready_rows = 0;  // rows of the resident runs, which come first
   for (size_t q = 0; q < runs.size(); ++q) {
     const auto [e, row0] = runs[q];
     const int64_t cnt = int64_t(pass.by_expert[size_t(e)].size());
-    expert_weights(l, e, &slot_of[q], true);  // a miss is admitted and its copy queued
+    if (e == slice.expert) {  // a miss (planned so) copied but for the CPU's rows
+      expert_weights(l, e, &slot_of[q], true, &slice.skip);
+      slice_slot = slot_of[q];
+    } else {
+      expert_weights(l, e, &slot_of[q], true);  // a miss is admitted and its copy queued
+    }
     std::fill_n(row_expert + row0, cnt, int32_t(slot_of[q] < 0 ? e : m.x3_slot_base + slot_of[q]));
     stats.routed_selections += cnt;
     if (run_home[q] < 2) stats.vram_selections += cnt, ready_rows = row0 + cnt;
@@ -276,6 +343,26 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   for (size_t q = 0; q < runs.size(); ++q)
     if (slot_of[q] >= 0) MOESRV_CUDA_OK(cudaEventRecord(m.slots[size_t(slot_of[q])].free, stream));
   release_held();
+  if (slice.skip <= 0 || slice_slot < 0) return;
+  // The skipped rows cross once the GPU has read the slot (behind the next layer's prefetch on the link); the slot's
+  // `ready` then marks the whole expert for later passes. Meanwhile the CPU computes them for this pass's tokens.
+  CacheSlot& cs = m.slots[size_t(slice_slot)];
+  MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
+  stats.fetched_bytes += double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip));
+  MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+  const MlpWeights& ew = weights->layers[size_t(l)].moe->experts[size_t(slice.expert)];
+  std::vector<cpu::RoutedRows> jobs(1);
+  cpu::RoutedRows& job = jobs[0];
+  job.expert = &ew;
+  job.inter0 = 0, job.inter1 = slice.skip;
+  const float* wts = h_w.as<float>();
+  for (const int32_t entry : pass.by_expert[size_t(slice.expert)])
+    job.tokens.push_back(int32_t(entry / k)), job.weights.push_back(wts[entry]);
+  cpu_rows_into_y(jobs, n, s.y.as<float>());
+  ++stats.cpu_slices;
+  stats.cpu_slice_rows += slice.skip;
+  const double part = double(slice.skip) / double(ew.down->in_features() > 0 ? ew.down->in_features() : 1);
+  stats.cpu_expert_bytes += part * double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
 }
 
 // Host arrays (pinned) to the device on `stream`: by value through one kernel when they are small (a decode pass's),
@@ -344,6 +431,8 @@ void CudaEngine::Impl::measure_cold_rates() {
       cold_rates.cpu_first_s = t[0];
       cold_rates.cpu_token_s = std::max(0.0, (t[1] - t[0]) / 7);
     }
+    stats.cold_pcie_gbps = cold_rates.pcie_bytes_s * 1e-9;
+    stats.cold_cpu_expert_ms = cold_rates.cpu_first_s * 1e3;
     return;
   }
 }
@@ -390,7 +479,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
     if (h_h.bytes() < size_t(n * D) * 4) h_h = PinnedBuffer(size_t(group_rows() * D) * 4);  // on first use
     MOESRV_CUDA_OK(cudaMemcpyAsync(h_h.as<void>(), h, size_t(n * D) * 4, cudaMemcpyDeviceToHost, stream));
   };
-  const bool rows_early = any_cpu && n < kStreamPassTokens;
+  const bool rows_early = (any_cpu || cpu_slices_on()) && n < kStreamPassTokens;
   if (rows_early) copy_rows();
   // A long pass (prefill) queues its shared expert behind the routing's copy and plans while the GPU runs it: the
   // host plan of a 32K-token group (262K sorted rows) took the GPU's time in the router phase before.
@@ -455,7 +544,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   for (size_t r = 0; r < gpu_runs.size(); ++r) run_home[r] = home(gpu_runs[r].first);
   if (slot_grouped) {
     ++stats.grouped_hybrid_passes;
-    moe_slot_grouped(l, pass, run_home, n, shared_rows, prefetch_layer);
+    moe_slot_grouped(l, pass, run_home, n, shared_rows, prefetch_layer, plan_cpu_slice(l, pass, run_home));
     return;
   }
   // All-VRAM EXL3 experts of one shape: rotations once per wave over every row (expert table), 6 launches per expert.
@@ -602,10 +691,6 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   stream_window = 0;
   // CPU experts while the GPU works through the queue above; their sum joins s.y in slices of moe_rows tokens.
   if (cpu_experts.empty()) return;
-  if (h_extra.bytes() < size_t(n * D) * 4) h_extra = PinnedBuffer(size_t(group_rows() * D) * 4);
-  float* out = h_extra.as<float>();
-  std::fill(out, out + n * D, 0.0f);
-  const float* hh = h_h.as<float>();
   const float* wts = h_w.as<float>();
   // All CPU experts in one call (cpu::add_routed_experts: few-row experts share parallel_fors), so only the whole
   // batch can be timed (its gather and weighted adds included): update_cpu_rate gets the batch time split evenly over
@@ -623,19 +708,10 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
     const MlpWeights& ew = hw.experts[size_t(e)];
     stats.cpu_expert_bytes += double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  cpu::add_routed_experts(jobs, hh, D, out);
-  const double seconds = seconds_since(t0);
+  const double seconds = cpu_rows_into_y(jobs, n, y);
   const int64_t experts = int64_t(cpu_experts.size());
   for (int64_t i = 0; i < experts; ++i)
     update_cpu_rate(std::max<int64_t>(1, (total + experts / 2) / experts), seconds / double(experts));
-  for (int64_t t0 = 0; t0 < n; t0 += moe_rows) {
-    const int64_t cnt = std::min(moe_rows, n - t0);
-    MOESRV_CUDA_OK(
-        cudaMemcpyAsync(s.extra.as<void>(), out + t0 * D, size_t(cnt * D) * 4, cudaMemcpyHostToDevice, stream));
-    moe_combine(y + t0 * D, nullptr, nullptr, nullptr, s.extra.as<float>(), int(cnt), int(k), int(D), stream, false, 0,
-                0);
-  }
 }
 
 }  // namespace moesrv

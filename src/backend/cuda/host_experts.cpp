@@ -135,24 +135,65 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
 
 HostExperts::~HostExperts() = default;
 
-void HostExperts::copy(int e, void* dst, cudaStream_t st) const {
+size_t HostExperts::copy(int e, void* dst, cudaStream_t st, int64_t skip) const {
   if (!wanted_[size_t(e)]) fail("host experts: expert {} has no host copy for the GPU", e);
-  auto* base = static_cast<uint8_t*>(dst);
   if (!exl3_) {
+    if (skip) fail("host experts: expert {} is not EXL3: no rows skipped", e);
     MOESRV_CUDA_OK(
         cudaMemcpyAsync(dst, blocks_[size_t(e)].as<void>(), blocks_[size_t(e)].bytes(), cudaMemcpyHostToDevice, st));
-    return;
+    return blocks_[size_t(e)].bytes();
   }
+  if (skip && !can_skip(e, skip)) fail("host experts: expert {}: {} intermediate rows cannot be skipped", e, skip);
+  return copy_parts(e, dst, st, skip, false);
+}
+
+size_t HostExperts::top_up(int e, void* dst, cudaStream_t st, int64_t skip) const {
+  if (!can_skip(e, skip)) fail("host experts: expert {}: {} intermediate rows cannot be skipped", e, skip);
+  return copy_parts(e, dst, st, skip, true);
+}
+
+bool HostExperts::can_skip(int e, int64_t skip) const {
+  if (!exl3_ || !wanted_[size_t(e)] || skip <= 0 || skip % 128) return false;
+  const auto& d = layout_[size_t(e)];
+  return d[0].out_pad == d[1].out_pad && d[1].out_pad == d[2].in_pad && d[0].in_pad == d[1].in_pad &&
+         skip < d[2].in_pad;
+}
+
+// EXL3 parts (trellis [in/16][out/16][tile], then suh | svh). The intermediate rows [0, skip) are gate's and up's
+// output tile columns [0, skip / 16) of every tile row (one strided copy each) and down's first skip / 16 tile rows.
+// first = !rest: the whole block but those (their svh zeroed), rest: those and the scales.
+size_t HostExperts::copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest) const {
+  auto* base = static_cast<uint8_t*>(dst);
   const MlpWeights& m = w_.experts[size_t(e)];
+  size_t bytes = 0;
   for (int j = 0; j < 3; ++j) {
     const Exl3Dev& d = layout_[size_t(e)][size_t(j)];
     const Exl3Weights& x = exl3_part(m, j).weights();
-    MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.trellis), trellis_[size_t(e)][size_t(j)],
-                                   x.trellis_bytes(), cudaMemcpyHostToDevice, st));
+    uint8_t* tr = base + reinterpret_cast<uintptr_t>(d.trellis);
+    const auto* src = static_cast<const uint8_t*>(trellis_[size_t(e)][size_t(j)]);
+    const size_t tile = size_t(32 * d.K), row = size_t(d.out_pad / 16) * tile, cut = size_t(skip / 16);
+    if (skip == 0) {
+      MOESRV_CUDA_OK(cudaMemcpyAsync(tr, src, x.trellis_bytes(), cudaMemcpyHostToDevice, st));
+      bytes += x.trellis_bytes();
+    } else if (j < 2) {  // tile columns [0, cut) (rest) or [cut, out/16) of each of the in/16 tile rows
+      const size_t off = rest ? 0 : cut * tile, width = rest ? cut * tile : row - cut * tile;
+      MOESRV_CUDA_OK(
+          cudaMemcpy2DAsync(tr + off, row, src + off, row, width, size_t(d.in_pad / 16), cudaMemcpyHostToDevice, st));
+      bytes += width * size_t(d.in_pad / 16);
+    } else {  // tile rows [0, cut) (rest) or [cut, in/16)
+      const size_t off = rest ? 0 : cut * row, len = rest ? cut * row : x.trellis_bytes() - cut * row;
+      MOESRV_CUDA_OK(cudaMemcpyAsync(tr + off, src + off, len, cudaMemcpyHostToDevice, st));
+      bytes += len;
+    }
+    const size_t scale_bytes = size_t(d.in_pad + d.out_pad) * 2;
     MOESRV_CUDA_OK(cudaMemcpyAsync(base + reinterpret_cast<uintptr_t>(d.suh),
-                                   scales_[0].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)],
-                                   size_t(d.in_pad + d.out_pad) * 2, cudaMemcpyHostToDevice, st));
+                                   scales_[0].as<uint8_t>() + scale_off_[size_t(e)][size_t(j)], scale_bytes,
+                                   cudaMemcpyHostToDevice, st));
+    bytes += scale_bytes;
+    if (skip && !rest && j < 2)  // gate's and up's outputs [0, skip) are 0: the SwiGLU there too, down's input
+      MOESRV_CUDA_OK(cudaMemsetAsync(base + reinterpret_cast<uintptr_t>(d.svh), 0, size_t(skip) * 2, st));
   }
+  return bytes;
 }
 
 bool HostExperts::mapped_parts(int e, std::array<Exl3Dev, 3>& out) const {

@@ -51,8 +51,17 @@ class HostExperts {
   HostExperts(const HostExperts&) = delete;
   HostExperts& operator=(const HostExperts&) = delete;
   bool has(int e) const { return wanted_[size_t(e)]; }
-  // Queues the copy of expert e's device block into `dst` (device memory of the block's size) on `st`.
-  void copy(int e, void* dst, cudaStream_t st) const;
+  // Queues the copy of expert e's device block into `dst` (device memory of the block's size) on `st`; returns the
+  // bytes it copies. skip > 0 (EXL3; a multiple of 128 below the intermediate size): all but intermediate rows
+  // [0, skip), which the CPU computes for this pass (cpu::ExpertRows slices): gate's and up's trellis columns and
+  // down's trellis rows of them are not copied, and gate's and up's svh there are zeroed, so the block computes
+  // exactly the rest's share (whatever stale trellis words the slot holds there decode to finite values times 0).
+  size_t copy(int e, void* dst, cudaStream_t st, int64_t skip = 0) const;
+  // Completes a copy(e, dst, st, skip): the skipped rows and the true scales (after the GPU's reads of this pass).
+  size_t top_up(int e, void* dst, cudaStream_t st, int64_t skip) const;
+  // Whether copy(e, ..., skip) takes that skip: EXL3, gate / up / down over one padded intermediate size, skip a
+  // multiple of 128 inside it.
+  bool can_skip(int e, int64_t skip) const;
   // EXL3: expert e's parts as kernels may read them in place over PCIe (zero copy: the trellis in the registered
   // package pages, the scales in the pinned table), after the registration's commit(). False when a part cannot be
   // read so (its pages not mapped, or a trellis not 16-byte aligned, as the GEMV's loads need: see `aligned`).
@@ -70,6 +79,7 @@ class HostExperts {
   std::vector<std::array<const void*, 3>> trellis_;  // EXL3: [e][part] where its trellis is read (package or copy)
   std::vector<PinnedBuffer> realigned_;              // EXL3 with `aligned`: the copies of unaligned trellises
   size_t pinned_bytes_ = 0;
+  size_t copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest) const;
 };
 
 }  // namespace moesrv::cuda
