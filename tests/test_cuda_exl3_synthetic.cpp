@@ -140,8 +140,11 @@ TEST(CudaExl3Synthetic, CpuSlicesMatchWholeCopies) {
   std::vector<std::vector<ExpertPlacement>> cache = all.placement();
   for (auto& layer : cache) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
   std::vector<float> whole;  // the hybrid engine without slices
-  for (int blocks : {0, 1, 3}) {
+  for (int blocks : {0, 1, 3, -2}) {  // -2: 2 blocks without top-ups (the expert leaves its slot)
+    const bool top_up = blocks >= 0;
+    blocks = std::abs(blocks);
     CudaEngineOptions opt;
+    opt.cpu_slice_top_up = top_up;
     opt.placement = cache;
     opt.cache_slots = 6;
     opt.lend_pass_arena = false;
@@ -154,10 +157,10 @@ TEST(CudaExl3Synthetic, CpuSlicesMatchWholeCopies) {
     ASSERT_EQ(out.size(), want.size());
     const double vs_all = testing::max_rel_row_error(out.data(), want.data(), rows, V);
     std::printf(
-        "[ info ] cpu slices of %d blocks: %ld slices (%ld rows), %ld grouped passes, misses %ld, worst rel "
+        "[ info ] cpu slices of %d blocks%s: %ld slices (%ld rows), %ld grouped passes, misses %ld, worst rel "
         "error vs all in VRAM %.2e\n",
-        blocks, long(st.cpu_slices), long(st.cpu_slice_rows), long(st.grouped_hybrid_passes), long(st.cache_misses),
-        vs_all);
+        blocks, top_up ? "" : " (no top-up)", long(st.cpu_slices), long(st.cpu_slice_rows),
+        long(st.grouped_hybrid_passes), long(st.cache_misses), vs_all);
     EXPECT_LE(vs_all, 1e-3) << blocks << " blocks";
     EXPECT_GT(st.grouped_hybrid_passes, 0) << blocks << " blocks";
     if (blocks == 0) {

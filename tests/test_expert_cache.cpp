@@ -249,6 +249,26 @@ TEST(ExpertCache, RetainedExpertsAreNotVictims) {
   EXPECT_THROW(c.retain(0, 5), Error);  // not resident
 }
 
+TEST(ExpertCache, ForgottenExpertsFreeTheirSlots) {
+  ExpertCache c({2}, 8);
+  c.pin(0, 7);
+  c.admit(0, 0);
+  c.retain(0, 0);
+  EXPECT_FALSE(c.forget(0, 0));  // retained
+  EXPECT_FALSE(c.forget(0, 7));  // pinned
+  EXPECT_FALSE(c.forget(0, 3));  // not resident
+  c.release(0, 0);
+  const int32_t slot = *c.peek(0, 0);
+  EXPECT_TRUE(c.forget(0, 0));
+  EXPECT_FALSE(c.peek(0, 0));
+  EXPECT_TRUE(c.lru_order(0).empty());
+  auto a = c.admit(0, 4);  // the freed slot, nobody evicted
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->slot, slot);
+  EXPECT_EQ(a->evicted, -1);
+  EXPECT_TRUE(c.is_pinned(0, 7));
+}
+
 TEST(ExpertCache, ZeroSlotsAndRangeChecks) {
   ExpertCache c({0, 1}, 4);
   EXPECT_FALSE(c.lookup(0, 1));

@@ -158,6 +158,21 @@ void ExpertCache::release(int32_t layer, int32_t expert) {
   --L.retained[size_t(expert)];
 }
 
+bool ExpertCache::forget(int32_t layer, int32_t expert) {
+  check_expert(expert);
+  Layer& L = layer_(layer);
+  std::lock_guard lk(L.mu);
+  const size_t e = size_t(expert);
+  const int32_t slot = L.slot_of[e];
+  if (slot < 0 || L.pinned[e] || L.retained[e] > 0) return false;
+  L.slot_of[e] = -1;
+  L.expert_in[size_t(slot)] = -1;
+  L.lru.erase(L.pos[e]);
+  std::erase(L.streamed, expert);
+  L.free_slots.push_back(slot);
+  return true;
+}
+
 void ExpertCache::set_victim_window(int32_t n) {
   if (n < 1) fail("expert cache: a victim window of {} experts", n);
   victim_window_ = n;

@@ -54,6 +54,9 @@ class ExpertCache {
   // lookup + retain under one lock: the slot stays valid until release(), even while a copy thread admits.
   std::optional<int32_t> acquire(int32_t layer, int32_t expert);
   void release(int32_t layer, int32_t expert);
+  // Drops a resident expert that is neither pinned nor retained: its slot becomes free (its memory's content no
+  // longer counts as that expert). Returns whether it did.
+  bool forget(int32_t layer, int32_t expert);
 
   // The layer's lent slots join its free slots (no-op while lent).
   void lend(int32_t layer);

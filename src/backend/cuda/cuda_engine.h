@@ -124,6 +124,9 @@ struct CudaEngineOptions {
   // cpu_slice_blocks > 0 (tests) fixes the blocks the CPU takes whatever the rates say.
   bool cpu_expert_slices = false;
   int cpu_slice_blocks = 0;
+  // false (or MOESRV_CPU_SLICE_TOPUP=0): no top-up; the shared expert leaves its slot instead (a miss next time), so
+  // its skipped rows never cross the link.
+  bool cpu_slice_top_up = true;
   // MLA decode (<= 8 tokens a pass) through the key-split kernel (mla_split.cu: each key tile shared by 8 heads)
   // instead of attention()'s block per (token, head), which re-reads every key row per head (876 us vs tens of us per
   // MLA layer at 2,048 selected keys on an H200). false: the per-head kernel (tests compare the two).

@@ -345,11 +345,18 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   release_held();
   if (slice.skip <= 0 || slice_slot < 0) return;
   // The skipped rows cross once the GPU has read the slot (behind the next layer's prefetch on the link); the slot's
-  // `ready` then marks the whole expert for later passes. Meanwhile the CPU computes them for this pass's tokens.
-  CacheSlot& cs = m.slots[size_t(slice_slot)];
-  MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-  stats.fetched_bytes += double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip));
-  MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+  // `ready` then marks the whole expert for later passes. Or, without top-ups, the expert leaves the cache. Meanwhile
+  // the CPU computes them for this pass's tokens.
+  static const char* top_up_env = std::getenv("MOESRV_CPU_SLICE_TOPUP");
+  const bool top_up = top_up_env && top_up_env[0] ? std::atoi(top_up_env) != 0 : opt.cpu_slice_top_up;
+  if (top_up) {
+    CacheSlot& cs = m.slots[size_t(slice_slot)];
+    MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
+    stats.fetched_bytes += double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip));
+    MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+  } else if (!expert_cache->forget(int32_t(l), slice.expert)) {
+    fail("layer {}: expert {} shared with the CPU could not leave its slot", l, slice.expert);
+  }
   const MlpWeights& ew = weights->layers[size_t(l)].moe->experts[size_t(slice.expert)];
   std::vector<cpu::RoutedRows> jobs(1);
   cpu::RoutedRows& job = jobs[0];
