@@ -6,6 +6,7 @@
 //   batched  cpu::experts_forward: all experts' strips in shared parallel_fors, best path (vbmi batched: the same
 //            with avx512-vbmi where the best path is avx512-fp16)
 //   int8     the same with the opt-in integer-sum path (avx512-int8, MOESRV_EXL3_GEMV=avx512-int8) where the CPU has it
+//   slice    one expert's first b of 16 intermediate blocks (cpu::ExpertRows slices), best path, ms
 // GB/s counts the stored trellis bytes of the experts. Each step reads the next experts of a pool of N MB, so
 // weights come from memory, not cache. Each thread count runs in a child process (MOESRV_THREADS sizes the pool).
 // --thp: each trellis in 2 MiB-aligned memory advised for transparent huge pages (a strip's tiles lie a page apart:
@@ -174,6 +175,19 @@ void child(size_t pool_bytes) {
       std::printf("\n");
       std::fflush(stdout);
     }
+    // One token through the first b of an expert's 16 intermediate blocks (cpu::ExpertRows slices: what the CUDA
+    // engine's CPU computes of a copied expert, cpu_expert_slices): the fixed cost and the cost per block.
+    std::printf("threads %2d  K=%d slice of b/16 blocks, ms:", threads, K);
+    std::vector<float> y(static_cast<size_t>(kHidden));
+    int64_t cursor = 0;
+    for (int64_t b : {1, 2, 4, 8, 16}) {
+      const double ms = best_ms(int(std::clamp<int64_t>(count, 3, 12)), [&](int) {
+        cpu::experts_forward({{&pool.experts[size_t(cursor++ % count)], x.data(), 1, y.data(), 0, b * 128}});
+      });
+      std::printf("  %lld: %.3f", (long long)b, ms);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
   }
 }
 

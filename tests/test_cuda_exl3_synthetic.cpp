@@ -562,10 +562,14 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                   {"stream_window", setup.stream_window},
                   {"lent_slots", setup.lent_slots},
                   {"cold_pcie_gbps", setup.cold_pcie_gbps},
-                  {"cold_cpu_expert_ms", setup.cold_cpu_expert_ms}};
+                  {"cold_cpu_expert_ms", setup.cold_cpu_expert_ms},
+                  {"cpu_slice_fixed_ms", setup.cpu_slice_fixed_ms}};
         if (budget != "all" && layers == la)
-          std::printf("[ perf ] %s GiB: %ld lent slots over the %d layers (lend_pass_arena)\n", budget.c_str(),
-                      long(setup.lent_slots), la);
+          std::printf(
+              "[ perf ] %s GiB: %ld lent slots over the %d layers (lend_pass_arena); cold rates: PCIe %.1f GB/s, CPU "
+              "expert %.3f ms, slice fixed %.3f ms\n",
+              budget.c_str(), long(setup.lent_slots), la, setup.cold_pcie_gbps, setup.cold_cpu_expert_ms,
+              setup.cpu_slice_fixed_ms);
         {  // one-time costs (module loads, library handles, first-use allocations) before anything is timed: a
            // whole prefill pass, so the expert GEMMs meet the row counts of the timed passes (lazily loaded cuBLAS
            // kernels had put a fixed cost into the 4-layer runs that the 8 - 4 layer projection read as speed)

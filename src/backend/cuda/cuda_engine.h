@@ -210,7 +210,7 @@ struct CudaEngineStats {
   // cpu_expert_slices: the passes whose last copied expert the CPU shared, and its intermediate rows it computed.
   int64_t cpu_slices = 0, cpu_slice_rows = 0;
   // The cold split's rates as the engine started with them (given or measured; 0: none).
-  double cold_pcie_gbps = 0, cold_cpu_expert_ms = 0;
+  double cold_pcie_gbps = 0, cold_cpu_expert_ms = 0, cpu_slice_fixed_ms = 0;
   int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)
   // All-VRAM EXL3 prefill expert pieces through the grouped GEMM and through dequantization + cuBLAS
   // (CudaEngineOptions::exl3_grouped_rows).

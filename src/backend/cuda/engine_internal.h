@@ -632,6 +632,7 @@ struct CudaEngine::Impl {
     int64_t skip = 0;
   };
   CpuSlice plan_cpu_slice(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home) const;
+  double slice_fixed_s = 20e-6;  // a slice's CPU cost beyond its share of the expert (measure_cold_rates)
   bool cpu_slices_on() const;
   void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                         int64_t shared_rows, int64_t prefetch_layer, CpuSlice slice);

@@ -151,11 +151,10 @@ bool CudaEngine::Impl::cpu_slices_on() const {
 }
 
 // The pass's last expert to cross the link (run_home 2, the copy order) and the intermediate blocks of it the CPU
-// takes: b blocks cost the CPU b * cpu_block (+ kFixedS for its parallel_fors, the upload and the combine) and save
-// the link b * link_block, so the CPU finishes with the link at b = (link_s - kFixedS) / (link_block + cpu_block).
+// takes: b blocks cost the CPU b * cpu_block + slice_fixed_s (its parallel_fors, measured at start) and save the
+// link b * link_block, so the CPU finishes with the link at b = (link_s - slice_fixed_s) / (link_block + cpu_block).
 CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const ExpertPass& pass,
                                                             const std::vector<int>& run_home) const {
-  constexpr double kFixedS = 20e-6;
   CpuSlice slice;
   const DevMoe& m = *layers[size_t(l)].moe;
   if (!cpu_slices_on() || !m.exl3 || !m.host) return slice;
@@ -178,7 +177,7 @@ CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const Exp
     if (cold_rates.pcie_bytes_s <= 0 || cold_rates.cpu_first_s <= 0) return slice;
     const double link_block = cold_rates.fetch_s(double(m.block_bytes[size_t(e)])) / double(blocks);
     const double cpu_block = cold_rates.cpu_s(tokens) / double(blocks);
-    b = int64_t((link_s - kFixedS) / (link_block + cpu_block));
+    b = int64_t((link_s - slice_fixed_s) / (link_block + cpu_block));
   }
   slice.skip = std::clamp<int64_t>(b, 0, blocks - 1) * cpu::kExpertSliceAlign;
   if (slice.skip > 0) slice.expert = e;
@@ -437,9 +436,21 @@ void CudaEngine::Impl::measure_cold_rates() {
         }
       cold_rates.cpu_first_s = t[0];
       cold_rates.cpu_token_s = std::max(0.0, (t[1] - t[0]) / 7);
+      // A slice of one block (cpu_expert_slices): what it costs beyond its share of the whole expert.
+      int64_t inter = 0;
+      if (cpu::expert_slices_supported(w, 1, &inter) && inter >= 2 * cpu::kExpertSliceAlign) {
+        double t1 = 1e30;
+        for (int rep = 0; rep < 2; ++rep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          cpu::experts_forward({{&w, x.data(), 1, y.data(), 0, cpu::kExpertSliceAlign}});
+          t1 = std::min(t1, seconds_since(t0));
+        }
+        slice_fixed_s = std::max(0.0, t1 - t[0] * double(cpu::kExpertSliceAlign) / double(inter));
+      }
     }
     stats.cold_pcie_gbps = cold_rates.pcie_bytes_s * 1e-9;
     stats.cold_cpu_expert_ms = cold_rates.cpu_first_s * 1e3;
+    stats.cpu_slice_fixed_ms = slice_fixed_s * 1e3;
     return;
   }
 }
