@@ -140,11 +140,13 @@ TEST(CudaExl3Synthetic, CpuSlicesMatchWholeCopies) {
   std::vector<std::vector<ExpertPlacement>> cache = all.placement();
   for (auto& layer : cache) std::fill(layer.begin(), layer.end(), ExpertPlacement::Cache);
   std::vector<float> whole;  // the hybrid engine without slices
-  for (int blocks : {0, 1, 3, -2}) {  // -2: 2 blocks without top-ups (the expert leaves its slot)
-    const bool top_up = blocks >= 0;
-    blocks = std::abs(blocks);
+  // -2: 2 blocks without top-ups (the expert leaves its slot); 12: 2 blocks with gate and up copied whole
+  for (int blocks : {0, 1, 3, -2, 12}) {
+    const bool top_up = blocks >= 0, gate_up_whole = blocks > 10;
+    blocks = std::abs(blocks) % 10;
     CudaEngineOptions opt;
     opt.cpu_slice_top_up = top_up;
+    opt.cpu_slice_gate_up_whole = gate_up_whole;
     opt.placement = cache;
     opt.cache_slots = 6;
     opt.lend_pass_arena = false;
@@ -159,8 +161,11 @@ TEST(CudaExl3Synthetic, CpuSlicesMatchWholeCopies) {
     std::printf(
         "[ info ] cpu slices of %d blocks%s: %ld slices (%ld rows), %ld grouped passes, misses %ld, worst rel "
         "error vs all in VRAM %.2e\n",
-        blocks, top_up ? "" : " (no top-up)", long(st.cpu_slices), long(st.cpu_slice_rows),
-        long(st.grouped_hybrid_passes), long(st.cache_misses), vs_all);
+        blocks,
+        !top_up         ? " (no top-up)"
+        : gate_up_whole ? " (gate, up whole)"
+                        : "",
+        long(st.cpu_slices), long(st.cpu_slice_rows), long(st.grouped_hybrid_passes), long(st.cache_misses), vs_all);
     EXPECT_LE(vs_all, 1e-3) << blocks << " blocks";
     EXPECT_GT(st.grouped_hybrid_passes, 0) << blocks << " blocks";
     if (blocks == 0) {
@@ -332,6 +337,8 @@ struct SliceRun {
   double zc_selections = 0, zc_bytes = 0;      // per decode token: host experts read in place (zero_copy_cold)
   double prefetched = 0, prefetch_hits = 0;    // per decode token: experts copied ahead, and of those used
   double cpu_slices = 0, cpu_slice_rows = 0;   // per decode token: experts the CPU shared (cpu_expert_slices), rows
+  double cpu_slice_s = 0;                      // per decode token: the CPU's wall time on them
+  double cpu_slice_scale = 0;                  // the engine's ratio of measured to estimated slice time
   double prefill_fetched_bytes = 0;            // experts copied over PCIe by the (best) prefill, whole prompt
   double prefill_cpu_bytes = 0;                // experts the host computed in that prefill (stored bytes)
   int64_t zc_layers = 0;
@@ -366,6 +373,8 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   r.prefetch_hits = double(b.prefetch_hits - a.prefetch_hits) / n;
   r.cpu_slices = double(b.cpu_slices - a.cpu_slices) / n;
   r.cpu_slice_rows = double(b.cpu_slice_rows - a.cpu_slice_rows) / n;
+  r.cpu_slice_s = (b.cpu_slice_s - a.cpu_slice_s) / n;
+  r.cpu_slice_scale = b.cpu_slice_scale;
   r.hybrid = r.selections > 0;
   r.graph_nodes = b.graph_replays > a.graph_replays ? b.graph_nodes : 0;
   for (size_t p = 0; p < r.prefill_phase_s.size(); ++p) r.prefill_phase_s[p] = a.phase_s[p] - before.phase_s[p];
@@ -687,9 +696,13 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
         if (budget != "all") row["hybrid"] = hybrid;
         if (rb.cpu_slices > 0) {  // per decode token, 45 layers (the slice's lb layers scaled)
           const double sl = kFull * rb.cpu_slices / lb, rows = rb.cpu_slice_rows / rb.cpu_slices;
-          row["cpu_slices"] = {{"per_token", sl}, {"rows_per_slice", rows}};
-          std::printf("[ perf ] cpu slices: %.1f experts per token shared with the CPU (45 layers), %.0f rows each\n",
-                      sl, rows);
+          const double us = 1e6 * rb.cpu_slice_s / rb.cpu_slices;
+          row["cpu_slices"] = {
+              {"per_token", sl}, {"rows_per_slice", rows}, {"cpu_us_per_slice", us}, {"scale", rb.cpu_slice_scale}};
+          std::printf(
+              "[ perf ] cpu slices: %.1f experts per token shared with the CPU (45 layers), %.0f rows each, %.0f us "
+              "of CPU each, time over estimate %.2f\n",
+              sl, rows, us, rb.cpu_slice_scale);
         }
         if (rb.prefetched >
             0) {  // issue 21 item 3: per decode token; lb - 1 of the slice's layers have a next one, 44 of 45

@@ -127,6 +127,9 @@ struct CudaEngineOptions {
   // false (or MOESRV_CPU_SLICE_TOPUP=0): no top-up; the shared expert leaves its slot instead (a miss next time), so
   // its skipped rows never cross the link.
   bool cpu_slice_top_up = true;
+  // true (or MOESRV_CPU_SLICE_GATEUP_WHOLE=1): gate's and up's trellises cross whole (contiguous copies) and only
+  // down's rows are skipped; false: gate's and up's columns of the CPU's rows are skipped too (strided copies).
+  bool cpu_slice_gate_up_whole = false;
   // MLA decode (<= 8 tokens a pass) through the key-split kernel (mla_split.cu: each key tile shared by 8 heads)
   // instead of attention()'s block per (token, head), which re-reads every key row per head (876 us vs tens of us per
   // MLA layer at 2,048 selected keys on an H200). false: the per-head kernel (tests compare the two).
@@ -209,6 +212,8 @@ struct CudaEngineStats {
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
   // cpu_expert_slices: the passes whose last copied expert the CPU shared, and its intermediate rows it computed.
   int64_t cpu_slices = 0, cpu_slice_rows = 0;
+  double cpu_slice_s = 0;      // the CPU's wall time on them (add_routed_experts), summed
+  double cpu_slice_scale = 0;  // the last slice's decayed ratio of measured to estimated CPU time
   // The cold split's rates as the engine started with them (given or measured; 0: none).
   double cold_pcie_gbps = 0, cold_cpu_expert_ms = 0, cpu_slice_fixed_ms = 0;
   int64_t laned_expert_runs = 0;      // host-planned expert runs on the hybrid lanes (hybrid_lanes)

@@ -633,7 +633,9 @@ struct CudaEngine::Impl {
   };
   CpuSlice plan_cpu_slice(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home) const;
   double slice_fixed_s = 20e-6;  // a slice's CPU cost beyond its share of the expert (measure_cold_rates)
+  double slice_scale = 1.0;      // slices' measured CPU time over the estimate (decayed mean)
   bool cpu_slices_on() const;
+  bool slice_gate_up_whole() const;
   void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                         int64_t shared_rows, int64_t prefetch_layer, CpuSlice slice);
   // out[t] += the CPU jobs' rows (host rows h_h, pinned), uploaded and added to y (n rows) on the stream; seconds.

@@ -141,8 +141,14 @@ void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a, int64_t s
   if (a.evicted >= 0) prefetched[size_t(l)][size_t(a.evicted)] = 0;
   CacheSlot& cs = m.slots[size_t(a.slot)];
   MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-  stats.fetched_bytes += double(m.host->copy(e, cs.mem.as<void>(), copy_stream, skip));
+  stats.fetched_bytes +=
+      double(m.host->copy(e, cs.mem.as<void>(), copy_stream, skip, skip > 0 && slice_gate_up_whole()));
   MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
+}
+
+bool CudaEngine::Impl::slice_gate_up_whole() const {
+  static const char* env = std::getenv("MOESRV_CPU_SLICE_GATEUP_WHOLE");
+  return env && env[0] ? std::atoi(env) != 0 : opt.cpu_slice_gate_up_whole;
 }
 
 bool CudaEngine::Impl::cpu_slices_on() const {
@@ -151,8 +157,10 @@ bool CudaEngine::Impl::cpu_slices_on() const {
 }
 
 // The pass's last expert to cross the link (run_home 2, the copy order) and the intermediate blocks of it the CPU
-// takes: b blocks cost the CPU b * cpu_block + slice_fixed_s (its parallel_fors, measured at start) and save the
-// link b * link_block, so the CPU finishes with the link at b = (link_s - slice_fixed_s) / (link_block + cpu_block).
+// takes: b blocks cost the CPU b * cpu_block + slice_fixed_s (its parallel_fors, measured at start), both times
+// slice_scale (the slices' measured time over that estimate: the start's timing reads one expert from cache, a
+// decode pass's from memory), and save the link b * link_block, so the CPU finishes with the link at
+// b = (link_s - fixed) / (link_block + cpu_block).
 CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const ExpertPass& pass,
                                                             const std::vector<int>& run_home) const {
   CpuSlice slice;
@@ -175,9 +183,10 @@ CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const Exp
   int64_t b = opt.cpu_slice_blocks;
   if (b <= 0) {
     if (cold_rates.pcie_bytes_s <= 0 || cold_rates.cpu_first_s <= 0) return slice;
-    const double link_block = cold_rates.fetch_s(double(m.block_bytes[size_t(e)])) / double(blocks);
-    const double cpu_block = cold_rates.cpu_s(tokens) / double(blocks);
-    b = int64_t((link_s - slice_fixed_s) / (link_block + cpu_block));
+    const double link_block =
+        cold_rates.fetch_s(double(m.block_bytes[size_t(e)])) / double(blocks) / (slice_gate_up_whole() ? 3.0 : 1.0);
+    const double cpu_block = slice_scale * cold_rates.cpu_s(tokens) / double(blocks);
+    b = int64_t((link_s - slice_scale * slice_fixed_s) / (link_block + cpu_block));
   }
   slice.skip = std::clamp<int64_t>(b, 0, blocks - 1) * cpu::kExpertSliceAlign;
   if (slice.skip > 0) slice.expert = e;
@@ -351,7 +360,8 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   if (top_up) {
     CacheSlot& cs = m.slots[size_t(slice_slot)];
     MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
-    stats.fetched_bytes += double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip));
+    stats.fetched_bytes +=
+        double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip, slice_gate_up_whole()));
     MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
   } else if (!expert_cache->forget(int32_t(l), slice.expert)) {
     fail("layer {}: expert {} shared with the CPU could not leave its slot", l, slice.expert);
@@ -364,7 +374,15 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   const float* wts = h_w.as<float>();
   for (const int32_t entry : pass.by_expert[size_t(slice.expert)])
     job.tokens.push_back(int32_t(entry / k)), job.weights.push_back(wts[entry]);
-  cpu_rows_into_y(jobs, n, s.y.as<float>());
+  const double seconds = cpu_rows_into_y(jobs, n, s.y.as<float>());
+  stats.cpu_slice_s += seconds;
+  if (cold_rates.cpu_first_s > 0) {  // the estimate plan_cpu_slice made (scale 1), against the time it took
+    const int64_t inter = ew.down->in_features() > 0 ? ew.down->in_features() : 1;
+    const double est =
+        slice_fixed_s + cold_rates.cpu_s(int64_t(job.tokens.size())) * double(slice.skip) / double(inter);
+    slice_scale = std::clamp(0.8 * slice_scale + 0.2 * seconds / est, 0.25, 8.0);
+    stats.cpu_slice_scale = slice_scale;
+  }
   ++stats.cpu_slices;
   stats.cpu_slice_rows += slice.skip;
   const double part = double(slice.skip) / double(ew.down->in_features() > 0 ? ew.down->in_features() : 1);

@@ -135,7 +135,7 @@ HostExperts::HostExperts(const MoeWeights& w, bool exl3, const std::vector<std::
 
 HostExperts::~HostExperts() = default;
 
-size_t HostExperts::copy(int e, void* dst, cudaStream_t st, int64_t skip) const {
+size_t HostExperts::copy(int e, void* dst, cudaStream_t st, int64_t skip, bool gate_up_whole) const {
   if (!wanted_[size_t(e)]) fail("host experts: expert {} has no host copy for the GPU", e);
   if (!exl3_) {
     if (skip) fail("host experts: expert {} is not EXL3: no rows skipped", e);
@@ -144,12 +144,12 @@ size_t HostExperts::copy(int e, void* dst, cudaStream_t st, int64_t skip) const 
     return blocks_[size_t(e)].bytes();
   }
   if (skip && !can_skip(e, skip)) fail("host experts: expert {}: {} intermediate rows cannot be skipped", e, skip);
-  return copy_parts(e, dst, st, skip, false);
+  return copy_parts(e, dst, st, skip, false, gate_up_whole);
 }
 
-size_t HostExperts::top_up(int e, void* dst, cudaStream_t st, int64_t skip) const {
+size_t HostExperts::top_up(int e, void* dst, cudaStream_t st, int64_t skip, bool gate_up_whole) const {
   if (!can_skip(e, skip)) fail("host experts: expert {}: {} intermediate rows cannot be skipped", e, skip);
-  return copy_parts(e, dst, st, skip, true);
+  return copy_parts(e, dst, st, skip, true, gate_up_whole);
 }
 
 bool HostExperts::can_skip(int e, int64_t skip) const {
@@ -160,9 +160,10 @@ bool HostExperts::can_skip(int e, int64_t skip) const {
 }
 
 // EXL3 parts (trellis [in/16][out/16][tile], then suh | svh). The intermediate rows [0, skip) are gate's and up's
-// output tile columns [0, skip / 16) of every tile row (one strided copy each) and down's first skip / 16 tile rows.
-// first = !rest: the whole block but those (their svh zeroed), rest: those and the scales.
-size_t HostExperts::copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest) const {
+// output tile columns [0, skip / 16) of every tile row (one strided copy each, or none: gate_up_whole copies them
+// whole at first) and down's first skip / 16 tile rows. !rest: the whole block but those (gate's and up's svh there
+// zeroed), rest: those and the scales.
+size_t HostExperts::copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest, bool gate_up_whole) const {
   auto* base = static_cast<uint8_t*>(dst);
   const MlpWeights& m = w_.experts[size_t(e)];
   size_t bytes = 0;
@@ -172,9 +173,10 @@ size_t HostExperts::copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, 
     uint8_t* tr = base + reinterpret_cast<uintptr_t>(d.trellis);
     const auto* src = static_cast<const uint8_t*>(trellis_[size_t(e)][size_t(j)]);
     const size_t tile = size_t(32 * d.K), row = size_t(d.out_pad / 16) * tile, cut = size_t(skip / 16);
-    if (skip == 0) {
+    if (skip == 0 || (j < 2 && gate_up_whole && !rest)) {
       MOESRV_CUDA_OK(cudaMemcpyAsync(tr, src, x.trellis_bytes(), cudaMemcpyHostToDevice, st));
       bytes += x.trellis_bytes();
+    } else if (j < 2 && gate_up_whole) {  // (rest: already there)
     } else if (j < 2) {  // tile columns [0, cut) (rest) or [cut, out/16) of each of the in/16 tile rows
       const size_t off = rest ? 0 : cut * tile, width = rest ? cut * tile : row - cut * tile;
       MOESRV_CUDA_OK(

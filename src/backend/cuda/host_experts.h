@@ -56,9 +56,12 @@ class HostExperts {
   // [0, skip), which the CPU computes for this pass (cpu::ExpertRows slices): gate's and up's trellis columns and
   // down's trellis rows of them are not copied, and gate's and up's svh there are zeroed, so the block computes
   // exactly the rest's share (whatever stale trellis words the slot holds there decode to finite values times 0).
-  size_t copy(int e, void* dst, cudaStream_t st, int64_t skip = 0) const;
-  // Completes a copy(e, dst, st, skip): the skipped rows and the true scales (after the GPU's reads of this pass).
-  size_t top_up(int e, void* dst, cudaStream_t st, int64_t skip) const;
+  // gate_up_whole: gate's and up's trellises cross whole (one contiguous copy each instead of a strided one per
+  // tile row); only down's rows are skipped (their svh zeroed all the same).
+  size_t copy(int e, void* dst, cudaStream_t st, int64_t skip = 0, bool gate_up_whole = false) const;
+  // Completes a copy(e, dst, st, skip, gate_up_whole): the skipped rows and the true scales (after the GPU's reads of
+  // this pass).
+  size_t top_up(int e, void* dst, cudaStream_t st, int64_t skip, bool gate_up_whole = false) const;
   // Whether copy(e, ..., skip) takes that skip: EXL3, gate / up / down over one padded intermediate size, skip a
   // multiple of 128 inside it.
   bool can_skip(int e, int64_t skip) const;
@@ -79,7 +82,7 @@ class HostExperts {
   std::vector<std::array<const void*, 3>> trellis_;  // EXL3: [e][part] where its trellis is read (package or copy)
   std::vector<PinnedBuffer> realigned_;              // EXL3 with `aligned`: the copies of unaligned trellises
   size_t pinned_bytes_ = 0;
-  size_t copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest) const;
+  size_t copy_parts(int e, void* dst, cudaStream_t st, int64_t skip, bool rest, bool gate_up_whole) const;
 };
 
 }  // namespace moesrv::cuda
