@@ -124,7 +124,7 @@ struct CudaEngineOptions {
   // cpu_slice_blocks > 0 (tests) fixes the blocks the CPU takes whatever the rates say.
   bool cpu_expert_slices = false;
   int cpu_slice_blocks = 0;
-  // false (or MOESRV_CPU_SLICE_TOPUP=0): no top-up; the shared expert leaves its slot instead (a miss next time), so
+  // false (or MOESRV_CPU_SLICE_TOPUP=0): no top-up; the sliced expert leaves its slot instead (a miss next time), so
   // its skipped rows never cross the link.
   bool cpu_slice_top_up = true;
   // true (or MOESRV_CPU_SLICE_GATEUP_WHOLE=1): gate's and up's trellises cross whole (contiguous copies) and only
@@ -210,7 +210,7 @@ struct CudaEngineStats {
   // Experts copied ahead of their layer's routing (prefetch_experts), and those of them the routing then picked.
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
-  // cpu_expert_slices: the passes whose last copied expert the CPU shared, and its intermediate rows it computed.
+  // cpu_expert_slices: the passes whose last copied expert the CPU computed a slice of, and the rows it computed.
   int64_t cpu_slices = 0, cpu_slice_rows = 0;
   double cpu_slice_s = 0;      // the CPU's wall time on them (add_routed_experts), summed
   double cpu_slice_scale = 0;  // the last slice's decayed ratio of measured to estimated CPU time

@@ -364,7 +364,7 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
         double(m.host->top_up(slice.expert, cs.mem.as<void>(), copy_stream, slice.skip, slice_gate_up_whole()));
     MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
   } else if (!expert_cache->forget(int32_t(l), slice.expert)) {
-    fail("layer {}: expert {} shared with the CPU could not leave its slot", l, slice.expert);
+    fail("layer {}: expert {}, sliced with the CPU, could not leave its slot", l, slice.expert);
   }
   const MlpWeights& ew = weights->layers[size_t(l)].moe->experts[size_t(slice.expert)];
   std::vector<cpu::RoutedRows> jobs(1);
