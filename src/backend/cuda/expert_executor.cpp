@@ -375,17 +375,17 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   for (const int32_t entry : pass.by_expert[size_t(slice.expert)])
     job.tokens.push_back(int32_t(entry / k)), job.weights.push_back(wts[entry]);
   const double seconds = cpu_rows_into_y(jobs, n, s.y.as<float>());
+  int64_t inter = 1;  // the padded intermediate size the slice bounds count in (plan_cpu_slice checked support)
+  cpu::expert_slices_supported(ew, int64_t(job.tokens.size()), &inter);
+  const double part = double(slice.skip) / double(inter);
   stats.cpu_slice_s += seconds;
   if (cold_rates.cpu_first_s > 0) {  // the estimate plan_cpu_slice made (scale 1), against the time it took
-    const int64_t inter = ew.down->in_features() > 0 ? ew.down->in_features() : 1;
-    const double est =
-        slice_fixed_s + cold_rates.cpu_s(int64_t(job.tokens.size())) * double(slice.skip) / double(inter);
+    const double est = slice_fixed_s + cold_rates.cpu_s(int64_t(job.tokens.size())) * part;
     slice_scale = std::clamp(0.8 * slice_scale + 0.2 * seconds / est, 0.25, 8.0);
     stats.cpu_slice_scale = slice_scale;
   }
   ++stats.cpu_slices;
   stats.cpu_slice_rows += slice.skip;
-  const double part = double(slice.skip) / double(ew.down->in_features() > 0 ? ew.down->in_features() : 1);
   stats.cpu_expert_bytes += part * double(ew.gate->stored_bytes() + ew.up->stored_bytes() + ew.down->stored_bytes());
 }
 
