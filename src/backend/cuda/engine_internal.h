@@ -630,11 +630,13 @@ struct CudaEngine::Impl {
   struct CpuSlice {
     int32_t expert = -1;
     int64_t skip = 0;
+    int64_t inter = 1;  // the expert's padded intermediate size (what skip counts in)
   };
   CpuSlice plan_cpu_slice(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home) const;
-  double slice_fixed_s = 20e-6;  // a slice's CPU cost beyond its share of the expert (measure_cold_rates)
+  double slice_fixed_s = 20e-6;  // a slice's CPU cost beyond its share of the expert (measure_cold_rates, if on)
   double slice_scale = 1.0;      // slices' measured CPU time over the estimate (decayed mean)
   bool cpu_slices_on() const;
+  bool slice_top_up() const;
   bool slice_gate_up_whole() const;
   void moe_slot_grouped(int64_t l, const ExpertPass& pass, const std::vector<int>& run_home, int64_t n,
                         int64_t shared_rows, int64_t prefetch_layer, CpuSlice slice);

@@ -146,14 +146,18 @@ void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a, int64_t s
   MOESRV_CUDA_OK(cudaEventRecord(cs.ready, copy_stream));
 }
 
-bool CudaEngine::Impl::slice_gate_up_whole() const {
-  static const char* env = std::getenv("MOESRV_CPU_SLICE_GATEUP_WHOLE");
-  return env && env[0] ? std::atoi(env) != 0 : opt.cpu_slice_gate_up_whole;
-}
-
+// The slices' options, each overridden by its environment variable either way (as row_gemv_on).
 bool CudaEngine::Impl::cpu_slices_on() const {
-  static const char* env = std::getenv("MOESRV_CPU_SLICES");
-  return env && env[0] ? std::atoi(env) != 0 : opt.cpu_expert_slices;
+  static const bool off = !switch_on("MOESRV_CPU_SLICES"), on = switch_set("MOESRV_CPU_SLICES");
+  return opt.cpu_expert_slices ? !off : on;
+}
+bool CudaEngine::Impl::slice_top_up() const {
+  static const bool off = !switch_on("MOESRV_CPU_SLICE_TOPUP"), on = switch_set("MOESRV_CPU_SLICE_TOPUP");
+  return opt.cpu_slice_top_up ? !off : on;
+}
+bool CudaEngine::Impl::slice_gate_up_whole() const {
+  static const bool off = !switch_on("MOESRV_CPU_SLICE_GATEUP_WHOLE"), on = switch_set("MOESRV_CPU_SLICE_GATEUP_WHOLE");
+  return opt.cpu_slice_gate_up_whole ? !off : on;
 }
 
 // The pass's last expert to cross the link (run_home 2, the copy order) and the intermediate blocks of it the CPU
@@ -189,7 +193,7 @@ CudaEngine::Impl::CpuSlice CudaEngine::Impl::plan_cpu_slice(int64_t l, const Exp
     b = int64_t((link_s - slice_scale * slice_fixed_s) / (link_block + cpu_block));
   }
   slice.skip = std::clamp<int64_t>(b, 0, blocks - 1) * cpu::kExpertSliceAlign;
-  if (slice.skip > 0) slice.expert = e;
+  if (slice.skip > 0) slice.expert = e, slice.inter = inter;
   return slice;
 }
 
@@ -355,9 +359,7 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   // The skipped rows cross once the GPU has read the slot (behind the next layer's prefetch on the link); the slot's
   // `ready` then marks the whole expert for later passes. Or, without top-ups, the expert leaves the cache. Meanwhile
   // the CPU computes them for this pass's tokens.
-  static const char* top_up_env = std::getenv("MOESRV_CPU_SLICE_TOPUP");
-  const bool top_up = top_up_env && top_up_env[0] ? std::atoi(top_up_env) != 0 : opt.cpu_slice_top_up;
-  if (top_up) {
+  if (slice_top_up()) {
     CacheSlot& cs = m.slots[size_t(slice_slot)];
     MOESRV_CUDA_OK(cudaStreamWaitEvent(copy_stream, cs.free, 0));
     stats.fetched_bytes +=
@@ -375,9 +377,7 @@ void CudaEngine::Impl::moe_slot_grouped(int64_t l, const ExpertPass& pass, const
   for (const int32_t entry : pass.by_expert[size_t(slice.expert)])
     job.tokens.push_back(int32_t(entry / k)), job.weights.push_back(wts[entry]);
   const double seconds = cpu_rows_into_y(jobs, n, s.y.as<float>());
-  int64_t inter = 1;  // the padded intermediate size the slice bounds count in (plan_cpu_slice checked support)
-  cpu::expert_slices_supported(ew, int64_t(job.tokens.size()), &inter);
-  const double part = double(slice.skip) / double(inter);
+  const double part = double(slice.skip) / double(slice.inter);
   stats.cpu_slice_s += seconds;
   if (cold_rates.cpu_first_s > 0) {  // the estimate plan_cpu_slice made (scale 1), against the time it took
     const double est = slice_fixed_s + cold_rates.cpu_s(int64_t(job.tokens.size())) * part;
@@ -454,9 +454,9 @@ void CudaEngine::Impl::measure_cold_rates() {
         }
       cold_rates.cpu_first_s = t[0];
       cold_rates.cpu_token_s = std::max(0.0, (t[1] - t[0]) / 7);
-      // A slice of one block (cpu_expert_slices): what it costs beyond its share of the whole expert.
+      // With cpu_expert_slices: what a slice of one block costs beyond its share of the whole expert.
       int64_t inter = 0;
-      if (cpu::expert_slices_supported(w, 1, &inter) && inter >= 2 * cpu::kExpertSliceAlign) {
+      if (cpu_slices_on() && cpu::expert_slices_supported(w, 1, &inter) && inter >= 2 * cpu::kExpertSliceAlign) {
         double t1 = 1e30;
         for (int rep = 0; rep < 2; ++rep) {
           const auto t0 = std::chrono::steady_clock::now();
