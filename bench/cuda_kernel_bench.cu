@@ -63,7 +63,7 @@ constexpr int IH = 32, ID = 128, KPOOL = 4, TOPK_KEYS = 2048;              // k-
 constexpr int BUDGET = TOPK_KEYS / KPOOL, SELW = TOPK_KEYS + KPOOL;        // pools kept, selection row width
 constexpr int E = 288, TOPK = 8, KK = TOPK + 1, I = 2048, VOCAB = 154880;  // MoE (KK: shared + routed), head
 constexpr int kHostExperts = 16;  // distinct routed experts in pinned host memory (zero-copy row), ~200 MB at K=4
-constexpr size_t kYrFloats = size_t(kExl3MaxGemvParts) * VOCAB;            // EXL3 GEMV output, K parts included
+constexpr size_t kYrFloats = size_t(kExl3GemvScratchParts) * VOCAB;  // EXL3 GEMV output, K parts included
 constexpr size_t kTickets = VOCAB / 128 + 1024;  // exl3_gemv_out's counters: the head's row or the grouped rows
 constexpr float LIMIT = 10.0f, MLA_SCALE = 1.0f / 16, ROUTED_SCALING = 2.5f;
 constexpr int kCalls = 32;                     // calls per graph
@@ -786,7 +786,7 @@ void prefill_kpool(int i, const Ctx& c) {
 // batch GEMV, rotate out; grouped experts one entry per token and pick) against CudaEngineOptions::row_gemv's (the
 // R-row GEMV; entries that share an expert merged). S tokens' inputs: RowsB::x.
 constexpr int kRowsMax = kExl3SetRows;
-constexpr size_t kRowsYr = size_t(kExl3MaxGemvParts) * 2 * kRowsMax * KK * I;
+constexpr size_t kRowsYr = size_t(kExl3GemvScratchParts) * 2 * kRowsMax * KK * I;
 struct RowsB {
   float *x, *y, *xh, *yr, *mgu, *ys;
   int32_t *ids_rand, *ids_half;  // [kRowsMax][KK]: shared, then 8 picks; random, or half of them token 0's

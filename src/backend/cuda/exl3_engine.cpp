@@ -71,8 +71,8 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   // (a prefill MoE wave's rotated rows, fp16: the waves are as tall as the expert buffers, not rb rows)
   const size_t xh =
       size_t(std::max({rb * in * 2, kExl3MaxGemvRows * in * 4, grouped * moe.in * 4, moe_wave_rows * moe.in * 2}));
-  const size_t yr =  // a one-row GEMV leaves up to kExl3MaxGemvParts K parts (grouped calls: what fits)
-      size_t(std::max({rb * all.out, int64_t(kExl3MaxGemvParts) * out, 2 * grouped * moe.out})) * 4;
+  const size_t yr =  // a one-row GEMV leaves up to kExl3MaxGemvParts K parts, as many as fit
+      size_t(std::max({rb * all.out, int64_t(kExl3GemvScratchParts) * out, 2 * grouped * moe.out})) * 4;
   const size_t w16 = std::max(std::min(kW16Elems, std::max(all.whole, head.whole)), size_t(in) * 16) * 2;
   s.x3_xh = DeviceBuffer(budget, xh, "EXL3 rotated input");
   s.x3_yr = DeviceBuffer(budget, yr, "EXL3 rotated output");
@@ -90,7 +90,7 @@ void CudaEngine::Impl::allocate_exl3_scratch() {
   // one-token calls on proj_side (up to two grouped rows), with as many K parts as on the main stream
   if (all.in == 0) return;
   s.x3_xh_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvRows * all.in) * 4, "EXL3 side rotated input");
-  s.x3_yr_side = DeviceBuffer(budget, size_t(2 * kExl3MaxGemvParts * all.out) * 4, "EXL3 side rotated output");
+  s.x3_yr_side = DeviceBuffer(budget, size_t(2 * kExl3GemvScratchParts * all.out) * 4, "EXL3 side rotated output");
   s.x3_tickets_side = tickets(2 * kExl3MaxGemvRows * all.out / 128, "EXL3 side output rotation tickets");
 }
 

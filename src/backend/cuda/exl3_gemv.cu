@@ -83,9 +83,14 @@ __device__ __forceinline__ void rotate_out_warp(const Exl3Dev& w, const Exl3Grou
     return kFresh ? __ldcg(q) : *q;
   };
   float4 h = load(0);
-  for (int p = 1; p < parts; ++p) {  // the fused GEMV's K parts, in part order
-    const float4 q = load(p);
-    h.x += q.x, h.y += q.y, h.z += q.z, h.w += q.w;
+  for (int p = 1; p < parts; p += 8) {  // the fused GEMV's K parts, in part order: 8 loads in flight, then their sum
+    float4 q[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (p + j < parts) q[j] = load(p + j);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (p + j < parts) h.x += q[j].x, h.y += q[j].y, h.z += q[j].z, h.w += q[j].w;
   }
   hadamard128_lane(h, lane);
   const float v[4] = {h.x, h.y, h.z, h.w};
@@ -1005,6 +1010,9 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
   }
   const long sms = exl3_sm_count(),
              res = rows > 1 ? (rows <= 2 ? gemv1r_blocks<2>() : gemv1r_blocks<4>()) : exl3_gemv_blocks_per_sm();
+  // The model and the wave rule keep <= 16 K parts: up to 64 (forced splits) moved no decode shape by more than the
+  // sweep's spread (docs/perf-cuda.md, thirtieth round).
+  max_parts = std::min(max_parts, 16);
   if (aligned) {
     // Calls of a wave or more of blocks at 2 k-ranges of 16 tiles take that split: in the sweep of the decode shapes
     // (docs/perf-cuda.md) it beat the model's choice on each of them, by up to 11% (finer blocks fill the last wave,

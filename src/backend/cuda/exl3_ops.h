@@ -83,7 +83,9 @@ void exl3_gemv_rotated(const Exl3Dev& w, Exl3Group g, const float* xh, int n, fl
 // One row per weight runs one fused launch whose K split leaves parts (the return value) of the result, part p of
 // row r at yr[(p * n + r) * out_pad], as many as yr_floats allow (<= kExl3MaxGemvParts); pass that count to
 // exl3_rotate_out. Batches rotate into xh first (1 part).
-constexpr int kExl3MaxGemvParts = 16;
+constexpr int kExl3MaxGemvParts = 64;
+// Scratch sizing: callers hold at least this many parts of their largest output (smaller outputs fit more).
+constexpr int kExl3GemvScratchParts = 16;
 int exl3_gemv_in(const Exl3Dev& w, Exl3Group g, Exl3Src src, int n, void* xh, float* yr, size_t yr_floats,
                  void* stream);
 // Counters of exl3_gemv_out's fused output rotation: n * out_pad / 128 of them per call, zero before the first call
