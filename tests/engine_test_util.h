@@ -56,10 +56,12 @@ struct PrefillDecodeTiming {
 // timed greedy decode steps; `before_timed` and `after_timed` run just before and after the timed steps (e.g. to read
 // counters). With verify_k > 0, then the verify of MTP speculative decoding for k = 1 .. verify_k: a forward of k + 1
 // tokens with every row's logits (an MtpEngine's forward_hidden with rollback points, cut back to the first token),
-// cut back to the context after each (a checkpoint there), best of 3 after one untimed.
+// cut back to the context after each (a checkpoint there), best of 3 after one untimed; after_verify(k) runs after
+// each k's passes (e.g. to read counters per k).
 inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int32_t>& prompt, int warm, int steps,
                                                bool warm_up = true, const std::function<void()>& before_timed = {},
-                                               int verify_k = 0, const std::function<void()>& after_timed = {}) {
+                                               int verify_k = 0, const std::function<void()>& after_timed = {},
+                                               const std::function<void(int)>& after_verify = {}) {
   using Clock = std::chrono::steady_clock;
   auto seq = e.new_sequence();
   if (warm_up) {
@@ -122,6 +124,7 @@ inline PrefillDecodeTiming time_prefill_decode(Engine& e, const std::vector<int3
         seq->truncate(len);
       }
       t.verify_s[size_t(k - 1)] = best;
+      if (after_verify) after_verify(k);
     }
   }
   return t;

@@ -344,6 +344,13 @@ struct SliceRun {
   int64_t zc_layers = 0;
   int64_t graph_nodes = 0;                     // of the decode graph (all-VRAM placements; else 0)
   std::vector<double> verify_s;                // [k - 1]: MTP verify of k + 1 tokens (time_prefill_decode)
+  // [k - 1]: the verify's 4 passes of k + 1 tokens together (host-planned placements): host-planned MoE passes, those
+  // through the grouped GEMVs, bytes copied over PCIe, bytes the CPU read
+  struct VerifyTraffic {
+    int64_t passes = 0, grouped = 0;
+    double fetched_bytes = 0, cpu_bytes = 0;
+  };
+  std::vector<VerifyTraffic> verify_traffic;
   bool hybrid = false;
   std::array<double, size_t(CudaPhase::Count)> prefill_phase_s{};  // device seconds per block kind
 };
@@ -355,9 +362,18 @@ SliceRun run_slice(CudaEngine& e, int64_t ctx, int decode_tokens) {
   const CudaEngineStats before = e.stats();
   CudaEngineStats a, b;  // after the prefill and 4 warm steps (graph capture); after the timed steps
   // (b before the MTP verify passes: their tokens are not decode steps, and under a budget they fetch experts)
+  CudaEngineStats v = {};  // before each k's verify passes
   const auto t = test::time_prefill_decode(
       e, test::bench_prompt(size_t(ctx)), 4, decode_tokens, false, [&] { a = e.stats(); }, kMtpVerifyK,
-      [&] { b = e.stats(); });
+      [&] { v = b = e.stats(); },
+      [&](int k) {  // (k runs 1 .. 3, or 3 .. 1 with MOESRV_BENCH_VERIFY_REVERSE)
+        const CudaEngineStats w = e.stats();
+        r.verify_traffic.resize(size_t(kMtpVerifyK));
+        r.verify_traffic[size_t(k - 1)] = {w.hybrid_passes - v.hybrid_passes,
+                                           w.grouped_hybrid_passes - v.grouped_hybrid_passes,
+                                           w.fetched_bytes - v.fetched_bytes, w.cpu_expert_bytes - v.cpu_expert_bytes};
+        v = w;
+      });
   r.prefill_s = t.prefill_s;
   r.decode_s = t.decode_s;
   r.verify_s = t.verify_s;
@@ -736,6 +752,24 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
                         std::to_string(row["mtp_adaptive"][std::string("speedup_at_") + a].get<double>()).substr(0, 5);
         }
         std::printf("[ perf ] MTP, 45 layers projected:%s\n", mtp_line.c_str());
+        if (rb.hybrid && !rb.verify_traffic.empty()) {  // (the hybrid verify's cost against decode: how its passes ran)
+          nlohmann::json vt = nlohmann::json::array();
+          std::string vt_line;
+          for (size_t k = 1; k <= rb.verify_traffic.size(); ++k) {
+            const auto& q = rb.verify_traffic[k - 1];
+            vt.push_back({{"k", k},
+                          {"moe_passes", q.passes},
+                          {"grouped_passes", q.grouped},
+                          {"pcie_bytes", q.fetched_bytes},
+                          {"host_bytes", q.cpu_bytes}});
+            char buf[160];
+            std::snprintf(buf, sizeof buf, " k=%zu: %ld MoE passes, %ld grouped, PCIe %.2f GB, host %.2f GB;", k,
+                          long(q.passes), long(q.grouped), q.fetched_bytes / 1e9, q.cpu_bytes / 1e9);
+            vt_line += buf;
+          }
+          row["mtp_verify_traffic_" + std::to_string(lb) + "_layers"] = vt;
+          std::printf("[ perf ] MTP verify passes (%d-layer slice, 4 forwards per k):%s\n", lb, vt_line.c_str());
+        }
         results.push_back(row);
       }
     }

@@ -210,6 +210,7 @@ struct CudaEngineStats {
   // Experts copied ahead of their layer's routing (prefetch_experts), and those of them the routing then picked.
   int64_t prefetched_experts = 0, prefetch_hits = 0;
   int64_t grouped_hybrid_passes = 0;  // host-planned passes through the grouped GEMVs (grouped_hybrid_decode)
+  int64_t hybrid_passes = 0;          // host-planned passes (moe_hybrid), every path
   // cpu_expert_slices: the passes whose last copied expert the CPU computed a slice of, and the rows it computed.
   int64_t cpu_slices = 0, cpu_slice_rows = 0;
   double cpu_slice_s = 0;      // the CPU's wall time on them (add_routed_experts), summed

@@ -498,6 +498,7 @@ void CudaEngine::Impl::moe_hybrid(int64_t l, int64_t s0, int64_t n, int64_t shar
   const int32_t* d_ids = s.ids.as<int32_t>() + s0 * k;
   const float* d_w = s.w.as<float>() + s0 * k;
   release_held();  // (left by a pass that failed)
+  ++stats.hybrid_passes;
   bool any_cpu = false;
   for (auto p : m.placement) any_cpu |= p == ExpertPlacement::Cpu;
   MOESRV_CUDA_OK(cudaMemcpyAsync(h_ids.as<void>(), d_ids, size_t(n * k) * 4, cudaMemcpyDeviceToHost, stream));
