@@ -96,7 +96,10 @@ std::vector<float> randn(size_t n, uint32_t seed) {
 // The one-row GEMV's bound against the CPU (fp16 weights) for MUL1: fp32-accurate, or with variants 3 and 4 (unrounded
 // MUL1 values, exl3_ops.h) the fp16 half-ulp bound 2^-11 on each weight's relative difference (variant 4's int8
 // inputs, hi + lo / 254 of a block scale, add ~2^-15 of the largest input).
-double mul1_one_row_limit() { return cuda::exl3_gemv1_variant() >= 3 ? 4.9e-4 : 1e-5; }
+double mul1_one_row_limit() {
+  const int v = cuda::exl3_gemv1_variant();
+  return v == 3 || v == 4 ? 4.9e-4 : 1e-5;
+}
 
 // GPU forward vs CPU Exl3Linear; returns relative L2 error. Output is poisoned first.
 double gpu_vs_cpu(Exl3CudaLinear& g, const Exl3Weights& w, int n, bool gemm) {

@@ -431,6 +431,8 @@ __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N],
       if constexpr (V == 1) h[i / 2] = decode_state2<CB>(stream_bits16(b, r0), stream_bits16(b, r1));
       else if constexpr (V == 3 && CB == 2)
         h[i / 2] = mul1_raw2(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
+      else if constexpr (V == 5)
+        h[i / 2] = decode_state2_fma<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
       else h[i / 2] = decode_state2<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
     }
     const int p4 = pp & 3;
@@ -574,7 +576,7 @@ struct Gemv1Ring {
   }
 };
 
-// kMma: V = 1, 2 or 3 as gemv1_tile_mma; 4: gemv1_tile_imma (MUL1, fused calls only).
+// kMma: V = 1, 2, 3 or 5 as gemv1_tile_mma; 4: gemv1_tile_imma (MUL1, fused calls only).
 template <int K, int CB, bool kMma, int V = 1>
 __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(Gemv1Args a) {
   using G = Gemv1<K>;
@@ -945,15 +947,16 @@ using Gemv1Fn = void (*)(Gemv1Args);
     &fn<1, cb, true, v>, &fn<2, cb, true, v>, &fn<3, cb, true, v>, &fn<4, cb, true, v>, &fn<5, cb, true, v>, \
         &fn<6, cb, true, v>, &fn<7, cb, true, v>, &fn<8, cb, true, v>                                        \
   }
-// [fp32 FMAs, tensor cores V = 1, 2, 3, 4][codebook][K - 1] (V = 3, 4 differ from 2 for MUL1 only)
-const Gemv1Fn kGemv1[5][3][8] = {
+// [fp32 FMAs, tensor cores V = 1, 2, 3, 4, 5][codebook][K - 1] (V = 3, 4, 5 differ from 2 for MUL1 only)
+const Gemv1Fn kGemv1[6][3][8] = {
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)},
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 2)},
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 3)},
-    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)}};
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)},
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 5)}};
 #undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
 using Gemv1rFn = void (*)(Gemv1Args, int, const Exl3RowSet*);
@@ -1044,7 +1047,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
 }
 
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
-// cores; MOESRV_EXL3_GEMV1_VARIANT=1|2|3|4: its tensor-core loop's V (gemv1_tile_mma, 4: gemv1_tile_imma; default 2);
+// cores; MOESRV_EXL3_GEMV1_VARIANT=1..5: its tensor-core loop's V (gemv1_tile_mma, 4: gemv1_tile_imma; default 2);
 // MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
@@ -1143,7 +1146,7 @@ int exl3_gemv_blocks_per_sm() {
 }
 
 int exl3_gemv1_variant() {
-  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 4, 2);
+  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 5, 2);
   return v;
 }
 
