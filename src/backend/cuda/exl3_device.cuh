@@ -28,12 +28,18 @@ constexpr int kGemvWarps = 4;   // warps per GEMV block, each on every 4th k-til
 constexpr int kGemvUnroll = 4;  // tiles a warp loads before decoding (loads in flight)
 
 // ---- codebooks (CB: 0 = 3INST, 1 = MCG, 2 = MUL1); bit-exact with src/format/exl3_codebook.cpp ----
+// MUL1: the fp16 bits of 1024 + the byte sum of s * 0x83DCD12D (exact), and the affine A v + C on a pair of them.
+__device__ __forceinline__ uint32_t mul1_sum(uint32_t s) { return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x6400u); }
+__device__ __forceinline__ uint32_t mul1_affine2(half2 v) {
+  half2 r = __hfma2(v, __half2half2(__ushort_as_half((unsigned short)0x1eee)),
+                    __half2half2(__ushort_as_half((unsigned short)0xc931)));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 template <int CB>
 __device__ __forceinline__ half decode_state(uint32_t s) {
   if constexpr (CB == 2) {
-    uint32_t x = s * 0x83DCD12Du;
-    uint32_t byte_sum = __dp4a(x, 0x01010101u, 0u);
-    return __hfma(__ushort_as_half((unsigned short)(0x6400u + byte_sum)), __ushort_as_half((unsigned short)0x1eee),
+    return __hfma(__ushort_as_half((unsigned short)mul1_sum(s)), __ushort_as_half((unsigned short)0x1eee),
                   __ushort_as_half((unsigned short)0xc931));
   } else {
     uint32_t x = CB == 0 ? s * 89226354u + 64248484u : s * 0xCBAC1FEDu;
@@ -46,11 +52,8 @@ __device__ __forceinline__ half decode_state(uint32_t s) {
 template <int CB>
 __device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
   if constexpr (CB == 2) {
-    uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
-    uint32_t h = __byte_perm(a, b, 0x5410);
-    half2 r = __hfma2(*reinterpret_cast<half2*>(&h), __half2half2(__ushort_as_half((unsigned short)0x1eee)),
-                      __half2half2(__ushort_as_half((unsigned short)0xc931)));
-    return *reinterpret_cast<uint32_t*>(&r);
+    uint32_t h = __byte_perm(mul1_sum(s0), mul1_sum(s1), 0x5410);
+    return mul1_affine2(*reinterpret_cast<half2*>(&h));
   } else {
     uint32_t x0 = CB == 0 ? s0 * 89226354u + 64248484u : s0 * 0xCBAC1FEDu;
     uint32_t x1 = CB == 0 ? s1 * 89226354u + 64248484u : s1 * 0xCBAC1FEDu;
@@ -68,13 +71,10 @@ __device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
 template <int CB>
 __device__ __forceinline__ uint32_t decode_state2_fma(uint32_t s0, uint32_t s1) {
   if constexpr (CB == 2) {
-    uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    uint32_t a = mul1_sum(s0), b = mul1_sum(s1);
     const half2 zero_one =
         __halves2half2(__ushort_as_half((unsigned short)0), __ushort_as_half((unsigned short)0x3c00));
-    const half2 v = __hfma2(__low2half2(*reinterpret_cast<half2*>(&b)), zero_one, *reinterpret_cast<half2*>(&a));
-    half2 r = __hfma2(v, __half2half2(__ushort_as_half((unsigned short)0x1eee)),
-                      __half2half2(__ushort_as_half((unsigned short)0xc931)));
-    return *reinterpret_cast<uint32_t*>(&r);
+    return mul1_affine2(__hfma2(__low2half2(*reinterpret_cast<half2*>(&b)), zero_one, *reinterpret_cast<half2*>(&a)));
   } else {
     return decode_state2<CB>(s0, s1);
   }
@@ -85,8 +85,7 @@ __device__ __forceinline__ uint32_t decode_state2_fma(uint32_t s0, uint32_t s1) 
 // over these raw values times A, plus C times the sum of the inputs, is the product with the unrounded values.
 constexpr float kMul1A = 0.00676727294921875f, kMul1C = -10.3828125f;  // fp16 0x1eee, 0xc931
 __device__ __forceinline__ uint32_t mul1_raw2(uint32_t s0, uint32_t s1) {
-  const uint32_t a = __dp4a(s0 * 0x83DCD12Du, 0x01010101u, 0x6400u), b = __dp4a(s1 * 0x83DCD12Du, 0x01010101u, 0x6400u);
-  return __byte_perm(a, b, 0x5410);
+  return __byte_perm(mul1_sum(s0), mul1_sum(s1), 0x5410);
 }
 
 // Where lane `lane`'s 8 states sit in a tile's 8K words. For K <= 4 the lane's 7K+16 bits fit one 64-bit
