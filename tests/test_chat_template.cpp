@@ -132,6 +132,23 @@ TEST(Jinja, Errors) {
   EXPECT_THROW(render("{% for i in range(100000000) %}{% endfor %}"), Error);
   EXPECT_THROW(render("{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}"), Error);
   EXPECT_EQ(render("{{ 'ab' | join('-') }}{{ 'x' * 3 }}{{ range(3) | join(',') }}"), "a-bxxx0,1,2");
+  // Printing a list that holds one big list many times stops at the size limit instead of building gigabytes
+  // (400 copies of a list printing as 7 MB).
+  const std::string copies =
+      "{% set a = range(1000000) | list %}{% set b = [a, a, a, a, a, a, a, a, a, a] %}"
+      "{% set c = [b, b, b, b, b, b, b, b, b, b] %}";
+  EXPECT_THROW(render(copies + "{{ [c, c, c, c] }}"), Error);
+  EXPECT_THROW(render(copies + "{{ [c, c, c, c] | tojson }}"), Error);
+  EXPECT_THROW(render(copies + "{{ {'x': c, 'y': [c, c, c]} }}"), Error);
+  // Slicing, indexing and measuring a string near the size limit (CI's fixed-seed fuzz_jinja: slicing one allocated a
+  // string per character, over 2 GiB).
+  EXPECT_EQ(render("{% set s = 'x' * 60000000 %}{{ s[1:4] }}{{ s | length }}{{ s[-1] }}{{ s[::-7000000] }}"),
+            "xxx60000000xxxxxxxxxx");
+  EXPECT_EQ(render("{% set s = '\u00e9' * 30000000 + 'z' %}{{ s[-3:] }}{{ s | length }}{{ s[30000000] }}"),
+            "\u00e9\u00e9z30000001z");
+  EXPECT_EQ(render("{% set s = 'a\u00e9\u20ac\U0001F600b' %}{{ s[1:4] }}|{{ s | length }}|{{ s[-2] }}|{{ s[::-1] }}|"
+                   "{{ s[5] }}|{{ s[1::2] }}"),
+            "\u00e9\u20ac\U0001F600|5|\U0001F600|b\U0001F600\u20ac\u00e9a||\u00e9\U0001F600");
   try {
     render("{{ raise_exception('Only user and assistant roles') }}");
   } catch (const Error& e) {

@@ -163,11 +163,13 @@ std::string py_strip(const std::string& s, const Value& chars, bool left, bool r
 
 Value py_slice(const Value& seq, const Value& start_v, const Value& stop_v, const Value& step_v) {
   Array items;
-  std::vector<std::string> chars;
   bool is_str = seq.is_string();
-  if (is_str) chars = utf8_chars(seq.str());
-  else if (seq.is_array()) items = seq.array();
-  else fail("jinja: cannot slice '{}'", seq.type_name());
+  static const std::string kEmpty;
+  Utf8Index chars(is_str ? seq.str() : kEmpty);
+  if (!is_str) {
+    if (!seq.is_array()) fail("jinja: cannot slice '{}'", seq.type_name());
+    items = seq.array();
+  }
   int64_t n = is_str ? int64_t(chars.size()) : int64_t(items.size());
   int64_t step = step_v.is_none() ? 1 : step_v.as_int();
   if (step == 0) fail("jinja: slice step cannot be zero");
@@ -182,7 +184,7 @@ Value py_slice(const Value& seq, const Value& start_v, const Value& stop_v, cons
   std::string s;
   Array out;
   for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-    if (is_str) s += chars[i];
+    if (is_str) s += chars.at(size_t(i));
     else out.push_back(items[i]);
   }
   return is_str ? Value(s) : Value(std::move(out));

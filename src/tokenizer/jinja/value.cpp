@@ -35,6 +35,25 @@ std::vector<std::string> utf8_chars(const std::string& s) {
   return out;
 }
 
+size_t utf8_length(const std::string& s) {
+  size_t count = 0;
+  for (size_t i = 0; i < s.size(); ++count)
+    i += std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
+  return count;
+}
+
+Utf8Index::Utf8Index(const std::string& s) : s_(s) {
+  size_t count = utf8_length(s);
+  if (count == s.size()) return;
+  check_size(s.size(), UINT32_MAX, "indexing a string of bytes");
+  starts_.reserve(count + 1);
+  for (size_t i = 0; i < s.size();) {
+    starts_.push_back(uint32_t(i));
+    i += std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
+  }
+  starts_.push_back(uint32_t(s.size()));
+}
+
 Value Value::from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return none();
@@ -182,6 +201,7 @@ struct JsonWriter {
     out.append(size_t(indent * depth), ' ');
   }
   void write(const Value& v, int depth) {
+    check_size(out.size(), kMaxStringBytes, "JSON of bytes");  // (a list holding one big list many times)
     switch (v.type()) {
       case Value::Type::Undefined:
       case Value::Type::None: out += "null"; return;
@@ -262,15 +282,20 @@ std::string Value::repr() const {
       const OpenContainer open(arr_.get());
       if (open.cyclic) return "[...]";
       std::string out = "[";
-      for (size_t i = 0; i < arr_->size(); ++i) out += (i ? ", " : "") + (*arr_)[i].repr();
+      for (size_t i = 0; i < arr_->size(); ++i) {
+        out += (i ? ", " : "") + (*arr_)[i].repr();
+        check_size(out.size(), kMaxStringBytes, "a printed list of bytes");
+      }
       return out + "]";
     }
     case Type::Object: {
       const OpenContainer open(obj_.get());
       if (open.cyclic) return "{...}";
       std::string out = "{";
-      for (size_t i = 0; i < obj_->items.size(); ++i)
+      for (size_t i = 0; i < obj_->items.size(); ++i) {
         out += (i ? ", " : "") + python_repr_string(obj_->items[i].first) + ": " + obj_->items[i].second.repr();
+        check_size(out.size(), kMaxStringBytes, "a printed mapping of bytes");
+      }
       return out + "}";
     }
     case Type::Function: return "<function>";
@@ -305,10 +330,10 @@ Value Value::get(const Value& key) const {
       if (i < 0) i += n;
       return (i >= 0 && i < n) ? (*arr_)[i] : Value();
     }
-    auto chars = utf8_chars(*s_);
+    Utf8Index chars(*s_);
     int64_t n = int64_t(chars.size());
     if (i < 0) i += n;
-    return (i >= 0 && i < n) ? Value(chars[i]) : Value();
+    return (i >= 0 && i < n) ? Value(std::string(chars.at(size_t(i)))) : Value();
   }
   return Value();
 }
@@ -337,7 +362,7 @@ int64_t Value::length() const {
   switch (type_) {
     case Type::Array: return int64_t(arr_->size());
     case Type::Object: return int64_t(obj_->items.size());
-    case Type::String: return int64_t(utf8_chars(*s_).size());
+    case Type::String: return int64_t(utf8_length(*s_));
     case Type::Undefined: return 0;
     default: fail("jinja: object of type '{}' has no length", type_name());
   }

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -93,6 +94,26 @@ class Value {
 
 // Splits a UTF-8 string into code points (each as its own UTF-8 string).
 std::vector<std::string> utf8_chars(const std::string& s);
+
+// The number of code points utf8_chars would give.
+size_t utf8_length(const std::string& s);
+
+// The code points of a UTF-8 string (split as utf8_chars splits it) by index, without a string per code point: a
+// string of one-byte code points is indexed by byte, any other keeps a 4-byte offset per code point. Holds `s` by
+// reference.
+class Utf8Index {
+ public:
+  explicit Utf8Index(const std::string& s);
+  size_t size() const { return starts_.empty() ? s_.size() : starts_.size() - 1; }
+  std::string_view at(size_t i) const {
+    if (starts_.empty()) return std::string_view(s_).substr(i, 1);
+    return std::string_view(s_).substr(starts_[i], starts_[i + 1] - starts_[i]);
+  }
+
+ private:
+  const std::string& s_;
+  std::vector<uint32_t> starts_;  // code point i is bytes [starts_[i], starts_[i + 1]); empty for ASCII
+};
 
 // Limits that keep a hostile template (from a model package or a request) from exhausting memory: a string value or
 // the rendered output of at most kMaxStringBytes, a list (range, a string's characters) of at most kMaxItems.
