@@ -47,6 +47,37 @@ TEST(ChatTemplate, MatchesReferenceRenders) {
   }
 }
 
+// An agent's long transcript (4,000 messages, tool calls and results, ~2 MB of text) renders with the real templates
+// well inside the interpreter's memory limit (jinja::kMaxLiveBytes).
+TEST(ChatTemplate, LongTranscriptRenders) {
+  std::string root = MOESRV_SOURCE_DIR;
+  const std::string body(600, 'w');
+  ojson messages = ojson::array({{{"role", "system"}, {"content", "You are a coding agent."}}});
+  for (int i = 0; i < 1000; ++i) {
+    std::string n = std::to_string(i);
+    messages.push_back({{"role", "user"}, {"content", "step " + n + " " + body}});
+    ojson call = {
+        {"id", "c" + n}, {"type", "function"}, {"function", {{"name", "run"}, {"arguments", {{"cmd", "ls " + n}}}}}};
+    messages.push_back({{"role", "assistant"}, {"content", "running " + n}, {"tool_calls", ojson::array({call})}});
+    messages.push_back({{"role", "tool"}, {"tool_call_id", "c" + n}, {"content", "out " + n + " " + body}});
+    messages.push_back({{"role", "assistant"}, {"content", "done " + n + " " + body}});
+  }
+  const ojson tools = ojson::parse(R"([{"type": "function", "function": {"name": "run", "description": "Run a command",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}])");
+  for (const char* model : {"qwen3", "deepseek_v3"}) {
+    std::string cfg_path = root + "/third_party/tokenizers/tokenizer-" + model + "/tokenizer_config.json";
+    if (!std::filesystem::exists(cfg_path)) GTEST_SKIP() << "run scripts/fetch_tokenizers.sh first";
+    ChatTemplate tmpl = ChatTemplate::from_config(read_json(cfg_path));
+    ChatRequest req;
+    req.messages = messages;
+    req.tools = tools;
+    req.add_generation_prompt = true;
+    std::string out = tmpl.render(req);
+    EXPECT_GT(out.size(), size_t(1'900'000)) << model;
+    EXPECT_NE(out.find("done 999 " + body), std::string::npos) << model;
+  }
+}
+
 TEST(Jinja, WhitespaceControlAndBlocks) {
   // trim_blocks + lstrip_blocks like transformers' environment.
   EXPECT_EQ(render("{% if true %}\n  a\n{% endif %}\nb"), "  a\nb");
@@ -140,6 +171,22 @@ TEST(Jinja, Errors) {
   EXPECT_THROW(render(copies + "{{ [c, c, c, c] }}"), Error);
   EXPECT_THROW(render(copies + "{{ [c, c, c, c] | tojson }}"), Error);
   EXPECT_THROW(render(copies + "{{ {'x': c, 'y': [c, c, c]} }}"), Error);
+  // Values a render holds at once are limited (jinja::kMaxLiveBytes): a list extended by itself, many large ranges.
+  try {
+    render("{% set a = [1] %}{% for i in range(40) %}{{ a.extend(a) }}{% endfor %}");
+    ADD_FAILURE() << "a list doubled 40 times rendered";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 512 MiB"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(render("{{ [range(4000000), range(4000000), range(4000000), range(4000000)] | length }}"), Error);
+  EXPECT_THROW(
+      render("{% set s = 'x' * 60000000 %}{{ [s ~ 1, s ~ 2, s ~ 3, s ~ 4, s ~ 5, s ~ 6, s ~ 7, s ~ 8] | length }}"),
+      Error);
+  std::string nones;
+  for (int i = 0; i < 20; ++i) nones += "None";
+  EXPECT_EQ(render("{% set a = [1] %}{% for i in range(20) %}{{ a.extend(a) }}{% endfor %}{{ a | length }}"),
+            nones + "1048576");
+  EXPECT_EQ(render("{{ [range(4000000), range(1000000)] | length }}"), "2");
   // Slicing, indexing and measuring a string near the size limit (CI's fixed-seed fuzz_jinja: slicing one allocated a
   // string per character, over 2 GiB).
   EXPECT_EQ(render("{% set s = 'x' * 60000000 %}{{ s[1:4] }}{{ s | length }}{{ s[-1] }}{{ s[::-7000000] }}"),

@@ -563,6 +563,7 @@ Object builtin_globals() {
     const double n = (double(stop) - double(start)) / double(step);
     check_size(n > 0 ? size_t(std::min(n, 1e18)) : 0, kMaxItems, "a range of");
     Array out;
+    out.reserve(n > 0 ? size_t(std::ceil(n)) : 0);
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.emplace_back(i);
     return Value(std::move(out));
   })));

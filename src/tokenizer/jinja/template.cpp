@@ -31,6 +31,7 @@ std::string Template::render(const nlohmann::ordered_json& context) const {
 
 std::string Template::render(const Object& context) const {
   return guarded([&] {
+    RenderMemory memory;  // (declared first: the interpreter's values are freed while it counts)
     Interpreter in(context);
     return in.render(body_);
   });

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -25,6 +26,44 @@ void Object::set(const std::string& key, Value v) {
   items.emplace_back(key, std::move(v));
 }
 
+namespace {
+thread_local RenderMemory* g_memory = nullptr;
+
+struct CountedString {  // a string value whose bytes count as render memory
+  std::string s;
+  size_t bytes;
+  explicit CountedString(std::string&& v) : s(std::move(v)), bytes(s.capacity()) { RenderMemory::charge(bytes); }
+  ~CountedString() { RenderMemory::release(bytes); }
+  CountedString(const CountedString&) = delete;
+  CountedString& operator=(const CountedString&) = delete;
+};
+}  // namespace
+
+RenderMemory::RenderMemory() : outer_(g_memory) { g_memory = this; }
+RenderMemory::~RenderMemory() { g_memory = outer_; }
+
+void RenderMemory::charge(size_t bytes) {
+  if (!g_memory) return;
+  if (g_memory->live_ + int64_t(bytes) > kMaxLiveBytes)
+    fail("jinja: the template's values would hold more than {} MiB at once", kMaxLiveBytes >> 20);
+  g_memory->live_ += int64_t(bytes);
+}
+
+void RenderMemory::release(size_t bytes) {
+  if (g_memory) g_memory->live_ -= int64_t(bytes);
+}
+
+Value::Value(std::string s) : type_(Type::String) {
+  auto holder = std::allocate_shared<CountedString>(CountedAllocator<CountedString>(), std::move(s));
+  s_ = std::shared_ptr<std::string>(holder, &holder->s);
+}
+Value::Value(Array a)
+    : type_(Type::Array), arr_(std::allocate_shared<Array>(CountedAllocator<Array>(), std::move(a))) {}
+Value::Value(Object o)
+    : type_(Type::Object), obj_(std::allocate_shared<Object>(CountedAllocator<Object>(), std::move(o))) {}
+Value::Value(Function f)
+    : type_(Type::Function), fn_(std::allocate_shared<Function>(CountedAllocator<Function>(), std::move(f))) {}
+
 std::vector<std::string> utf8_chars(const std::string& s) {
   std::vector<std::string> out;
   for (size_t i = 0; i < s.size();) {
@@ -36,9 +75,17 @@ std::vector<std::string> utf8_chars(const std::string& s) {
 }
 
 size_t utf8_length(const std::string& s) {
-  size_t count = 0;
-  for (size_t i = 0; i < s.size(); ++count)
+  size_t count = 0, i = 0;
+  while (i < s.size()) {
+    uint64_t word;  // eight one-byte characters at a time
+    if (s.size() - i >= 8 && (std::memcpy(&word, s.data() + i, 8), (word & 0x8080808080808080ull) == 0)) {
+      i += 8;
+      count += 8;
+      continue;
+    }
     i += std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
+    ++count;
+  }
   return count;
 }
 

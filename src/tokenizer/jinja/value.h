@@ -13,13 +13,55 @@
 
 namespace moesrv::jinja {
 
+// Memory that values hold during a render (lists, mappings, strings, functions), counted on this thread while a
+// RenderMemory lives: a template that would hold more than kMaxLiveBytes at once fails (a list extended by itself
+// in a loop, many large ranges) instead of exhausting the host. Nothing is counted outside a render; memory freed
+// in a render that it did not count only makes room.
+constexpr int64_t kMaxLiveBytes = int64_t(512) << 20;
+class RenderMemory {
+ public:
+  RenderMemory();
+  ~RenderMemory();
+  RenderMemory(const RenderMemory&) = delete;
+  RenderMemory& operator=(const RenderMemory&) = delete;
+  static void charge(size_t bytes);  // fails past kMaxLiveBytes
+  static void release(size_t bytes);
+
+ private:
+  RenderMemory* outer_;
+  int64_t live_ = 0;
+};
+
+// std::allocator that charges RenderMemory for what it hands out.
+template <class T>
+struct CountedAllocator {
+  using value_type = T;
+  CountedAllocator() = default;
+  template <class U>
+  CountedAllocator(const CountedAllocator<U>&) {}
+  T* allocate(size_t n) {
+    RenderMemory::charge(n * sizeof(T));
+    try {
+      return std::allocator<T>().allocate(n);
+    } catch (...) {
+      RenderMemory::release(n * sizeof(T));
+      throw;
+    }
+  }
+  void deallocate(T* p, size_t n) {
+    RenderMemory::release(n * sizeof(T));
+    std::allocator<T>().deallocate(p, n);
+  }
+  friend bool operator==(const CountedAllocator&, const CountedAllocator&) { return true; }
+};
+
 class Value;
-using Array = std::vector<Value>;
+using Array = std::vector<Value, CountedAllocator<Value>>;
 using KwArgs = std::vector<std::pair<std::string, Value>>;
 using Function = std::function<Value(std::vector<Value>& args, KwArgs& kwargs)>;
 
 struct Object {
-  std::vector<std::pair<std::string, Value>> items;
+  std::vector<std::pair<std::string, Value>, CountedAllocator<std::pair<std::string, Value>>> items;
   const Value* find(const std::string& key) const;
   void set(const std::string& key, Value v);
 };
@@ -34,11 +76,12 @@ class Value {
   Value(int v) : type_(Type::Int), i_(v) {}
   Value(int64_t v) : type_(Type::Int), i_(v) {}
   Value(double v) : type_(Type::Float), f_(v) {}
-  Value(std::string s) : type_(Type::String), s_(std::make_shared<std::string>(std::move(s))) {}
+  // (each counted by RenderMemory)
+  Value(std::string s);
   Value(const char* s) : Value(std::string(s)) {}
-  Value(Array a) : type_(Type::Array), arr_(std::make_shared<Array>(std::move(a))) {}
-  Value(Object o) : type_(Type::Object), obj_(std::make_shared<Object>(std::move(o))) {}
-  Value(Function f) : type_(Type::Function), fn_(std::make_shared<Function>(std::move(f))) {}
+  Value(Array a);
+  Value(Object o);
+  Value(Function f);
   static Value from_json(const nlohmann::ordered_json& j);
 
   Type type() const { return type_; }
