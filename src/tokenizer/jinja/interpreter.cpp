@@ -83,7 +83,9 @@ bool contains(const Value& hay, const Value& needle) {
 
 }  // namespace
 
-Interpreter::Interpreter(const Object& globals) {
+Interpreter::Interpreter(const Object& globals)
+    : deadline_(std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                       std::chrono::duration<double>(kMaxRenderSeconds))) {
   scopes_.emplace_back();
   for (auto& [k, v] : builtin_globals().items) scopes_.back()[k] = v;
   for (const auto& [k, v] : globals.items) scopes_.back()[k] = v;
@@ -105,6 +107,11 @@ void Interpreter::note_mutation(const Value& container, const Value& value) {
   if (key && mutated_seen_.insert(key).second) mutated_.push_back(container);
 }
 
+void Interpreter::tick() {
+  if ((++ticks_ & 1023) == 0 && std::chrono::steady_clock::now() > deadline_)
+    fail("jinja: the template ran longer than {} s", kMaxRenderSeconds);
+}
+
 std::string Interpreter::render(const Body& body) {
   std::string out;
   exec(body, out);
@@ -120,6 +127,7 @@ Value Interpreter::lookup(const std::string& name) const {
 Interpreter::Flow Interpreter::exec(const Body& body, std::string& out) {
   for (const auto& sp : body) {
     const Stmt& s = *sp;
+    tick();
     switch (s.kind) {
       case Stmt::Text:
       case Stmt::Output:
@@ -176,6 +184,7 @@ Interpreter::Flow Interpreter::exec_for(const Stmt& s, std::string& out) {
     Array kept;
     scopes_.emplace_back();
     for (const auto& item : items) {
+      tick();
       bind(item);
       if (eval(*s.cond).truthy()) kept.push_back(item);
     }
@@ -188,6 +197,7 @@ Interpreter::Flow Interpreter::exec_for(const Stmt& s, std::string& out) {
   }
   int64_t n = int64_t(items.size());
   for (int64_t i = 0; i < n; ++i) {
+    tick();
     scopes_.emplace_back();
     Object loop;
     loop.set("index0", Value(i));
@@ -319,6 +329,7 @@ Value Interpreter::binary(const Expr& e) {
 }
 
 Value Interpreter::eval(const Expr& e) {
+  tick();
   switch (e.kind) {
     case Expr::Literal: return e.value;
     case Expr::Name: return lookup(e.name);

@@ -1,5 +1,7 @@
 // Tree-walking Jinja interpreter (the subset chat templates use).
 #pragma once
+#include <chrono>
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -8,6 +10,10 @@
 #include "tokenizer/jinja/ast.h"
 
 namespace moesrv::jinja {
+
+// A render that runs longer than this fails (a template looping over large values); real chat templates render a
+// 4,000-message transcript in milliseconds.
+constexpr double kMaxRenderSeconds = 5.0;
 
 class Interpreter {
  public:
@@ -38,6 +44,11 @@ class Interpreter {
   // A container that was given a container value in this render (attribute set, update, append, extend): it may
   // now hold a reference cycle, which shared ownership never frees, so the destructor empties it.
   void note_mutation(const Value& container, const Value& value);
+  // Counts one evaluation or statement; every 1,024 compares the clock with the render's deadline.
+  void tick();
+
+  std::chrono::steady_clock::time_point deadline_;
+  uint32_t ticks_ = 0;
 
   std::vector<std::unordered_map<std::string, Value>> scopes_;
   int depth_ = 0;

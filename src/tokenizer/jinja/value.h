@@ -161,7 +161,7 @@ class Utf8Index {
 // Limits that keep a hostile template (from a model package or a request) from exhausting memory: a string value or
 // the rendered output of at most kMaxStringBytes, a list (range, a string's characters) of at most kMaxItems.
 constexpr size_t kMaxStringBytes = size_t(64) << 20;
-constexpr size_t kMaxItems = size_t(4) << 20;
+constexpr size_t kMaxItems = size_t(1) << 20;
 // Fails naming `what` when `n` exceeds `limit`.
 void check_size(size_t n, size_t limit, const char* what);
 
