@@ -85,7 +85,8 @@ bool contains(const Value& hay, const Value& needle) {
 
 Interpreter::Interpreter(const Object& globals)
     : deadline_(std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                       std::chrono::duration<double>(kMaxRenderSeconds))) {
+                                                       std::chrono::duration<double>(kMaxRenderSeconds))),
+      last_check_(std::chrono::steady_clock::now()) {
   scopes_.emplace_back();
   for (auto& [k, v] : builtin_globals().items) scopes_.back()[k] = v;
   for (const auto& [k, v] : globals.items) scopes_.back()[k] = v;
@@ -108,8 +109,12 @@ void Interpreter::note_mutation(const Value& container, const Value& value) {
 }
 
 void Interpreter::tick() {
-  if ((++ticks_ & 1023) == 0 && std::chrono::steady_clock::now() > deadline_)
-    fail("jinja: the template ran longer than {} s", kMaxRenderSeconds);
+  if (++ticks_ < stride_) return;
+  ticks_ = 0;
+  const auto now = std::chrono::steady_clock::now();
+  if (now > deadline_) fail("jinja: the template ran longer than {} s", kMaxRenderSeconds);
+  stride_ = now - last_check_ > std::chrono::milliseconds(1) ? 1 : std::min<uint32_t>(stride_ * 2, 1024);
+  last_check_ = now;
 }
 
 std::string Interpreter::render(const Body& body) {

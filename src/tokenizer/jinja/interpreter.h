@@ -44,11 +44,13 @@ class Interpreter {
   // A container that was given a container value in this render (attribute set, update, append, extend): it may
   // now hold a reference cycle, which shared ownership never frees, so the destructor empties it.
   void note_mutation(const Value& container, const Value& value);
-  // Counts one evaluation or statement; every 1,024 compares the clock with the render's deadline.
+  // Counts one evaluation, statement or loop iteration; compares the clock with the render's deadline every
+  // stride_ of them: 1,024 while that much work is quick, every one after an interval that took over a millisecond
+  // (evaluations that each sort or scan a large value).
   void tick();
 
-  std::chrono::steady_clock::time_point deadline_;
-  uint32_t ticks_ = 0;
+  std::chrono::steady_clock::time_point deadline_, last_check_;
+  uint32_t ticks_ = 0, stride_ = 1;
 
   std::vector<std::unordered_map<std::string, Value>> scopes_;
   int depth_ = 0;
