@@ -155,7 +155,7 @@ class Utf8Index {
 
  private:
   const std::string& s_;
-  std::vector<uint32_t> starts_;  // code point i is bytes [starts_[i], starts_[i + 1]); empty for ASCII
+  std::vector<uint32_t> starts_;  // code point i: bytes [starts_[i], starts_[i + 1]); empty when each is one byte
 };
 
 // Limits that keep a hostile template (from a model package or a request) from exhausting memory: a string value or
