@@ -214,6 +214,9 @@ TEST(Jinja, Errors) {
   EXPECT_EQ(render("{% set s = 'a\u00e9\u20ac\U0001F600b' %}{{ s[1:4] }}|{{ s | length }}|{{ s[-2] }}|{{ s[::-1] }}|"
                    "{{ s[5] }}|{{ s[1::2] }}"),
             "\u00e9\u20ac\U0001F600|5|\U0001F600|b\U0001F600\u20ac\u00e9a||\u00e9\U0001F600");
+  EXPECT_EQ(render("{% set s = '\u00e9' + 'y' * 3000000 + '\u20ac' %}{{ s | first }}{{ s | last }}|{{ '' | first }}|"
+                   "{{ 'ab' | last }}"),
+            "\u00e9\u20ac||b");
   try {
     render("{{ raise_exception('Only user and assistant roles') }}");
   } catch (const Error& e) {

@@ -273,6 +273,11 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
     return Value(std::move(a));
   }
   if (name == "list") return Value(v.iterate());
+  if ((name == "first" || name == "last") && v.is_string()) {  // (a long message's text is not split into a list)
+    const Utf8Index chars(v.str());
+    if (chars.size() == 0) return Value();
+    return Value(std::string(chars.at(name == "first" ? 0 : chars.size() - 1)));
+  }
   if (name == "first") {
     Array a = v.iterate();
     return a.empty() ? Value() : a.front();
