@@ -12,7 +12,7 @@
 namespace moesrv::jinja {
 
 // A render that runs longer than this fails (a template looping over large values); real chat templates render a
-// 4,000-message transcript in milliseconds.
+// 4,000-message transcript in about 30 ms.
 constexpr double kMaxRenderSeconds = 5.0;
 
 class Interpreter {
@@ -45,8 +45,8 @@ class Interpreter {
   // now hold a reference cycle, which shared ownership never frees, so the destructor empties it.
   void note_mutation(const Value& container, const Value& value);
   // Counts one evaluation, statement or loop iteration; compares the clock with the render's deadline every
-  // stride_ of them: 1,024 while that much work is quick, every one after an interval that took over a millisecond
-  // (evaluations that each sort or scan a large value).
+  // stride_ of them. The stride doubles up to 1,024 while the intervals stay under a millisecond and drops to 1
+  // after a longer one (evaluations that each sort or scan a large value).
   void tick();
 
   std::chrono::steady_clock::time_point deadline_, last_check_;
