@@ -219,6 +219,8 @@ TEST(Jinja, Errors) {
   EXPECT_EQ(render("{% set s = '\u00e9' + 'y' * 3000000 + '\u20ac' %}{{ s | first }}{{ s | last }}|{{ '' | first }}|"
                    "{{ 'ab' | last }}"),
             "\u00e9\u20ac||b");
+  EXPECT_EQ(render("{{ 'a\u00e9\u20ac\U0001F600' | join('-') }}|{{ 'a\u00e9' | list }}"),
+            "a-\u00e9-\u20ac-\U0001F600|['a', '\u00e9']");
   try {
     render("{{ raise_exception('Only user and assistant roles') }}");
   } catch (const Error& e) {

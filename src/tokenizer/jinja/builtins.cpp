@@ -6,7 +6,6 @@
 #include <ctime>
 
 #include "tokenizer/jinja/interpreter.h"
-#include "tokenizer/utf8.h"
 #include "util/error.h"
 
 namespace moesrv::jinja {
@@ -304,13 +303,11 @@ Value apply_filter(Interpreter& in, const std::string& name, Value v, std::vecto
       if (chars > 1) check_size((chars - 1) * sep_s.size(), kMaxStringBytes, "a joined string of bytes");
       if (attr.is_none()) {  // the characters straight into the result (no value per character)
         check_size(v.str().size(), kMaxItems, "iterating a string of");
-        const std::string& str = v.str();
+        const Utf8Index str(v.str());
         std::string out;
-        for (size_t i = 0; i < str.size();) {  // as utf8_chars splits it
-          const size_t n = std::min(utf8::seq_len(static_cast<unsigned char>(str[i])), str.size() - i);
+        for (size_t i = 0; i < str.size(); ++i) {
           if (i) out += sep_s;
-          out.append(str, i, n);
-          i += n;
+          out += str.at(i);
         }
         check_size(out.size(), kMaxStringBytes, "a joined string of bytes");
         return Value(std::move(out));

@@ -64,15 +64,12 @@ Value::Value(Object o)
 Value::Value(Function f)
     : type_(Type::Function), fn_(std::allocate_shared<Function>(CountedAllocator<Function>(), std::move(f))) {}
 
-std::vector<std::string> utf8_chars(const std::string& s) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < s.size();) {
-    size_t n = std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
-    out.push_back(s.substr(i, n));
-    i += n;
-  }
-  return out;
+namespace {
+// Bytes of the code point at s[i]: its lead byte's sequence length, cut at the end; a stray byte is one.
+size_t char_len(const std::string& s, size_t i) {
+  return std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
 }
+}  // namespace
 
 size_t utf8_length(const std::string& s) {
   size_t count = 0, i = 0;
@@ -83,7 +80,7 @@ size_t utf8_length(const std::string& s) {
       count += 8;
       continue;
     }
-    i += std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
+    i += char_len(s, i);
     ++count;
   }
   return count;
@@ -94,10 +91,7 @@ Utf8Index::Utf8Index(const std::string& s) : s_(s) {
   if (count == s.size()) return;
   check_size(s.size(), UINT32_MAX, "indexing a string of bytes");
   starts_.reserve(count + 1);
-  for (size_t i = 0; i < s.size();) {
-    starts_.push_back(uint32_t(i));
-    i += std::min(utf8::seq_len(static_cast<unsigned char>(s[i])), s.size() - i);
-  }
+  for (size_t i = 0; i < s.size(); i += char_len(s, i)) starts_.push_back(uint32_t(i));
   starts_.push_back(uint32_t(s.size()));
 }
 
@@ -395,8 +389,10 @@ Array Value::iterate() const {
     }
     case Type::String: {
       check_size(s_->size(), kMaxItems, "iterating a string of");
+      const Utf8Index chars(*s_);
       Array out;
-      for (auto& c : utf8_chars(*s_)) out.emplace_back(std::move(c));
+      out.reserve(chars.size());
+      for (size_t i = 0; i < chars.size(); ++i) out.emplace_back(std::string(chars.at(i)));
       return out;
     }
     case Type::Undefined:

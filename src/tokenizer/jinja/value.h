@@ -135,15 +135,12 @@ class Value {
   std::shared_ptr<Function> fn_;
 };
 
-// Splits a UTF-8 string into code points (each as its own UTF-8 string).
-std::vector<std::string> utf8_chars(const std::string& s);
-
-// The number of code points utf8_chars would give.
+// The number of code points of a UTF-8 string, split as Utf8Index splits it.
 size_t utf8_length(const std::string& s);
 
-// The code points of a UTF-8 string (split as utf8_chars splits it) by index, without a string per code point: a
-// string of one-byte code points is indexed by byte, any other keeps a 4-byte offset per code point. Holds `s` by
-// reference.
+// The code points of a UTF-8 string by index (each as long as its lead byte's sequence says, cut at the end; a stray
+// byte is one), without a string per code point: a string of one-byte code points is indexed by byte, any other
+// keeps a 4-byte offset per code point. Holds `s` by reference.
 class Utf8Index {
  public:
   explicit Utf8Index(const std::string& s);
