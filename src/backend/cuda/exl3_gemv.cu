@@ -353,6 +353,8 @@ struct Gemv1Args {
   float* y;
   int64_t y_ld;
   const float* bias;
+  // grouped calls that share weights (launch_gemv1r): this kernel takes only the entries whose set is themselves
+  const Exl3RowSet* singles;
 };
 
 template <int K>
@@ -590,6 +592,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   // first D k-tiles of weights in flight before xh is staged; a plain call's weights also before the previous
   // kernel finishes (pdl.cuh: nothing in the stream writes them), a grouped call's table rows come from routing
   if (a.g.ids) pdl_enter();
+  if (a.singles && a.singles[a.g.part_rows ? blockIdx.z % a.g.part_rows : blockIdx.z].count != 1) return;
   Gemv1Ring<K> w(a, pl, lane);
   if (!a.g.ids) pdl_enter();
 
@@ -788,7 +791,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_k
   if (sets) {
     const int z = blockIdx.z, e = a.g.part_rows ? z % a.g.part_rows : z;
     n = sets[e].count;
-    if (n <= 0) return;  // another entry leads this one's weights
+    if (n <= (a.singles ? 1 : 0)) return;  // another entry leads this one's weights (or gemv1_kernel takes it)
     set_rows = sets[e].rows, base = z - e;
   }
   auto row_of = [&](int r) { return set_rows ? base + set_rows[r] : r; };
@@ -1089,7 +1092,8 @@ Gemv1Args gemv1_args(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, 
                    out.tickets,
                    out.y,
                    out.y_ld,
-                   out.bias};
+                   out.bias,
+                   nullptr};
 }
 dim3 gemv1_grid(const Exl3Dev& w, const Gemv1Split& sp, int groups) {
   const int panels = w.out_pad / 16 / gemv1_positions(w.K), ppb = kGemv1Warps / sp.warps_k;  // panels per block
@@ -1098,7 +1102,7 @@ dim3 gemv1_grid(const Exl3Dev& w, const Gemv1Split& sp, int groups) {
 
 // Launches gemv1_kernel with split sp over `groups` rows (src.x set: the fused form, see Gemv1Args).
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
-                  const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}) {
+                  const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}, const Exl3RowSet* singles = nullptr) {
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0;
   // variant 4 runs MUL1's fused calls whose staging fits the default 48 KB; the others take variant 2
@@ -1106,21 +1110,36 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
   if (v == 4 && (!src.x || w.cb != 2 || (size_t(gemv1_int8_words(cap)) + red) * sizeof(float) > 48 * 1024)) v = 2;
   const size_t smem =
       ((v == 4 ? size_t(gemv1_int8_words(cap)) : size_t(cap) * 16 + kGemv1ZeroWords) + red) * sizeof(float);
-  launch(kGemv1[v][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
-         gemv1_args(w, g, xh, yr, sp, src, out));
+  Gemv1Args args = gemv1_args(w, g, xh, yr, sp, src, out);
+  args.singles = singles;
+  launch(kGemv1[v][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s, args);
   EXL3_CHECK(cudaGetLastError());
 }
 
-// Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set.
+// MOESRV_EXL3_SET_SINGLES=0: grouped row sets of one entry go through the R-row kernel too (the form before session
+// 40). Default: they take the one-row kernel, which runs twice the resident blocks of the R-row one.
+bool exl3_set_singles() {
+  static const bool on = env_choice("MOESRV_EXL3_SET_SINGLES", 0, 1, 1) == 1;
+  return on;
+}
+
+// Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set. With
+// sets, the entries whose set is themselves (an expert one token of a few picked: most of them) go through
+// gemv1_kernel first, and gemv1r_kernel takes only the sets of two or more.
 void launch_gemv1r(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, int groups, int rows,
                    const Exl3RowSet* sets, cudaStream_t s) {
   const int R = rows <= 2 ? 2 : 4;
-  const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / 2) : groups, 0, R);
+  const bool singles = sets && exl3_set_singles();
+  if (singles) launch_gemv1(w, g, xh, Exl3Src{}, yr, groups, gemv1_split(w, groups), s, {}, sets);
+  // the blocks that have a set to run: about half the entries, or with singles apart a few shared experts
+  const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / (singles ? 8 : 2)) : groups, 0, R);
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(R) * kGemv1Warps * gemv1_positions(w.K) / 2 * 32 : 0;
   const size_t smem = (size_t(cap) * R * 16 + kGemv1ZeroWords + red) * sizeof(float);
-  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
-         gemv1_args(w, g, xh, yr, sp), rows, sets);
+  Gemv1Args args = gemv1_args(w, g, xh, yr, sp);
+  args.singles = singles ? sets : nullptr;
+  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s, args, rows,
+         sets);
   EXL3_CHECK(cudaGetLastError());
 }
 
