@@ -745,9 +745,13 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-template <int R>
-__host__ __device__ constexpr int gemv1r_blocks() {  // resident blocks per SM the register bound allows
-  return R <= 2 ? 6 : 4;
+// Resident blocks per SM the launch bound asks for. kOld: the bound before session 40 (R <= 2: 6, else 4: up to 128
+// registers). Else 8 (64 registers, as the one-row kernel) where ptxas fits the R accumulators without spilling, and 6
+// (80) for R = 4 at 8 positions per lane (K <= 3), whose 32 accumulators spill 256 bytes at 64.
+template <int K, int R, bool kOld>
+__host__ __device__ constexpr int gemv1r_blocks() {
+  if constexpr (kOld) return R <= 2 ? 6 : 4;
+  return R > 2 && gemv1_positions(K) == 8 ? 6 : 8;
 }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
 
@@ -777,9 +781,9 @@ __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], in
   }
 }
 
-template <int K, int CB, int R>
-__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<R>()) void gemv1r_kernel(Gemv1Args a, int rows,
-                                                                                      const Exl3RowSet* sets) {
+template <int K, int CB, int R, bool kOld>
+__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<K, R, kOld>()) void gemv1r_kernel(Gemv1Args a, int rows,
+                                                                                               const Exl3RowSet* sets) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -963,14 +967,18 @@ const Gemv1Fn kGemv1[6][3][8] = {
 #undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
 using Gemv1rFn = void (*)(Gemv1Args, int, const Exl3RowSet*);
-#define EXL3_K_TABLE_R(cb, r)                                                                                  \
-  {                                                                                                            \
-    &gemv1r_kernel<1, cb, r>, &gemv1r_kernel<2, cb, r>, &gemv1r_kernel<3, cb, r>, &gemv1r_kernel<4, cb, r>,    \
-        &gemv1r_kernel<5, cb, r>, &gemv1r_kernel<6, cb, r>, &gemv1r_kernel<7, cb, r>, &gemv1r_kernel<8, cb, r> \
+#define EXL3_K_TABLE_R(cb, r, old)                                                                   \
+  {                                                                                                  \
+    &gemv1r_kernel<1, cb, r, old>, &gemv1r_kernel<2, cb, r, old>, &gemv1r_kernel<3, cb, r, old>,     \
+        &gemv1r_kernel<4, cb, r, old>, &gemv1r_kernel<5, cb, r, old>, &gemv1r_kernel<6, cb, r, old>, \
+        &gemv1r_kernel<7, cb, r, old>, &gemv1r_kernel<8, cb, r, old>                                 \
   }
-// [R = 2, 4][codebook][K - 1]
-const Gemv1rFn kGemv1r[2][3][8] = {{EXL3_K_TABLE_R(0, 2), EXL3_K_TABLE_R(1, 2), EXL3_K_TABLE_R(2, 2)},
-                                   {EXL3_K_TABLE_R(0, 4), EXL3_K_TABLE_R(1, 4), EXL3_K_TABLE_R(2, 4)}};
+// [launch bound: session 40's, the old one][R = 2, 4][codebook][K - 1]
+const Gemv1rFn kGemv1r[2][2][3][8] = {
+    {{EXL3_K_TABLE_R(0, 2, false), EXL3_K_TABLE_R(1, 2, false), EXL3_K_TABLE_R(2, 2, false)},
+     {EXL3_K_TABLE_R(0, 4, false), EXL3_K_TABLE_R(1, 4, false), EXL3_K_TABLE_R(2, 4, false)}},
+    {{EXL3_K_TABLE_R(0, 2, true), EXL3_K_TABLE_R(1, 2, true), EXL3_K_TABLE_R(2, 2, true)},
+     {EXL3_K_TABLE_R(0, 4, true), EXL3_K_TABLE_R(1, 4, true), EXL3_K_TABLE_R(2, 4, true)}}};
 #undef EXL3_K_TABLE_R
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
@@ -1000,6 +1008,18 @@ Gemv1Split forced_gemv1_split() {
     return Gemv1Split{wk, tpw, 0};
   return Gemv1Split{0, 0, 0};
 }
+// MOESRV_EXL3_GEMV1R_OLD_BOUND=1: the R-row kernel with its launch bound before session 40 (gemv1r_blocks).
+bool exl3_gemv1r_old_bound() {
+  static const bool on = env_flag("MOESRV_EXL3_GEMV1R_OLD_BOUND");
+  return on;
+}
+// The R-row kernel's resident blocks per SM for K bits and `rows` rows.
+int gemv1r_resident(int K, int rows) {
+  const bool old = exl3_gemv1r_old_bound(), wide = rows > 2;
+  if (old) return wide ? gemv1r_blocks<1, 4, true>() : gemv1r_blocks<1, 2, true>();
+  if (gemv1_positions(K) == 8) return wide ? gemv1r_blocks<3, 4, false>() : gemv1r_blocks<3, 2, false>();
+  return wide ? gemv1r_blocks<4, 4, false>() : gemv1r_blocks<4, 2, false>();
+}
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
 // rows > 1: gemv1r_kernel's split (fewer resident blocks, smaller staging, a product per row per 256 weights).
 Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows = 1) {
@@ -1014,8 +1034,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
     if ((!aligned || (tk + span - 1) / span <= max_parts) && span <= max_tiles)
       return {forced.warps_k, tpw, (tk + span - 1) / span};
   }
-  const long sms = exl3_sm_count(),
-             res = rows > 1 ? (rows <= 2 ? gemv1r_blocks<2>() : gemv1r_blocks<4>()) : exl3_gemv_blocks_per_sm();
+  const long sms = exl3_sm_count(), res = rows > 1 ? gemv1r_resident(K, rows) : exl3_gemv_blocks_per_sm();
   // The model and the wave rule keep <= 16 K parts: up to 64 (forced splits) moved no decode shape by more than the
   // sweep's spread (docs/perf-cuda.md, thirtieth round).
   max_parts = std::min(max_parts, 16);
@@ -1138,8 +1157,8 @@ void launch_gemv1r(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, in
   const size_t smem = (size_t(cap) * R * 16 + kGemv1ZeroWords + red) * sizeof(float);
   Gemv1Args args = gemv1_args(w, g, xh, yr, sp);
   args.singles = singles ? sets : nullptr;
-  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s, args, rows,
-         sets);
+  launch(kGemv1r[exl3_gemv1r_old_bound()][R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32,
+         smem, s, args, rows, sets);
   EXL3_CHECK(cudaGetLastError());
 }
 
