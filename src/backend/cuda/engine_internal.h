@@ -522,10 +522,17 @@ struct CudaEngine::Impl {
   void phase(CudaPhase p) { clock.mark(p, stream); }
   // Decode (one token): f's launches go to proj_side.stream, forked from `stream` here (f may only read what the
   // stream made so far), its EXL3 calls through their own scratch; join_proj_side() makes `stream` wait for them.
-  // Without EXL3 side scratch, for S > 1 or with MOESRV_PROJ_SIDE=0, f runs on `stream`.
+  // Without EXL3 side scratch, for S > 1 or with MOESRV_PROJ_SIDE=0, f runs on `stream`. on_side_if(side, f): the
+  // same where `side` says so (proj_side_ok or proj_side_rows_ok).
   template <class F>
   void on_proj_side(int64_t S, F&& f);
+  template <class F>
+  void on_side_if(bool side, F&& f);
   bool proj_side_ok(int64_t S) const;  // whether on_proj_side(S, f) runs f on the side stream
+  // Forwards of 2..kExl3SetRows rows (MTP verifies, batched steps) with MOESRV_PROJ_SIDE_ROWS=1 (opt-in, not yet
+  // measured on a GPU): the KDA layers' small projections (b, f_a, f_b, g_a, g_b) beside q|k|v. The side scratch
+  // holds them: the R-row GEMV's 4 rows in and out, the batch kernel's up to 8.
+  bool proj_side_rows_ok(int64_t S) const;
   void join_proj_side();
   bool proj_side_pending = false;
 
@@ -729,9 +736,19 @@ void CudaEngine::Impl::on_lane(ExpertLane& lane, F&& f) {
   f();
 }
 
+inline bool CudaEngine::Impl::proj_side_rows_ok(int64_t S) const {
+  static const bool on = switch_set("MOESRV_PROJ_SIDE_ROWS") && switch_on("MOESRV_PROJ_SIDE");
+  return on && S >= 2 && S <= cuda::kExl3SetRows && proj_side.stream && !(s.x3_yr.bytes() && !s.x3_yr_side.bytes());
+}
+
 template <class F>
 void CudaEngine::Impl::on_proj_side(int64_t S, F&& f) {
-  if (!proj_side_ok(S)) return f();
+  on_side_if(proj_side_ok(S), std::forward<F>(f));
+}
+
+template <class F>
+void CudaEngine::Impl::on_side_if(bool side, F&& f) {
+  if (!side) return f();
   MOESRV_CUDA_OK(cudaEventRecord(proj_side.fork, stream));
   MOESRV_CUDA_OK(cudaStreamWaitEvent(proj_side.stream, proj_side.fork, 0));
   struct Swap {  // the side's stream and scratch in place of the main ones for f's launches, also on a throw

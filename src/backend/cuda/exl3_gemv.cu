@@ -745,9 +745,10 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-// Resident blocks per SM the launch bound asks for. kOld: the bound before session 40 (R <= 2: 6, else 4: up to 128
-// registers). Else 8 (64 registers, as the one-row kernel) where ptxas fits the R accumulators without spilling, and 6
-// (80) for R = 4 at 8 positions per lane (K <= 3), whose 32 accumulators spill 256 bytes at 64.
+// Resident blocks per SM the launch bound asks for. kOld (the default): the bound before session 40 (R <= 2: 6, else
+// 4: up to 128 registers). Else (MOESRV_EXL3_GEMV1R_BOUND=1) 8 (64 registers, as the one-row kernel) where ptxas
+// fits the R accumulators without spilling, and 6 (80) for R = 4 at 8 positions per lane (K <= 3), whose 32
+// accumulators spill 256 bytes at 64 (4 at 80).
 template <int K, int R, bool kOld>
 __host__ __device__ constexpr int gemv1r_blocks() {
   if constexpr (kOld) return R <= 2 ? 6 : 4;
@@ -1008,9 +1009,10 @@ Gemv1Split forced_gemv1_split() {
     return Gemv1Split{wk, tpw, 0};
   return Gemv1Split{0, 0, 0};
 }
-// MOESRV_EXL3_GEMV1R_OLD_BOUND=1: the R-row kernel with its launch bound before session 40 (gemv1r_blocks).
+// MOESRV_EXL3_GEMV1R_BOUND=1 (opt-in until measured on a GPU): the R-row kernel with session 40's launch bound
+// (gemv1r_blocks, kOld = false), where the default keeps the old one.
 bool exl3_gemv1r_old_bound() {
-  static const bool on = env_flag("MOESRV_EXL3_GEMV1R_OLD_BOUND");
+  static const bool on = !env_flag("MOESRV_EXL3_GEMV1R_BOUND");
   return on;
 }
 // The R-row kernel's resident blocks per SM for K bits and `rows` rows.
