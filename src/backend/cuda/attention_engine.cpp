@@ -71,15 +71,21 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
       mla_prefill_attention(args, stream);
     else attention(args, stream);
   };
+  // Forwards of 2-4 rows with MOESRV_PROJ_SIDE_ROWS=1: the latent key rows and the k-pool's key projections beside
+  // the query's projections, as one-token decode does (opt-in, not yet measured).
+  const bool rows_side = proj_side_rows_ok(S);
   if (batch) {  // S sequences' decode steps: the projections over all rows, then each row at its position
-    kv_latent();
-    if (kpool) kpool_indexer_keys(*a.indexer, S);
+    on_side_if(rows_side, [&] {
+      kv_latent();
+      if (kpool) kpool_indexer_keys(*a.indexer, S);
+    });
     if (a.q_a.out) {
       q_latent();
       linear(a.q_b, s.q_lat.as<float>(), S, q);
     } else {
       linear(a.q, h, S, q);
     }
+    join_proj_side();
     for (int64_t b = 0; b < S; ++b) {
       const BatchRow row(*this, *batch, b);
       float *kv_b = kv + b * lat, *q_b = q + b * H * qk;
@@ -97,7 +103,7 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
     linear(a.o, s.attn_out.as<float>(), S, s.y.as<float>());
     return;
   }
-  on_proj_side(S, [&] {  // decode: the latent key row (into the cache) and the k-pool's key projections beside q
+  on_side_if(proj_side_ok(S) || rows_side, [&] {  // the latent key rows (into the cache), k-pool keys beside q
     kv_latent();
     rope(kv, int(S), 1, lat, lat, r, dr, inter, cos_sin.as<float>(), d_pos0.as<int32_t>(), stream);
     cache_write(kv, lat, int(S), lat, layer_cache(l), CacheField::Kv, opt.kv_q8, d_pos0.as<int32_t>(), stream);

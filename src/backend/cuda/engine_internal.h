@@ -530,8 +530,9 @@ struct CudaEngine::Impl {
   void on_side_if(bool side, F&& f);
   bool proj_side_ok(int64_t S) const;  // whether on_proj_side(S, f) runs f on the side stream
   // Forwards of 2..kExl3SetRows rows (MTP verifies, batched steps) with MOESRV_PROJ_SIDE_ROWS=1 (opt-in, not yet
-  // measured on a GPU): the KDA layers' small projections (b, f_a, f_b, g_a, g_b) beside q|k|v. The side scratch
-  // holds them: the R-row GEMV's 4 rows in and out, the batch kernel's up to 8.
+  // measured on a GPU): the KDA layers' small projections (b, f_a, f_b, g_a, g_b) beside q|k|v, the MLA layers'
+  // latent key rows and k-pool key projections beside the query's. The side scratch holds them: the R-row GEMV's 4
+  // rows in and out, the batch kernel's up to 8.
   bool proj_side_rows_ok(int64_t S) const;
   void join_proj_side();
   bool proj_side_pending = false;
