@@ -1139,7 +1139,7 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
 
 // MOESRV_EXL3_SET_SINGLES=0: grouped row sets of one entry go through the R-row kernel too (the form before session
 // 40). Default: they take the one-row kernel (8 resident blocks per SM against the R-row kernel's 4 or 6 at its
-// default bound), with one product per weight tile instead of R.
+// default bound; the tenth round found a single entry's cost there in the occupancy, not in its products).
 bool exl3_set_singles() {
   static const bool on = env_choice("MOESRV_EXL3_SET_SINGLES", 0, 1, 1) == 1;
   return on;
