@@ -738,8 +738,8 @@ void CudaEngine::Impl::on_lane(ExpertLane& lane, F&& f) {
 }
 
 inline bool CudaEngine::Impl::proj_side_rows_ok(int64_t S) const {
-  static const bool on = switch_set("MOESRV_PROJ_SIDE_ROWS") && switch_on("MOESRV_PROJ_SIDE");
-  return on && S >= 2 && S <= cuda::kExl3SetRows && proj_side.stream && !(s.x3_yr.bytes() && !s.x3_yr_side.bytes());
+  static const bool on = switch_set("MOESRV_PROJ_SIDE_ROWS");
+  return on && S >= 2 && S <= cuda::kExl3SetRows && proj_side_ok(1);  // (the side's switch, stream and scratch)
 }
 
 template <class F>

@@ -357,6 +357,11 @@ struct Gemv1Args {
   const Exl3RowSet* singles;
 };
 
+// A grouped call's entry of this block row (a stacked call's parts share their entries' sets).
+__device__ __forceinline__ int gemv1_entry(const Gemv1Args& a) {
+  return a.g.part_rows ? int(blockIdx.z) % a.g.part_rows : int(blockIdx.z);
+}
+
 template <int K>
 __device__ __forceinline__ void gemv1_load(const uint32_t* p, uint32_t (&r)[Gemv1<K>::N]) {
   constexpr int V = Gemv1<K>::V;
@@ -592,7 +597,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   // first D k-tiles of weights in flight before xh is staged; a plain call's weights also before the previous
   // kernel finishes (pdl.cuh: nothing in the stream writes them), a grouped call's table rows come from routing
   if (a.g.ids) pdl_enter();
-  if (a.singles && a.singles[a.g.part_rows ? blockIdx.z % a.g.part_rows : blockIdx.z].count != 1) return;
+  if (a.singles && a.singles[gemv1_entry(a)].count != 1) return;
   Gemv1Ring<K> w(a, pl, lane);
   if (!a.g.ids) pdl_enter();
 
@@ -745,13 +750,12 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-// Resident blocks per SM the launch bound asks for. kOld (the default): the bound before session 40 (R <= 2: 6, else
+// Resident blocks per SM the launch bound asks for. old (the default): the bound before session 40 (R <= 2: 6, else
 // 4: up to 128 registers). Else (MOESRV_EXL3_GEMV1R_BOUND=1) 8 (64 registers, as the one-row kernel) where ptxas
 // fits the R accumulators without spilling, and 6 (80) for R = 4 at 8 positions per lane (K <= 3), whose 32
 // accumulators spill 256 bytes at 64 (4 at 80).
-template <int K, int R, bool kOld>
-__host__ __device__ constexpr int gemv1r_blocks() {
-  if constexpr (kOld) return R <= 2 ? 6 : 4;
+__host__ __device__ constexpr int gemv1r_blocks(int K, int R, bool old) {
+  if (old) return R <= 2 ? 6 : 4;
   return R > 2 && gemv1_positions(K) == 8 ? 6 : 8;
 }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
@@ -783,8 +787,8 @@ __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], in
 }
 
 template <int K, int CB, int R, bool kOld>
-__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<K, R, kOld>()) void gemv1r_kernel(Gemv1Args a, int rows,
-                                                                                               const Exl3RowSet* sets) {
+__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(K, R, kOld)) void gemv1r_kernel(Gemv1Args a, int rows,
+                                                                                             const Exl3RowSet* sets) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -794,7 +798,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks<K, R, kOld>()) void
   int n = rows, base = 0;
   const int32_t* set_rows = nullptr;
   if (sets) {
-    const int z = blockIdx.z, e = a.g.part_rows ? z % a.g.part_rows : z;
+    const int z = blockIdx.z, e = gemv1_entry(a);
     n = sets[e].count;
     if (n <= (a.singles ? 1 : 0)) return;  // another entry leads this one's weights (or gemv1_kernel takes it)
     set_rows = sets[e].rows, base = z - e;
@@ -1010,17 +1014,10 @@ Gemv1Split forced_gemv1_split() {
   return Gemv1Split{0, 0, 0};
 }
 // MOESRV_EXL3_GEMV1R_BOUND=1 (opt-in until measured on a GPU): the R-row kernel with session 40's launch bound
-// (gemv1r_blocks, kOld = false), where the default keeps the old one.
+// (gemv1r_blocks with old = false), where the default keeps the old one.
 bool exl3_gemv1r_old_bound() {
   static const bool on = !env_flag("MOESRV_EXL3_GEMV1R_BOUND");
   return on;
-}
-// The R-row kernel's resident blocks per SM for K bits and `rows` rows.
-int gemv1r_resident(int K, int rows) {
-  const bool old = exl3_gemv1r_old_bound(), wide = rows > 2;
-  if (old) return wide ? gemv1r_blocks<1, 4, true>() : gemv1r_blocks<1, 2, true>();
-  if (gemv1_positions(K) == 8) return wide ? gemv1r_blocks<3, 4, false>() : gemv1r_blocks<3, 2, false>();
-  return wide ? gemv1r_blocks<4, 4, false>() : gemv1r_blocks<4, 2, false>();
 }
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
 // rows > 1: gemv1r_kernel's split (fewer resident blocks, smaller staging, a product per row per 256 weights).
@@ -1036,7 +1033,8 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
     if ((!aligned || (tk + span - 1) / span <= max_parts) && span <= max_tiles)
       return {forced.warps_k, tpw, (tk + span - 1) / span};
   }
-  const long sms = exl3_sm_count(), res = rows > 1 ? gemv1r_resident(K, rows) : exl3_gemv_blocks_per_sm();
+  const long sms = exl3_sm_count(),
+             res = rows > 1 ? gemv1r_blocks(K, rows <= 2 ? 2 : 4, exl3_gemv1r_old_bound()) : exl3_gemv_blocks_per_sm();
   // The model and the wave rule keep <= 16 K parts: up to 64 (forced splits) moved no decode shape by more than the
   // sweep's spread (docs/perf-cuda.md, thirtieth round).
   max_parts = std::min(max_parts, 16);

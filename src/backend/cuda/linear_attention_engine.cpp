@@ -38,7 +38,8 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S, const BatchRows* batch) {
     }
     return;
   }
-  // The small projections of S rows (they read only h): beside q|k|v where proj_side_rows_ok, else in line.
+  // The small projections of S rows (they read only h; their outputs beta, g, gate and the low rank scratch are
+  // touched by nothing else before the gates): beside q|k|v where proj_side_rows_ok, else in line first.
   const bool rows_side = proj_side_rows_ok(S);
   auto small_projections = [&] {
     linear(w.b, h, S, beta);
@@ -77,21 +78,15 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S, const BatchRows* batch) {
     linear(w.o, o, S, s.y.as<float>());
     return;
   }
-  if (rows_side) on_side_if(true, small_projections);  // (joined before the gates)
-  linear(w.qkv, h, S, s.lraw.as<float>());             // [S, q | k | v] before the conv
+  on_side_if(rows_side, small_projections);  // (joined before the gates)
+  linear(w.qkv, h, S, s.lraw.as<float>());   // [S, q | k | v] before the conv
   if (st.conv_steps) conv_state_steps(s.lraw.as<float>(), C, int(S), C, K, st.conv, st.conv_steps, stream);
   causal_conv1d_silu(s.lraw.as<float>(), C, int(S), C, w.conv.as<float>(), K, st.conv, qkv, stream);
   // q and k normalised in place inside the conv output rows; the delta rule reads all three operands from there.
   l2norm_rows(qkv, int(S), H, C, d, 1e-6f, 1.0f / std::sqrt(float(d)), stream);
   l2norm_rows(qkv + Hd, int(S), H, C, d, 1e-6f, 1.0f, stream);
 
-  if (rows_side) {
-    join_proj_side();
-  } else {
-    linear(w.f_a, h, S, low);
-    linear(w.f_b, low, S, g);
-    linear(w.b, h, S, beta);
-  }
+  join_proj_side();
   kda_gates(g, w.dt_bias.as<float>(), w.a_log.as<float>(), int(S), H, d, la.lower_bound_set, float(la.lower_bound),
             beta, stream);
   DeltaRuleArgs dr;
@@ -103,10 +98,6 @@ void CudaEngine::Impl::kda(int64_t l, int64_t S, const BatchRows* batch) {
   delta_rule(dr, stream);
   phase(CudaPhase::LinearProj);
 
-  if (!rows_side) {
-    linear(w.g_a, h, S, low);
-    linear(w.g_b, low, S, gate);
-  }
   kda_output_norm(o, gate, w.o_norm.w.as<float>(), int(S) * H, d, float(c.rms_eps), stream);
   linear(w.o, o, S, s.y.as<float>());
 }
