@@ -71,8 +71,8 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
       mla_prefill_attention(args, stream);
     else attention(args, stream);
   };
-  // Forwards of 2-4 rows with MOESRV_PROJ_SIDE_ROWS=1: the latent key rows and the k-pool's key projections beside
-  // the query's projections, as one-token decode does (opt-in, not yet measured).
+  // Forwards of 2-4 rows (proj_side_rows_ok): the latent key rows and the k-pool's key projections beside the
+  // query's projections, as one-token decode does.
   const bool rows_side = proj_side_rows_ok(S);
   if (batch) {  // S sequences' decode steps: the projections over all rows, then each row at its position
     on_side_if(rows_side, [&] {

@@ -529,10 +529,10 @@ struct CudaEngine::Impl {
   template <class F>
   void on_side_if(bool side, F&& f);
   bool proj_side_ok(int64_t S) const;  // whether on_proj_side(S, f) runs f on the side stream
-  // Forwards of 2..kExl3SetRows rows (MTP verifies, batched steps) with MOESRV_PROJ_SIDE_ROWS=1 (opt-in, not yet
-  // measured on a GPU): the KDA layers' small projections (b, f_a, f_b, g_a, g_b) beside q|k|v, the MLA layers'
-  // latent key rows and k-pool key projections beside the query's. The side scratch holds them: the R-row GEMV's 4
-  // rows in and out, the batch kernel's up to 8.
+  // Forwards of 2..kExl3SetRows rows (MTP verifies, batched steps; MOESRV_PROJ_SIDE_ROWS=0: in line): the KDA
+  // layers' small projections (b, f_a, f_b, g_a, g_b) beside q|k|v, the MLA layers' latent key rows and k-pool key
+  // projections beside the query's. The side scratch holds them: the R-row GEMV's 4 rows in and out, the batch
+  // kernel's up to 8. On the H100, 2 streams ran 12% faster with it (docs/perf-cuda.md, thirty-second round).
   bool proj_side_rows_ok(int64_t S) const;
   void join_proj_side();
   bool proj_side_pending = false;
@@ -738,7 +738,7 @@ void CudaEngine::Impl::on_lane(ExpertLane& lane, F&& f) {
 }
 
 inline bool CudaEngine::Impl::proj_side_rows_ok(int64_t S) const {
-  static const bool on = switch_set("MOESRV_PROJ_SIDE_ROWS");
+  static const bool on = switch_on("MOESRV_PROJ_SIDE_ROWS");
   return on && S >= 2 && S <= cuda::kExl3SetRows && proj_side_ok(1);  // (the side's switch, stream and scratch)
 }
 

@@ -65,21 +65,6 @@ __device__ __forceinline__ uint32_t decode_state2(uint32_t s0, uint32_t s1) {
   }
 }
 
-// decode_state2 with MUL1's pairing on the FMA pipe instead of a PRMT on the ALU pipe (the one-row GEMV is bound by
-// its ALU instructions, docs/perf-cuda.md, thirtieth round): the byte sums a, b are fp16 (v0, +0) and (v1, +0), and
-// (v0, v1) = b.lo * (0, 1) + a exactly. Same bits as decode_state2; other codebooks are decode_state2.
-template <int CB>
-__device__ __forceinline__ uint32_t decode_state2_fma(uint32_t s0, uint32_t s1) {
-  if constexpr (CB == 2) {
-    uint32_t a = mul1_sum(s0), b = mul1_sum(s1);
-    const half2 zero_one =
-        __halves2half2(__ushort_as_half((unsigned short)0), __ushort_as_half((unsigned short)0x3c00));
-    return mul1_affine2(__hfma2(__low2half2(*reinterpret_cast<half2*>(&b)), zero_one, *reinterpret_cast<half2*>(&a)));
-  } else {
-    return decode_state2<CB>(s0, s1);
-  }
-}
-
 // MUL1's value before decode_state's fp16 rounding is affine in the byte sum bs: w = A (1024 + bs) + C, with A and C
 // decode_state's fp16 constants. mul1_raw2 packs fp16(1024 + bs) of two states (exact in fp16); a sum of products
 // over these raw values times A, plus C times the sum of the inputs, is the product with the unrounded values.

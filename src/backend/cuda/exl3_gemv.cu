@@ -353,8 +353,6 @@ struct Gemv1Args {
   float* y;
   int64_t y_ld;
   const float* bias;
-  // grouped calls that share weights (launch_gemv1r): this kernel takes only the entries whose set is themselves
-  const Exl3RowSet* singles;
 };
 
 // A grouped call's entry of this block row (a stacked call's parts share their entries' sets).
@@ -438,8 +436,6 @@ __device__ __forceinline__ void gemv1_tile_mma(const uint32_t (&w)[Gemv1<K>::N],
       if constexpr (V == 1) h[i / 2] = decode_state2<CB>(stream_bits16(b, r0), stream_bits16(b, r1));
       else if constexpr (V == 3 && CB == 2)
         h[i / 2] = mul1_raw2(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
-      else if constexpr (V == 5)
-        h[i / 2] = decode_state2_fma<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
       else h[i / 2] = decode_state2<CB>(stream_bits16_shared(b, r0), stream_bits16_shared(b, r1));
     }
     const int p4 = pp & 3;
@@ -597,7 +593,6 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
   // first D k-tiles of weights in flight before xh is staged; a plain call's weights also before the previous
   // kernel finishes (pdl.cuh: nothing in the stream writes them), a grouped call's table rows come from routing
   if (a.g.ids) pdl_enter();
-  if (a.singles && a.singles[gemv1_entry(a)].count != 1) return;
   Gemv1Ring<K> w(a, pl, lane);
   if (!a.g.ids) pdl_enter();
 
@@ -750,14 +745,10 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-// Resident blocks per SM the launch bound asks for. old (the default): the bound before session 40 (R <= 2: 6, else
-// 4: up to 128 registers). Else (MOESRV_EXL3_GEMV1R_BOUND=1) 8 (64 registers, as the one-row kernel) where ptxas
-// fits the R accumulators without spilling, and 6 (80) for R = 4 at 8 positions per lane (K <= 3), whose 32
-// accumulators spill 256 bytes at 64 (4 at 80).
-__host__ __device__ constexpr int gemv1r_blocks(int K, int R, bool old) {
-  if (old) return R <= 2 ? 6 : 4;
-  return R > 2 && gemv1_positions(K) == 8 ? 6 : 8;
-}
+// Resident blocks per SM the launch bound asks for: 8 at R = 2 (64 registers, as the one-row kernel; no spill), 4 at
+// R = 4 (up to 128). Measured on the H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 rather than 6 ran
+// 7-15% faster; R = 4 at 6-8 (80 / 64 registers) 20-30% slower than at 4.
+__host__ __device__ constexpr int gemv1r_blocks(int R) { return R <= 2 ? 8 : 4; }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
 
 template <int K, int CB, int R>
@@ -786,9 +777,9 @@ __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], in
   }
 }
 
-template <int K, int CB, int R, bool kOld>
-__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(K, R, kOld)) void gemv1r_kernel(Gemv1Args a, int rows,
-                                                                                             const Exl3RowSet* sets) {
+template <int K, int CB, int R>
+__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(R)) void gemv1r_kernel(Gemv1Args a, int rows,
+                                                                                    const Exl3RowSet* sets) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -800,7 +791,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(K, R, kOld)) void g
   if (sets) {
     const int z = blockIdx.z, e = gemv1_entry(a);
     n = sets[e].count;
-    if (n <= (a.singles ? 1 : 0)) return;  // another entry leads this one's weights (or gemv1_kernel takes it)
+    if (n == 0) return;  // another entry leads this one's weights
     set_rows = sets[e].rows, base = z - e;
   }
   auto row_of = [&](int r) { return set_rows ? base + set_rows[r] : r; };
@@ -959,31 +950,26 @@ using Gemv1Fn = void (*)(Gemv1Args);
     &fn<1, cb, true, v>, &fn<2, cb, true, v>, &fn<3, cb, true, v>, &fn<4, cb, true, v>, &fn<5, cb, true, v>, \
         &fn<6, cb, true, v>, &fn<7, cb, true, v>, &fn<8, cb, true, v>                                        \
   }
-// [fp32 FMAs, tensor cores V = 1, 2, 3, 4, 5][codebook][K - 1] (V = 3, 4, 5 differ from 2 for MUL1 only)
-const Gemv1Fn kGemv1[6][3][8] = {
+// [fp32 FMAs, tensor cores V = 1, 2, 3, 4][codebook][K - 1] (V = 3, 4 differ from 2 for MUL1 only)
+const Gemv1Fn kGemv1[5][3][8] = {
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, false), EXL3_K_TABLE_MMA(gemv1_kernel, 1, false),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, false)},
     {EXL3_K_TABLE_MMA(gemv1_kernel, 0, true), EXL3_K_TABLE_MMA(gemv1_kernel, 1, true),
      EXL3_K_TABLE_MMA(gemv1_kernel, 2, true)},
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 2)},
     {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 3)},
-    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)},
-    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 5)}};
+    {EXL3_K_TABLE_V(gemv1_kernel, 0, 2), EXL3_K_TABLE_V(gemv1_kernel, 1, 2), EXL3_K_TABLE_V(gemv1_kernel, 2, 4)}};
 #undef EXL3_K_TABLE_V
 #undef EXL3_K_TABLE_MMA
 using Gemv1rFn = void (*)(Gemv1Args, int, const Exl3RowSet*);
-#define EXL3_K_TABLE_R(cb, r, old)                                                                   \
-  {                                                                                                  \
-    &gemv1r_kernel<1, cb, r, old>, &gemv1r_kernel<2, cb, r, old>, &gemv1r_kernel<3, cb, r, old>,     \
-        &gemv1r_kernel<4, cb, r, old>, &gemv1r_kernel<5, cb, r, old>, &gemv1r_kernel<6, cb, r, old>, \
-        &gemv1r_kernel<7, cb, r, old>, &gemv1r_kernel<8, cb, r, old>                                 \
+#define EXL3_K_TABLE_R(cb, r)                                                                                  \
+  {                                                                                                            \
+    &gemv1r_kernel<1, cb, r>, &gemv1r_kernel<2, cb, r>, &gemv1r_kernel<3, cb, r>, &gemv1r_kernel<4, cb, r>,    \
+        &gemv1r_kernel<5, cb, r>, &gemv1r_kernel<6, cb, r>, &gemv1r_kernel<7, cb, r>, &gemv1r_kernel<8, cb, r> \
   }
-// [launch bound: session 40's, the old one][R = 2, 4][codebook][K - 1]
-const Gemv1rFn kGemv1r[2][2][3][8] = {
-    {{EXL3_K_TABLE_R(0, 2, false), EXL3_K_TABLE_R(1, 2, false), EXL3_K_TABLE_R(2, 2, false)},
-     {EXL3_K_TABLE_R(0, 4, false), EXL3_K_TABLE_R(1, 4, false), EXL3_K_TABLE_R(2, 4, false)}},
-    {{EXL3_K_TABLE_R(0, 2, true), EXL3_K_TABLE_R(1, 2, true), EXL3_K_TABLE_R(2, 2, true)},
-     {EXL3_K_TABLE_R(0, 4, true), EXL3_K_TABLE_R(1, 4, true), EXL3_K_TABLE_R(2, 4, true)}}};
+// [R = 2, 4][codebook][K - 1]
+const Gemv1rFn kGemv1r[2][3][8] = {{EXL3_K_TABLE_R(0, 2), EXL3_K_TABLE_R(1, 2), EXL3_K_TABLE_R(2, 2)},
+                                   {EXL3_K_TABLE_R(0, 4), EXL3_K_TABLE_R(1, 4), EXL3_K_TABLE_R(2, 4)}};
 #undef EXL3_K_TABLE_R
 const DequantFn kDequant[3][8] = {EXL3_K_TABLE(dequant_kernel, 0), EXL3_K_TABLE(dequant_kernel, 1),
                                   EXL3_K_TABLE(dequant_kernel, 2)};
@@ -1013,12 +999,6 @@ Gemv1Split forced_gemv1_split() {
     return Gemv1Split{wk, tpw, 0};
   return Gemv1Split{0, 0, 0};
 }
-// MOESRV_EXL3_GEMV1R_BOUND=1 (opt-in until measured on a GPU): the R-row kernel with session 40's launch bound
-// (gemv1r_blocks with old = false), where the default keeps the old one.
-bool exl3_gemv1r_old_bound() {
-  static const bool on = !env_flag("MOESRV_EXL3_GEMV1R_BOUND");
-  return on;
-}
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
 // rows > 1: gemv1r_kernel's split (fewer resident blocks, smaller staging, a product per row per 256 weights).
 Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows = 1) {
@@ -1033,8 +1013,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
     if ((!aligned || (tk + span - 1) / span <= max_parts) && span <= max_tiles)
       return {forced.warps_k, tpw, (tk + span - 1) / span};
   }
-  const long sms = exl3_sm_count(),
-             res = rows > 1 ? gemv1r_blocks(K, rows <= 2 ? 2 : 4, exl3_gemv1r_old_bound()) : exl3_gemv_blocks_per_sm();
+  const long sms = exl3_sm_count(), res = rows > 1 ? gemv1r_blocks(rows <= 2 ? 2 : 4) : exl3_gemv_blocks_per_sm();
   // The model and the wave rule keep <= 16 K parts: up to 64 (forced splits) moved no decode shape by more than the
   // sweep's spread (docs/perf-cuda.md, thirtieth round).
   max_parts = std::min(max_parts, 16);
@@ -1069,7 +1048,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
 }
 
 // Comparison switches, read once: MOESRV_EXL3_GEMV1_FMA=1: the one-row kernel sums with fp32 FMAs instead of tensor
-// cores; MOESRV_EXL3_GEMV1_VARIANT=1..5: its tensor-core loop's V (gemv1_tile_mma, 4: gemv1_tile_imma; default 2);
+// cores; MOESRV_EXL3_GEMV1_VARIANT=1..4: its tensor-core loop's V (gemv1_tile_mma, 4: gemv1_tile_imma; default 2);
 // MOESRV_EXL3_GEMV_V1=1: the first GEMV kernel; MOESRV_EXL3_GEMV_UNFUSED=1: rotate the input first.
 bool exl3_gemv1_fma() {
   static const bool on = env_flag("MOESRV_EXL3_GEMV1_FMA");
@@ -1111,8 +1090,7 @@ Gemv1Args gemv1_args(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, 
                    out.tickets,
                    out.y,
                    out.y_ld,
-                   out.bias,
-                   nullptr};
+                   out.bias};
 }
 dim3 gemv1_grid(const Exl3Dev& w, const Gemv1Split& sp, int groups) {
   const int panels = w.out_pad / 16 / gemv1_positions(w.K), ppb = kGemv1Warps / sp.warps_k;  // panels per block
@@ -1121,7 +1099,7 @@ dim3 gemv1_grid(const Exl3Dev& w, const Gemv1Split& sp, int groups) {
 
 // Launches gemv1_kernel with split sp over `groups` rows (src.x set: the fused form, see Gemv1Args).
 void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, float* yr, int groups,
-                  const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}, const Exl3RowSet* singles = nullptr) {
+                  const Gemv1Split& sp, cudaStream_t s, const Gemv1Out& out = {}) {
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(kGemv1Warps) * gemv1_positions(w.K) / 2 * 32 : 0;
   // variant 4 runs MUL1's fused calls whose staging fits the default 48 KB; the others take variant 2
@@ -1129,37 +1107,21 @@ void launch_gemv1(const Exl3Dev& w, Exl3Group g, const float* xh, Exl3Src src, f
   if (v == 4 && (!src.x || w.cb != 2 || (size_t(gemv1_int8_words(cap)) + red) * sizeof(float) > 48 * 1024)) v = 2;
   const size_t smem =
       ((v == 4 ? size_t(gemv1_int8_words(cap)) : size_t(cap) * 16 + kGemv1ZeroWords) + red) * sizeof(float);
-  Gemv1Args args = gemv1_args(w, g, xh, yr, sp, src, out);
-  args.singles = singles;
-  launch(kGemv1[v][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s, args);
+  launch(kGemv1[v][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
+         gemv1_args(w, g, xh, yr, sp, src, out));
   EXL3_CHECK(cudaGetLastError());
 }
 
-// MOESRV_EXL3_SET_SINGLES=0: grouped row sets of one entry go through the R-row kernel too (the form before session
-// 40). Default: they take the one-row kernel (8 resident blocks per SM against the R-row kernel's 4 or 6 at its
-// default bound; the tenth round found a single entry's cost there in the occupancy, not in its products).
-bool exl3_set_singles() {
-  static const bool on = env_choice("MOESRV_EXL3_SET_SINGLES", 0, 1, 1) == 1;
-  return on;
-}
-
-// Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set. With
-// sets, the entries whose set is themselves (an expert one token of a few picked: most of them) go through
-// gemv1_kernel first, and gemv1r_kernel takes only the sets of two or more.
+// Launches gemv1r_kernel over `groups` block rows: rows 0 .. rows - 1 of xh / yr, or (sets) each group's set.
 void launch_gemv1r(const Exl3Dev& w, Exl3Group g, const float* xh, float* yr, int groups, int rows,
                    const Exl3RowSet* sets, cudaStream_t s) {
   const int R = rows <= 2 ? 2 : 4;
-  const bool singles = sets && exl3_set_singles();
-  if (singles) launch_gemv1(w, g, xh, Exl3Src{}, yr, groups, gemv1_split(w, groups), s, {}, sets);
-  // the blocks that have a set to run: about half the entries, or with singles apart a few shared experts
-  const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / (singles ? 8 : 2)) : groups, 0, R);
+  const Gemv1Split sp = gemv1_split(w, sets ? std::max(1, groups / 2) : groups, 0, R);  // about half lead a set
   const int cap = sp.warps_k * sp.tiles_per_warp;
   const size_t red = sp.warps_k > 1 ? size_t(R) * kGemv1Warps * gemv1_positions(w.K) / 2 * 32 : 0;
   const size_t smem = (size_t(cap) * R * 16 + kGemv1ZeroWords + red) * sizeof(float);
-  Gemv1Args args = gemv1_args(w, g, xh, yr, sp);
-  args.singles = singles ? sets : nullptr;
-  launch(kGemv1r[exl3_gemv1r_old_bound()][R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32,
-         smem, s, args, rows, sets);
+  launch(kGemv1r[R == 2 ? 0 : 1][w.cb][w.K - 1], gemv1_grid(w, sp, groups), kGemv1Warps * 32, smem, s,
+         gemv1_args(w, g, xh, yr, sp), rows, sets);
   EXL3_CHECK(cudaGetLastError());
 }
 
@@ -1185,7 +1147,7 @@ int exl3_gemv_blocks_per_sm() {
 }
 
 int exl3_gemv1_variant() {
-  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 5, 2);
+  static const int v = env_choice("MOESRV_EXL3_GEMV1_VARIANT", 1, 4, 2);
   return v;
 }
 

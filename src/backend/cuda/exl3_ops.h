@@ -63,7 +63,6 @@ bool exl3_gemv_tc_single();
 // 4 (MUL1 calls with a fused input rotation; others run 2) takes the inputs as int8 hi + lo / 254 of a block scale
 // and sums the unrounded MUL1 values on integer tensor cores: each weight's product bytes times the input (no byte
 // sum, pairing or fp16 affine per weight); the inputs move by ~2^-15 of the block's largest, the weights as 3's.
-// 5 is 2 with MUL1's pairs made by an HFMA2 instead of a PRMT (decode_state2_fma; bit-identical to 2).
 int exl3_gemv1_variant();
 
 // Auto: Fp32 for one row per weight, TensorCore for 2..8. Fp32 at one row: the input split into fp16 hi + lo parts
