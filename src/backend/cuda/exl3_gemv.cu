@@ -745,10 +745,11 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-// Resident blocks per SM the launch bound asks for: 8 at R = 2 (64 registers, as the one-row kernel; no spill), 4 at
-// R = 4 (up to 128). Measured on the H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 rather than 6 ran
-// 7-15% faster; R = 4 at 6-8 (80 / 64 registers) 20-30% slower than at 4.
-__host__ __device__ constexpr int gemv1r_blocks(int R) { return R <= 2 ? 8 : 4; }
+// Resident blocks per SM the launch bound asks for: 8 at R = 2 (64 registers, as the one-row kernel; ptxas spills
+// none but at K = 1, where 3INST / MCG spill 20-40 bytes, 4 at 6 blocks: 6 there), 4 at R = 4 (up to 128). Measured on
+// the H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 rather than 6 ran 7-15% faster; R = 4 at 6-8 (80 / 64
+// registers) 20-30% slower than at 4.
+__host__ __device__ constexpr int gemv1r_blocks(int K, int R) { return R > 2 ? 4 : K == 1 ? 6 : 8; }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
 
 template <int K, int CB, int R>
@@ -778,8 +779,8 @@ __device__ __forceinline__ void gemv1r_tile(const uint32_t (&w)[Gemv1<K>::N], in
 }
 
 template <int K, int CB, int R>
-__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(R)) void gemv1r_kernel(Gemv1Args a, int rows,
-                                                                                    const Exl3RowSet* sets) {
+__global__ __launch_bounds__(kGemv1Warps * 32, gemv1r_blocks(K, R)) void gemv1r_kernel(Gemv1Args a, int rows,
+                                                                                       const Exl3RowSet* sets) {
   using G = Gemv1<K>;
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1000,7 +1001,7 @@ Gemv1Split forced_gemv1_split() {
   return Gemv1Split{0, 0, 0};
 }
 // max_parts > 0 (the fused kernel): each block's k-range is whole 128-blocks, at most max_parts of them per row.
-// rows > 1: gemv1r_kernel's split (fewer resident blocks, smaller staging, a product per row per 256 weights).
+// rows > 1: gemv1r_kernel's split (its resident blocks, smaller staging, a product per row per 256 weights).
 Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows = 1) {
   const bool aligned = max_parts > 0;
   const int K = w.K, P = gemv1_positions(K), tk = w.in_pad / 16, panels = w.out_pad / 16 / P;
@@ -1013,7 +1014,7 @@ Gemv1Split gemv1_split(const Exl3Dev& w, int groups, int max_parts = 0, int rows
     if ((!aligned || (tk + span - 1) / span <= max_parts) && span <= max_tiles)
       return {forced.warps_k, tpw, (tk + span - 1) / span};
   }
-  const long sms = exl3_sm_count(), res = rows > 1 ? gemv1r_blocks(rows <= 2 ? 2 : 4) : exl3_gemv_blocks_per_sm();
+  const long sms = exl3_sm_count(), res = rows > 1 ? gemv1r_blocks(K, rows <= 2 ? 2 : 4) : exl3_gemv_blocks_per_sm();
   // The model and the wave rule keep <= 16 K parts: up to 64 (forced splits) moved no decode shape by more than the
   // sweep's spread (docs/perf-cuda.md, thirtieth round).
   max_parts = std::min(max_parts, 16);
