@@ -748,7 +748,7 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // Resident blocks per SM the launch bound asks for: 8 at R = 2 (64 registers, as the one-row kernel; ptxas spills
 // none but at K = 1, where 3INST / MCG spill 20-40 bytes, 4 at 6 blocks: 6 there), 4 at R = 4 (up to 128). Measured on
 // the H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 rather than 6 ran 7-15% faster; R = 4 at 6-8 (80 / 64
-// registers) 20-30% slower than at 4.
+// registers) 19-30% slower than at 4.
 __host__ __device__ constexpr int gemv1r_blocks(int K, int R) { return R > 2 ? 4 : K == 1 ? 6 : 8; }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
 
