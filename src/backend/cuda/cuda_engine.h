@@ -151,9 +151,9 @@ struct CudaEngineOptions {
   // H100, docs/perf-cuda.md "Tenth round"); false (or MOESRV_EXL3_GEMV_ROWS=0): the batch kernel.
   bool row_gemv = true;
   // Their grouped MoE with the entries that pick the same expert merged (each expert read once for its tokens). Off:
-  // slower than one entry per pick unless the tokens share many experts (same measurement), when single entries ran
-  // the R-row kernel too; since session 40 they take the one-row kernel (not yet measured on a GPU, docs/perf-cuda.md
-  // "Thirty-first round"). MOESRV_EXL3_MERGE_ROWS=1 turns it on.
+  // slower than one entry per pick unless the tokens share many experts (same measurement; again on the H100 in
+  // docs/perf-cuda.md "Thirty-second round": slower at random picks, 2-5% faster where they share half).
+  // MOESRV_EXL3_MERGE_ROWS=1 turns it on.
   bool merge_expert_rows = false;
   // The layers this engine holds, [layer_begin, layer_end) (layer_end < 0: to the last layer): a pipeline stage
   // uploads only their weights, experts and caches; the embedding only with layer 0, the final norm and lm_head

@@ -745,10 +745,10 @@ __global__ __launch_bounds__(kGemv1Warps * 32, kGemv1Blocks) void gemv1_kernel(G
 // diagonal B words (hi, lo), staged per k-tile as [R][16] words. Rows past the call's count are zeros. Grouped calls
 // (sets): block row z serves the rows of its set, the entries that share its weights (exl3_row_sets); an empty set
 // (an entry another one leads) leaves at once.
-// Resident blocks per SM the launch bound asks for: 8 at R = 2 (64 registers, as the one-row kernel; ptxas spills
-// none but at K = 1, where 3INST / MCG spill 20-40 bytes, 4 at 6 blocks: 6 there), 4 at R = 4 (up to 128). Measured on
-// the H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 rather than 6 ran 7-15% faster; R = 4 at 6-8 (80 / 64
-// registers) 19-30% slower than at 4.
+// Resident blocks per SM the launch bound asks for. R = 2: 8 (64 registers, as the one-row kernel, no spill), except
+// K = 1, whose 3INST / MCG kernels spill 20-40 bytes at 8 and 4 at 6: 6 there. R = 4: 4 (up to 128 registers).
+// H100 (docs/perf-cuda.md, thirty-second round): R = 2 at 8 ran 7-15% faster than at 6; R = 4 at 6-8 ran 19-30%
+// slower than at 4.
 __host__ __device__ constexpr int gemv1r_blocks(int K, int R) { return R > 2 ? 4 : K == 1 ? 6 : 8; }
 constexpr int kGemv1rMaxBlockTiles = 64;  // k-tiles a block stages (R = 4: 16 KB)
 
