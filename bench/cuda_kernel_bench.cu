@@ -378,6 +378,10 @@ bool proj_side_off() {  // MOESRV_PROJ_SIDE=0, as the engine
   const char* v = std::getenv("MOESRV_PROJ_SIDE");
   return v && std::atoi(v) == 0;
 }
+bool switch_default_on(const char* name) {  // an engine default that the variable set to 0 turns off
+  const char* v = std::getenv(name);
+  return !v || std::atoi(v) != 0;
+}
 template <class F>
 void on_side(F&& f) {
   if (proj_side_off()) return f();
@@ -545,7 +549,7 @@ void mla(int i, const Ctx& c) {  // Impl::attention_mla (rope is a no-op at qk_r
     cache_write(B.kv, R, 1, R, c.lc + i % c.ncache, CacheField::Kv, false, c.pos0, g_st);
     kpool_keys(i);
   });
-  static const bool kpool_early = env_flag("MOESRV_KPOOL_SIDE");  // 1: the indexer before q_b, beside it
+  static const bool kpool_early = switch_default_on("MOESRV_KPOOL_SIDE");  // the indexer before q_b, beside it
   exl3_linear(W.q_a[i], B.h, B.q_lat, QL);
   rms_norm(B.q_lat, QL, W.q_a_norm, 1, QL, 1e-6f, B.q_lat, QL, g_st);
   if (kpool_early) kpool_indexer(i, c, true);
@@ -603,7 +607,7 @@ void shared_expert() {
   exl3_chain(W.shared_down, {}, Exl3Src{B.gu, 2 * I, nullptr, 1, true, LIMIT}, 1, B.y, D);
 }
 void moe(int i) {  // Impl::moe, all experts in VRAM
-  static const bool side = env_flag("MOESRV_SHARED_SIDE") && !proj_side_off();
+  static const bool side = switch_default_on("MOESRV_SHARED_SIDE") && !proj_side_off();
   if (side) {  // the shared expert on the side stream beside the router and the routed experts
     on_side([] { shared_expert(); });
     route_fused_call(i, false);

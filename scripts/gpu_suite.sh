@@ -7,7 +7,7 @@
 #   scripts/gpu_suite.sh            kernels + MTP + batch + engine + pipeline + EXL3 suites (~45 s on an H100)
 #   KBENCH=1 scripts/gpu_suite.sh   + the per-kernel decode bench (cuda_kernel_bench; $OUT/kernels.json);
 #                                   GEMV_SWEEP="8 16 16tc" also times the EXL3 rows at those GEMV blocks per SM (tc: tensor cores at 1 row)
-#   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 8-layer real-width slices), + the
+#   BENCH=1 scripts/gpu_suite.sh    + the glm5_next EXL3 bench (loads 4- and 12-layer real-width slices), + the
 #                                   pipeline hand-off overhead per decode token
 #   The bench's matrix comes from the environment (defaults: contexts 8192,32768, budget all, uniform routing), e.g.
 #   MOESRV_BENCH_BUDGETS=all,44,22 MOESRV_BENCH_ROUTING=skewed,uniform MOESRV_BENCH_CONTEXTS=8192,32768,131072

@@ -232,9 +232,9 @@ TEST_P(CudaVsCpu, GraphDecodeEqualsEagerDecode) {
   EXPECT_EQ(g->stats().graph_captures, 1);
 }
 
-// Greedy decoding's argmax on the device (forward_argmax): the id std::max_element picks from the row that
-// argmax_logits() then returns, on the prefill and on graph-replayed decode steps; those rows are the plain forward's
-// (another sequence of the same engine, same tokens: the same kernels, bit for bit or nearly).
+// Greedy decoding's argmax on the device (forward_argmax, the default): the id std::max_element picks from the row
+// that argmax_logits() then returns, on the prefill and on graph-replayed decode steps; those rows are the plain
+// forward's (another sequence of the same engine, same tokens: the same kernels, bit for bit or nearly).
 TEST_P(CudaVsCpu, DeviceArgmaxPicksTheRowsMaximum) {
   SKIP_WITHOUT_CUDA();
   CudaEngineOptions opt;
@@ -260,13 +260,14 @@ TEST_P(CudaVsCpu, DeviceArgmaxPicksTheRowsMaximum) {
   EXPECT_EQ(b->length(), a->length());
 }
 
-// The k-pool indexer beside the query (CudaEngineOptions::kpool_beside_query, off by default until measured): the
-// same launches in another order on two streams, so the same rows (glm5_next; other models ignore the option).
+// The k-pool indexer beside the query (CudaEngineOptions::kpool_beside_query, the default): the same launches as
+// the serial order on two streams, so the same rows (glm5_next; other models ignore the option).
 TEST_P(CudaVsCpu, KpoolBesideQueryMatchesTheDefaultOrder) {
   SKIP_WITHOUT_CUDA();
-  CudaEngineOptions beside;
+  CudaEngineOptions serial, beside;
+  serial.kpool_beside_query = false;
   beside.kpool_beside_query = true;
-  expect_rows_alike(GetParam(), {}, beside, 1e-5);
+  expect_rows_alike(GetParam(), serial, beside, 1e-5);
 }
 
 // The key-split MLA decode kernel (CudaEngineOptions::mla_split_decode) in the engine: the same logits as the default

@@ -234,17 +234,18 @@ TEST_P(CudaExl3, GroupedAndDequantGemmsAgree) {
   EXPECT_TRUE(mixed) << "no threshold split a wave between the two paths";
 }
 
-// The decode overlaps (CudaEngineOptions::kpool_beside_query, shared_expert_beside_router; off by default until
-// measured): the same rows as the default order on the prefill and on graph-replayed decode steps. The k-pool order
-// changes no arithmetic; the shared expert beside the router runs as its own GEMVs (another K split than the grouped
-// launch's), so rows may move by float rounding (~1e-6; 1e-3 leaves room for a k-pool near-tie that rounding flips,
-// while a wrong or missing shared expert moves rows by far more).
+// The decode overlaps (CudaEngineOptions::kpool_beside_query, shared_expert_beside_router; the default): the same rows
+// as the serial order on the prefill and on graph-replayed decode steps. The k-pool order changes no arithmetic; the
+// shared expert beside the router runs as its own GEMVs (another K split than the grouped launch's), so rows may move
+// by float rounding (~1e-6; 1e-3 leaves room for a k-pool near-tie that rounding flips, while a wrong or missing shared
+// expert moves rows by far more).
 TEST_P(CudaExl3, DecodeOverlapsMatchTheDefaultOrder) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = exl3_tiny(GetParam());
-  CudaEngineOptions overlaps;
+  CudaEngineOptions serial, overlaps;
+  serial.kpool_beside_query = serial.shared_expert_beside_router = false;
   overlaps.kpool_beside_query = overlaps.shared_expert_beside_router = true;
-  auto g = gpu(dir), o = gpu(dir, overlaps);
+  auto g = gpu(dir, serial), o = gpu(dir, overlaps);
   const int64_t V = g->vocab_size();
   auto all = ids(GetParam().model, "gen_ids");
   std::vector<int32_t> prompt(all.begin(), all.begin() + 24);

@@ -211,7 +211,7 @@ TEST(CudaExl3SyntheticGlm5, Throughput) {
 }
 
 // GLM-5.3-Flash (glm5_next) at real width, EXL3 K=4 (random trellis; 288 experts aliasing 8 host weight sets, each
-// uploaded or cached as its own block): slices of 4 and 8 layers (MOESRV_BENCH_SLICES=a,b: a and b, multiples of
+// uploaded or cached as its own block): slices of 4 and 12 layers (MOESRV_BENCH_SLICES=a,b: a and b, multiples of
 // 4; i % 4 == 3 MLA with the k-pool indexer, the rest KDA; all MoE; mHC 4 streams). The difference of the two slices
 // is the time of b - a layers (3 KDA : 1 MLA, the full model's 34:11 mix within 3%); the rest of the smaller slice is
 // the embedding + head. Projection to 45 layers: head + 45 x (one layer).
@@ -464,9 +464,10 @@ TEST(CudaExl3SyntheticGlm5Next, Throughput) {
   const int64_t E = c45.n_routed_experts, K = c45.experts_per_token;
   nlohmann::json results = nlohmann::json::array(), concurrency = nlohmann::json::array();
   std::vector<int64_t> streams;  // MOESRV_BENCH_STREAMS (default 1,2,4,8; 0: none), at the first context
-  // MOESRV_BENCH_SLICES=a,b: the two slices' layer counts (multiples of 4, a < b; default 4,8). Larger ones let the
-  // MoE layers outweigh the first slice's (the budgeted 131K projection scatters with 4,8: "Twenty-first round").
-  const std::vector<std::string> slice_list = env_list("MOESRV_BENCH_SLICES", "4,8");
+  // MOESRV_BENCH_SLICES=a,b: the two slices' layer counts (multiples of 4, a < b; default 4,12). The projection is
+  // ra + (45 - a) (rb - ra) / (b - a): with 4,8 it weighs the slices' times -9.25 and 10.25, so one slow 4-layer run
+  // moved the 45-layer decode by 20-40% (docs/perf-cuda.md, "Thirty-third round"); with 4,12, -4.1 and 5.1.
+  const std::vector<std::string> slice_list = env_list("MOESRV_BENCH_SLICES", "4,12");
   const int la = slice_list.size() == 2 ? std::stoi(slice_list[0]) : 0, lb = la ? std::stoi(slice_list[1]) : 0;
   if (la < 4 || lb <= la || la % 4 || lb % 4) fail("MOESRV_BENCH_SLICES: two multiples of 4, the first smaller");
   for (const std::string& v : env_list("MOESRV_BENCH_STREAMS", "1,2,4,8"))

@@ -138,14 +138,14 @@ struct CudaEngineOptions {
   // fp16 MMA inputs) where the shapes allow (bf16 cache, widths multiples of 8); false: attention().
   bool mla_tc_prefill = true;
   // forward_argmax picks the id on the device (an argmax kernel; 4 bytes back, the row fetched only on demand);
-  // false: Engine's default (the row comes back, std::max_element on the host). Off until measured on a GPU;
-  // MOESRV_DEVICE_ARGMAX=1 turns it on.
-  bool device_argmax = false;
-  // Decode overlaps, off until measured on a GPU (MOESRV_KPOOL_SIDE=1 / MOESRV_SHARED_SIDE=1 turn them on): the
-  // k-pool indexer's query right after the q_a norm and its pools and selection on the projection side stream beside
-  // q_b and the query absorption; the shared expert (when it has the routed experts' EXL3 shapes) on that side stream
-  // beside the router and the routed experts.
-  bool kpool_beside_query = false, shared_expert_beside_router = false;
+  // false: Engine's default (the 620 KB row of GLM-5.3-Flash comes back, std::max_element on the host).
+  // MOESRV_DEVICE_ARGMAX=0 / 1 overrides it (comparisons).
+  bool device_argmax = true;
+  // Decode overlaps (MOESRV_KPOOL_SIDE / MOESRV_SHARED_SIDE = 0 or 1 override them): the k-pool indexer's query right
+  // after the q_a norm and its pools and selection on the projection side stream beside q_b and the query absorption;
+  // the shared expert (when it has the routed experts' EXL3 shapes) on that side stream beside the router and the
+  // routed experts. Default since session 42 (docs/perf-cuda.md, "Thirty-third round").
+  bool kpool_beside_query = true, shared_expert_beside_router = true;
   // Forwards of 2..4 tokens (MTP verifies, batched steps) with EXL3 weights: linears through the R-row GEMV (the
   // decoded weights shared by the rows, fp32-accurate inputs; 2.2-2.4x faster than the fp16-input batch kernel on an
   // H100, docs/perf-cuda.md "Tenth round"); false (or MOESRV_EXL3_GEMV_ROWS=0): the batch kernel.

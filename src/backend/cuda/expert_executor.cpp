@@ -38,8 +38,9 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.scaling = float(c.routed_scaling_factor);
   ra.counts = d_usage.as<uint32_t>() + l * E;
   ra.tokens = d_usage_tokens.as<uint32_t>() + l;
-  static const bool shared_side_env = switch_set("MOESRV_SHARED_SIDE");
-  const bool shared_side_on = opt.shared_expert_beside_router || shared_side_env;
+  static const bool shared_side_off = !switch_on("MOESRV_SHARED_SIDE"),
+                    shared_side_set = switch_set("MOESRV_SHARED_SIDE");
+  const bool shared_side_on = opt.shared_expert_beside_router ? !shared_side_off : shared_side_set;
   const bool grouped = (m.all_vram || m.zero_copy) && S <= 8 && (!m.exl3 || m.x3_grouped);
   // Decode with shared_expert_beside_router: the shared expert on proj_side, beside the router and the routed experts
   // (it reads only h); else shared and routed experts in the same grouped launches: routing rows [shared | k picks].
