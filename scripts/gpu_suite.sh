@@ -17,10 +17,10 @@
 #                                   default variant 2 in one run (~4 min): exl3_cuda_bench's checks and the EXL3
 #                                   engine suite under it, the kernel bench's EXL3 / decode rows at K=3 and 4, the
 #                                   all-VRAM slice (8K).
-#   OVERLAP_AB=1 scripts/gpu_suite.sh  + the opt-in decode changes against the default in one run (~6 min): the
-#                                   kernel bench's decode-layer rows and the all-VRAM slice (8K, 131K) with each of
-#                                   MOESRV_KPOOL_SIDE=1, MOESRV_SHARED_SIDE=1 (kernel bench) and with both plus
-#                                   MOESRV_DEVICE_ARGMAX=1 (slice), each beside the default.
+#   OVERLAP_AB=1 scripts/gpu_suite.sh  + the decode overlaps (default since session 42) against the serial order in
+#                                   one run (~6 min): the kernel bench's decode-layer rows and the all-VRAM slice (8K,
+#                                   131K) with each of MOESRV_KPOOL_SIDE=0, MOESRV_SHARED_SIDE=0 (kernel bench) and
+#                                   with both plus MOESRV_DEVICE_ARGMAX=0 (slice), each beside the default.
 #   ROTATE_FUSED=1 scripts/gpu_suite.sh + the output rotation inside the one-row GEMV (MOESRV_EXL3_ROTATE_FUSED=1,
 #                                   opt-in: passes, no gain on an H100; ~3 min): the EXL3 suite and exl3_cuda_bench's
 #                                   checks under it, the kernel bench's EXL3 / decode rows (K=3), the slice both ways.
@@ -143,9 +143,9 @@ if [[ ${OVERLAP_AB:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
     env "$@" timeout 120 .gpu/cuda_kernel_bench --only "decode layer" >"$OUT/kb_$name.log" 2>/dev/null
     echo "kernel bench $name rc=$?:"; grep -E "^decode layer" "$OUT/kb_$name.log"
   }
-  kb default; kb kpool MOESRV_KPOOL_SIDE=1; kb shared MOESRV_SHARED_SIDE=1; kb both MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1
+  kb default; kb nokpool MOESRV_KPOOL_SIDE=0; kb noshared MOESRV_SHARED_SIDE=0; kb serial MOESRV_KPOOL_SIDE=0 MOESRV_SHARED_SIDE=0
   slice default 8192,131072 200
-  slice overlaps 8192,131072 200 MOESRV_KPOOL_SIDE=1 MOESRV_SHARED_SIDE=1 MOESRV_DEVICE_ARGMAX=1
+  slice serial 8192,131072 200 MOESRV_KPOOL_SIDE=0 MOESRV_SHARED_SIDE=0 MOESRV_DEVICE_ARGMAX=0
   slice default2 8192,131072 200
 fi
 if [[ ${INT8_GEMV:-0} == 1 ]]; then  # docs/perf-cuda.md, "Eighth round"
