@@ -374,14 +374,11 @@ void fg_pairs(int i) {  // low rows 0, 1 = f_a x, g_a x; then g = f_b low0 (row 
 // through its own scratch; join_side() before their outputs are read.
 HyperSide g_pside;
 bool g_pside_pending = false;
-bool proj_side_off() {  // MOESRV_PROJ_SIDE=0, as the engine
-  const char* v = std::getenv("MOESRV_PROJ_SIDE");
-  return v && std::atoi(v) == 0;
-}
 bool switch_default_on(const char* name) {  // an engine default that the variable set to 0 turns off
   const char* v = std::getenv(name);
   return !v || std::atoi(v) != 0;
 }
+bool proj_side_off() { return !switch_default_on("MOESRV_PROJ_SIDE"); }  // MOESRV_PROJ_SIDE=0, as the engine
 template <class F>
 void on_side(F&& f) {
   if (proj_side_off()) return f();

@@ -111,8 +111,8 @@ void CudaEngine::Impl::attention_mla(int64_t l, int64_t S, IndexerKind indexer, 
   });
   // kpool_beside_query: the indexer's query reads q_lat, so it can go before q_b and, in decode, the pools' scores
   // and selection run on proj_side beside q_b and the query absorption.
-  static const bool kpool_side_off = !switch_on("MOESRV_KPOOL_SIDE"), kpool_side_set = switch_set("MOESRV_KPOOL_SIDE");
-  const bool kpool_early = kpool && (opt.kpool_beside_query ? !kpool_side_off : kpool_side_set) && a.q_a.out;
+  static const SwitchOverride kpool_side_env("MOESRV_KPOOL_SIDE");
+  const bool kpool_early = kpool && kpool_side_env(opt.kpool_beside_query) && a.q_a.out;
   bool indexed = indexer != IndexerKind::Own;  // the selection in s.sel is the current one once this is set
   if (a.q_a.out) {
     q_latent();

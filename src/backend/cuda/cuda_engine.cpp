@@ -275,8 +275,8 @@ std::vector<float> CudaEngine::forward(SequenceState& seq, const std::vector<int
 }
 
 int32_t CudaEngine::forward_argmax(SequenceState& seq, const std::vector<int32_t>& tokens) {
-  static const bool off = !switch_on("MOESRV_DEVICE_ARGMAX"), set = switch_set("MOESRV_DEVICE_ARGMAX");
-  if (!(impl_->opt.device_argmax ? !off : set)) return Engine::forward_argmax(seq, tokens);
+  static const SwitchOverride env("MOESRV_DEVICE_ARGMAX");
+  if (!env(impl_->opt.device_argmax)) return Engine::forward_argmax(seq, tokens);
   const Impl::DeviceLock lock(*impl_->device_mu);
   int32_t best = 0;
   impl_->forward(seq, tokens, false, &best);

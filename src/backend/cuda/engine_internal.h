@@ -704,10 +704,17 @@ inline bool switch_set(const char* name) {
   const char* v = std::getenv(name);
   return v && std::atoi(v) != 0;
 }
+// An option that the switch `name` overrides either way: 0 turns it off, nonzero on, unset leaves the option. Read
+// once where it is held in a static: `static const SwitchOverride env("NAME"); ... env(opt.x)`.
+struct SwitchOverride {
+  bool off, on;
+  explicit SwitchOverride(const char* name) : off(!switch_on(name)), on(switch_set(name)) {}
+  bool operator()(bool option) const { return option ? !off : on; }
+};
 
 inline bool CudaEngine::Impl::row_gemv_on() const {
-  static const bool off = !switch_on("MOESRV_EXL3_GEMV_ROWS"), on = switch_set("MOESRV_EXL3_GEMV_ROWS");
-  return opt.row_gemv ? !off : on;
+  static const SwitchOverride env("MOESRV_EXL3_GEMV_ROWS");
+  return env(opt.row_gemv);
 }
 inline bool CudaEngine::Impl::merge_expert_rows_on() const {
   static const bool on = switch_set("MOESRV_EXL3_MERGE_ROWS");

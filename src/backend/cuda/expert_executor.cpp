@@ -38,9 +38,8 @@ void CudaEngine::Impl::moe(int64_t l, int64_t S) {
   ra.scaling = float(c.routed_scaling_factor);
   ra.counts = d_usage.as<uint32_t>() + l * E;
   ra.tokens = d_usage_tokens.as<uint32_t>() + l;
-  static const bool shared_side_off = !switch_on("MOESRV_SHARED_SIDE"),
-                    shared_side_set = switch_set("MOESRV_SHARED_SIDE");
-  const bool shared_side_on = opt.shared_expert_beside_router ? !shared_side_off : shared_side_set;
+  static const SwitchOverride shared_side_env("MOESRV_SHARED_SIDE");
+  const bool shared_side_on = shared_side_env(opt.shared_expert_beside_router);
   const bool grouped = (m.all_vram || m.zero_copy) && S <= 8 && (!m.exl3 || m.x3_grouped);
   // Decode with shared_expert_beside_router: the shared expert on proj_side, beside the router and the routed experts
   // (it reads only h); else shared and routed experts in the same grouped launches: routing rows [shared | k picks].
@@ -149,16 +148,16 @@ void CudaEngine::Impl::fill_slot(int64_t l, int e, const Admission& a, int64_t s
 
 // The slices' options, each overridden by its environment variable either way (as row_gemv_on).
 bool CudaEngine::Impl::cpu_slices_on() const {
-  static const bool off = !switch_on("MOESRV_CPU_SLICES"), on = switch_set("MOESRV_CPU_SLICES");
-  return opt.cpu_expert_slices ? !off : on;
+  static const SwitchOverride env("MOESRV_CPU_SLICES");
+  return env(opt.cpu_expert_slices);
 }
 bool CudaEngine::Impl::slice_top_up() const {
-  static const bool off = !switch_on("MOESRV_CPU_SLICE_TOPUP"), on = switch_set("MOESRV_CPU_SLICE_TOPUP");
-  return opt.cpu_slice_top_up ? !off : on;
+  static const SwitchOverride env("MOESRV_CPU_SLICE_TOPUP");
+  return env(opt.cpu_slice_top_up);
 }
 bool CudaEngine::Impl::slice_gate_up_whole() const {
-  static const bool off = !switch_on("MOESRV_CPU_SLICE_GATEUP_WHOLE"), on = switch_set("MOESRV_CPU_SLICE_GATEUP_WHOLE");
-  return opt.cpu_slice_gate_up_whole ? !off : on;
+  static const SwitchOverride env("MOESRV_CPU_SLICE_GATEUP_WHOLE");
+  return env(opt.cpu_slice_gate_up_whole);
 }
 
 // The pass's last expert to cross the link (run_home 2, the copy order) and the intermediate blocks of it the CPU
